@@ -1,0 +1,181 @@
+"""The ``orchestrate`` command: split, verify-split, run.
+
+Each command builds its settings and calls library code; expected failures
+(bad files, bad boundaries, a cluster that cannot place the stages) end with
+one ``error:`` line on stderr and exit status 1.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from orchestrator.sampling import SamplingSettings
+from stages.engine import DEFAULT_CONTEXT
+
+EXPECTED_ERRORS: tuple[type[BaseException], ...] = ()
+
+
+def _expected_errors() -> tuple[type[BaseException], ...]:
+    from orchestrator.cluster import ClusterError
+    from orchestrator.pipeline import PipelineError
+    from orchestrator.placement import PlacementError
+    from stages.engine import StageError
+    from stages.gguf_file import ModelFileError
+    from stages.layer_rules import SplitRuleError
+
+    return (ModelFileError, SplitRuleError, StageError, PipelineError, PlacementError, ClusterError, ValueError)
+
+
+def one_line_errors(command):
+    """Turn the errors a user can cause into one line and exit status 1."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except _expected_errors() as error:
+            click.echo(f"error: {error}", err=True)
+            sys.exit(1)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+
+    return wrapper
+
+
+def _progress_bar(label: str):
+    """A progress callback (done, total) drawing a click progress bar on stderr."""
+    state: dict = {}
+
+    def update(done: int, total: int) -> None:
+        if "bar" not in state:
+            state["bar"] = click.progressbar(length=total, label=label, file=sys.stderr, show_pos=False)
+            state["bar"].__enter__()
+            state["done"] = 0
+        state["bar"].update(done - state["done"])
+        state["done"] = done
+        if done >= total:
+            state["bar"].__exit__(None, None, None)
+
+    return update
+
+
+def _parse_boundaries(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of block indices") from None
+
+
+@click.group()
+def main() -> None:
+    """Run GGUF models split into layer stages across Ray nodes, exactly."""
+
+
+@main.command()
+@click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("outputs", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--boundaries", help="Blocks where stages 2..n start, e.g. '15' or '10,20' (default: balanced by bytes).")
+@one_line_errors
+def split(model: Path, outputs: tuple[Path, ...], boundaries: str | None) -> None:
+    """Cut MODEL (one file or the first shard) into one stage file per OUTPUT."""
+    from stages.split import split_model
+
+    plan = split_model(model, list(outputs), _parse_boundaries(boundaries), progress=_progress_bar("splitting"))
+    for output, (first, end) in zip(outputs, plan.ranges):
+        click.echo(f"{output}: blocks [{first}, {end})")
+
+
+@main.command("verify-split")
+@click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("stage_files", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--threads", default=1, show_default=True, help="Threads per stage.")
+@one_line_errors
+def verify_split(model: Path, stage_files: tuple[Path, ...], threads: int) -> None:
+    """Run a probe prompt through MODEL and through STAGE_FILES; exit 1 unless the logits are identical."""
+    from orchestrator.verify_split import compare_split
+
+    report = compare_split(str(model), [str(path) for path in stage_files], threads=threads)
+    click.echo(
+        f"probe of {report.prompt_tokens} tokens + {report.greedy_tokens} greedy steps: "
+        f"largest logit difference {report.max_difference:g}; "
+        f"greedy tokens {'identical' if report.tokens_identical else 'DIFFER'}"
+    )
+    if not report.identical:
+        click.echo("error: the stages do not reproduce the whole model", err=True)
+        sys.exit(1)
+
+
+@main.command()
+@click.argument("files", nargs=-1, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--model-split", "model_split", is_flag=True,
+              help="FILES are the stage files in order (one unsplit file runs the whole model as one stage).")
+@click.option("--prompt", help="Prompt text.")
+@click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Read the prompt from a file.")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
+@click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(1))
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0.0), help="0 is greedy.")
+@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True))
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--address", help="Ray cluster to use ('auto' honours RAY_ADDRESS); default: start a local Ray.")
+@click.option("--place", help="Stage placement, e.g. '0=10.0.0.1,1=10.0.0.2' (node address or id).")
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(1), help="Threads per stage.")
+@click.option("--n-ctx", default=DEFAULT_CONTEXT, show_default=True, type=click.IntRange(16), help="Context per stage.")
+@click.option("--n-gpu-layers", default=0, show_default=True, type=click.IntRange(0))
+@click.option("--wire-dtype", type=click.Choice(["f32", "f16"]), default="f32", show_default=True,
+              help="Activations between stages; f16 halves traffic but is LOSSY (output may differ from the whole model).")
+@click.option("--dashboard", is_flag=True, help="Start the Ray dashboard with the local Ray instance.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
+@one_line_errors
+def run(files, model_split, prompt, prompt_file, chat, max_tokens, temperature, top_p, seed, address, place,
+        threads, n_ctx, n_gpu_layers, wire_dtype, dashboard, as_json) -> None:
+    """Generate text through a pipeline of stages (default: SmolLM2-135M split in two)."""
+    from orchestrator.defaults import DEFAULT_PROMPT, default_stage_paths
+    from orchestrator.placement import parse_place
+    from orchestrator.session import RunSettings, run_generation
+    from stages.engine import StageSettings
+
+    if model_split and not files:
+        raise click.UsageError("--model-split needs the stage files, e.g. --model-split a.gguf b.gguf")
+    if prompt is not None and prompt_file is not None:
+        raise click.UsageError("give --prompt or --prompt-file, not both")
+    if prompt_file is not None:
+        prompt = prompt_file.read_text()
+    if prompt is None:
+        prompt, chat = DEFAULT_PROMPT, True
+    stage_paths = [str(path) for path in files] or default_stage_paths(progress=_progress_bar("splitting default model"))
+    settings = RunSettings(
+        stage_paths=stage_paths,
+        prompt=prompt,
+        chat=chat,
+        max_tokens=max_tokens,
+        sampling=SamplingSettings(temperature=temperature, top_p=top_p, seed=seed),
+        stage=StageSettings(n_ctx=n_ctx, threads=threads, n_gpu_layers=n_gpu_layers),
+        address=address,
+        place=parse_place(place) if place else None,
+        wire_dtype=wire_dtype,
+        dashboard=dashboard,
+    )
+    if as_json:
+        outcome = run_generation(settings)
+        click.echo(json.dumps(outcome.as_json()))
+        return
+
+    def show(text: str) -> None:
+        click.echo(text, nl=False)
+        sys.stdout.flush()
+
+    outcome = run_generation(settings, on_text=show, on_status=lambda line: click.echo(line, err=True))
+    click.echo()
+    click.echo(outcome.summary_line(), err=True)
+
+
+if __name__ == "__main__":
+    main()

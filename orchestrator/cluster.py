@@ -1,0 +1,61 @@
+"""Connecting to Ray: an existing cluster, or a local instance started for one run."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+from orchestrator.placement import NodeInfo
+
+# Ray otherwise tries to report usage over the network, which these machines lack.
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+class ClusterError(RuntimeError):
+    """Ray could not be reached or started; the message is one line."""
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None, *, dashboard: bool = False, num_cpus: int | None = None) -> Iterator[str | None]:
+    """Connect to ``address`` ("auto" honours RAY_ADDRESS), or start a local Ray.
+
+    A local instance is shut down on exit; a cluster one connected to is left
+    running. Yields the dashboard URL when there is one. An already initialised
+    Ray (tests share one per session) is used as it is.
+    """
+    import ray
+
+    if ray.is_initialized():
+        yield None
+        return
+    try:
+        if address is None:
+            context = ray.init(
+                address="local",
+                include_dashboard=dashboard,
+                num_cpus=num_cpus or os.cpu_count(),
+                object_store_memory=300 * 1024**2,
+                log_to_driver=False,
+                configure_logging=False,
+            )
+        else:
+            context = ray.init(address=address, log_to_driver=False, configure_logging=False)
+    except (ConnectionError, RuntimeError, ValueError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ClusterError(f"could not {'start' if address is None else 'connect to'} Ray: {first_line}") from None
+    try:
+        url = context.dashboard_url
+        yield f"http://{url}" if url else None
+    finally:
+        ray.shutdown()
+
+
+def alive_nodes() -> list[NodeInfo]:
+    import ray
+
+    return [
+        NodeInfo(node["NodeID"], node["NodeManagerAddress"], float(node["Resources"].get("CPU", 0)))
+        for node in ray.nodes()
+        if node["Alive"]
+    ]

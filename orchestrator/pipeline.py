@@ -1,0 +1,239 @@
+"""The stages of a model in Ray actors, joined by a chain of sockets.
+
+Ray places the actors and carries the control calls (describe, connect, stats);
+the per-token path does not go through Ray: a plain actor call costs ~1-2 ms
+on these machines, as much as a whole stage of a small model. Instead each
+stage connects a TCP socket to the next, and the coordinator sends a batch to
+stage 0 and reads the logits back from the last stage (orchestrator.wire).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from orchestrator import wire
+from orchestrator.cluster import alive_nodes
+from orchestrator.messages import PassResult, Shutdown, StageBatch, StageFailure
+from orchestrator.placement import PlacementPlan, plan_placement
+from orchestrator.stage_server import StageDescription, StageServer
+from stages.engine import StageError, StageSettings
+from stages.gguf_file import StageFileInfo, read_model, stage_info, validate_stage_set
+
+ACTOR_START_SECONDS = 300.0
+
+
+class PipelineError(RuntimeError):
+    """A pipeline could not start or run; the message is one line."""
+
+
+@dataclass(frozen=True)
+class StageReport:
+    """What a stage did over a run: its blocks [first_block, end_block), its node, its busy time."""
+
+    stage_index: int
+    first_block: int
+    end_block: int
+    node_id: str
+    host: str
+    busy_seconds: float
+    passes: int
+
+
+def check_stage_files(paths: list[str]) -> list[StageFileInfo | None]:
+    """Validate a set of stage files before anything is loaded (ModelFileError if not)."""
+    from pathlib import Path
+
+    infos = [stage_info(read_model(path)) for path in paths]
+    validate_stage_set(infos, [Path(path) for path in paths])
+    return infos
+
+
+def _one_line(error: BaseException) -> str:
+    """The message of the StageError behind a Ray error, else its last line."""
+    text = str(error)
+    for line in reversed(text.splitlines()):
+        if "StageError:" in line:
+            return line.split("StageError:", 1)[1].strip()
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1].strip() if lines else type(error).__name__
+
+
+def _stage_actor_class():
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class StageActor:
+        """Thin Ray shell over a StageServer (see orchestrator.stage_server)."""
+
+        def __init__(self, path: str, settings: StageSettings, wire_dtype: str):
+            context = ray.get_runtime_context()
+            self.server = StageServer(path, settings, ray.util.get_node_ip_address(), context.get_node_id(), wire_dtype)
+
+        def describe(self) -> StageDescription:
+            return self.server.description
+
+        def connect_downstream(self, host: str, port: int) -> None:
+            self.server.connect_downstream(host, port)
+
+        def stats(self) -> tuple[float, int]:
+            return self.server.busy_seconds, self.server.passes
+
+        def __repr__(self) -> str:  # the name shown on the Ray dashboard and in logs
+            if not hasattr(self, "server"):
+                return "stage (loading)"
+            stage = self.server.description
+            return f"stage-{stage.stage_index} [blocks {stage.first_block}-{stage.end_block})"
+
+    return StageActor
+
+
+class Pipeline:
+    """A running pipeline: ``forward`` sends one batch through every stage."""
+
+    def __init__(
+        self,
+        stage_paths: list[str],
+        settings: StageSettings = StageSettings(),
+        *,
+        wire_dtype: str = "f32",
+        place: dict[int, str] | None = None,
+    ):
+        import ray
+
+        check_stage_files(stage_paths)
+        self.stage_paths = list(stage_paths)
+        local_node = ray.get_runtime_context().get_node_id()
+        plan = plan_placement(alive_nodes(), len(stage_paths), local_node, place)
+        self._placement_group = None
+        actor_class = _stage_actor_class()
+        self.actors = []
+        for index, path in enumerate(stage_paths):
+            options = self._actor_options(plan, index, len(stage_paths))
+            self.actors.append(actor_class.options(**options).remote(path, settings, wire_dtype))
+        try:
+            self.stages: list[StageDescription] = ray.get(
+                [actor.describe.remote() for actor in self.actors], timeout=ACTOR_START_SECONDS
+            )
+        except ray.exceptions.GetTimeoutError:
+            self.close()
+            raise PipelineError(f"stages did not start within {ACTOR_START_SECONDS:.0f} s") from None
+        except ray.exceptions.RayError as error:
+            self.close()
+            raise PipelineError(f"a stage failed to start: {_one_line(error)}") from None
+        self.n_vocab = self.stages[-1].n_vocab
+        self.n_ctx = min(stage.n_ctx for stage in self.stages)
+
+        # Wire the chain: each stage connects to the next; the last to us.
+        host = ray.util.get_node_ip_address()
+        self._listener = wire.listen(host)
+        downstream = [(stage.host, stage.port) for stage in self.stages[1:]]
+        downstream.append((host, self._listener.getsockname()[1]))
+        ray.get([actor.connect_downstream.remote(*address) for actor, address in zip(self.actors, downstream)])
+        self._to_first = wire.connect(self.stages[0].host, self.stages[0].port)
+        self._listener.settimeout(30.0)
+        from_last, _ = self._listener.accept()
+        from_last.settimeout(None)
+        self._from_last: socket.socket = wire.tune(from_last)
+        self._pass_id = 0
+        self._closed = False
+        # Wall time of passes minus the stages' own compute: the transport cost
+        # of all len(stages) + 1 hops (coordinator -> stages -> coordinator).
+        self.transport_seconds = 0.0
+        self.passes = 0
+
+    def _actor_options(self, plan: PlacementPlan, index: int, count: int) -> dict:
+        import ray
+        from ray.util.scheduling_strategies import (
+            NodeAffinitySchedulingStrategy,
+            PlacementGroupSchedulingStrategy,
+        )
+
+        options: dict = {"max_restarts": 0}
+        if plan.strategy == "spread":
+            if self._placement_group is None:
+                self._placement_group = ray.util.placement_group([{"CPU": 1}] * count, strategy="STRICT_SPREAD")
+                try:
+                    ray.get(self._placement_group.ready(), timeout=60)
+                except ray.exceptions.GetTimeoutError:
+                    raise PipelineError(
+                        f"could not place {count} stages on {count} different nodes (each needs 1 free CPU)"
+                    ) from None
+            options["num_cpus"] = 1
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                self._placement_group, placement_group_bundle_index=index
+            )
+        else:
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(plan.node_ids[index], soft=False)
+        return options
+
+    # -- the hot path -------------------------------------------------------
+    def forward(
+        self, positions: np.ndarray, tokens: np.ndarray, keep: int, logit_rows: np.ndarray | None = None
+    ) -> PassResult:
+        """Run tokens int32[n] at positions int32[n] through every stage.
+
+        keep: each stage first drops cached positions >= keep.
+        Returns the logits float32[len(logit_rows), n_vocab] (default: last row).
+        """
+        if logit_rows is None:
+            logit_rows = np.array([len(tokens) - 1], dtype=np.int32)
+        self._pass_id += 1
+        started = time.perf_counter()
+        batch = StageBatch(self._pass_id, keep, positions, logit_rows, tokens=tokens)
+        wire.send_message(self._to_first, batch)
+        reply = wire.receive_message(self._from_last)
+        if isinstance(reply, StageFailure):
+            raise PipelineError(f"stage {reply.stage_index} failed: {reply.message}")
+        if not isinstance(reply, PassResult) or reply.pass_id != self._pass_id:
+            raise PipelineError(f"unexpected reply {type(reply).__name__} to pass {self._pass_id}")
+        self.transport_seconds += time.perf_counter() - started - sum(reply.stage_seconds)
+        self.passes += 1
+        return reply
+
+    @property
+    def hop_seconds(self) -> float:
+        """Mean transport time of one hop, over all passes so far."""
+        hops = self.passes * (len(self.stages) + 1)
+        return self.transport_seconds / hops if hops else 0.0
+
+    # -- reporting and shutdown ------------------------------------------
+    def reports(self) -> list[StageReport]:
+        import ray
+
+        stats = ray.get([actor.stats.remote() for actor in self.actors])
+        return [
+            StageReport(stage.stage_index, stage.first_block, stage.end_block, stage.node_id, stage.host, busy, passes)
+            for stage, (busy, passes) in zip(self.stages, stats)
+        ]
+
+    def close(self) -> None:
+        import ray
+
+        if not getattr(self, "_closed", True):
+            self._closed = True
+            try:
+                wire.send_message(self._to_first, Shutdown())
+                self._from_last.settimeout(10.0)
+                wire.receive_message(self._from_last)
+            except (OSError, wire.ConnectionClosed):
+                pass
+            self._to_first.close()
+            self._from_last.close()
+            self._listener.close()
+        for actor in getattr(self, "actors", []):
+            ray.kill(actor)
+        self.actors = []
+        if getattr(self, "_placement_group", None) is not None:
+            ray.util.remove_placement_group(self._placement_group)
+            self._placement_group = None
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+

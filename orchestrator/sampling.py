@@ -1,0 +1,60 @@
+"""Choosing the next token from logits: pure numpy.
+
+Greedy (temperature 0) takes the argmax, as llama.cpp's greedy sampler does.
+Sampling applies temperature, then nucleus (top-p) filtering, then draws with a
+uniform number from a generator seeded by (seed, position): the draw for a
+given absolute position never depends on how many passes came before it, so a
+speculative decoder that verifies several positions per pass picks exactly the
+tokens plain decoding picks for the same seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """temperature 0 means greedy; top_p 1.0 keeps the whole distribution."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def position_uniform(seed: int, position: int) -> float:
+    """The uniform draw in [0, 1) used for the token at an absolute position."""
+    return float(np.random.default_rng([seed, position]).random())
+
+
+def token_probabilities(logits: np.ndarray, settings: SamplingSettings) -> np.ndarray:
+    """float64[n_vocab] probabilities after temperature and top-p (zeros outside the nucleus)."""
+    scaled = logits.astype(np.float64) / settings.temperature
+    scaled -= scaled.max()
+    probabilities = np.exp(scaled)
+    probabilities /= probabilities.sum()
+    if settings.top_p < 1.0:
+        order = np.argsort(-probabilities, kind="stable")
+        cumulative = np.cumsum(probabilities[order])
+        keep = int(np.searchsorted(cumulative, settings.top_p)) + 1  # smallest set reaching top_p
+        mask = np.zeros_like(probabilities, dtype=bool)
+        mask[order[:keep]] = True
+        probabilities = np.where(mask, probabilities, 0.0)
+        probabilities /= probabilities.sum()
+    return probabilities
+
+
+def choose_token(logits: np.ndarray, position: int, settings: SamplingSettings) -> int:
+    """The token at absolute ``position`` given its logits float32[n_vocab]."""
+    if settings.greedy:
+        return int(np.argmax(logits))
+    probabilities = token_probabilities(logits, settings)
+    cumulative = np.cumsum(probabilities)
+    draw = position_uniform(settings.seed, position) * cumulative[-1]
+    return int(min(np.searchsorted(cumulative, draw, side="right"), len(cumulative) - 1))

@@ -1,0 +1,121 @@
+"""A stage's serving loop: receive a batch, decode it, pass the result on.
+
+Plain class, no Ray: the Ray actor in ``orchestrator.actors`` only builds one
+and runs ``serve`` in a thread. The upstream peer (the coordinator for stage 0,
+the previous stage otherwise) connects to this stage's listening socket; this
+stage connects to its downstream peer (the next stage, or the coordinator after
+the last stage).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from orchestrator import wire
+from orchestrator.messages import PassResult, Shutdown, StageBatch, StageFailure
+from stages.engine import StageEngine, StageError, StageSettings
+
+WIRE_DTYPES = {"f32": np.float32, "f16": np.float16}
+
+
+@dataclass(frozen=True)
+class StageDescription:
+    """Where a stage runs and what it holds.
+
+    first_block, end_block: the stage's blocks [first_block, end_block) of the whole model.
+    host, port: its listening socket for the upstream peer.
+    """
+
+    stage_index: int
+    stage_count: int
+    first_block: int
+    end_block: int
+    node_id: str
+    host: str
+    port: int
+    n_embd: int
+    n_vocab: int
+    n_ctx: int
+
+
+class StageServer:
+    """One loaded stage behind a socket."""
+
+    def __init__(self, path: str, settings: StageSettings, host: str, node_id: str, wire_dtype: str = "f32"):
+        self.engine = StageEngine(path, settings)
+        self.wire_dtype = WIRE_DTYPES[wire_dtype]
+        self.listener = wire.listen(host)
+        self.busy_seconds = 0.0
+        self.passes = 0
+        self._downstream: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self.description = StageDescription(
+            stage_index=self.engine.stage_index,
+            stage_count=self.engine.stage_count,
+            first_block=self.engine.first_block,
+            end_block=self.engine.end_block,
+            node_id=node_id,
+            host=host,
+            port=self.listener.getsockname()[1],
+            n_embd=self.engine.n_embd,
+            n_vocab=self.engine.n_vocab,
+            n_ctx=self.engine.n_ctx,
+        )
+
+    def connect_downstream(self, host: str, port: int) -> None:
+        """Connect to the next peer, then serve the upstream peer in a thread."""
+        self._downstream = wire.connect(host, port)
+        self._thread = threading.Thread(target=self.serve, name=f"stage-{self.engine.stage_index}", daemon=True)
+        self._thread.start()
+
+    def serve(self) -> None:
+        upstream, _ = self.listener.accept()
+        wire.tune(upstream)
+        downstream = self._downstream
+        assert downstream is not None
+        try:
+            while True:
+                try:
+                    message = wire.receive_message(upstream)
+                except wire.ConnectionClosed:
+                    return
+                if isinstance(message, StageBatch):
+                    message = self.run_pass(message)
+                wire.send_message(downstream, message)
+                if isinstance(message, Shutdown):
+                    return
+        finally:
+            upstream.close()
+            downstream.close()
+            self.listener.close()
+            self.engine.close()
+
+    def run_pass(self, batch: StageBatch) -> StageBatch | PassResult | StageFailure:
+        """Decode one batch; return what goes downstream."""
+        engine = self.engine
+        started = time.perf_counter()
+        try:
+            engine.remove(batch.keep)
+            hidden = None if batch.hidden is None else batch.hidden.astype(np.float32, copy=False)
+            output = engine.decode(batch.positions, tokens=batch.tokens, hidden=hidden, logit_rows=batch.logit_rows)
+        except StageError as error:
+            return StageFailure(batch.pass_id, engine.stage_index, str(error))
+        seconds = time.perf_counter() - started
+        self.busy_seconds += seconds
+        self.passes += 1
+        stage_seconds = batch.stage_seconds + (seconds,)
+        if engine.is_last:
+            return PassResult(batch.pass_id, output, stage_seconds)
+        return StageBatch(
+            pass_id=batch.pass_id,
+            keep=batch.keep,
+            positions=batch.positions,
+            logit_rows=batch.logit_rows,
+            hidden=output.astype(self.wire_dtype, copy=False),
+            stage_seconds=stage_seconds,
+        )

@@ -1,0 +1,271 @@
+"""One stage of a split model, run with llama.cpp's low-level API.
+
+A stage holds a contiguous slice of blocks (a stage file written by
+``stages.split``) or the whole model. It decodes a batch given either token ids
+(first stage) or the previous stage's hidden states, at explicit positions and
+sequence ids, and returns either hidden states (non-last stage) or logits (last
+stage). Measured technique: ``../shared/design/stage-split.md``.
+
+* Hidden state out: llama.cpp names each block's output ``l_out-<i>``. The
+  context's ``cb_eval`` callback asks for the last block's node, copies it out,
+  and returns False, which stops the graph there (no output norm or head).
+  Every batch row is marked as an output, or llama.cpp would drop rows before
+  the last block.
+* Hidden state in: the batch is allocated with an embedding width, and
+  ``batch.embd`` carries float32[n_tokens, n_embd] instead of token ids.
+* KV cache: each stage keeps its own blocks' cache; ``remove`` drops positions
+  so every stage can apply the same rollback before its next batch.
+
+Context settings follow llama-cpp-python's ``Llama`` defaults (flash attention
+off, n_batch = n_ubatch = 512), because ``Llama`` on the whole model is the
+reference the output must equal token for token.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+import llama_cpp
+from stages.gguf_file import KEY_FIRST_BLOCK, KEY_STAGE_COUNT, KEY_STAGE_INDEX
+
+DEFAULT_CONTEXT = 4096
+DEFAULT_BATCH = 512
+
+_ggml_base = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-base.so"))
+_ggml_base.ggml_get_name.argtypes = [ctypes.c_void_p]
+_ggml_base.ggml_get_name.restype = ctypes.c_char_p
+_ggml_base.ggml_nbytes.argtypes = [ctypes.c_void_p]
+_ggml_base.ggml_nbytes.restype = ctypes.c_size_t
+_ggml_base.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+_ggml_base.ggml_backend_tensor_get.restype = None
+
+_backend_ready = False
+
+
+class StageError(RuntimeError):
+    """A stage could not load or decode; the message says why in one line."""
+
+
+@dataclass(frozen=True)
+class StageSettings:
+    """How a stage's llama.cpp context is built.
+
+    n_ctx: KV cache cells (positions) per stage.
+    threads: CPU threads for decoding (single tokens and batches alike).
+    n_gpu_layers: blocks offloaded to a GPU backend, when llama.cpp has one.
+    n_batch: most tokens decoded in one llama_decode call.
+    sequences: KV sequences (1 for a chain; more for token trees).
+    """
+
+    n_ctx: int = DEFAULT_CONTEXT
+    threads: int = 1
+    n_gpu_layers: int = 0
+    n_batch: int = DEFAULT_BATCH
+    sequences: int = 1
+
+
+def _ensure_backend() -> None:
+    global _backend_ready
+    if not _backend_ready:
+        llama_cpp.llama_backend_init()
+        _backend_ready = True
+
+
+def _quiet_logs() -> None:
+    """Silence llama.cpp's load chatter (errors still come back as return codes)."""
+
+    @llama_cpp.llama_log_callback
+    def ignore(level, text, user_data):  # noqa: ARG001
+        return None
+
+    llama_cpp.llama_log_set(ignore, ctypes.c_void_p(0))
+    _quiet_logs.keep = ignore  # type: ignore[attr-defined]
+
+
+def _meta_string(model: llama_cpp.llama_model_p, key: str, capacity: int = 256) -> str | None:
+    """A metadata value of a loaded model as text (None when absent)."""
+    buffer = ctypes.create_string_buffer(capacity)
+    length = llama_cpp.llama_model_meta_val_str(model, key.encode(), buffer, ctypes.sizeof(buffer))
+    if length >= capacity:
+        return _meta_string(model, key, length + 1)
+    return buffer.value.decode(errors="replace") if length >= 0 else None
+
+
+class StageEngine:
+    """A loaded stage: decode batches, return hidden states or logits.
+
+    is_first: takes token ids. is_last: returns logits (and holds the head).
+    first_block, end_block: the blocks [first_block, end_block) of the whole model it holds.
+    n_embd: width of hidden states; n_vocab: width of logits.
+    """
+
+    def __init__(self, path: str, settings: StageSettings = StageSettings(), *, verbose: bool = False):
+        _ensure_backend()
+        if not verbose:
+            _quiet_logs()
+        if not os.path.isfile(path):
+            raise StageError(f"{path}: no such file")
+        self.path = path
+        self.settings = settings
+        model_params = llama_cpp.llama_model_default_params()
+        model_params.n_gpu_layers = settings.n_gpu_layers
+        self._model = llama_cpp.llama_model_load_from_file(path.encode(), model_params)
+        if not self._model:
+            raise StageError(f"{path}: llama.cpp could not load this model")
+        # A file without specpipe metadata is the whole model: one stage.
+        self.stage_index = int(_meta_string(self._model, KEY_STAGE_INDEX) or 0)
+        self.stage_count = int(_meta_string(self._model, KEY_STAGE_COUNT) or 1)
+        self.first_block = int(_meta_string(self._model, KEY_FIRST_BLOCK) or 0)
+        self.is_first = self.stage_index == 0
+        self.is_last = self.stage_index == self.stage_count - 1
+        self.block_count = llama_cpp.llama_model_n_layer(self._model)
+        self.end_block = self.first_block + self.block_count
+        self.n_embd = llama_cpp.llama_model_n_embd(self._model)
+        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
+
+        context_params = llama_cpp.llama_context_default_params()
+        context_params.n_ctx = settings.n_ctx
+        context_params.n_batch = settings.n_batch
+        context_params.n_ubatch = settings.n_batch
+        context_params.n_threads = settings.threads
+        context_params.n_threads_batch = settings.threads
+        context_params.n_seq_max = settings.sequences
+        context_params.kv_unified = True
+        context_params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        context_params.no_perf = True
+        self._capture: np.ndarray | None = None
+        if not self.is_last:
+            self._wanted = f"l_out-{self.block_count - 1}".encode()
+            # Keep the ctypes callback alive as long as the context (or it crashes).
+            self._callback = llama_cpp.ggml_backend_sched_eval_callback(self._on_graph_node)
+            context_params.cb_eval = self._callback
+            context_params.cb_eval_user_data = None
+        self._context = llama_cpp.llama_init_from_model(self._model, context_params)
+        if not self._context:
+            llama_cpp.llama_model_free(self._model)
+            raise StageError(f"{path}: llama.cpp could not create a context (n_ctx {settings.n_ctx})")
+        self.n_ctx = llama_cpp.llama_n_ctx(self._context)
+        self._memory = llama_cpp.llama_get_memory(self._context)
+        self._token_batch = llama_cpp.llama_batch_init(settings.n_batch, 0, settings.sequences)
+        self._embd_batch = llama_cpp.llama_batch_init(settings.n_batch, self.n_embd, settings.sequences)
+
+    # -- graph callback ---------------------------------------------------
+    def _on_graph_node(self, tensor: int, ask: bool, user_data: int) -> bool:  # noqa: ARG002
+        if ask:
+            return _ggml_base.ggml_get_name(tensor) == self._wanted
+        if _ggml_base.ggml_get_name(tensor) != self._wanted:
+            return True
+        n_bytes = _ggml_base.ggml_nbytes(tensor)
+        out = np.empty(n_bytes // 4, dtype=np.float32)
+        _ggml_base.ggml_backend_tensor_get(tensor, out.ctypes.data, 0, n_bytes)
+        self._capture = out.reshape(-1, self.n_embd)
+        return False  # stop the graph: later nodes (norm, head) are not needed
+
+    # -- decoding ---------------------------------------------------------
+    def decode(
+        self,
+        positions: np.ndarray,
+        *,
+        tokens: np.ndarray | None = None,
+        hidden: np.ndarray | None = None,
+        seq_ids: list[list[int]] | None = None,
+        logit_rows: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Decode one batch.
+
+        positions: int32[n_tokens]; tokens: int32[n_tokens] (first stage) or
+        hidden: float32[n_tokens, n_embd] (later stages); seq_ids: the sequence
+        ids of each token (default: all in sequence 0); logit_rows: batch rows
+        whose logits the last stage returns (default: the last row).
+
+        Returns float32[n_tokens, n_embd] hidden states from a non-last stage,
+        or float32[len(logit_rows), n_vocab] logits from the last stage.
+        """
+        n_tokens = len(positions)
+        if n_tokens == 0 or n_tokens > self.settings.n_batch:
+            raise StageError(f"batch of {n_tokens} tokens (allowed 1..{self.settings.n_batch})")
+        if (tokens is None) == (hidden is None):
+            raise StageError("give exactly one of tokens or hidden")
+        if tokens is not None and not self.is_first:
+            raise StageError(f"stage {self.stage_index} takes hidden states, not tokens")
+        if hidden is not None and self.is_first:
+            raise StageError("the first stage takes token ids, not hidden states")
+        if hidden is not None and hidden.shape != (n_tokens, self.n_embd):
+            raise StageError(f"hidden states of shape {hidden.shape}, expected {(n_tokens, self.n_embd)}")
+        if int(positions[-1]) >= self.n_ctx:
+            raise StageError(f"position {int(positions[-1])} is beyond the context of {self.n_ctx} tokens")
+        if logit_rows is None:
+            logit_rows = np.array([n_tokens - 1], dtype=np.int32)
+
+        batch = self._token_batch if tokens is not None else self._embd_batch
+        batch.n_tokens = n_tokens
+        if tokens is not None:
+            ctypes.memmove(batch.token, np.ascontiguousarray(tokens, dtype=np.int32).ctypes.data, 4 * n_tokens)
+        else:
+            source = np.ascontiguousarray(hidden, dtype=np.float32)
+            ctypes.memmove(batch.embd, source.ctypes.data, source.nbytes)
+        ctypes.memmove(batch.pos, np.ascontiguousarray(positions, dtype=np.int32).ctypes.data, 4 * n_tokens)
+        wants_output = np.zeros(n_tokens, dtype=np.int8)
+        if self.is_last:
+            wants_output[logit_rows] = 1
+        else:
+            wants_output[:] = 1  # every row must reach the last block
+        ctypes.memmove(batch.logits, wants_output.ctypes.data, n_tokens)
+        for row in range(n_tokens):
+            ids = seq_ids[row] if seq_ids is not None else (0,)
+            batch.n_seq_id[row] = len(ids)
+            for slot, seq_id in enumerate(ids):
+                batch.seq_id[row][slot] = seq_id
+
+        self._capture = None
+        status = llama_cpp.llama_decode(self._context, batch)
+        if not self.is_last:
+            # Stopping the graph early makes llama_decode report an abort (2);
+            # the captured hidden state is what counts.
+            if self._capture is None:
+                raise StageError(f"stage {self.stage_index}: decode returned {status} without a hidden state")
+            if self._capture.shape[0] != n_tokens:
+                raise StageError(f"stage {self.stage_index}: captured {self._capture.shape[0]} rows, expected {n_tokens}")
+            return self._capture
+        if status != 0:
+            raise StageError(f"stage {self.stage_index}: llama_decode returned {status}")
+        logits = np.empty((len(logit_rows), self.n_vocab), dtype=np.float32)
+        for out_row, batch_row in enumerate(logit_rows):
+            pointer = llama_cpp.llama_get_logits_ith(self._context, int(batch_row))
+            ctypes.memmove(logits[out_row].ctypes.data, pointer, 4 * self.n_vocab)
+        return logits
+
+    # -- KV cache ---------------------------------------------------------
+    def remove(self, first_position: int, seq_id: int = -1) -> None:
+        """Drop cached positions >= first_position (of seq_id; -1: all sequences)."""
+        llama_cpp.llama_memory_seq_rm(self._memory, seq_id, first_position, -1)
+
+    def keep_sequence(self, seq_id: int) -> None:
+        """Drop every sequence but seq_id."""
+        llama_cpp.llama_memory_seq_keep(self._memory, seq_id)
+
+    def copy_sequence(self, source: int, destination: int, first: int = -1, end: int = -1) -> None:
+        """Make positions [first, end) of source also belong to destination."""
+        llama_cpp.llama_memory_seq_cp(self._memory, source, destination, first, end)
+
+    def cached_positions(self, seq_id: int = 0) -> int:
+        """Number of positions cached for seq_id (largest position + 1)."""
+        return int(llama_cpp.llama_memory_seq_pos_max(self._memory, seq_id)) + 1
+
+    def close(self) -> None:
+        if getattr(self, "_context", None):
+            llama_cpp.llama_batch_free(self._token_batch)
+            llama_cpp.llama_batch_free(self._embd_batch)
+            llama_cpp.llama_free(self._context)
+            self._context = None
+        if getattr(self, "_model", None):
+            llama_cpp.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self) -> None:
+        self.close()
