@@ -4,18 +4,41 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.specpipe-installed
 
+# llama-cpp-python is compiled from source (~4-5 minutes on 2 cores) with
+# -march=native. On CPUs with Intel AMX (Sapphire Rapids, such as these
+# machines) ggml's AMX matrix kernel crashes (SIGSEGV in
+# ggml_backend_amx_mul_mat) on any batch of 2+ tokens, in plain
+# llama_cpp.Llama too, so the AMX instructions are switched off. The wheel is
+# kept in a cache folder keyed by version and flags: a repeat install, or a
+# fresh clone on the same machine, reuses it and takes seconds. (pip's own
+# wheel cache ignores CMAKE_ARGS, so it could hand back a wheel built without
+# these flags.)
+LLAMA_VERSION := 0.3.36
+LLAMA_CFLAGS  := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+WHEEL_CACHE   ?= $(HOME)/.cache/specpipe/wheels
+LLAMA_WHEELS  := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_VERSION)-noamx
+LLAMA_BUILT   := $(LLAMA_WHEELS)/.complete
+
 .PHONY: install run test bench clean
 
 install: $(STAMP)
 
-# llama-cpp-python compiles from source (~4 minutes on 2 cores); pip keeps the
-# built wheel in its cache, so a repeat install (or a fresh clone on the same
-# machine) reuses it and takes seconds. The stamp skips pip entirely when
-# pyproject.toml has not changed.
-$(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	CMAKE_BUILD_PARALLEL_LEVEL=2 $(BIN)/python -m pip install --quiet -e '.[test]'
+
+$(LLAMA_BUILT): | $(BIN)/python
+	@echo "Building llama-cpp-python $(LLAMA_VERSION) from source (about 5 minutes on 2 cores)..."
+	rm -rf $(LLAMA_WHEELS).partial
+	CMAKE_ARGS='-DCMAKE_C_FLAGS="$(LLAMA_CFLAGS)" -DCMAKE_CXX_FLAGS="$(LLAMA_CFLAGS)"' \
+	CMAKE_BUILD_PARALLEL_LEVEL=2 \
+	$(BIN)/python -m pip wheel --quiet --no-deps --no-cache-dir -w $(LLAMA_WHEELS).partial llama-cpp-python==$(LLAMA_VERSION)
+	rm -rf $(LLAMA_WHEELS) && mv $(LLAMA_WHEELS).partial $(LLAMA_WHEELS)
+	touch $(LLAMA_BUILT)
+
+$(STAMP): pyproject.toml $(LLAMA_BUILT)
+	$(BIN)/python -m pip install --quiet $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_VERSION)-*.whl
+	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
 run: install

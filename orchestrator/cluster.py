@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
 
@@ -26,6 +27,9 @@ def ray_session(address: str | None, *, dashboard: bool = False, num_cpus: int |
     """
     import ray
 
+    # Ray's token authentication stays on (its default); only its start-up
+    # banner about it is silenced, so the command prints what it was asked to.
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     if ray.is_initialized():
         yield None
         return

@@ -21,7 +21,7 @@ from orchestrator.messages import PassResult, Shutdown, StageBatch, StageFailure
 from orchestrator.placement import PlacementPlan, plan_placement
 from orchestrator.stage_server import StageDescription, StageServer
 from stages.engine import StageError, StageSettings
-from stages.gguf_file import StageFileInfo, read_model, stage_info, validate_stage_set
+from stages.gguf_file import StageFileInfo, stage_info_of, validate_stage_set
 
 ACTOR_START_SECONDS = 300.0
 
@@ -47,7 +47,7 @@ def check_stage_files(paths: list[str]) -> list[StageFileInfo | None]:
     """Validate a set of stage files before anything is loaded (ModelFileError if not)."""
     from pathlib import Path
 
-    infos = [stage_info(read_model(path)) for path in paths]
+    infos = [stage_info_of(path) for path in paths]
     validate_stage_set(infos, [Path(path) for path in paths])
     return infos
 

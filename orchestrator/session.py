@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from orchestrator.cluster import ray_session
 from orchestrator.generate import Generation, generate
-from orchestrator.pipeline import Pipeline, StageReport
+from orchestrator.pipeline import Pipeline, StageReport, check_stage_files
 from orchestrator.sampling import SamplingSettings
 from orchestrator.tokenizer import Tokenizer
 from stages.engine import StageSettings
@@ -79,6 +79,7 @@ def run_generation(
     on_text: Callable[[str], None] | None = None,
     on_status: Callable[[str], None] | None = None,
 ) -> RunOutcome:
+    check_stage_files(settings.stage_paths)  # before Ray starts: bad files fail fast
     tokenizer = Tokenizer(settings.stage_paths[0])
     tokens = prompt_tokens(tokenizer, settings.prompt, settings.chat)
     if len(tokens) + settings.max_tokens > settings.stage.n_ctx:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -195,14 +196,111 @@ def read_model(path: str | os.PathLike[str]) -> ModelFile:
     return model
 
 
+# GGUF value types: struct format of fixed-size scalars; 8 is a string, 9 an array.
+_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+class _HeaderScanner:
+    """Reads a GGUF header sequentially; arrays are skipped, not decoded."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.handle = open(path, "rb")
+
+    def read(self, count: int) -> bytes:
+        data = self.handle.read(count)
+        if len(data) != count:
+            raise ModelFileError(f"{self.path}: truncated GGUF file (header ends early)")
+        return data
+
+    def unpack(self, fmt: str):
+        return struct.unpack("<" + fmt, self.read(struct.calcsize("<" + fmt)))[0]
+
+    def string(self) -> str:
+        return self.read(self.unpack("Q")).decode("utf-8", errors="replace")
+
+    def value(self, value_type: int) -> object:
+        if value_type in _SCALAR_FORMATS:
+            return self.unpack(_SCALAR_FORMATS[value_type])
+        if value_type == _STRING:
+            return self.string()
+        if value_type == _ARRAY:
+            item_type, count = self.unpack("I"), self.unpack("Q")
+            if item_type in _SCALAR_FORMATS:
+                self.handle.seek(count * struct.calcsize(_SCALAR_FORMATS[item_type]), os.SEEK_CUR)
+            else:
+                for _ in range(count):
+                    self.value(item_type)
+            return None
+        raise ModelFileError(f"{self.path}: corrupt GGUF file (unknown value type {value_type})")
+
+
+def read_scalars(path: str | os.PathLike[str]) -> dict[str, object]:
+    """Scalar and string metadata of one GGUF file, fast (arrays are skipped).
+
+    Also checks the file holds all its tensor data: raises ModelFileError for a
+    file that is missing, not GGUF, or truncated.
+    """
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    path = Path(path)
+    if not path.exists():
+        raise ModelFileError(f"{path}: no such file")
+    if path.is_dir():
+        raise ModelFileError(f"{path}: is a directory, not a GGUF file")
+    scanner = _HeaderScanner(path)
+    try:
+        if scanner.read(4) != b"GGUF":
+            raise ModelFileError(f"{path}: not a GGUF file (it does not start with the GGUF magic)")
+        scanner.unpack("I")  # version
+        tensor_count, key_count = scanner.unpack("Q"), scanner.unpack("Q")
+        scalars: dict[str, object] = {}
+        for _ in range(key_count):
+            key = scanner.string()
+            value = scanner.value(scanner.unpack("I"))
+            if value is not None:
+                scalars[key] = value
+        end = 0
+        for _ in range(tensor_count):
+            scanner.string()
+            dims = [scanner.unpack("Q") for _ in range(scanner.unpack("I"))]
+            ggml_type, offset = scanner.unpack("I"), scanner.unpack("Q")
+            try:
+                block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+            except ValueError:
+                raise ModelFileError(f"{path}: corrupt GGUF file (unknown tensor type {ggml_type})") from None
+            elements = 1
+            for dim in dims:
+                elements *= dim
+            end = max(end, offset + elements * type_size // block_size)
+        alignment = int(scalars.get("general.alignment", 32))  # type: ignore[arg-type]
+        data_start = -(-scanner.handle.tell() // alignment) * alignment
+    finally:
+        scanner.handle.close()
+    size = path.stat().st_size
+    if data_start + end > size:
+        raise ModelFileError(f"{path}: truncated GGUF file ({size} bytes, tensor data needs {data_start + end})")
+    return scalars
+
+
+def stage_info_of(path: str | os.PathLike[str]) -> StageFileInfo | None:
+    """The stage metadata of a file (checked readable and complete), or None for a whole model."""
+    scalars = read_scalars(path)
+    return _stage_info(Path(path), scalars)
+
+
 def stage_info(model: ModelFile) -> StageFileInfo | None:
-    """The stage metadata of a file, or None for a whole (unsplit) model."""
-    if KEY_STAGE_INDEX not in model.fields:
+    """The stage metadata of a parsed model, or None for a whole (unsplit) model."""
+    return _stage_info(model.paths[0], model.metadata)
+
+
+def _stage_info(path: Path, value: dict[str, object]) -> StageFileInfo | None:
+    if KEY_STAGE_INDEX not in value:
         return None
-    value = model.metadata
     try:
         return StageFileInfo(
-            path=model.paths[0],
+            path=path,
             stage_index=int(value[KEY_STAGE_INDEX]),  # type: ignore[arg-type]
             stage_count=int(value[KEY_STAGE_COUNT]),  # type: ignore[arg-type]
             first_block=int(value[KEY_FIRST_BLOCK]),  # type: ignore[arg-type]
@@ -212,7 +310,7 @@ def stage_info(model: ModelFile) -> StageFileInfo | None:
             source_name=str(value[KEY_SOURCE_NAME]),
         )
     except KeyError as missing:
-        raise ModelFileError(f"{model.paths[0]}: incomplete specpipe stage metadata (no {missing.args[0]})") from None
+        raise ModelFileError(f"{path}: incomplete specpipe stage metadata (no {missing.args[0]})") from None
 
 
 def validate_stage_set(infos: list[StageFileInfo | None], paths: list[Path]) -> None:
@@ -238,6 +336,12 @@ def validate_stage_set(infos: list[StageFileInfo | None], paths: list[Path]) -> 
             raise ModelFileError(
                 f"{info.path} and {first.path} were cut from different models "
                 f"({info.source_name} and {first.source_name})"
+            )
+    for info in stages[1:]:
+        if info.stage_count != first.stage_count:
+            raise ModelFileError(
+                f"{first.path} is from a {first.stage_count}-stage split but {info.path} "
+                f"from a {info.stage_count}-stage split"
             )
     seen: dict[int, Path] = {}
     for info in stages:

