@@ -57,3 +57,18 @@ def test_usage_errors_are_one_line():
     assert result.returncode != 0 and "Traceback" not in result.stderr
     result = orchestrate("run", "--max-tokens", "0")
     assert result.returncode != 0 and "Traceback" not in result.stderr
+
+
+def test_benchmark_runs_and_its_modes_agree(tmp_path):
+    """A smoke run of the benchmark: its figures exist and both modes give the same tokens.
+    (Speed is judged by running the benchmark itself, never by a test.)"""
+    out = tmp_path / "figures.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.pipeline_vs_whole", "--repetitions", "1", "--max-tokens", "8", "--json-out", out],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(out.read_text())
+    assert figures["outputs_identical"] is True
+    assert figures["runs_per_mode"] == 2
+    assert figures["ratio_pipeline_to_whole"]["median"] > 0 and figures["hop_microseconds"] > 0
