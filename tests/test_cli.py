@@ -4,13 +4,7 @@ import json
 import subprocess
 import sys
 
-from conftest import PROMPTS
-
-ORCHESTRATE = [sys.executable, "-m", "orchestrator.cli"]
-
-
-def orchestrate(*args, timeout=600):
-    return subprocess.run([*ORCHESTRATE, *map(str, args)], capture_output=True, text=True, timeout=timeout)
+from conftest import PROMPTS, orchestrate
 
 
 def test_split_then_run_json_equals_llama(smollm2, reference, tmp_path):

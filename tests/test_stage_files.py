@@ -2,18 +2,11 @@
 
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
+from conftest import orchestrate
 from stages.gguf_file import ModelFileError, read_model, stage_info, validate_stage_set
-
-ORCHESTRATE = [sys.executable, "-m", "orchestrator.cli"]
-
-
-def orchestrate(*args):
-    return subprocess.run([*ORCHESTRATE, *map(str, args)], capture_output=True, text=True, timeout=300)
 
 
 def assert_one_line_error(result, *fragments):
