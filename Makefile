@@ -4,19 +4,24 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.specpipe-installed
 
-# llama-cpp-python is compiled from source (~4-5 minutes on 2 cores) with
-# -march=native. On CPUs with Intel AMX (Sapphire Rapids, such as these
-# machines) ggml's AMX matrix kernel crashes (SIGSEGV in
-# ggml_backend_amx_mul_mat) on any batch of 2+ tokens, in plain
-# llama_cpp.Llama too, so the AMX instructions are switched off. The wheel is
-# kept in a cache folder keyed by version and flags: a repeat install, or a
-# fresh clone on the same machine, reuses it and takes seconds. (pip's own
-# wheel cache ignores CMAKE_ARGS, so it could hand back a wheel built without
-# these flags.)
+# llama-cpp-python is compiled from source (~5 minutes on 2 cores) with
+# -march=native, and two of llama.cpp's CPU kernels are switched off:
+# * AMX: on CPUs with Intel AMX (Sapphire Rapids, such as these machines)
+#   ggml's AMX matrix kernel crashes (SIGSEGV in ggml_backend_amx_mul_mat) on
+#   any batch of 2+ tokens, in plain llama_cpp.Llama too.
+# * llamafile's tinyBLAS (GGML_LLAMAFILE): used only for batches of 2+ tokens,
+#   it sums in another order than the single-token kernels, so a batch's
+#   logits differed from one-token-at-a-time decoding by up to 0.82 here.
+#   Without it they are bit-identical, which exact speculative verification
+#   (many tokens per pass, compared with plain decoding) relies on.
+# The wheel is kept in a cache folder keyed by version and flags: a repeat
+# install, or a fresh clone on the same machine, reuses it and takes seconds.
+# (pip's own wheel cache ignores CMAKE_ARGS, so it could hand back a wheel
+# built without these flags.)
 LLAMA_VERSION := 0.3.36
 LLAMA_CFLAGS  := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 WHEEL_CACHE   ?= $(HOME)/.cache/specpipe/wheels
-LLAMA_WHEELS  := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_VERSION)-noamx
+LLAMA_WHEELS  := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_VERSION)-noamx-nollamafile
 LLAMA_BUILT   := $(LLAMA_WHEELS)/.complete
 
 .PHONY: install run test bench clean
@@ -30,7 +35,7 @@ $(BIN)/python:
 $(LLAMA_BUILT): | $(BIN)/python
 	@echo "Building llama-cpp-python $(LLAMA_VERSION) from source (about 5 minutes on 2 cores)..."
 	rm -rf $(LLAMA_WHEELS).partial
-	CMAKE_ARGS='-DCMAKE_C_FLAGS="$(LLAMA_CFLAGS)" -DCMAKE_CXX_FLAGS="$(LLAMA_CFLAGS)"' \
+	CMAKE_ARGS='-DGGML_LLAMAFILE=OFF -DCMAKE_C_FLAGS="$(LLAMA_CFLAGS)" -DCMAKE_CXX_FLAGS="$(LLAMA_CFLAGS)"' \
 	CMAKE_BUILD_PARALLEL_LEVEL=2 \
 	$(BIN)/python -m pip wheel --quiet --no-deps --no-cache-dir -w $(LLAMA_WHEELS).partial llama-cpp-python==$(LLAMA_VERSION)
 	rm -rf $(LLAMA_WHEELS) && mv $(LLAMA_WHEELS).partial $(LLAMA_WHEELS)
@@ -38,6 +43,8 @@ $(LLAMA_BUILT): | $(BIN)/python
 
 $(STAMP): pyproject.toml $(LLAMA_BUILT)
 	$(BIN)/python -m pip install --quiet $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_VERSION)-*.whl
+	# the same version built differently may be installed already: replace it
+	$(BIN)/python -m pip install --quiet --force-reinstall --no-deps $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_VERSION)-*.whl
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 

@@ -63,4 +63,48 @@ class Shutdown:
     """Closes each stage's loop in turn, then reaches the coordinator."""
 
 
-Message = StageBatch | PassResult | StageFailure | Shutdown
+@dataclass(frozen=True)
+class Boundary:
+    """A non-last stage finished a pass and handed it on (sent to the coordinator,
+    which uses the moment to move drafting to the machine that just went idle)."""
+
+    pass_id: int
+    stage_index: int
+
+
+@dataclass(frozen=True)
+class SpeculateFrom:
+    """Coordinator -> drafter: extend this text (committed tokens then the
+    current speculation) until collected.
+
+    epoch: increasing number of the request, echoed in the reply.
+    context: int32[n_tokens].
+    """
+
+    epoch: int
+    context: np.ndarray
+
+
+@dataclass(frozen=True)
+class CollectDraft:
+    """Coordinator -> drafter: reply with what you have drafted for ``epoch``.
+
+    wait: first let the drafting finish by itself (synchronous schedule).
+    """
+
+    epoch: int
+    wait: bool
+
+
+@dataclass(frozen=True)
+class DraftReply:
+    """Drafter -> coordinator: tokens int32[k] extending the context of ``epoch``
+    (empty when the epoch is stale or drafting failed); busy_seconds: drafting time so far."""
+
+    epoch: int
+    tokens: np.ndarray
+    busy_seconds: float
+    error: str = ""
+
+
+Message = StageBatch | PassResult | StageFailure | Shutdown | Boundary | SpeculateFrom | CollectDraft | DraftReply

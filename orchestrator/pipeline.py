@@ -18,7 +18,7 @@ import numpy as np
 from orchestrator import wire
 from orchestrator.cluster import alive_nodes
 from orchestrator.messages import PassResult, Shutdown, StageBatch, StageFailure
-from orchestrator.placement import PlacementPlan, plan_placement
+from orchestrator.placement import plan_placement
 from orchestrator.stage_server import StageDescription, StageServer
 from stages.engine import StageSettings
 from stages.gguf_file import StageFileInfo, stage_info_of, validate_stage_set
@@ -79,6 +79,9 @@ def _stage_actor_class():
         def connect_downstream(self, host: str, port: int) -> None:
             self.server.connect_downstream(host, port)
 
+        def connect_notify(self, host: str, port: int) -> None:
+            self.server.connect_notify(host, port)
+
         def stats(self) -> tuple[float, int]:
             return self.server.busy_seconds, self.server.passes
 
@@ -101,18 +104,22 @@ class Pipeline:
         *,
         wire_dtype: str = "f32",
         place: dict[int, str] | None = None,
+        notify_boundaries: bool = False,
     ):
+        """notify_boundaries: non-last stages report each pass leaving them
+        (await_boundary); asynchronous speculation needs it."""
         import ray
 
         check_stage_files(stage_paths)
         self.stage_paths = list(stage_paths)
         local_node = ray.get_runtime_context().get_node_id()
         plan = plan_placement(alive_nodes(), len(stage_paths), local_node, place)
+        self._plan = plan
         self._placement_group = None
         actor_class = _stage_actor_class()
         self.actors = []
         for index, path in enumerate(stage_paths):
-            options = self._actor_options(plan, index, len(stage_paths))
+            options = self.actor_options(index, num_cpus=1)
             self.actors.append(actor_class.options(**options).remote(path, settings, wire_dtype))
         try:
             self.stages: list[StageDescription] = ray.get(
@@ -135,9 +142,12 @@ class Pipeline:
         ray.get([actor.connect_downstream.remote(*address) for actor, address in zip(self.actors, downstream)])
         self._to_first = wire.connect(self.stages[0].host, self.stages[0].port)
         self._listener.settimeout(30.0)
-        from_last, _ = self._listener.accept()
-        from_last.settimeout(None)
-        self._from_last: socket.socket = wire.tune(from_last)
+        self._from_last: socket.socket = self._accept()
+        self._boundaries: list[socket.socket] = []
+        if notify_boundaries:
+            for actor in self.actors[:-1]:  # one at a time, so accept() order is stage order
+                ray.get(actor.connect_notify.remote(host, self._listener.getsockname()[1]))
+                self._boundaries.append(self._accept())
         self._pass_id = 0
         self._closed = False
         # Wall time of passes minus the stages' own compute: the transport cost
@@ -145,8 +155,16 @@ class Pipeline:
         self.transport_seconds = 0.0
         self.passes = 0
 
-    def _actor_options(self, plan: PlacementPlan, index: int, count: int) -> dict:
+    def _accept(self) -> socket.socket:
+        connection, _ = self._listener.accept()
+        connection.settimeout(None)
+        return wire.tune(connection)
+
+    def actor_options(self, index: int, *, num_cpus: float) -> dict:
+        """Ray options that put an actor on stage ``index``'s node (in its placement bundle)."""
         import ray
+
+        plan, count = self._plan, len(self.stage_paths)
         from ray.util.scheduling_strategies import (
             NodeAffinitySchedulingStrategy,
             PlacementGroupSchedulingStrategy,
@@ -162,11 +180,12 @@ class Pipeline:
                     raise PipelineError(
                         f"could not place {count} stages on {count} different nodes (each needs 1 free CPU)"
                     ) from None
-            options["num_cpus"] = 1
+            options["num_cpus"] = num_cpus
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 self._placement_group, placement_group_bundle_index=index
             )
         else:
+            options["num_cpus"] = 0
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(plan.node_ids[index], soft=False)
         return options
 
@@ -179,12 +198,30 @@ class Pipeline:
         keep: each stage first drops cached positions >= keep.
         Returns the logits float32[len(logit_rows), n_vocab] (default: last row).
         """
+        self.submit(positions, tokens, keep, logit_rows)
+        for stage_index in range(len(self._boundaries)):
+            self.await_boundary(stage_index)
+        return self.receive()
+
+    def submit(
+        self, positions: np.ndarray, tokens: np.ndarray, keep: int, logit_rows: np.ndarray | None = None
+    ) -> None:
+        """Start a pass (see forward); then await_boundary for each non-last stage, then receive."""
         if logit_rows is None:
             logit_rows = np.array([len(tokens) - 1], dtype=np.int32)
         self._pass_id += 1
-        started = time.perf_counter()
-        batch = StageBatch(self._pass_id, keep, positions, logit_rows, tokens=tokens)
-        wire.send_message(self._to_first, batch)
+        self._started = time.perf_counter()
+        wire.send_message(self._to_first, StageBatch(self._pass_id, keep, positions, logit_rows, tokens=tokens))
+
+    def await_boundary(self, stage_index: int) -> None:
+        """Block until the current pass has left stage ``stage_index`` (needs notify_boundaries)."""
+        notice = wire.receive_message(self._boundaries[stage_index])
+        if getattr(notice, "pass_id", None) != self._pass_id:
+            raise PipelineError(f"stage {stage_index} reported {notice} during pass {self._pass_id}")
+
+    def receive(self) -> PassResult:
+        """The logits of the current pass."""
+        started = self._started
         reply = wire.receive_message(self._from_last)
         if isinstance(reply, StageFailure):
             raise PipelineError(f"stage {reply.stage_index} failed: {reply.message}")
@@ -223,6 +260,8 @@ class Pipeline:
                 pass
             self._to_first.close()
             self._from_last.close()
+            for connection in self._boundaries:
+                connection.close()
             self._listener.close()
         for actor in getattr(self, "actors", []):
             ray.kill(actor)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from orchestrator import wire
-from orchestrator.messages import PassResult, Shutdown, StageBatch, StageFailure
+from orchestrator.messages import Boundary, PassResult, Shutdown, StageBatch, StageFailure
 from stages.engine import StageEngine, StageError, StageSettings
 
 WIRE_DTYPES = {"f32": np.float32, "f16": np.float16}
@@ -53,6 +53,7 @@ class StageServer:
         self.busy_seconds = 0.0
         self.passes = 0
         self._downstream: socket.socket | None = None
+        self._notify: socket.socket | None = None  # the coordinator, told of each boundary
         self._thread: threading.Thread | None = None
         self.description = StageDescription(
             stage_index=self.engine.stage_index,
@@ -66,6 +67,10 @@ class StageServer:
             n_vocab=self.engine.n_vocab,
             n_ctx=self.engine.n_ctx,
         )
+
+    def connect_notify(self, host: str, port: int) -> None:
+        """Tell the coordinator each time a pass leaves this stage (speculation uses the moment)."""
+        self._notify = wire.connect(host, port)
 
     def connect_downstream(self, host: str, port: int) -> None:
         """Connect to the next peer, then serve the upstream peer in a thread."""
@@ -89,9 +94,13 @@ class StageServer:
                 wire.send_message(downstream, message)
                 if isinstance(message, Shutdown):
                     return
+                if self._notify is not None:
+                    wire.send_message(self._notify, Boundary(message.pass_id, self.engine.stage_index))
         finally:
             upstream.close()
             downstream.close()
+            if self._notify is not None:
+                self._notify.close()
             self.listener.close()
             self.engine.close()
 

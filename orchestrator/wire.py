@@ -18,7 +18,17 @@ import struct
 import msgpack
 import numpy as np
 
-from orchestrator.messages import Message, PassResult, Shutdown, StageBatch, StageFailure
+from orchestrator.messages import (
+    Boundary,
+    CollectDraft,
+    DraftReply,
+    Message,
+    PassResult,
+    Shutdown,
+    SpeculateFrom,
+    StageBatch,
+    StageFailure,
+)
 
 _LENGTH = struct.Struct("!I")
 
@@ -55,6 +65,16 @@ def send_message(sock: socket.socket, message: Message) -> None:
         header = {"kind": "failure", "pass": message.pass_id, "stage": message.stage_index, "message": message.message}
     elif isinstance(message, Shutdown):
         header = {"kind": "shutdown"}
+    elif isinstance(message, Boundary):
+        header = {"kind": "boundary", "pass": message.pass_id, "stage": message.stage_index}
+    elif isinstance(message, SpeculateFrom):
+        header = {"kind": "speculate", "epoch": message.epoch}
+        array = np.ascontiguousarray(message.context, dtype=np.int32)
+    elif isinstance(message, CollectDraft):
+        header = {"kind": "collect", "epoch": message.epoch, "wait": message.wait}
+    elif isinstance(message, DraftReply):
+        header = {"kind": "draft", "epoch": message.epoch, "tokens": _small(message.tokens),
+                  "busy": message.busy_seconds, "error": message.error}
     else:
         raise TypeError(f"cannot send {type(message).__name__}")
     if array is not None:
@@ -118,6 +138,15 @@ def receive_message(sock: socket.socket) -> Message:
         return StageFailure(pass_id=header["pass"], stage_index=header["stage"], message=header["message"])
     if kind == "shutdown":
         return Shutdown()
+    if kind == "boundary":
+        return Boundary(pass_id=header["pass"], stage_index=header["stage"])
+    if kind == "speculate":
+        return SpeculateFrom(epoch=header["epoch"], context=array)  # type: ignore[arg-type]
+    if kind == "collect":
+        return CollectDraft(epoch=header["epoch"], wait=header["wait"])
+    if kind == "draft":
+        return DraftReply(epoch=header["epoch"], tokens=_from_small(header["tokens"]),  # type: ignore[arg-type]
+                          busy_seconds=header["busy"], error=header["error"])
     raise ValueError(f"unknown message kind {kind!r}")
 
 

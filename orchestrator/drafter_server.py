@@ -1,0 +1,138 @@
+"""A speculator behind a socket, drafting in a thread, best effort.
+
+Plain class, no Ray (the Ray actor in orchestrator.pipeline builds one beside
+its stage). The coordinator connects and sends:
+
+* ``SpeculateFrom(epoch, context)``: start extending ``context`` now;
+* ``CollectDraft(epoch, wait)``: reply at once with what has been drafted for
+  that epoch, and stop drafting (the machine's stage is about to run). With
+  ``wait`` the drafting is first allowed to finish by itself (up to
+  ``max_tokens`` or the speculator's own stop), for at most ``wait_seconds``.
+
+The socket is served by its own thread, so a speculator that is slow, hangs
+or raises never delays a reply: the reply is whatever exists by then. A result
+computed for an older epoch is thrown away.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
+
+from orchestrator import wire
+from orchestrator.messages import CollectDraft, DraftReply, Shutdown, SpeculateFrom
+
+
+class Speculator(Protocol):
+    def extend(self, context: list[int]) -> int | None:
+        """The next draft token after context, or None to stop drafting."""
+
+
+class DrafterServer:
+    def __init__(
+        self,
+        make_speculator: Callable[[], Speculator],
+        host: str,
+        *,
+        max_tokens: int,
+        overlap: bool = False,
+        wait_seconds: float = 2.0,
+    ):
+        self.speculator = make_speculator()
+        self.max_tokens = max_tokens
+        self.overlap = overlap
+        self.wait_seconds = wait_seconds
+        self.listener = wire.listen(host)
+        self.port = self.listener.getsockname()[1]
+        self.busy_seconds = 0.0
+        self.drafted_tokens = 0
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._epoch = -1
+        self._context: list[int] = []
+        self._extension: list[int] = []
+        self._drafting = False  # allowed to draft now
+        self._finished = threading.Event()  # drafting stopped by itself for this epoch
+        self._error = ""
+        self._closed = False
+        threading.Thread(target=self._draft_loop, name="drafting", daemon=True).start()
+        threading.Thread(target=self._serve, name="drafter-socket", daemon=True).start()
+
+    # -- the socket -------------------------------------------------------
+    def _serve(self) -> None:
+        connection, _ = self.listener.accept()
+        wire.tune(connection)
+        try:
+            while True:
+                try:
+                    message = wire.receive_message(connection)
+                except (wire.ConnectionClosed, OSError):
+                    return
+                if isinstance(message, SpeculateFrom):
+                    self._start(message)
+                elif isinstance(message, CollectDraft):
+                    wire.send_message(connection, self._collect(message))
+                elif isinstance(message, Shutdown):
+                    return
+        finally:
+            with self._lock:
+                self._closed = True
+                self._wake.notify_all()
+            connection.close()
+            self.listener.close()
+
+    def _start(self, message: SpeculateFrom) -> None:
+        with self._lock:
+            self._epoch = message.epoch
+            self._context = message.context.tolist()
+            self._extension = []
+            self._error = ""
+            self._drafting = True
+            self._finished.clear()
+            self._wake.notify_all()
+
+    def _collect(self, message: CollectDraft) -> DraftReply:
+        if message.wait:
+            self._finished.wait(self.wait_seconds)
+        with self._lock:
+            current = message.epoch == self._epoch
+            tokens = list(self._extension) if current else []
+            if current and not self.overlap:
+                self._drafting = False
+            return DraftReply(message.epoch, np.asarray(tokens, dtype=np.int32), self.busy_seconds, self._error)
+
+    # -- drafting ---------------------------------------------------------
+    def _draft_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._closed and not (self._drafting and len(self._extension) < self.max_tokens):
+                    if self._drafting:  # reached max_tokens
+                        self._drafting = False
+                        self._finished.set()
+                    self._wake.wait()
+                if self._closed:
+                    return
+                epoch = self._epoch
+                context = self._context + self._extension
+            started = time.perf_counter()
+            try:
+                token = self.speculator.extend(context)
+                error = ""
+            except Exception as failure:  # a drafter's failure must never stop generation
+                token, error = None, f"{type(failure).__name__}: {failure}"
+            finally:
+                self.busy_seconds += time.perf_counter() - started
+            with self._lock:
+                if epoch != self._epoch or not self._drafting:
+                    continue  # the text moved on while this token was computed
+                if token is None:
+                    self._drafting = False
+                    self._error = error
+                    self._finished.set()
+                else:
+                    self._extension.append(token)
+                    self.drafted_tokens += 1

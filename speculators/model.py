@@ -1,0 +1,50 @@
+"""Greedy chain drafting with a small GGUF model of the target's vocabulary."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def common_prefix_length(first: Sequence[int], second: Sequence[int]) -> int:
+    length = 0
+    for left, right in zip(first, second):
+        if left != right:
+            break
+        length += 1
+    return length
+
+
+class ModelSpeculator:
+    """Drafts the draft model's argmax, while its probability is at least p_min.
+
+    The draft model keeps its own KV cache of the tokens it has seen; a new
+    context rolls it back to the common prefix and decodes only what is new.
+    """
+
+    def __init__(self, path: str, *, p_min: float = 0.0, n_ctx: int = 4096, threads: int = 1):
+        from stages.engine import StageEngine, StageError, StageSettings
+
+        self.engine = StageEngine(path, StageSettings(n_ctx=n_ctx, threads=threads))
+        if self.engine.stage_count != 1:
+            raise StageError(f"{path}: a draft model must be a whole model, not a stage file")
+        self.p_min = p_min
+        self.cached: list[int] = []  # tokens at positions 0..len-1 of the draft's KV cache
+
+    def extend(self, context: Sequence[int]) -> int | None:
+        keep = min(common_prefix_length(self.cached, context), len(context) - 1)  # always decode the last token
+        self.engine.remove(keep)
+        del self.cached[keep:]
+        batch = self.engine.settings.n_batch
+        logits = None
+        for first in range(keep, len(context), batch):
+            chunk = np.asarray(context[first : first + batch], dtype=np.int32)
+            logits = self.engine.decode(np.arange(first, first + len(chunk), dtype=np.int32), tokens=chunk)[-1]
+        self.cached = list(context)
+        token = int(np.argmax(logits))
+        if self.p_min > 0.0:
+            shifted = np.exp(logits.astype(np.float64) - float(logits[token]))
+            if 1.0 / shifted.sum() < self.p_min:  # probability of the argmax
+                return None
+        return token
