@@ -75,10 +75,9 @@ def main(repetitions: int, max_tokens: int, json_out: Path | None) -> None:
     ratios: list[float] = []
     identical = True
     with ray_session(None, num_cpus=2), Pipeline(stages, settings) as pipeline:
-        forward = lambda positions, tokens, keep: pipeline.forward(positions, tokens, keep)  # noqa: E731
         # warm-up: one short run of each mode
         whole_model_run(llama, prompts[0], 8)
-        generate(forward, prompts[0], 8, SamplingSettings(), tokenizer.is_end, batch_size=settings.n_batch)
+        generate(pipeline, prompts[0], 8, SamplingSettings(), tokenizer.is_end)
         transport_before, passes_before = pipeline.transport_seconds, pipeline.passes
         for repetition in range(repetitions):
             for prompt in prompts:
@@ -89,8 +88,7 @@ def main(repetitions: int, max_tokens: int, json_out: Path | None) -> None:
                     if mode == "whole":
                         tokens[mode], rates[mode] = whole_model_run(llama, prompt, max_tokens)
                     else:
-                        result = generate(forward, prompt, max_tokens, SamplingSettings(), tokenizer.is_end,
-                                          batch_size=settings.n_batch)
+                        result = generate(pipeline, prompt, max_tokens, SamplingSettings(), tokenizer.is_end)
                         tokens[mode], rates[mode] = result.tokens, result.tokens_per_second
                 identical &= tokens["whole"] == tokens["pipeline"]
                 whole_rates.append(rates["whole"])

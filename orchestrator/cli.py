@@ -128,17 +128,29 @@ def verify_split(model: Path, stage_files: tuple[Path, ...], threads: int) -> No
 @click.option("--n-gpu-layers", default=0, show_default=True, type=click.IntRange(0))
 @click.option("--wire-dtype", type=click.Choice(["f32", "f16"]), default="f32", show_default=True,
               help="Activations between stages; f16 halves traffic but is LOSSY (output may differ from the whole model).")
+@click.option("--speculator", type=click.Choice(["none", "ngram", "model"]), default="none", show_default=True,
+              help="Drafts for speculative decoding: prompt lookup (ngram) or a draft model (model, with --draft).")
+@click.option("--draft", "draft_path", type=click.Path(dir_okay=False), help="Draft model (whole GGUF, same vocabulary).")
+@click.option("--draft-max", default=8, show_default=True, type=click.IntRange(1, 64), help="Most draft tokens per target pass.")
+@click.option("--draft-p-min", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0),
+              help="A draft model stops drafting below this probability.")
+@click.option("--schedule", type=click.Choice(["async", "sync"]), default="async", show_default=True,
+              help="async: draft on machines while their stage is idle; sync: draft, then verify.")
+@click.option("--draft-overlap", is_flag=True, help="Let drafters run while their own stage computes too.")
 @click.option("--dashboard", is_flag=True, help="Start the Ray dashboard with the local Ray instance.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @one_line_errors
 def run(files, model_split, prompt, prompt_file, chat, max_tokens, temperature, top_p, seed, address, place,
-        threads, n_ctx, n_gpu_layers, wire_dtype, dashboard, as_json) -> None:
+        threads, n_ctx, n_gpu_layers, wire_dtype, speculator, draft_path, draft_max, draft_p_min, schedule,
+        draft_overlap, dashboard, as_json) -> None:
     """Generate text through a pipeline of stages (default: SmolLM2-135M split in two)."""
     from orchestrator.defaults import DEFAULT_PROMPT, default_stage_paths
     from orchestrator.placement import parse_place
-    from orchestrator.session import RunSettings, run_generation
+    from orchestrator.session import RunSettings, SpeculationSettings, run_generation
     from stages.engine import StageSettings
 
+    if speculator == "model" and not draft_path:
+        raise click.UsageError("--speculator model needs --draft DRAFT.gguf")
     if model_split and not files:
         raise click.UsageError("--model-split needs the stage files, e.g. --model-split a.gguf b.gguf")
     if prompt is not None and prompt_file is not None:
@@ -155,6 +167,10 @@ def run(files, model_split, prompt, prompt_file, chat, max_tokens, temperature, 
         max_tokens=max_tokens,
         sampling=SamplingSettings(temperature=temperature, top_p=top_p, seed=seed),
         stage=StageSettings(n_ctx=n_ctx, threads=threads, n_gpu_layers=n_gpu_layers),
+        speculation=SpeculationSettings(
+            speculator=speculator, draft_path=draft_path, schedule=schedule, draft_max=draft_max,
+            draft_p_min=draft_p_min, overlap=draft_overlap,
+        ),
         address=address,
         place=parse_place(place) if place else None,
         wire_dtype=wire_dtype,

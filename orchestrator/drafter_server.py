@@ -126,6 +126,8 @@ class DrafterServer:
                 token, error = None, f"{type(failure).__name__}: {failure}"
             finally:
                 self.busy_seconds += time.perf_counter() - started
+            if token is not None:
+                self.drafted_tokens += 1  # computed, whether or not it is still wanted
             with self._lock:
                 if epoch != self._epoch or not self._drafting:
                     continue  # the text moved on while this token was computed
@@ -135,4 +137,3 @@ class DrafterServer:
                     self._finished.set()
                 else:
                     self._extension.append(token)
-                    self.drafted_tokens += 1

@@ -1,22 +1,62 @@
-"""The plain decoding loop: prompt in, one token per pass out.
+"""The decoding loop: plain, or with speculation.
 
-It needs only a ``forward`` function (a Pipeline's, or any stand-in with the
-same contract), so the loop is the same whatever carries the passes.
+Each target pass feeds [last committed token, draft_1, ..., draft_k] at
+positions len(committed) - 1 onward; every stage first drops cached positions
+from there on (rolling back whatever the previous pass speculated). The
+logits are verified (speculators.verify) and the accepted drafts plus the
+target's own token are committed. Plain decoding is the case k = 0.
+
+Speculation schedules (``Speculation``):
+
+* ``sync``: before each pass the drafter beside stage 0 drafts until it stops
+  by itself (max tokens, or its confidence falls); then the pass runs.
+* ``async``: drafting happens while the drafter's own machine is idle. While
+  stage i runs, the drafter beside stage i+1 (mod n) extends the speculation;
+  when the pass leaves stage i (a boundary notice), that drafter's tokens are
+  collected and the drafter of the machine that just went idle continues from
+  them. When the logits arrive the last drafter is collected, the pass is
+  verified, and the speculation that still extends the committed text is kept
+  for the next pass ("best effort": whatever was drafted by then). When none
+  is left (at the start, or after a rejection) the drafter beside stage 0
+  drafts before the pass, as in ``sync``: stage 0 is idle until the pass starts,
+  and a pass without drafts would waste the target.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from orchestrator.messages import PassResult
-from orchestrator.sampling import SamplingSettings, choose_token
+from orchestrator.sampling import SamplingSettings
+from speculators.verify import verify
 
-# forward(positions int32[n], tokens int32[n], keep) -> PassResult with the last row's logits
-Forward = Callable[[np.ndarray, np.ndarray, int], PassResult]
+SCHEDULES = ("sync", "async")
+
+
+@dataclass
+class SpeculationStats:
+    """drafted_tokens: draft tokens the target verified; accepted_tokens: those it accepted.
+    accepted_lengths: passes by number of tokens they committed (1 = no draft accepted).
+    input_lengths: passes by number of tokens fed to the target.
+    collected_tokens: tokens the drafters delivered (verified or not)."""
+
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    collected_tokens: int = 0
+    accepted_lengths: Counter = field(default_factory=Counter)
+    input_lengths: Counter = field(default_factory=Counter)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def wasted_tokens(self) -> int:
+        return max(0, self.collected_tokens - self.accepted_tokens)
 
 
 @dataclass
@@ -26,7 +66,7 @@ class Generation:
     tokens: generated ids (an end-of-generation token is not included).
     prefill_seconds: from start to the first generated token.
     decode_seconds: from the first generated token to the last.
-    stage_seconds: busy seconds of each stage, summed over passes.
+    passes: target passes after the prompt; stage_seconds: each stage's busy seconds.
     """
 
     prompt_tokens: list[int]
@@ -36,6 +76,7 @@ class Generation:
     passes: int = 0
     stage_seconds: list[float] = field(default_factory=list)
     stopped_by: str = "length"
+    speculation: SpeculationStats = field(default_factory=SpeculationStats)
 
     @property
     def seconds(self) -> float:
@@ -49,56 +90,136 @@ class Generation:
         return (len(self.tokens) - 1) / self.decode_seconds
 
 
+class Speculation:
+    """Where a pass's drafts come from: a schedule over the drafters (one per stage)."""
+
+    def __init__(self, drafters: list, schedule: str, max_drafts: int):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r} (choose {', '.join(SCHEDULES)})")
+        self.drafters = drafters
+        self.schedule = schedule
+        self.max_drafts = max_drafts
+        self.stats = SpeculationStats()
+
+    def _collect(self, index: int, wait: bool = False) -> list[int]:
+        tokens = self.drafters[index].collect(wait)
+        self.stats.collected_tokens += len(tokens)
+        return tokens
+
+    def speculation(self, committed: list[int], pending: list[int]) -> list[int]:
+        """The speculation beyond the committed text when a pass starts (its first
+        max_drafts tokens become the pass's drafts).
+
+        Synchronous, and asynchronous with nothing pending (at the start, or after
+        a rejection): the drafter beside stage 0 drafts now, while its machine is
+        idle anyway, until it stops by itself."""
+        if self.schedule == "sync" or not pending:
+            self.drafters[0].speculate(committed)
+            return self._collect(0, wait=True)
+        return pending
+
+    def while_running(self, target, committed: list[int], speculation: list[int]) -> list[int]:
+        """Between submit and receive: hand drafting to each machine as it goes idle."""
+        if self.schedule == "sync":
+            return speculation
+        count = len(self.drafters)
+        self.drafters[1 % count].speculate(committed + speculation)
+        for stage in range(count - 1):
+            target.await_boundary(stage)
+            speculation = speculation + self._collect((stage + 1) % count)
+            self.drafters[(stage + 2) % count].speculate(committed + speculation)
+        return speculation
+
+    def after_result(self, speculation: list[int]) -> list[int]:
+        if self.schedule == "sync":
+            return speculation
+        return speculation + self._collect(0)
+
+
 def generate(
-    forward: Forward,
+    target,
     prompt_tokens: list[int],
     max_tokens: int,
     sampling: SamplingSettings,
     is_end: Callable[[int], bool],
     *,
-    batch_size: int,
     on_token: Callable[[int], None] | None = None,
+    speculation: Speculation | None = None,
 ) -> Generation:
-    """Decode up to max_tokens after the prompt, one token per pass."""
+    """Decode up to max_tokens after the prompt through ``target`` (a Pipeline)."""
     if not prompt_tokens:
         raise ValueError("the prompt is empty")
     result = Generation(list(prompt_tokens))
+    stats = speculation.stats if speculation is not None else result.speculation
+    result.speculation = stats
     started = time.perf_counter()
 
-    def run(tokens: list[int], first_position: int) -> np.ndarray:
-        reply = forward(
-            np.arange(first_position, first_position + len(tokens), dtype=np.int32),
-            np.asarray(tokens, dtype=np.int32),
-            first_position,
-        )
-        result.passes += 1
+    def account(stage_seconds: tuple[float, ...]) -> None:
         if not result.stage_seconds:
-            result.stage_seconds = [0.0] * len(reply.stage_seconds)
-        for index, seconds in enumerate(reply.stage_seconds):
+            result.stage_seconds = [0.0] * len(stage_seconds)
+        for index, seconds in enumerate(stage_seconds):
             result.stage_seconds[index] += seconds
-        return reply.logits[-1]
 
-    # Prefill in chunks the stages accept in one batch.
-    logits = None
-    for first in range(0, len(prompt_tokens), batch_size):
-        logits = run(prompt_tokens[first : first + batch_size], first)
-    position = len(prompt_tokens)
+    def run_pass(inputs: list[int], first: int, committed: list[int], speculated: list[int], rows: np.ndarray):
+        """One target pass over inputs at positions first..; drafters work meanwhile.
+        Returns (logits float32[len(rows), n_vocab], the speculation extended while it ran)."""
+        positions = np.arange(first, first + len(inputs), dtype=np.int32)
+        target.submit(positions, np.asarray(inputs, np.int32), first, rows)
+        if speculation is not None:
+            speculated = speculation.while_running(target, committed, speculated)
+        reply = target.receive()
+        if speculation is not None:
+            speculated = speculation.after_result(speculated)
+        account(reply.stage_seconds)
+        return reply.logits, speculated
+
+    # Prefill in chunks the stages accept in one batch. The last chunk's pass
+    # already lets the drafters speculate past the prompt.
+    batch_size = target.n_batch
+    last_chunk = (len(prompt_tokens) - 1) // batch_size * batch_size
+    for first in range(0, last_chunk, batch_size):
+        chunk = prompt_tokens[first : first + batch_size]
+        account(target.forward(np.arange(first, first + len(chunk), dtype=np.int32), np.asarray(chunk, np.int32), first).stage_seconds)
+    committed = list(prompt_tokens)
+    last_row = np.array([len(committed) - last_chunk - 1], dtype=np.int32)
+    logits, speculated = run_pass(committed[last_chunk:], last_chunk, committed, [], last_row)
+    new_tokens = verify([], logits, len(committed), sampling)
     first_token_time = None
-    while len(result.tokens) < max_tokens:
-        token = choose_token(logits, position, sampling)  # type: ignore[arg-type]
-        if is_end(token):
-            result.stopped_by = "end"
+    while True:
+        finished = False
+        for token in new_tokens:
+            if is_end(token):
+                result.stopped_by, finished = "end", True
+                break
+            now = time.perf_counter()
+            if first_token_time is None:
+                first_token_time = now
+                result.prefill_seconds = now - started
+            result.decode_seconds = now - first_token_time
+            committed.append(token)
+            result.tokens.append(token)
+            if on_token is not None:
+                on_token(token)
+            if len(result.tokens) == max_tokens:
+                finished = True
+                break
+        if finished:
             break
-        now = time.perf_counter()
-        if first_token_time is None:
-            first_token_time = now
-            result.prefill_seconds = now - started
-        result.decode_seconds = now - first_token_time
-        result.tokens.append(token)
-        if on_token is not None:
-            on_token(token)
-        if len(result.tokens) == max_tokens:
-            break
-        logits = run([token], position)
-        position += 1
+        # Keep the speculation that still extends the committed text.
+        speculative_text = committed[: len(committed) - len(new_tokens)] + speculated
+        agrees = speculative_text[: len(committed)] == committed
+        pending = speculative_text[len(committed) :] if agrees else []
+
+        in_flight = speculation.speculation(committed, pending) if speculation is not None else []
+        # a pass commits up to drafts + 1 tokens: draft no further than needed
+        drafts = in_flight[: min(speculation.max_drafts if speculation else 0, max_tokens - len(result.tokens) - 1)]
+        inputs = [committed[-1], *drafts]
+        every_row = np.arange(len(inputs), dtype=np.int32)
+        logits, speculated = run_pass(inputs, len(committed) - 1, committed, in_flight, every_row)
+        result.passes += 1
+        new_tokens = verify(drafts, logits, len(committed), sampling)
+        stats.drafted_tokens += len(drafts)
+        stats.accepted_tokens += len(new_tokens) - 1
+        stats.accepted_lengths[len(new_tokens)] += 1
+        stats.input_lengths[len(inputs)] += 1
     return result

@@ -132,6 +132,7 @@ class Pipeline:
             self.close()
             raise PipelineError(f"a stage failed to start: {_one_line(error)}") from None
         self.n_vocab = self.stages[-1].n_vocab
+        self.n_batch = settings.n_batch
         self.n_ctx = min(stage.n_ctx for stage in self.stages)
 
         # Wire the chain: each stage connects to the next; the last to us.
@@ -199,8 +200,6 @@ class Pipeline:
         Returns the logits float32[len(logit_rows), n_vocab] (default: last row).
         """
         self.submit(positions, tokens, keep, logit_rows)
-        for stage_index in range(len(self._boundaries)):
-            self.await_boundary(stage_index)
         return self.receive()
 
     def submit(
@@ -210,17 +209,25 @@ class Pipeline:
         if logit_rows is None:
             logit_rows = np.array([len(tokens) - 1], dtype=np.int32)
         self._pass_id += 1
+        self._boundaries_seen = 0
         self._started = time.perf_counter()
         wire.send_message(self._to_first, StageBatch(self._pass_id, keep, positions, logit_rows, tokens=tokens))
 
     def await_boundary(self, stage_index: int) -> None:
-        """Block until the current pass has left stage ``stage_index`` (needs notify_boundaries)."""
+        """Block until the current pass has left stage ``stage_index`` (needs notify_boundaries).
+
+        Stages are awaited in order; receive() consumes any not awaited."""
+        if stage_index != self._boundaries_seen:
+            raise PipelineError(f"boundary {stage_index} awaited out of order")
+        self._boundaries_seen += 1
         notice = wire.receive_message(self._boundaries[stage_index])
         if getattr(notice, "pass_id", None) != self._pass_id:
             raise PipelineError(f"stage {stage_index} reported {notice} during pass {self._pass_id}")
 
     def receive(self) -> PassResult:
         """The logits of the current pass."""
+        for stage_index in range(self._boundaries_seen, len(self._boundaries)):
+            self.await_boundary(stage_index)
         started = self._started
         reply = wire.receive_message(self._from_last)
         if isinstance(reply, StageFailure):

@@ -1,16 +1,35 @@
-"""One ``orchestrate run``: connect Ray, start the pipeline, generate, report."""
+"""One ``orchestrate run``: connect Ray, start the pipeline (and drafters), generate, report."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from orchestrator.cluster import ray_session
-from orchestrator.generate import Generation, generate
+from orchestrator.drafters import DrafterClient, DrafterSettings, start_drafters, stop_drafters
+from orchestrator.generate import Generation, Speculation, generate
 from orchestrator.pipeline import Pipeline, StageReport, check_stage_files
 from orchestrator.sampling import SamplingSettings
 from orchestrator.tokenizer import Tokenizer
-from stages.engine import StageSettings
+from stages.engine import StageError, StageSettings
+
+SPECULATORS = ("none", "ngram", "model")
+
+
+@dataclass(frozen=True)
+class SpeculationSettings:
+    """speculator: none, ngram (prompt lookup) or model (draft_path, a whole GGUF model).
+    schedule: async (draft on idle machines) or sync (draft, then verify).
+    draft_max: most draft tokens per target pass; draft_p_min: a model draft stops
+    below this probability; overlap: draft even while the machine's own stage runs."""
+
+    speculator: str = "none"
+    draft_path: str | None = None
+    schedule: str = "async"
+    draft_max: int = 8
+    draft_p_min: float = 0.0
+    overlap: bool = False
 
 
 @dataclass(frozen=True)
@@ -23,6 +42,7 @@ class RunSettings:
     max_tokens: int
     sampling: SamplingSettings
     stage: StageSettings
+    speculation: SpeculationSettings = SpeculationSettings()
     address: str | None = None
     place: dict[int, str] | None = None
     wire_dtype: str = "f32"
@@ -30,14 +50,24 @@ class RunSettings:
 
 
 @dataclass(frozen=True)
+class SpeculatorReport:
+    index: int
+    node_id: str
+    busy_seconds: float
+    lost: str
+
+
+@dataclass(frozen=True)
 class RunOutcome:
     text: str
     generation: Generation
     stages: list[StageReport]
+    speculators: list[SpeculatorReport]
     hop_seconds: float
 
     def as_json(self) -> dict:
         generation = self.generation
+        stats = generation.speculation
         return {
             "text": self.text,
             "tokens": generation.tokens,
@@ -46,6 +76,12 @@ class RunOutcome:
             "seconds": generation.seconds,
             "stopped_by": generation.stopped_by,
             "hop_seconds": self.hop_seconds,
+            "target_passes": generation.passes,
+            "accepted_tokens": stats.accepted_tokens,
+            "acceptance_rate": stats.acceptance_rate,
+            "accepted_length_histogram": {str(length): count for length, count in sorted(stats.accepted_lengths.items())},
+            "target_input_length_histogram": {str(length): count for length, count in sorted(stats.input_lengths.items())},
+            "draft_tokens_wasted": stats.wasted_tokens,
             "stages": [
                 {
                     "layers": [stage.first_block, stage.end_block],
@@ -54,6 +90,10 @@ class RunOutcome:
                     "busy_seconds": stage.busy_seconds,
                 }
                 for stage in self.stages
+            ],
+            "speculators": [
+                {"index": report.index, "node": report.node_id, "busy_seconds": report.busy_seconds, "lost": report.lost}
+                for report in self.speculators
             ],
         }
 
@@ -64,14 +104,50 @@ class RunOutcome:
             f"{stage.node_id[:8]} ({stage.host})"
             for stage in self.stages
         )
+        speculation = ""
+        if self.speculators:
+            stats = generation.speculation
+            speculation = (
+                f", {generation.passes} target passes, acceptance {stats.acceptance_rate:.0%}"
+                f" ({stats.accepted_tokens}/{stats.drafted_tokens} drafts)"
+            )
         return (
-            f"[{len(generation.tokens)} tokens, {generation.tokens_per_second:.1f} tokens/s, "
+            f"[{len(generation.tokens)} tokens, {generation.tokens_per_second:.1f} tokens/s{speculation}, "
             f"{len(self.stages)} stages: {placed}; hop {self.hop_seconds * 1e6:.0f} us]"
         )
 
 
 def prompt_tokens(tokenizer: Tokenizer, prompt: str, chat: bool) -> list[int]:
     return tokenizer.chat_prompt(prompt) if chat else tokenizer.tokenize(prompt)
+
+
+def speculator_factory(settings: SpeculationSettings, tokenizer: Tokenizer, stage: StageSettings):
+    """A picklable function building the speculator inside each drafter actor.
+
+    Checks a draft model before anything runs: it must exist and share the
+    target's vocabulary token for token."""
+    from speculators.model import ModelSpeculator
+    from speculators.prompt_lookup import PromptLookupSpeculator
+
+    if settings.speculator not in SPECULATORS:
+        raise ValueError(f"unknown speculator {settings.speculator!r} (choose {', '.join(SPECULATORS)})")
+    if settings.speculator == "ngram":
+        return PromptLookupSpeculator
+    if settings.speculator == "model":
+        if not settings.draft_path:
+            raise ValueError("--speculator model needs --draft DRAFT.gguf")
+        info = check_stage_files([settings.draft_path])[0]
+        if info is not None:
+            raise ValueError(f"{settings.draft_path}: a draft model must be a whole model, not a stage file")
+        if Tokenizer(settings.draft_path).vocabulary_digest() != tokenizer.vocabulary_digest():
+            raise StageError(
+                f"{settings.draft_path}: the draft model's vocabulary differs from the target's; "
+                "draft tokens would mean different text"
+            )
+        return functools.partial(
+            ModelSpeculator, settings.draft_path, p_min=settings.draft_p_min, n_ctx=stage.n_ctx, threads=stage.threads
+        )
+    return None
 
 
 def run_generation(
@@ -82,11 +158,12 @@ def run_generation(
     check_stage_files(settings.stage_paths)  # before Ray starts: bad files fail fast
     tokenizer = Tokenizer(settings.stage_paths[0])
     tokens = prompt_tokens(tokenizer, settings.prompt, settings.chat)
-    if len(tokens) + settings.max_tokens > settings.stage.n_ctx:
+    if len(tokens) + settings.max_tokens + settings.speculation.draft_max > settings.stage.n_ctx:
         raise ValueError(
-            f"prompt ({len(tokens)} tokens) + --max-tokens {settings.max_tokens} exceed the context of "
+            f"prompt ({len(tokens)} tokens) + --max-tokens {settings.max_tokens} (+ drafts) exceed the context of "
             f"{settings.stage.n_ctx} tokens; raise --n-ctx or lower --max-tokens"
         )
+    make_speculator = speculator_factory(settings.speculation, tokenizer, settings.stage)
     stream = tokenizer.text_stream()
     pieces: list[str] = []
 
@@ -96,23 +173,38 @@ def run_generation(
         if on_text is not None and text:
             on_text(text)
 
+    speculation_settings = settings.speculation
+    asynchronous = make_speculator is not None and speculation_settings.schedule == "async"
     with ray_session(settings.address, dashboard=settings.dashboard) as dashboard_url:
         if dashboard_url and on_status is not None:
             on_status(f"[Ray dashboard: {dashboard_url}]")
-        with Pipeline(settings.stage_paths, settings.stage, wire_dtype=settings.wire_dtype, place=settings.place) as pipeline:
-            generation = generate(
-                lambda positions, batch, keep: pipeline.forward(positions, batch, keep),
-                tokens,
-                settings.max_tokens,
-                settings.sampling,
-                tokenizer.is_end,
-                batch_size=settings.stage.n_batch,
-                on_token=emit,
-            )
+        with Pipeline(
+            settings.stage_paths, settings.stage, wire_dtype=settings.wire_dtype, place=settings.place,
+            notify_boundaries=asynchronous,
+        ) as pipeline:
+            drafters: list[DrafterClient] = []
+            speculation = None
+            if make_speculator is not None:
+                drafters = start_drafters(
+                    pipeline, make_speculator,
+                    DrafterSettings(max_tokens=speculation_settings.draft_max, overlap=speculation_settings.overlap),
+                )
+                speculation = Speculation(drafters, speculation_settings.schedule, speculation_settings.draft_max)
+            try:
+                generation = generate(
+                    pipeline, tokens, settings.max_tokens, settings.sampling, tokenizer.is_end,
+                    on_token=emit, speculation=speculation,
+                )
+            finally:
+                speculator_reports = [
+                    SpeculatorReport(client.index, client.node_id, client.busy_seconds, client.lost_reason)
+                    for client in drafters
+                ]
+                stop_drafters(drafters)
             reports = pipeline.reports()
             hop_seconds = pipeline.hop_seconds
     tail = stream.finish()
     pieces.append(tail)
     if on_text is not None and tail:
         on_text(tail)
-    return RunOutcome("".join(pieces), generation, reports, hop_seconds)
+    return RunOutcome("".join(pieces), generation, reports, speculator_reports, hop_seconds)

@@ -54,6 +54,17 @@ class Tokenizer:
         prompt = formatter(messages=[{"role": "user", "content": user_text}]).prompt
         return self.tokenize(prompt, special=True)
 
+    def vocabulary_digest(self) -> str:
+        """SHA-256 of every token's text: equal digests mean interchangeable token ids."""
+        import hashlib
+
+        digest = hashlib.sha256()
+        for token in range(llama_cpp.llama_vocab_n_tokens(self._vocab)):
+            buffer = ctypes.create_string_buffer(256)
+            length = llama_cpp.llama_token_to_piece(self._vocab, token, buffer, len(buffer), 0, True)
+            digest.update(buffer.raw[: max(length, 0)] + b"\0")
+        return digest.hexdigest()
+
     @property
     def bos(self) -> int:
         return llama_cpp.llama_vocab_bos(self._vocab)

@@ -16,10 +16,7 @@ SETTINGS = StageSettings(n_ctx=1024)
 
 
 def run(pipeline, tokenizer, prompt_tokens, max_tokens, sampling=SamplingSettings()):
-    return generate(
-        lambda positions, tokens, keep: pipeline.forward(positions, tokens, keep),
-        prompt_tokens, max_tokens, sampling, tokenizer.is_end, batch_size=SETTINGS.n_batch,
-    )
+    return generate(pipeline, prompt_tokens, max_tokens, sampling, tokenizer.is_end)
 
 
 @pytest.mark.parametrize("stage_count", [2, 3])
