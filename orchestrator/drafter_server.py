@@ -59,6 +59,7 @@ class DrafterServer:
         self._finished = threading.Event()  # drafting stopped by itself for this epoch
         self._error = ""
         self._closed = False
+        self._stalled = False  # a wait timed out: the speculator is stuck; stop waiting for it
         threading.Thread(target=self._draft_loop, name="drafting", daemon=True).start()
         threading.Thread(target=self._serve, name="drafter-socket", daemon=True).start()
 
@@ -96,8 +97,8 @@ class DrafterServer:
             self._wake.notify_all()
 
     def _collect(self, message: CollectDraft) -> DraftReply:
-        if message.wait:
-            self._finished.wait(self.wait_seconds)
+        if message.wait and not self._stalled:
+            self._stalled = not self._finished.wait(self.wait_seconds)
         with self._lock:
             current = message.epoch == self._epoch
             tokens = list(self._extension) if current else []
@@ -126,6 +127,7 @@ class DrafterServer:
                 token, error = None, f"{type(failure).__name__}: {failure}"
             finally:
                 self.busy_seconds += time.perf_counter() - started
+                self._stalled = False
             if token is not None:
                 self.drafted_tokens += 1  # computed, whether or not it is still wanted
             with self._lock:

@@ -112,8 +112,10 @@ def _stage_tensors(model: ModelFile, first: int, end: int) -> list[tuple[str, Te
 
 
 def _write_stage(
-    plan: SplitPlan, stage_index: int, output: Path, progress: Callable[[int], None]
+    plan: SplitPlan, stage_index: int, output: Path, progress: Callable[[int], None], *, as_stage: bool = True
 ) -> None:
+    """Write blocks plan.ranges[stage_index] as a stage file, or (as_stage False)
+    as a whole model of its own (no specpipe.* keys: it runs blocks, norm and head)."""
     from gguf import GGUFValueType, GGUFWriter
 
     model = plan.model
@@ -130,13 +132,14 @@ def _write_stage(
     for key, value in overrides.items():
         if key not in model.fields:  # a sliding-window pattern the source left implicit
             writer.add_key_value(key, value, GGUFValueType.ARRAY, GGUFValueType.BOOL)
-    writer.add_uint32(KEY_STAGE_INDEX, stage_index)
-    writer.add_uint32(KEY_STAGE_COUNT, len(plan.ranges))
-    writer.add_uint32(KEY_FIRST_BLOCK, first)
-    writer.add_uint32(KEY_BLOCK_COUNT, end - first)
-    writer.add_uint32(KEY_TOTAL_BLOCKS, model.block_count)
-    writer.add_string(KEY_SOURCE_FINGERPRINT, model.fingerprint)
-    writer.add_string(KEY_SOURCE_NAME, model.name)
+    if as_stage:
+        writer.add_uint32(KEY_STAGE_INDEX, stage_index)
+        writer.add_uint32(KEY_STAGE_COUNT, len(plan.ranges))
+        writer.add_uint32(KEY_FIRST_BLOCK, first)
+        writer.add_uint32(KEY_BLOCK_COUNT, end - first)
+        writer.add_uint32(KEY_TOTAL_BLOCKS, model.block_count)
+        writer.add_string(KEY_SOURCE_FINGERPRINT, model.fingerprint)
+        writer.add_string(KEY_SOURCE_NAME, model.name)
 
     tensors = _stage_tensors(model, first, end)
     for name, tensor in tensors:
@@ -215,3 +218,18 @@ def split_model(
             partial.unlink(missing_ok=True)
             raise
     return plan
+
+
+def write_first_blocks(model_path: str | os.PathLike[str], output: str | os.PathLike[str], block_count: int) -> None:
+    """A whole model made of the first block_count blocks of another (with its
+    embedding, norm and head): a cheap, poor draft model of the same vocabulary."""
+    model = read_model(model_path)
+    plan = plan_split(model, 2, [block_count])
+    output = Path(output)
+    partial = output.with_name(output.name + ".partial")
+    try:
+        _write_stage(plan, 0, partial, lambda count: None, as_stage=False)
+        os.replace(partial, output)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise

@@ -87,10 +87,10 @@ def ray_cluster():
 
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 1, "object_store_memory": 100 * 1024**2, "include_dashboard": False},
+        head_node_args={"num_cpus": 2, "object_store_memory": 100 * 1024**2, "include_dashboard": False},
     )
     for _ in range(2):
-        cluster.add_node(num_cpus=1, object_store_memory=100 * 1024**2)
+        cluster.add_node(num_cpus=2, object_store_memory=100 * 1024**2)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     yield cluster

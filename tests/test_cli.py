@@ -66,3 +66,33 @@ def test_benchmark_runs_and_its_modes_agree(tmp_path):
     assert figures["outputs_identical"] is True
     assert figures["runs_per_mode"] == 2
     assert figures["ratio_pipeline_to_whole"]["median"] > 0 and figures["hop_microseconds"] > 0
+
+
+def test_run_with_speculation_reports_its_figures(splits):
+    common = ["run", "--model-split", *splits[2], "--prompt", "Repeat exactly: one two three four five six seven eight.",
+              "--chat", "--max-tokens", "24", "--json"]
+    plain = orchestrate(*common)
+    speculative = orchestrate(*common, "--speculator", "ngram", "--schedule", "async", "--draft-max", "6")
+    assert plain.returncode == 0 and speculative.returncode == 0, speculative.stderr
+    plain, speculative = json.loads(plain.stdout), json.loads(speculative.stdout)
+    assert speculative["tokens"] == plain["tokens"]
+    assert speculative["target_passes"] < plain["target_passes"]
+    assert speculative["accepted_tokens"] > 0 and 0 < speculative["acceptance_rate"] <= 1
+    histogram = speculative["accepted_length_histogram"]
+    verified = sum(int(length) * count for length, count in histogram.items())
+    # every generated token after the first was verified by a pass (the last pass may also
+    # verify the end token and tokens past it)
+    assert len(speculative["tokens"]) - 1 <= verified <= len(speculative["tokens"]) - 1 + 7
+    assert sum(speculative["target_input_length_histogram"].values()) == speculative["target_passes"]
+    assert speculative["draft_tokens_wasted"] >= 0
+    assert [entry["index"] for entry in speculative["speculators"]] == [0, 1]
+    assert all(entry["lost"] == "" for entry in speculative["speculators"])
+
+
+def test_draft_with_another_vocabulary_is_refused(splits, gemma3):
+    result = orchestrate("run", "--model-split", *splits[2], "--prompt", "hi", "--speculator", "model", "--draft", gemma3)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [line for line in result.stderr.strip().splitlines() if line.startswith("error:")]
+    assert "vocabulary differs" in result.stderr
+    missing = orchestrate("run", "--model-split", *splits[2], "--prompt", "hi", "--speculator", "model")
+    assert missing.returncode != 0 and "--draft" in missing.stderr

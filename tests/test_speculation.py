@@ -1,0 +1,181 @@
+"""Speculative decoding on the real model, through Ray: output never changes.
+
+SmolLM2 has no smaller sibling, so it drafts for itself (acceptance near 100 %:
+a check of the machinery) and a copy cut to its first 6 blocks drafts badly
+(a check of the rejection paths). Scripted drafters are wrong at chosen
+positions or fail on purpose (tests/speculator_doubles.py)."""
+
+import functools
+import threading
+
+import pytest
+
+import speculator_doubles
+from orchestrator.drafters import DrafterSettings, start_drafters, stop_drafters
+from orchestrator.generate import Speculation, generate
+from orchestrator.pipeline import Pipeline
+from orchestrator.sampling import SamplingSettings
+from orchestrator.tokenizer import Tokenizer
+from speculators.model import ModelSpeculator
+from speculators.prompt_lookup import PromptLookupSpeculator
+from stages.engine import StageSettings
+
+REWRITE = (
+    "Repeat this sentence exactly: The old lighthouse keeper climbed the narrow stairs every night "
+    "and lit the great lamp for the passing ships."
+)
+OPEN = "Tell me about the moon."
+SAMPLING = SamplingSettings(temperature=0.8, top_p=0.95, seed=7)
+GREEDY = SamplingSettings()
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module", autouse=True)
+def pickle_doubles_by_value():
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(speculator_doubles)
+
+
+@pytest.fixture(scope="module")
+def pipelines(ray_cluster, splits):
+    opened = {count: Pipeline(splits[count], StageSettings(n_ctx=1024), notify_boundaries=True) for count in (2, 3)}
+    yield opened
+    for pipeline in opened.values():
+        pipeline.close()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(splits):
+    return Tokenizer(splits[2][0])
+
+
+@pytest.fixture(scope="module")
+def poor_draft(smollm2, tmp_path_factory):
+    from stages.split import write_first_blocks
+
+    path = tmp_path_factory.mktemp("draft") / "smollm2-first-6-blocks.gguf"
+    write_first_blocks(smollm2, path, 6)
+    return str(path)
+
+
+def decode(pipeline, tokenizer, prompt, sampling, drafters=None, schedule="sync", draft_max=6):
+    speculation = Speculation(drafters, schedule, draft_max) if drafters else None
+    tokens = tokenizer.chat_prompt(prompt)
+    return generate(pipeline, tokens, MAX_TOKENS, sampling, tokenizer.is_end, speculation=speculation)
+
+
+def assert_unchanged(pipeline, tokenizer, make_speculator, prompts=(REWRITE, OPEN), schedules=("sync", "async")):
+    """Every schedule, greedy and sampled, gives the plain pipeline's tokens. Returns the stats."""
+    drafters = start_drafters(pipeline, make_speculator, DrafterSettings(max_tokens=6))
+    stats = []
+    try:
+        assert all(drafter.alive for drafter in drafters)
+        for prompt in prompts:
+            for sampling in (GREEDY, SAMPLING):
+                plain = decode(pipeline, tokenizer, prompt, sampling).tokens
+                for schedule in schedules:
+                    speculative = decode(pipeline, tokenizer, prompt, sampling, drafters, schedule)
+                    assert speculative.tokens == plain, (prompt, sampling, schedule)
+                    stats.append(speculative.speculation)
+    finally:
+        stop_drafters(drafters)
+    return stats
+
+
+@pytest.mark.parametrize("stage_count", [2, 3])
+def test_prompt_lookup_never_changes_the_output(pipelines, tokenizer, stage_count):
+    stats = assert_unchanged(pipelines[stage_count], tokenizer, PromptLookupSpeculator)
+    assert sum(s.accepted_tokens for s in stats) > 20  # the rewrite prompt is copied
+
+
+@pytest.mark.parametrize("stage_count", [2, 3])
+def test_model_as_its_own_draft_is_accepted_and_exact(pipelines, tokenizer, smollm2, stage_count):
+    make = functools.partial(ModelSpeculator, smollm2, n_ctx=1024)
+    stats = assert_unchanged(pipelines[stage_count], tokenizer, make, prompts=(OPEN,))
+    greedy = stats[:2]  # greedy runs: a model drafting for itself agrees with itself
+    assert all(s.drafted_tokens > 0 and s.acceptance_rate == 1.0 for s in greedy)
+
+
+def test_poor_draft_is_rejected_and_still_exact(pipelines, tokenizer, poor_draft):
+    make = functools.partial(ModelSpeculator, poor_draft, n_ctx=1024)
+    stats = assert_unchanged(pipelines[2], tokenizer, make, prompts=(OPEN,))
+    assert all(s.drafted_tokens > 0 for s in stats)
+    assert sum(s.accepted_tokens for s in stats) < sum(s.drafted_tokens for s in stats)
+
+
+@pytest.mark.parametrize("stage_count", [2, 3])
+@pytest.mark.parametrize("schedule", ["sync", "async"])
+def test_partial_acceptance_rolls_every_stage_back(pipelines, tokenizer, stage_count, schedule):
+    """Drafts right except at chosen positions: passes commit 2..5 tokens, and the
+    rejected tail must be dropped from every stage's KV cache, or later tokens differ."""
+    pipeline = pipelines[stage_count]
+    prompt_tokens = tokenizer.chat_prompt(OPEN)
+    plain = decode(pipeline, tokenizer, OPEN, GREEDY).tokens
+    truth = prompt_tokens + plain
+    wrong = {len(prompt_tokens) + offset for offset in (3, 7, 8, 15, 22, 30)}
+    drafters = start_drafters(
+        pipeline, functools.partial(speculator_doubles.ScriptedSpeculator, truth, wrong), DrafterSettings(max_tokens=6)
+    )
+    try:
+        result = decode(pipeline, tokenizer, OPEN, GREEDY, drafters, schedule)
+    finally:
+        stop_drafters(drafters)
+    assert result.tokens == plain
+    lengths = result.speculation.accepted_lengths
+    assert any(1 < length < 7 for length in lengths), lengths
+    assert result.speculation.accepted_tokens < result.speculation.drafted_tokens
+
+
+@pytest.mark.parametrize(
+    "double",
+    [
+        functools.partial(speculator_doubles.RaisingSpeculator, good_calls=5),
+        functools.partial(speculator_doubles.HangingSpeculator, good_calls=5),
+    ],
+    ids=["raises", "hangs"],
+)
+@pytest.mark.parametrize("schedule", ["sync", "async"])
+def test_a_failing_drafter_changes_nothing(pipelines, tokenizer, double, schedule):
+    pipeline = pipelines[2]
+    prompt_tokens = tokenizer.chat_prompt(OPEN)
+    plain = decode(pipeline, tokenizer, OPEN, GREEDY).tokens
+    drafters = start_drafters(pipeline, functools.partial(double, prompt_tokens + plain), DrafterSettings(max_tokens=6, wait_seconds=0.5))
+    try:
+        result = decode(pipeline, tokenizer, OPEN, GREEDY, drafters, schedule)
+    finally:
+        stop_drafters(drafters)
+    assert result.tokens == plain
+
+
+@pytest.mark.parametrize("schedule", ["sync", "async"])
+def test_killing_a_drafter_mid_generation_changes_nothing(pipelines, tokenizer, schedule):
+    import ray
+
+    pipeline = pipelines[2]
+    prompt_tokens = tokenizer.chat_prompt(OPEN)
+    plain = decode(pipeline, tokenizer, OPEN, GREEDY).tokens
+    drafters = start_drafters(
+        pipeline, functools.partial(speculator_doubles.SlowSpeculator, prompt_tokens + plain, set()), DrafterSettings(max_tokens=4)
+    )
+    killed = threading.Event()
+
+    def kill_after_some_tokens(token):
+        if not killed.is_set() and len(produced) >= 8:
+            for drafter in drafters:
+                ray.kill(drafter.actor)
+            killed.set()
+        produced.append(token)
+
+    produced: list[int] = []
+    try:
+        speculation = Speculation(drafters, schedule, 4)
+        result = generate(
+            pipeline, prompt_tokens, MAX_TOKENS, GREEDY, tokenizer.is_end, speculation=speculation,
+            on_token=kill_after_some_tokens,
+        )
+    finally:
+        stop_drafters(drafters)
+    assert killed.is_set()
+    assert result.tokens == plain
+    assert all(not drafter.alive for drafter in drafters)
