@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from orchestrator.sampling import SamplingSettings
+from speculators.draft_length import next_draft_limit
 from speculators.verify import verify
 
 SCHEDULES = ("sync", "async")
@@ -99,6 +100,7 @@ class Speculation:
         self.drafters = drafters
         self.schedule = schedule
         self.max_drafts = max_drafts
+        self.draft_limit = max_drafts  # adapted after every pass (speculators.draft_length)
         self.stats = SpeculationStats()
 
     def _collect(self, index: int, wait: bool = False) -> list[int]:
@@ -212,7 +214,7 @@ def generate(
 
         in_flight = speculation.speculation(committed, pending) if speculation is not None else []
         # a pass commits up to drafts + 1 tokens: draft no further than needed
-        drafts = in_flight[: min(speculation.max_drafts if speculation else 0, max_tokens - len(result.tokens) - 1)]
+        drafts = in_flight[: min(speculation.draft_limit if speculation else 0, max_tokens - len(result.tokens) - 1)]
         inputs = [committed[-1], *drafts]
         every_row = np.arange(len(inputs), dtype=np.int32)
         logits, speculated = run_pass(inputs, len(committed) - 1, committed, in_flight, every_row)
@@ -220,6 +222,10 @@ def generate(
         new_tokens = verify(drafts, logits, len(committed), sampling)
         stats.drafted_tokens += len(drafts)
         stats.accepted_tokens += len(new_tokens) - 1
+        if speculation is not None:
+            speculation.draft_limit = next_draft_limit(
+                speculation.draft_limit, len(drafts), len(new_tokens) - 1, speculation.max_drafts
+            )
         stats.accepted_lengths[len(new_tokens)] += 1
         stats.input_lengths[len(inputs)] += 1
     return result

@@ -18,7 +18,7 @@ class PromptLookupSpeculator:
     """max_ngram..min_ngram: suffix lengths tried, longest first."""
 
     max_ngram: int = 3
-    min_ngram: int = 1
+    min_ngram: int = 2
 
     def extend(self, context: Sequence[int]) -> int | None:
         """The next draft token after context, or None when no n-gram recurs."""
