@@ -20,12 +20,19 @@ Speculation schedules (``Speculation``):
   is left (at the start, or after a rejection) the drafter beside stage 0
   drafts before the pass, as in ``sync``: stage 0 is idle until the pass starts,
   and a pass without drafts would waste the target.
+  The idle *target* machines are used too (PipeInfer's idea): while a pass is
+  in flight, the next window of the speculation is submitted at once, so stage
+  0 computes it while the later stages finish the first. It assumes the first
+  pass commits its whole window (every draft accepted, and its own next token
+  equal to the second window's first token); if not, its result is discarded
+  and the next pass's rollback drops its cache entries. At most two passes are
+  in flight.
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -43,11 +50,13 @@ class SpeculationStats:
     """drafted_tokens: draft tokens the target verified; accepted_tokens: those it accepted.
     accepted_lengths: passes by number of tokens they committed (1 = no draft accepted).
     input_lengths: passes by number of tokens fed to the target.
-    collected_tokens: tokens the drafters delivered (verified or not)."""
+    collected_tokens: tokens the drafters delivered (verified or not).
+    discarded_passes: passes started ahead on a speculation that then failed."""
 
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     collected_tokens: int = 0
+    discarded_passes: int = 0
     accepted_lengths: Counter = field(default_factory=Counter)
     input_lengths: Counter = field(default_factory=Counter)
 
@@ -162,18 +171,22 @@ def generate(
         for index, seconds in enumerate(stage_seconds):
             result.stage_seconds[index] += seconds
 
-    def run_pass(inputs: list[int], first: int, committed: list[int], speculated: list[int], rows: np.ndarray):
-        """One target pass over inputs at positions first..; drafters work meanwhile.
-        Returns (logits float32[len(rows), n_vocab], the speculation extended while it ran)."""
+    def submit(first: int, inputs: list[int], rows: np.ndarray) -> _Pass:
         positions = np.arange(first, first + len(inputs), dtype=np.int32)
         target.submit(positions, np.asarray(inputs, np.int32), first, rows)
+        return _Pass(first, inputs)
+
+    def receive(committed: list[int], text: list[int]) -> tuple[np.ndarray, list[int]]:
+        """The next result, with the drafters relayed while it runs.
+        Returns (logits, the speculative text extended meanwhile)."""
+        speculated = text[len(committed) :]
         if speculation is not None:
             speculated = speculation.while_running(target, committed, speculated)
         reply = target.receive()
         if speculation is not None:
             speculated = speculation.after_result(speculated)
         account(reply.stage_seconds)
-        return reply.logits, speculated
+        return reply.logits, committed + speculated
 
     # Prefill in chunks the stages accept in one batch. The last chunk's pass
     # already lets the drafters speculate past the prompt.
@@ -183,9 +196,13 @@ def generate(
         chunk = prompt_tokens[first : first + batch_size]
         account(target.forward(np.arange(first, first + len(chunk), dtype=np.int32), np.asarray(chunk, np.int32), first).stage_seconds)
     committed = list(prompt_tokens)
-    last_row = np.array([len(committed) - last_chunk - 1], dtype=np.int32)
-    logits, speculated = run_pass(committed[last_chunk:], last_chunk, committed, [], last_row)
+    submit(last_chunk, committed[last_chunk:], np.array([len(committed) - last_chunk - 1], dtype=np.int32))
+    logits, text = receive(committed, committed)
     new_tokens = verify([], logits, len(committed), sampling)
+    # text: the committed tokens followed by the speculation, indexed by absolute
+    # position. A pass is a window of it: inputs text[first : first + 1 + drafts].
+    in_flight: deque[_Pass] = deque()
+    pipelined = speculation is not None and speculation.schedule == "async"
     first_token_time = None
     while True:
         finished = False
@@ -205,20 +222,39 @@ def generate(
             if len(result.tokens) == max_tokens:
                 finished = True
                 break
+        if text[: len(committed)] != committed:
+            text = list(committed)  # the speculation went wrong: drop it
+        # A pass submitted ahead is valid only if the previous one committed its
+        # whole window (so the new last token is that pass's first input).
+        while in_flight and (finished or in_flight[0].first != len(committed) - 1 or in_flight[0].inputs[0] != committed[-1]):
+            target.receive()  # computed on a speculation that failed: discard
+            in_flight.popleft()
+            result.passes += 1
+            stats.discarded_passes += 1
         if finished:
             break
-        # Keep the speculation that still extends the committed text.
-        speculative_text = committed[: len(committed) - len(new_tokens)] + speculated
-        agrees = speculative_text[: len(committed)] == committed
-        pending = speculative_text[len(committed) :] if agrees else []
 
-        in_flight = speculation.speculation(committed, pending) if speculation is not None else []
-        # a pass commits up to drafts + 1 tokens: draft no further than needed
-        drafts = in_flight[: min(speculation.draft_limit if speculation else 0, max_tokens - len(result.tokens) - 1)]
-        inputs = [committed[-1], *drafts]
-        every_row = np.arange(len(inputs), dtype=np.int32)
-        logits, speculated = run_pass(inputs, len(committed) - 1, committed, in_flight, every_row)
+        room = max_tokens - len(result.tokens) - 1  # a pass commits up to drafts + 1 tokens
+        if not in_flight:
+            if speculation is not None:
+                text = committed + speculation.speculation(committed, text[len(committed) :])
+            limit = min(speculation.draft_limit, room) if speculation is not None else 0
+            inputs = text[len(committed) - 1 : len(committed) + limit]
+            in_flight.append(submit(len(committed) - 1, inputs, np.arange(len(inputs), dtype=np.int32)))
+        head = in_flight[0]
+        if pipelined and len(in_flight) == 1:
+            # Start the next window now, on the assumption that the head commits
+            # its whole window: stage 0 runs it while the later stages finish the head.
+            first = head.first + len(head.inputs)
+            ahead = first - (len(committed) - 1)  # tokens the head must commit first
+            limit = min(speculation.draft_limit, room - ahead)  # type: ignore[union-attr]
+            if len(text) > first and limit >= 0:
+                inputs = text[first : first + 1 + limit]
+                in_flight.append(submit(first, inputs, np.arange(len(inputs), dtype=np.int32)))
+        logits, text = receive(committed, text)
+        in_flight.popleft()
         result.passes += 1
+        drafts = head.inputs[1:]
         new_tokens = verify(drafts, logits, len(committed), sampling)
         stats.drafted_tokens += len(drafts)
         stats.accepted_tokens += len(new_tokens) - 1
@@ -227,5 +263,13 @@ def generate(
                 speculation.draft_limit, len(drafts), len(new_tokens) - 1, speculation.max_drafts
             )
         stats.accepted_lengths[len(new_tokens)] += 1
-        stats.input_lengths[len(inputs)] += 1
+        stats.input_lengths[len(head.inputs)] += 1
     return result
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """A submitted target pass: inputs at positions first, first + 1, ..."""
+
+    first: int
+    inputs: list[int]

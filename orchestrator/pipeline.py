@@ -9,6 +9,7 @@ stage 0 and reads the logits back from the last stage (orchestrator.wire).
 
 from __future__ import annotations
 
+import collections
 import socket
 import time
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ import numpy as np
 
 from orchestrator import wire
 from orchestrator.cluster import alive_nodes
-from orchestrator.messages import PassResult, Shutdown, StageBatch, StageFailure
+from orchestrator.messages import Boundary, PassResult, Shutdown, StageBatch, StageFailure
 from orchestrator.placement import plan_placement
 from orchestrator.stage_server import StageDescription, StageServer
 from stages.engine import StageSettings
@@ -150,9 +151,12 @@ class Pipeline:
                 ray.get(actor.connect_notify.remote(host, self._listener.getsockname()[1]))
                 self._boundaries.append(self._accept())
         self._pass_id = 0
+        self._in_flight: collections.deque = collections.deque()  # [pass id, start time, overlapped]
+        self._boundary_seen = [0] * len(self._boundaries)  # last pass id each stage reported
         self._closed = False
         # Wall time of passes minus the stages' own compute: the transport cost
-        # of all len(stages) + 1 hops (coordinator -> stages -> coordinator).
+        # of all len(stages) + 1 hops (coordinator -> stages -> coordinator),
+        # over the passes that ran alone.
         self.transport_seconds = 0.0
         self.passes = 0
 
@@ -204,38 +208,43 @@ class Pipeline:
 
     def submit(
         self, positions: np.ndarray, tokens: np.ndarray, keep: int, logit_rows: np.ndarray | None = None
-    ) -> None:
-        """Start a pass (see forward); then await_boundary for each non-last stage, then receive."""
+    ) -> int:
+        """Start a pass (see forward) and return its id; results come back in
+        submission order through receive(). A pass may be submitted while
+        another is in flight: the stages run them in order, one after the other."""
         if logit_rows is None:
             logit_rows = np.array([len(tokens) - 1], dtype=np.int32)
         self._pass_id += 1
-        self._boundaries_seen = 0
-        self._started = time.perf_counter()
+        overlapping = bool(self._in_flight)
+        for entry in self._in_flight:
+            entry[2] = True
+        self._in_flight.append([self._pass_id, time.perf_counter(), overlapping])
         wire.send_message(self._to_first, StageBatch(self._pass_id, keep, positions, logit_rows, tokens=tokens))
+        return self._pass_id
 
-    def await_boundary(self, stage_index: int) -> None:
-        """Block until the current pass has left stage ``stage_index`` (needs notify_boundaries).
-
-        Stages are awaited in order; receive() consumes any not awaited."""
-        if stage_index != self._boundaries_seen:
-            raise PipelineError(f"boundary {stage_index} awaited out of order")
-        self._boundaries_seen += 1
+    def await_boundary(self, stage_index: int) -> int:
+        """Block until the next pass has left stage ``stage_index``; return its id
+        (needs notify_boundaries). receive() consumes notices not awaited."""
         notice = wire.receive_message(self._boundaries[stage_index])
-        if getattr(notice, "pass_id", None) != self._pass_id:
-            raise PipelineError(f"stage {stage_index} reported {notice} during pass {self._pass_id}")
+        if not isinstance(notice, Boundary) or notice.pass_id != self._boundary_seen[stage_index] + 1:
+            raise PipelineError(f"stage {stage_index} reported {notice} after pass {self._boundary_seen[stage_index]}")
+        self._boundary_seen[stage_index] = notice.pass_id
+        return notice.pass_id
 
     def receive(self) -> PassResult:
-        """The logits of the current pass."""
-        for stage_index in range(self._boundaries_seen, len(self._boundaries)):
-            self.await_boundary(stage_index)
-        started = self._started
+        """The logits of the oldest pass in flight."""
+        pass_id, started, overlapped = self._in_flight.popleft()
+        for stage_index in range(len(self._boundaries)):
+            while self._boundary_seen[stage_index] < pass_id:
+                self.await_boundary(stage_index)
         reply = wire.receive_message(self._from_last)
         if isinstance(reply, StageFailure):
             raise PipelineError(f"stage {reply.stage_index} failed: {reply.message}")
-        if not isinstance(reply, PassResult) or reply.pass_id != self._pass_id:
-            raise PipelineError(f"unexpected reply {type(reply).__name__} to pass {self._pass_id}")
-        self.transport_seconds += time.perf_counter() - started - sum(reply.stage_seconds)
-        self.passes += 1
+        if not isinstance(reply, PassResult) or reply.pass_id != pass_id:
+            raise PipelineError(f"unexpected reply {type(reply).__name__} to pass {pass_id}")
+        if not overlapped:  # wall time minus compute is transport only for a pass that ran alone
+            self.transport_seconds += time.perf_counter() - started - sum(reply.stage_seconds)
+            self.passes += 1
         return reply
 
     @property

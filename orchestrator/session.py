@@ -82,6 +82,7 @@ class RunOutcome:
             "accepted_length_histogram": {str(length): count for length, count in sorted(stats.accepted_lengths.items())},
             "target_input_length_histogram": {str(length): count for length, count in sorted(stats.input_lengths.items())},
             "draft_tokens_wasted": stats.wasted_tokens,
+            "target_passes_discarded": stats.discarded_passes,
             "stages": [
                 {
                     "layers": [stage.first_block, stage.end_block],
