@@ -56,6 +56,7 @@ test: install
 
 bench: install
 	$(BIN)/python -m benchmarks.pipeline_vs_whole
+	$(BIN)/python -m benchmarks.speculation
 
 clean:
 	rm -rf $(VENV) build *.egg-info
