@@ -117,7 +117,7 @@ class Speculation:
         self.stats.collected_tokens += len(tokens)
         return tokens
 
-    def speculation(self, committed: list[int], pending: list[int]) -> list[int]:
+    def before_pass(self, committed: list[int], pending: list[int]) -> list[int]:
         """The speculation beyond the committed text when a pass starts (its first
         max_drafts tokens become the pass's drafts).
 
@@ -237,7 +237,7 @@ def generate(
         room = max_tokens - len(result.tokens) - 1  # a pass commits up to drafts + 1 tokens
         if not in_flight:
             if speculation is not None:
-                text = committed + speculation.speculation(committed, text[len(committed) :])
+                text = committed + speculation.before_pass(committed, text[len(committed) :])
             limit = min(speculation.draft_limit, room) if speculation is not None else 0
             inputs = text[len(committed) - 1 : len(committed) + limit]
             in_flight.append(submit(len(committed) - 1, inputs, np.arange(len(inputs), dtype=np.int32)))

@@ -23,8 +23,8 @@ class ScriptedSpeculator:
         return token + 1 if position in self.wrong_positions else token
 
 
-class RaisingSpeculator(ScriptedSpeculator):
-    """Right for a few tokens, then raises on every call."""
+class FailingSpeculator(ScriptedSpeculator):
+    """Right for good_calls tokens, then fails on every call (see fail())."""
 
     def __init__(self, truth: list[int], good_calls: int):
         super().__init__(truth, set())
@@ -34,23 +34,21 @@ class RaisingSpeculator(ScriptedSpeculator):
     def extend(self, context):
         self.calls += 1
         if self.calls > self.good_calls:
-            raise RuntimeError("drafter exploded on purpose")
+            self.fail()
         return super().extend(context)
 
+    def fail(self) -> None:
+        raise NotImplementedError
 
-class HangingSpeculator(ScriptedSpeculator):
-    """Right for a few tokens, then never returns."""
 
-    def __init__(self, truth: list[int], good_calls: int):
-        super().__init__(truth, set())
-        self.calls = 0
-        self.good_calls = good_calls
+class RaisingSpeculator(FailingSpeculator):
+    def fail(self) -> None:
+        raise RuntimeError("drafter exploded on purpose")
 
-    def extend(self, context):
-        self.calls += 1
-        if self.calls > self.good_calls:
-            time.sleep(3600)
-        return super().extend(context)
+
+class HangingSpeculator(FailingSpeculator):
+    def fail(self) -> None:
+        time.sleep(3600)
 
 
 class SlowSpeculator(ScriptedSpeculator):
