@@ -1,0 +1,66 @@
+"""The drafter server and its client over a real socket, without Ray or llama.cpp."""
+
+import functools
+import time
+
+import speculator_doubles
+from orchestrator import wire
+from orchestrator.drafter_server import DrafterServer
+from orchestrator.drafters import DrafterClient
+from speculators.prompt_lookup import PromptLookupSpeculator
+
+TRUTH = list(range(100, 160))
+
+
+def serve(make, **settings):
+    server = DrafterServer(make, "127.0.0.1", **settings)
+    return server, DrafterClient(0, wire.connect("127.0.0.1", server.port))
+
+
+def test_synchronous_collect_waits_for_a_full_draft():
+    server, client = serve(PromptLookupSpeculator, max_tokens=5)
+    client.speculate([1, 2, 3, 4, 5, 6, 7, 1, 2, 3])
+    assert client.collect(wait=True) == [4, 5, 6, 7, 1]
+    assert client.collect() == []  # nothing requested since
+    client.close()
+
+
+def test_drafting_stops_at_collect_unless_overlap():
+    for overlap in (False, True):
+        make = functools.partial(speculator_doubles.SlowSpeculator, TRUTH, set())  # 10 ms a token
+        server, client = serve(make, max_tokens=40, overlap=overlap)
+        client.speculate(TRUTH[:5])
+        time.sleep(0.05)
+        collected = client.collect()
+        assert collected == TRUTH[5 : 5 + len(collected)] and collected
+        drafted = server.drafted_tokens
+        time.sleep(0.1)
+        if overlap:
+            assert server.drafted_tokens > drafted + 3
+        else:
+            assert server.drafted_tokens <= drafted + 1  # at most the token in progress
+        client.close()
+
+
+def test_a_hanging_speculator_still_gets_an_answer_and_is_not_waited_for_twice():
+    make = functools.partial(speculator_doubles.HangingSpeculator, TRUTH, good_calls=2)
+    server, client = serve(make, max_tokens=8, wait_seconds=0.3)
+    client.speculate(TRUTH[:5])
+    started = time.perf_counter()
+    assert client.collect(wait=True) == TRUTH[5:7]
+    client.speculate(TRUTH[:7])
+    assert client.collect(wait=True) == []
+    assert time.perf_counter() - started < 0.6  # the second wait was skipped
+    assert client.alive
+
+
+def test_a_drafter_whose_connection_closes_is_dropped():
+    listener = wire.listen("127.0.0.1")
+    client = DrafterClient(0, wire.connect("127.0.0.1", listener.getsockname()[1]))
+    accepted, _ = listener.accept()
+    accepted.close()  # the drafter's process is gone
+    client.speculate([1, 2, 1])
+    assert client.collect() == []
+    assert not client.alive and client.lost_reason
+    client.speculate([1, 2, 1])
+    assert client.collect() == []
