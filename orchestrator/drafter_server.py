@@ -63,6 +63,11 @@ class DrafterServer:
         threading.Thread(target=self._draft_loop, name="drafting", daemon=True).start()
         threading.Thread(target=self._serve, name="drafter-socket", daemon=True).start()
 
+    @property
+    def stalled(self) -> bool:
+        """A synchronous wait timed out and no token has been produced since."""
+        return self._stalled
+
     # -- the socket -------------------------------------------------------
     def _serve(self) -> None:
         connection, _ = self.listener.accept()

@@ -26,7 +26,8 @@ Speculation schedules (``Speculation``):
   pass commits its whole window (every draft accepted, and its own next token
   equal to the second window's first token); if not, its result is discarded
   and the next pass's rollback drops its cache entries. At most two passes are
-  in flight.
+  in flight. A stage is then rarely idle, so drafters may run while their own
+  stage computes: free for prompt lookup, a contention for a draft model.
 """
 
 from __future__ import annotations

@@ -30,14 +30,16 @@ def test_drafting_stops_at_collect_unless_overlap():
         make = functools.partial(speculator_doubles.SlowSpeculator, TRUTH, set())  # 10 ms a token
         server, client = serve(make, max_tokens=40, overlap=overlap)
         client.speculate(TRUTH[:5])
-        time.sleep(0.05)
+        while server.drafted_tokens < 2:
+            time.sleep(0.01)
         collected = client.collect()
         assert collected == TRUTH[5 : 5 + len(collected)] and collected
         drafted = server.drafted_tokens
-        time.sleep(0.1)
-        if overlap:
-            assert server.drafted_tokens > drafted + 3
+        if overlap:  # drafting goes on after the collect
+            while server.drafted_tokens < drafted + 3:
+                time.sleep(0.01)
         else:
+            time.sleep(0.1)
             assert server.drafted_tokens <= drafted + 1  # at most the token in progress
         client.close()
 
@@ -46,11 +48,10 @@ def test_a_hanging_speculator_still_gets_an_answer_and_is_not_waited_for_twice()
     make = functools.partial(speculator_doubles.HangingSpeculator, TRUTH, good_calls=2)
     server, client = serve(make, max_tokens=8, wait_seconds=0.3)
     client.speculate(TRUTH[:5])
-    started = time.perf_counter()
-    assert client.collect(wait=True) == TRUTH[5:7]
+    assert client.collect(wait=True) == TRUTH[5:7]  # answered although the speculator hangs
+    assert server.stalled  # so later synchronous requests do not wait for it again
     client.speculate(TRUTH[:7])
     assert client.collect(wait=True) == []
-    assert time.perf_counter() - started < 0.6  # the second wait was skipped
     assert client.alive
 
 
