@@ -12,6 +12,14 @@ from speculators.prompt_lookup import PromptLookupSpeculator
 TRUTH = list(range(100, 160))
 
 
+def wait_until(condition, what: str) -> None:
+    """Liveness, not speed: fail instead of hanging if condition never holds."""
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.01)
+
+
 def serve(make, **settings):
     server = DrafterServer(make, "127.0.0.1", **settings)
     return server, DrafterClient(0, wire.connect("127.0.0.1", server.port))
@@ -30,14 +38,12 @@ def test_drafting_stops_at_collect_unless_overlap():
         make = functools.partial(speculator_doubles.SlowSpeculator, TRUTH, set())  # 10 ms a token
         server, client = serve(make, max_tokens=40, overlap=overlap)
         client.speculate(TRUTH[:5])
-        while server.drafted_tokens < 2:
-            time.sleep(0.01)
+        wait_until(lambda: server.drafted_tokens >= 2, "drafting started")
         collected = client.collect()
         assert collected == TRUTH[5 : 5 + len(collected)] and collected
         drafted = server.drafted_tokens
         if overlap:  # drafting goes on after the collect
-            while server.drafted_tokens < drafted + 3:
-                time.sleep(0.01)
+            wait_until(lambda: server.drafted_tokens >= drafted + 3, "drafting went on after collect")
         else:
             time.sleep(0.1)
             assert server.drafted_tokens <= drafted + 1  # at most the token in progress
