@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 from pathlib import Path
 
 import click
@@ -31,23 +30,6 @@ PROMPTS = [
 ]
 
 
-def whole_model_run(llama, prompt_tokens: list[int], max_tokens: int) -> tuple[list[int], float]:
-    import llama_cpp
-
-    llama.reset()
-    produced: list[int] = []
-    first_time = last_time = 0.0
-    for token in llama.generate(prompt_tokens, temp=0.0, repeat_penalty=1.0, reset=True):
-        if llama_cpp.llama_vocab_is_eog(llama._model.vocab, token) or len(produced) >= max_tokens:
-            break
-        last_time = time.perf_counter()
-        if not produced:
-            first_time = last_time
-        produced.append(token)
-    rate = (len(produced) - 1) / (last_time - first_time) if len(produced) > 1 else 0.0
-    return produced, rate
-
-
 @click.command()
 @click.option("--repetitions", default=5, show_default=True, type=click.IntRange(1))
 @click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(2))
@@ -55,6 +37,7 @@ def whole_model_run(llama, prompt_tokens: list[int], max_tokens: int) -> tuple[l
 def main(repetitions: int, max_tokens: int, json_out: Path | None) -> None:
     import llama_cpp
 
+    from benchmarks.suite import whole_run
     from orchestrator.cluster import ray_session
     from orchestrator.defaults import default_model_path, default_stage_paths
     from orchestrator.generate import generate
@@ -76,7 +59,7 @@ def main(repetitions: int, max_tokens: int, json_out: Path | None) -> None:
     identical = True
     with ray_session(None, num_cpus=2), Pipeline(stages, settings) as pipeline:
         # warm-up: one short run of each mode
-        whole_model_run(llama, prompts[0], 8)
+        whole_run(llama, prompts[0], 8)
         generate(pipeline, prompts[0], 8, SamplingSettings(), tokenizer.is_end)
         transport_before, passes_before = pipeline.transport_seconds, pipeline.passes
         for repetition in range(repetitions):
@@ -86,7 +69,7 @@ def main(repetitions: int, max_tokens: int, json_out: Path | None) -> None:
                 tokens = {}
                 for mode in order:
                     if mode == "whole":
-                        tokens[mode], rates[mode] = whole_model_run(llama, prompt, max_tokens)
+                        tokens[mode], rates[mode], _, _ = whole_run(llama, prompt, max_tokens)
                     else:
                         result = generate(pipeline, prompt, max_tokens, SamplingSettings(), tokenizer.is_end)
                         tokens[mode], rates[mode] = result.tokens, result.tokens_per_second

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -25,7 +26,7 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     from stages.gguf_file import ModelFileError
     from stages.layer_rules import SplitRuleError
 
-    return (ModelFileError, SplitRuleError, StageError, PipelineError, PlacementError, ClusterError, ValueError)
+    return (ModelFileError, SplitRuleError, StageError, PipelineError, PlacementError, ClusterError, ValueError, OSError)
 
 
 def one_line_errors(command):
@@ -188,6 +189,46 @@ def run(files, model_split, prompt, prompt_file, chat, max_tokens, temperature, 
     outcome = run_generation(settings, on_text=show, on_status=lambda line: click.echo(line, err=True))
     click.echo()
     click.echo(outcome.summary_line(), err=True)
+
+
+@main.command()
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Folder for results.json, results.md and chart.png.")
+@click.option("--quick", is_flag=True, help="A small subset (scenarios marked quick, 1 prompt, 1 repetition).")
+@click.option("--scenario", "names", multiple=True, help="Run only this scenario (repeatable).")
+@click.option("--scenarios", "folder", type=click.Path(file_okay=False, exists=True, path_type=Path),
+              help="Folder of scenario files (default: benchmarks/scenarios).")
+@click.option("--address", help="Ray cluster to use; default: start a local Ray.")
+@one_line_errors
+def bench(out_dir: Path, quick: bool, names: tuple[str, ...], folder: Path | None, address: str | None) -> None:
+    """Run the benchmark scenarios, every mode side by side; exit 1 if any mode's output differs."""
+    import platform
+    import tempfile
+
+    from benchmarks.report import write_results
+    from benchmarks.suite import SCENARIO_DIR, load_scenarios, run_scenario
+    from orchestrator.cluster import ray_session
+
+    scenarios = load_scenarios(folder or SCENARIO_DIR, quick=quick, only=list(names) or None)
+    results: dict = {
+        "command": "orchestrate bench " + " ".join(sys.argv[2:]),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "scenarios": [],
+    }
+    with ray_session(address, num_cpus=os.cpu_count()) as dashboard_url, tempfile.TemporaryDirectory() as workdir:
+        if dashboard_url:
+            click.echo(f"[Ray dashboard: {dashboard_url}]", err=True)
+        for scenario in scenarios:
+            results["scenarios"].append(
+                run_scenario(scenario, Path(workdir), progress=_progress_bar(f"{scenario.name:14s}"))
+            )
+    for path in write_results(results, out_dir):
+        click.echo(str(path))
+    different = [f"{scenario['scenario']}/{row['mode']}" for scenario in results["scenarios"]
+                 for row in scenario["modes"] if not row["identical"]]
+    if different:
+        click.echo(f"error: output differs from the whole model in {', '.join(different)}", err=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

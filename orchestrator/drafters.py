@@ -48,6 +48,11 @@ def _drafter_actor_class():
                 max_tokens=settings.max_tokens, overlap=settings.overlap, wait_seconds=settings.wait_seconds,
             )
 
+        def peak_rss_mb(self) -> float:
+            from orchestrator.pipeline import peak_rss_mb
+
+            return peak_rss_mb()
+
         def address(self) -> tuple[str, int, str]:
             return ray.util.get_node_ip_address(), self.server.port, ray.get_runtime_context().get_node_id()
 

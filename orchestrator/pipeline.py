@@ -63,6 +63,13 @@ def _one_line(error: BaseException) -> str:
     return lines[-1].strip() if lines else type(error).__name__
 
 
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process, in MiB."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def _stage_actor_class():
     import ray
 
@@ -85,6 +92,9 @@ def _stage_actor_class():
 
         def stats(self) -> tuple[float, int]:
             return self.server.busy_seconds, self.server.passes
+
+        def peak_rss_mb(self) -> float:
+            return peak_rss_mb()
 
         def __repr__(self) -> str:  # the name shown on the Ray dashboard and in logs
             if not hasattr(self, "server"):
@@ -262,6 +272,12 @@ class Pipeline:
             StageReport(stage.stage_index, stage.first_block, stage.end_block, stage.node_id, stage.host, busy, passes)
             for stage, (busy, passes) in zip(self.stages, stats)
         ]
+
+    def peak_rss_mb(self) -> list[float]:
+        """Peak resident memory of each stage's process, in MiB."""
+        import ray
+
+        return ray.get([actor.peak_rss_mb.remote() for actor in self.actors])
 
     def close(self) -> None:
         import ray

@@ -1,0 +1,307 @@
+"""`orchestrate bench`: every mode side by side on declared scenarios.
+
+A scenario (a TOML file in benchmarks/scenarios/) names a model, how to split
+it, the speculators to try, prompts, max tokens and repetitions. For each
+scenario the modes run on the same prompts in the same run, in a rotating
+order within each repetition after one warm-up run each:
+
+* whole: llama-cpp-python's ``Llama`` on the unsplit model (the reference);
+* whole-lookup: the same with its own ``LlamaPromptLookupDecoding``;
+* pipeline: the plain split pipeline;
+* spec-sync-KIND, spec-async-KIND: the pipeline with speculation, per kind.
+
+Every run's tokens are compared with the reference's (greedy); a mode that
+differs is flagged and makes the command fail. Methodology:
+benchmarks/METHODOLOGY.md.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import tomllib
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SCENARIO_DIR = Path(__file__).parent / "scenarios"
+QUICK_REPETITIONS = 1
+QUICK_MAX_TOKENS = 48
+SPECULATOR_KINDS = ("ngram", "model")
+
+
+class ScenarioError(ValueError):
+    """A scenario file that cannot be used; the message names the file."""
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One benchmark scenario, as declared in its TOML file."""
+
+    name: str
+    description: str
+    model: str
+    stages: int
+    boundaries: tuple[int, ...] | None
+    speculators: tuple[str, ...]
+    draft: str
+    chat: bool
+    max_tokens: int
+    repetitions: int
+    quick: bool
+    prompts: tuple[str, ...]
+
+    def quick_version(self) -> Scenario:
+        return Scenario(**{**self.__dict__, "repetitions": QUICK_REPETITIONS,
+                           "max_tokens": min(self.max_tokens, QUICK_MAX_TOKENS), "prompts": self.prompts[:1]})
+
+
+def load_scenario(path: Path) -> Scenario:
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as error:
+        raise ScenarioError(f"{path}: {error}") from None
+    known = {"name", "description", "model", "stages", "boundaries", "speculators", "draft", "chat", "max_tokens",
+             "repetitions", "quick", "prompts"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ScenarioError(f"{path}: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+    if not data.get("prompts") or not all(isinstance(prompt, str) and prompt for prompt in data["prompts"]):
+        raise ScenarioError(f"{path}: needs a non-empty list of prompts")
+    kinds = tuple(data.get("speculators", ["ngram"]))
+    bad = [kind for kind in kinds if kind not in SPECULATOR_KINDS]
+    if bad:
+        raise ScenarioError(f"{path}: unknown speculator {bad[0]!r} (choose from {', '.join(SPECULATOR_KINDS)})")
+    boundaries = data.get("boundaries")
+    try:
+        return Scenario(
+            name=str(data.get("name", path.stem)),
+            description=str(data.get("description", "")),
+            model=str(data.get("model", "default")),
+            stages=int(data.get("stages", len(boundaries) + 1 if boundaries else 2)),
+            boundaries=tuple(int(block) for block in boundaries) if boundaries else None,
+            speculators=kinds,
+            draft=str(data.get("draft", "default")),
+            chat=bool(data.get("chat", True)),
+            max_tokens=int(data.get("max_tokens", 64)),
+            repetitions=int(data.get("repetitions", 3)),
+            quick=bool(data.get("quick", False)),
+            prompts=tuple(data["prompts"]),
+        )
+    except (TypeError, ValueError) as error:
+        raise ScenarioError(f"{path}: {error}") from None
+
+
+def load_scenarios(folder: Path = SCENARIO_DIR, *, quick: bool = False, only: list[str] | None = None) -> list[Scenario]:
+    paths = sorted(folder.glob("*.toml"))
+    if not paths:
+        raise ScenarioError(f"{folder}: no scenario files (*.toml)")
+    scenarios = [load_scenario(path) for path in paths]
+    if only:
+        missing = sorted(set(only) - {scenario.name for scenario in scenarios})
+        if missing:
+            raise ScenarioError(f"no scenario named {missing[0]!r} in {folder}")
+        scenarios = [scenario for scenario in scenarios if scenario.name in only]
+    if quick:
+        scenarios = [scenario.quick_version() for scenario in scenarios if scenario.quick]
+    return scenarios
+
+
+@dataclass
+class Run:
+    """One mode on one prompt: what it produced and its figures."""
+
+    mode: str
+    prompt_index: int
+    repetition: int
+    tokens: list[int]
+    tokens_per_second: float
+    first_token_seconds: float
+    seconds: float
+    passes: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_lengths: Counter = field(default_factory=Counter)
+    stage_seconds: list[float] = field(default_factory=list)
+    drafter_seconds: float = 0.0
+
+
+def whole_run(llama, prompt_tokens: list[int], max_tokens: int) -> tuple[list[int], float, float, float]:
+    """Greedy through llama-cpp-python: tokens, tokens/s, time to first token, seconds."""
+    import llama_cpp
+
+    llama.reset()
+    produced: list[int] = []
+    started = time.perf_counter()
+    first = last = started
+    for token in llama.generate(prompt_tokens, temp=0.0, repeat_penalty=1.0, reset=True):
+        if llama_cpp.llama_vocab_is_eog(llama._model.vocab, token) or len(produced) >= max_tokens:
+            break
+        last = time.perf_counter()
+        if not produced:
+            first = last
+        produced.append(token)
+    rate = (len(produced) - 1) / (last - first) if len(produced) > 1 and last > first else 0.0
+    return produced, rate, first - started, last - started
+
+
+def _stage_paths(scenario: Scenario, workdir: Path) -> tuple[str, list[str]]:
+    from orchestrator.defaults import default_model_path
+    from stages.split import split_model
+
+    model = str(default_model_path()) if scenario.model == "default" else scenario.model
+    folder = workdir / f"{scenario.name}-stages"
+    folder.mkdir(parents=True, exist_ok=True)
+    count = len(scenario.boundaries) + 1 if scenario.boundaries else scenario.stages
+    paths = [str(folder / f"stage-{index + 1}-of-{count}.gguf") for index in range(count)]
+    split_model(model, paths, list(scenario.boundaries) if scenario.boundaries else None)
+    return model, paths
+
+
+def run_scenario(
+    scenario: Scenario, workdir: Path, progress: Callable[[int, int], None] | None = None
+) -> dict:
+    """Run every mode of a scenario; return its figures (see summarise)."""
+    import llama_cpp
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    from orchestrator.drafters import DrafterSettings, start_drafters, stop_drafters
+    from orchestrator.generate import Speculation, generate
+    from orchestrator.pipeline import Pipeline
+    from orchestrator.sampling import SamplingSettings
+    from orchestrator.session import SpeculationSettings, speculator_factory
+    from orchestrator.tokenizer import Tokenizer
+    from stages.engine import StageSettings
+
+    model, stage_paths = _stage_paths(scenario, workdir)
+    settings = StageSettings(n_ctx=2048, threads=1)
+    tokenizer = Tokenizer(stage_paths[0])
+    prompts = [tokenizer.chat_prompt(text) if scenario.chat else tokenizer.tokenize(text) for text in scenario.prompts]
+    whole = llama_cpp.Llama(model, n_ctx=2048, n_threads=1, n_threads_batch=1, verbose=False)
+    whole_lookup = llama_cpp.Llama(model, n_ctx=2048, n_threads=1, n_threads_batch=1, verbose=False,
+                                   draft_model=LlamaPromptLookupDecoding(num_pred_tokens=8))
+    draft = model if scenario.draft == "default" else scenario.draft
+    modes = ["whole", "whole-lookup", "pipeline"] + [
+        f"spec-{schedule}-{kind}" for kind in scenario.speculators for schedule in ("sync", "async")
+    ]
+    runs: list[Run] = []
+    total = scenario.repetitions * len(prompts) * len(modes)
+    with Pipeline(stage_paths, settings, notify_boundaries=True) as pipeline:
+        drafters = {
+            kind: start_drafters(
+                pipeline,
+                speculator_factory(SpeculationSettings(speculator=kind, draft_path=draft), tokenizer, settings),
+                DrafterSettings(max_tokens=8),
+            )
+            for kind in scenario.speculators
+        }
+        try:
+            def run_mode(mode: str, prompt: list[int], max_tokens: int) -> Run:
+                if mode in ("whole", "whole-lookup"):
+                    tokens, rate, first, seconds = whole_run(whole if mode == "whole" else whole_lookup, prompt, max_tokens)
+                    return Run(mode, 0, 0, tokens, rate, first, seconds)
+                speculation = None
+                if mode.startswith("spec-"):
+                    _, schedule, kind = mode.split("-", 2)
+                    speculation = Speculation(drafters[kind], schedule, 8)
+                clients = drafters.get(mode.split("-", 2)[-1], [])
+                busy_before = sum(client.busy_seconds for client in clients)
+                result = generate(pipeline, prompt, max_tokens, SamplingSettings(), tokenizer.is_end, speculation=speculation)
+                stats = result.speculation
+                return Run(
+                    mode, 0, 0, result.tokens, result.tokens_per_second, result.prefill_seconds, result.seconds,
+                    result.passes, stats.drafted_tokens, stats.accepted_tokens, Counter(stats.accepted_lengths),
+                    list(result.stage_seconds), sum(client.busy_seconds for client in clients) - busy_before,
+                )
+
+            for mode in modes:  # warm-up
+                run_mode(mode, prompts[0], 8)
+            done = 0
+            for repetition in range(scenario.repetitions):
+                for index, prompt in enumerate(prompts):
+                    shift = (repetition + index) % len(modes)
+                    for mode in modes[shift:] + modes[:shift]:
+                        run = run_mode(mode, prompt, scenario.max_tokens)
+                        run.prompt_index, run.repetition = index, repetition
+                        runs.append(run)
+                        done += 1
+                        if progress is not None:
+                            progress(done, total)
+            memory = {f"stage-{index}": rss for index, rss in enumerate(pipeline.peak_rss_mb())}
+            for kind, clients in drafters.items():
+                for client, rss in zip(clients, peak_rss_of(clients)):
+                    memory[f"drafter-{client.index} ({kind})"] = rss
+            hop_seconds = pipeline.hop_seconds
+        finally:
+            for clients in drafters.values():
+                stop_drafters(clients)
+    return summarise(scenario, modes, runs, len(stage_paths), hop_seconds, memory)
+
+
+def peak_rss_of(clients) -> list[float | None]:
+    import ray
+
+    values: list[float | None] = []
+    for client in clients:
+        try:
+            values.append(ray.get(client.actor.peak_rss_mb.remote(), timeout=30) if client.actor else None)
+        except ray.exceptions.RayError:
+            values.append(None)
+    return values
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def summarise(scenario: Scenario, modes: list[str], runs: list[Run], stage_count: int, hop_seconds: float,
+              memory: dict[str, float | None]) -> dict:
+    """Per-mode figures; ratios are taken per (repetition, prompt) pair, then the median."""
+    reference = {(run.repetition, run.prompt_index): run for run in runs if run.mode == "whole"}
+    by_pair = {(run.mode, run.repetition, run.prompt_index): run for run in runs}
+    rows = []
+    for mode in modes:
+        mode_runs = [run for run in runs if run.mode == mode]
+        rates = [run.tokens_per_second for run in mode_runs]
+
+        def ratio_to(other: str) -> float:
+            ratios = [run.tokens_per_second / by_pair[(other, run.repetition, run.prompt_index)].tokens_per_second
+                      for run in mode_runs if by_pair[(other, run.repetition, run.prompt_index)].tokens_per_second > 0]
+            return _median(ratios)
+
+        tokens = sum(len(run.tokens) for run in mode_runs)
+        seconds = sum(run.seconds for run in mode_runs)
+        drafted = sum(run.drafted for run in mode_runs)
+        lengths: Counter = Counter()
+        for run in mode_runs:
+            lengths.update(run.accepted_lengths)
+        pipelined = mode not in ("whole", "whole-lookup")
+        rows.append({
+            "mode": mode,
+            "runs": len(mode_runs),
+            "tokens_per_second": {"median": _median(rates), "min": min(rates), "max": max(rates)},
+            "time_to_first_token_ms": _median([run.first_token_seconds * 1e3 for run in mode_runs]),
+            "ratio_to_pipeline": ratio_to("pipeline"),
+            "ratio_to_whole": ratio_to("whole"),
+            "identical": all(run.tokens == reference[(run.repetition, run.prompt_index)].tokens for run in mode_runs),
+            "target_passes_per_token": sum(run.passes for run in mode_runs) / tokens if pipelined and tokens else None,
+            "acceptance_rate": sum(run.accepted for run in mode_runs) / drafted if drafted else None,
+            "accepted_length_histogram": {str(length): count for length, count in sorted(lengths.items())},
+            "stage_busy_fraction": [sum(run.stage_seconds[index] for run in mode_runs) / seconds
+                                    for index in range(stage_count)] if pipelined and seconds else None,
+            "drafter_busy_fraction": (sum(run.drafter_seconds for run in mode_runs) / seconds / stage_count
+                                      if mode.startswith("spec-") and seconds else None),
+        })
+    return {
+        "scenario": scenario.name,
+        "description": scenario.description,
+        "stages": stage_count,
+        "threads_per_process": 1,
+        "repetitions": scenario.repetitions,
+        "prompts": len(scenario.prompts),
+        "max_tokens": scenario.max_tokens,
+        "hop_microseconds": hop_seconds * 1e6,
+        "peak_rss_mb": memory,
+        "modes": rows,
+    }
