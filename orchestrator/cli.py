@@ -215,9 +215,9 @@ def bench(out_dir: Path, quick: bool, names: tuple[str, ...], folder: Path | Non
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "scenarios": [],
     }
-    with ray_session(address, num_cpus=os.cpu_count()) as dashboard_url, tempfile.TemporaryDirectory() as workdir:
-        if dashboard_url:
-            click.echo(f"[Ray dashboard: {dashboard_url}]", err=True)
+    with ray_session(address, num_cpus=os.cpu_count()) as where, tempfile.TemporaryDirectory() as workdir:
+        if where:
+            click.echo(f"[{where}]", err=True)
         for scenario in scenarios:
             results["scenarios"].append(
                 run_scenario(scenario, Path(workdir), progress=_progress_bar(f"{scenario.name:14s}"))

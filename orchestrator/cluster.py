@@ -22,8 +22,9 @@ def ray_session(address: str | None, *, dashboard: bool = False, num_cpus: int |
     """Connect to ``address`` ("auto" honours RAY_ADDRESS), or start a local Ray.
 
     A local instance is shut down on exit; a cluster one connected to is left
-    running. Yields the dashboard URL when there is one. An already initialised
-    Ray (tests share one per session) is used as it is.
+    running. Yields a line naming the dashboard URL and, for a local instance
+    with a dashboard, the metrics endpoint (None when there is neither). An
+    already initialised Ray (tests share one per session) is used as it is.
     """
     import ray
 
@@ -34,6 +35,7 @@ def ray_session(address: str | None, *, dashboard: bool = False, num_cpus: int |
         yield None
         return
     try:
+        metrics_port = _free_port() if dashboard else None
         if address is None:
             context = ray.init(
                 address="local",
@@ -42,6 +44,7 @@ def ray_session(address: str | None, *, dashboard: bool = False, num_cpus: int |
                 object_store_memory=300 * 1024**2,
                 log_to_driver=False,
                 configure_logging=False,
+                _metrics_export_port=metrics_port,
             )
         else:
             context = ray.init(address=address, log_to_driver=False, configure_logging=False)
@@ -50,9 +53,20 @@ def ray_session(address: str | None, *, dashboard: bool = False, num_cpus: int |
         raise ClusterError(f"could not {'start' if address is None else 'connect to'} Ray: {first_line}") from None
     try:
         url = context.dashboard_url
-        yield f"http://{url}" if url else None
+        parts = [f"Ray dashboard: http://{url}"] if url else []
+        if address is None and metrics_port:
+            parts.append(f"metrics: http://{ray.util.get_node_ip_address()}:{metrics_port}/metrics")
+        yield "; ".join(parts) or None
     finally:
         ray.shutdown()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
 
 
 def alive_nodes() -> list[NodeInfo]:

@@ -156,9 +156,13 @@ def generate(
     is_end: Callable[[int], bool],
     *,
     on_token: Callable[[int], None] | None = None,
+    on_pass: Callable[[Generation, int], None] | None = None,
     speculation: Speculation | None = None,
 ) -> Generation:
-    """Decode up to max_tokens after the prompt through ``target`` (a Pipeline)."""
+    """Decode up to max_tokens after the prompt through ``target`` (a Pipeline).
+
+    on_token: called with each committed token; on_pass: called after each
+    verified pass with the running Generation and the tokens that pass committed."""
     if not prompt_tokens:
         raise ValueError("the prompt is empty")
     result = Generation(list(prompt_tokens))
@@ -265,6 +269,8 @@ def generate(
             )
         stats.accepted_lengths[len(new_tokens)] += 1
         stats.input_lengths[len(head.inputs)] += 1
+        if on_pass is not None:
+            on_pass(result, len(new_tokens))
     return result
 
 

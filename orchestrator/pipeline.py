@@ -78,8 +78,11 @@ def _stage_actor_class():
         """Thin Ray shell over a StageServer (see orchestrator.stage_server)."""
 
         def __init__(self, path: str, settings: StageSettings, wire_dtype: str):
+            from orchestrator.metrics import StageMetrics
+
             context = ray.get_runtime_context()
             self.server = StageServer(path, settings, ray.util.get_node_ip_address(), context.get_node_id(), wire_dtype)
+            self.server.on_pass = StageMetrics(self.server.description.stage_index).record
 
         def describe(self) -> StageDescription:
             return self.server.description

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from orchestrator.cluster import ray_session
 from orchestrator.drafters import DrafterClient, DrafterSettings, start_drafters, stop_drafters
 from orchestrator.generate import Generation, Speculation, generate
+from orchestrator.metrics import GenerationMetrics
 from orchestrator.pipeline import Pipeline, StageReport, check_stage_files
 from orchestrator.sampling import SamplingSettings
 from orchestrator.tokenizer import Tokenizer
@@ -176,9 +177,9 @@ def run_generation(
 
     speculation_settings = settings.speculation
     asynchronous = make_speculator is not None and speculation_settings.schedule == "async"
-    with ray_session(settings.address, dashboard=settings.dashboard) as dashboard_url:
-        if dashboard_url and on_status is not None:
-            on_status(f"[Ray dashboard: {dashboard_url}]")
+    with ray_session(settings.address, dashboard=settings.dashboard) as where:
+        if where and on_status is not None:
+            on_status(f"[{where}]")
         with Pipeline(
             settings.stage_paths, settings.stage, wire_dtype=settings.wire_dtype, place=settings.place,
             notify_boundaries=asynchronous,
@@ -191,10 +192,12 @@ def run_generation(
                     DrafterSettings(max_tokens=speculation_settings.draft_max, overlap=speculation_settings.overlap),
                 )
                 speculation = Speculation(drafters, speculation_settings.schedule, speculation_settings.draft_max)
+            live = GenerationMetrics()
             try:
                 generation = generate(
                     pipeline, tokens, settings.max_tokens, settings.sampling, tokenizer.is_end,
                     on_token=emit, speculation=speculation,
+                    on_pass=lambda running, committed: live.record(running, committed, pipeline.hop_seconds, drafters),
                 )
             finally:
                 speculator_reports = [

@@ -12,6 +12,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +49,8 @@ class StageServer:
 
     def __init__(self, path: str, settings: StageSettings, host: str, node_id: str, wire_dtype: str = "f32"):
         self.engine = StageEngine(path, settings)
+        # called after each pass with (compute seconds, KV positions held); the Ray shell records metrics
+        self.on_pass: Callable[[float, int], None] | None = None
         self.wire_dtype = WIRE_DTYPES[wire_dtype]
         self.listener = wire.listen(host)
         self.busy_seconds = 0.0
@@ -117,6 +120,8 @@ class StageServer:
         seconds = time.perf_counter() - started
         self.busy_seconds += seconds
         self.passes += 1
+        if self.on_pass is not None:
+            self.on_pass(seconds, engine.cached_positions())
         stage_seconds = batch.stage_seconds + (seconds,)
         if engine.is_last:
             return PassResult(batch.pass_id, output, stage_seconds)

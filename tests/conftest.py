@@ -79,19 +79,35 @@ def reference(smollm2) -> Reference:
     return Reference(smollm2)
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """One three-node Ray cluster on this machine for the whole test session."""
+    """One three-node Ray cluster on this machine for the whole test session.
+
+    Each node serves Prometheus metrics on its own port (cluster.metrics_ports),
+    reported every second instead of Ray's default ten."""
     import ray
     from ray.cluster_utils import Cluster
 
+    ports = [free_port() for _ in range(3)]
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 2, "object_store_memory": 100 * 1024**2, "include_dashboard": False},
+        head_node_args={
+            "num_cpus": 2, "object_store_memory": 100 * 1024**2, "include_dashboard": False,
+            "metrics_export_port": ports[0], "_system_config": {"metrics_report_interval_ms": 1000},
+        },
     )
-    for _ in range(2):
-        cluster.add_node(num_cpus=2, object_store_memory=100 * 1024**2)
+    for port in ports[1:]:
+        cluster.add_node(num_cpus=2, object_store_memory=100 * 1024**2, metrics_export_port=port)
     cluster.wait_for_nodes()
+    cluster.metrics_ports = ports
     ray.init(address=cluster.address, log_to_driver=False)
     yield cluster
     ray.shutdown()

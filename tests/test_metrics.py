@@ -1,0 +1,74 @@
+"""Live metrics reach the cluster's Prometheus endpoints while a pipeline runs."""
+
+import re
+import time
+import urllib.request
+
+from orchestrator.drafters import DrafterSettings, start_drafters, stop_drafters
+from orchestrator.generate import Speculation, generate
+from orchestrator.metrics import GenerationMetrics
+from orchestrator.pipeline import Pipeline
+from orchestrator.sampling import SamplingSettings
+from orchestrator.tokenizer import Tokenizer
+from speculators.prompt_lookup import PromptLookupSpeculator
+from stages.engine import StageSettings
+
+
+def scrape(ports) -> str:
+    texts = []
+    for port in ports:
+        try:
+            texts.append(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode())
+        except OSError:
+            pass
+    return "\n".join(texts)
+
+
+def value(text: str, name: str, **tags) -> float | None:
+    """The largest sample of a metric whose tags include the given ones."""
+    found = None
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            if all(f'{key}="{wanted}"' in line for key, wanted in tags.items()):
+                sample = float(line.rsplit(" ", 1)[1])
+                found = sample if found is None else max(found, sample)
+    return found
+
+
+def test_custom_metrics_appear_at_the_metrics_endpoint_during_a_run(ray_cluster, splits):
+    tokenizer = Tokenizer(splits[2][0])
+    prompt = tokenizer.chat_prompt("Repeat exactly: the quick brown fox jumps over the lazy dog, twice.")
+    with Pipeline(splits[2], StageSettings(n_ctx=1024), notify_boundaries=True) as pipeline:
+        drafters = start_drafters(pipeline, PromptLookupSpeculator, DrafterSettings(max_tokens=6))
+        live = GenerationMetrics()
+        try:
+            result = generate(
+                pipeline, prompt, 40, SamplingSettings(), tokenizer.is_end,
+                speculation=Speculation(drafters, "async", 6),
+                on_pass=lambda running, committed: live.record(running, committed, pipeline.hop_seconds, drafters),
+            )
+            deadline = time.monotonic() + 60
+            wanted = {
+                "generated tokens": ("ray_specpipe_generated_tokens_total", {}),
+                "tokens/s": ("ray_specpipe_tokens_per_second", {}),
+                "acceptance": ("ray_specpipe_acceptance_rate", {}),
+                "accepted length": ("ray_specpipe_accepted_length_count", {}),
+                "hop latency": ("ray_specpipe_hop_seconds", {}),
+                "drafter busy": ("ray_specpipe_drafter_busy_fraction", {"drafter": "1"}),
+                "stage 0 pass latency": ("ray_specpipe_stage_pass_seconds_count", {"stage": "0"}),
+                "stage 1 pass latency": ("ray_specpipe_stage_pass_seconds_count", {"stage": "1"}),
+                "stage 1 KV cells": ("ray_specpipe_kv_cells_used", {"stage": "1"}),
+            }
+            while True:
+                text = scrape(ray_cluster.metrics_ports)
+                missing = [label for label, (name, tags) in wanted.items() if value(text, name, **tags) is None]
+                if not missing or time.monotonic() > deadline:
+                    break
+                time.sleep(1)
+            assert not missing, f"never exported: {missing}"
+        finally:
+            stop_drafters(drafters)
+    assert value(text, "ray_specpipe_generated_tokens_total") >= len(result.tokens)
+    assert value(text, "ray_specpipe_tokens_per_second") > 0
+    assert value(text, "ray_specpipe_kv_cells_used", stage="1") >= len(prompt)
+    assert re.search(r'ray_specpipe_stage_pass_seconds_bucket\{[^}]*stage="0"', text)
