@@ -26,7 +26,9 @@ Speculation schedules (``Speculation``):
   pass commits its whole window (every draft accepted, and its own next token
   equal to the second window's first token); if not, its result is discarded
   and the next pass's rollback drops its cache entries. At most two passes are
-  in flight. A stage is then rarely idle, so drafters may run while their own
+  in flight, and a pass is started ahead only after a pass that accepted all
+  its drafts: after a rejection the next window is likely wrong too, and a
+  discarded pass still costs every stage its compute. A stage is then rarely idle, so drafters may run while their own
   stage computes: free for prompt lookup, a contention for a draft model.
 """
 
@@ -208,6 +210,7 @@ def generate(
     # position. A pass is a window of it: inputs text[first : first + 1 + drafts].
     in_flight: deque[_Pass] = deque()
     pipelined = speculation is not None and speculation.schedule == "async"
+    on_a_roll = False  # the last verified pass accepted all its drafts
     first_token_time = None
     while True:
         finished = False
@@ -247,7 +250,7 @@ def generate(
             inputs = text[len(committed) - 1 : len(committed) + limit]
             in_flight.append(submit(len(committed) - 1, inputs, np.arange(len(inputs), dtype=np.int32)))
         head = in_flight[0]
-        if pipelined and len(in_flight) == 1:
+        if pipelined and on_a_roll and len(in_flight) == 1:
             # Start the next window now, on the assumption that the head commits
             # its whole window: stage 0 runs it while the later stages finish the head.
             first = head.first + len(head.inputs)
@@ -261,6 +264,7 @@ def generate(
         result.passes += 1
         drafts = head.inputs[1:]
         new_tokens = verify(drafts, logits, len(committed), sampling)
+        on_a_roll = bool(drafts) and len(new_tokens) == len(drafts) + 1
         stats.drafted_tokens += len(drafts)
         stats.accepted_tokens += len(new_tokens) - 1
         if speculation is not None:
