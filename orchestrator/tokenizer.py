@@ -85,9 +85,6 @@ class Tokenizer:
             length = llama_cpp.llama_token_to_piece(self._vocab, token, buffer, len(buffer), 0, False)
         return buffer.raw[:length]
 
-    def detokenize(self, tokens: list[int]) -> str:
-        return b"".join(self.piece(token) for token in tokens).decode(errors="replace")
-
     def text_stream(self) -> TextStream:
         return TextStream(self)
 

@@ -245,14 +245,6 @@ class StageEngine:
         """Drop cached positions >= first_position (of seq_id; -1: all sequences)."""
         llama_cpp.llama_memory_seq_rm(self._memory, seq_id, first_position, -1)
 
-    def keep_sequence(self, seq_id: int) -> None:
-        """Drop every sequence but seq_id."""
-        llama_cpp.llama_memory_seq_keep(self._memory, seq_id)
-
-    def copy_sequence(self, source: int, destination: int, first: int = -1, end: int = -1) -> None:
-        """Make positions [first, end) of source also belong to destination."""
-        llama_cpp.llama_memory_seq_cp(self._memory, source, destination, first, end)
-
     def cached_positions(self, seq_id: int = 0) -> int:
         """Number of positions cached for seq_id (largest position + 1)."""
         return int(llama_cpp.llama_memory_seq_pos_max(self._memory, seq_id)) + 1

@@ -82,9 +82,6 @@ class ModelFile:
     def block_count(self) -> int:
         return int(self.fields[f"{self.architecture}.block_count"].value)  # type: ignore[arg-type]
 
-    @property
-    def total_bytes(self) -> int:
-        return sum(tensor.n_bytes for tensor in self.tensors)
 
 
 @dataclass(frozen=True)
