@@ -135,6 +135,8 @@ def start_drafters(pipeline, make_speculator: Callable[[], Speculator], settings
     """
     import ray
 
+    from orchestrator.pipeline import one_line
+
     actor_class = _drafter_actor_class()
     actors = [
         actor_class.options(**pipeline.actor_options(index, num_cpus=0)).remote(index, make_speculator, settings)
@@ -147,7 +149,7 @@ def start_drafters(pipeline, make_speculator: Callable[[], Speculator], settings
             clients.append(DrafterClient(index, wire.connect(host, port), node_id, actor))
         except (ray.exceptions.RayError, OSError) as error:
             client = DrafterClient(index, None, actor=actor)
-            client.lost_reason = f"did not start: {str(error).strip().splitlines()[-1] if str(error).strip() else error}"
+            client.lost_reason = f"did not start: {one_line(error)}"
             clients.append(client)
     return clients
 

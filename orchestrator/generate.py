@@ -214,6 +214,7 @@ def generate(
     first_token_time = None
     while True:
         finished = False
+        agreed = len(committed)  # text and committed agree up to here
         for token in new_tokens:
             if is_end(token):
                 result.stopped_by, finished = "end", True
@@ -230,7 +231,7 @@ def generate(
             if len(result.tokens) == max_tokens:
                 finished = True
                 break
-        if text[: len(committed)] != committed:
+        if text[agreed : len(committed)] != committed[agreed:]:
             text = list(committed)  # the speculation went wrong: drop it
         # A pass submitted ahead is valid only if the previous one committed its
         # whole window (so the new last token is that pass's first input).

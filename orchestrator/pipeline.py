@@ -53,7 +53,7 @@ def check_stage_files(paths: list[str]) -> list[StageFileInfo | None]:
     return infos
 
 
-def _one_line(error: BaseException) -> str:
+def one_line(error: BaseException) -> str:
     """The message of the StageError behind a Ray error, else its last line."""
     text = str(error)
     for line in reversed(text.splitlines()):
@@ -108,6 +108,16 @@ def _stage_actor_class():
     return StageActor
 
 
+@dataclass
+class _InFlight:
+    """A submitted pass: its id, when it was sent, and whether another pass
+    was in flight at the same time (then wall time minus compute is not transport)."""
+
+    pass_id: int
+    started: float
+    overlapped: bool
+
+
 class Pipeline:
     """A running pipeline: ``forward`` sends one batch through every stage."""
 
@@ -144,10 +154,9 @@ class Pipeline:
             raise PipelineError(f"stages did not start within {ACTOR_START_SECONDS:.0f} s") from None
         except ray.exceptions.RayError as error:
             self.close()
-            raise PipelineError(f"a stage failed to start: {_one_line(error)}") from None
+            raise PipelineError(f"a stage failed to start: {one_line(error)}") from None
         self.n_vocab = self.stages[-1].n_vocab
         self.n_batch = settings.n_batch
-        self.n_ctx = min(stage.n_ctx for stage in self.stages)
 
         # Wire the chain: each stage connects to the next; the last to us.
         host = ray.util.get_node_ip_address()
@@ -164,7 +173,7 @@ class Pipeline:
                 ray.get(actor.connect_notify.remote(host, self._listener.getsockname()[1]))
                 self._boundaries.append(self._accept())
         self._pass_id = 0
-        self._in_flight: collections.deque = collections.deque()  # [pass id, start time, overlapped]
+        self._in_flight: collections.deque[_InFlight] = collections.deque()
         self._boundary_seen = [0] * len(self._boundaries)  # last pass id each stage reported
         self._closed = False
         # Wall time of passes minus the stages' own compute: the transport cost
@@ -195,6 +204,8 @@ class Pipeline:
                 try:
                     ray.get(self._placement_group.ready(), timeout=60)
                 except ray.exceptions.GetTimeoutError:
+                    ray.util.remove_placement_group(self._placement_group)
+                    self._placement_group = None
                     raise PipelineError(
                         f"could not place {count} stages on {count} different nodes (each needs 1 free CPU)"
                     ) from None
@@ -230,8 +241,8 @@ class Pipeline:
         self._pass_id += 1
         overlapping = bool(self._in_flight)
         for entry in self._in_flight:
-            entry[2] = True
-        self._in_flight.append([self._pass_id, time.perf_counter(), overlapping])
+            entry.overlapped = True
+        self._in_flight.append(_InFlight(self._pass_id, time.perf_counter(), overlapping))
         wire.send_message(self._to_first, StageBatch(self._pass_id, keep, positions, logit_rows, tokens=tokens))
         return self._pass_id
 
@@ -246,7 +257,8 @@ class Pipeline:
 
     def receive(self) -> PassResult:
         """The logits of the oldest pass in flight."""
-        pass_id, started, overlapped = self._in_flight.popleft()
+        entry = self._in_flight.popleft()
+        pass_id = entry.pass_id
         for stage_index in range(len(self._boundaries)):
             while self._boundary_seen[stage_index] < pass_id:
                 self.await_boundary(stage_index)
@@ -255,8 +267,8 @@ class Pipeline:
             raise PipelineError(f"stage {reply.stage_index} failed: {reply.message}")
         if not isinstance(reply, PassResult) or reply.pass_id != pass_id:
             raise PipelineError(f"unexpected reply {type(reply).__name__} to pass {pass_id}")
-        if not overlapped:  # wall time minus compute is transport only for a pass that ran alone
-            self.transport_seconds += time.perf_counter() - started - sum(reply.stage_seconds)
+        if not entry.overlapped:  # wall time minus compute is transport only for a pass that ran alone
+            self.transport_seconds += time.perf_counter() - entry.started - sum(reply.stage_seconds)
             self.passes += 1
         return reply
 

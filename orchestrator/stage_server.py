@@ -39,9 +39,7 @@ class StageDescription:
     node_id: str
     host: str
     port: int
-    n_embd: int
     n_vocab: int
-    n_ctx: int
 
 
 class StageServer:
@@ -66,9 +64,7 @@ class StageServer:
             node_id=node_id,
             host=host,
             port=self.listener.getsockname()[1],
-            n_embd=self.engine.n_embd,
             n_vocab=self.engine.n_vocab,
-            n_ctx=self.engine.n_ctx,
         )
 
     def connect_notify(self, host: str, port: int) -> None:

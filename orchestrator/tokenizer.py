@@ -11,20 +11,20 @@ import ctypes
 
 import llama_cpp
 
-from stages.engine import StageError, _ensure_backend, _meta_string, _quiet_logs
+from stages.engine import StageError, ensure_backend, meta_string, quiet_logs
 
 
 class Tokenizer:
     def __init__(self, path: str):
-        _ensure_backend()
-        _quiet_logs()
+        ensure_backend()
+        quiet_logs()
         params = llama_cpp.llama_model_default_params()
         params.vocab_only = True
         self._model = llama_cpp.llama_model_load_from_file(path.encode(), params)
         if not self._model:
             raise StageError(f"{path}: llama.cpp could not read its vocabulary")
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
-        self.chat_template = _meta_string(self._model, "tokenizer.chat_template", 1 << 16)
+        self.chat_template = meta_string(self._model, "tokenizer.chat_template", 1 << 16)
 
     def tokenize(self, text: str, *, special: bool = False) -> list[int]:
         """Token ids of text, with the BOS token when the vocabulary asks for one.

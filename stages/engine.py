@@ -68,14 +68,14 @@ class StageSettings:
     sequences: int = 1
 
 
-def _ensure_backend() -> None:
+def ensure_backend() -> None:
     global _backend_ready
     if not _backend_ready:
         llama_cpp.llama_backend_init()
         _backend_ready = True
 
 
-def _quiet_logs() -> None:
+def quiet_logs() -> None:
     """Silence llama.cpp's load chatter (errors still come back as return codes)."""
 
     @llama_cpp.llama_log_callback
@@ -83,15 +83,15 @@ def _quiet_logs() -> None:
         return None
 
     llama_cpp.llama_log_set(ignore, ctypes.c_void_p(0))
-    _quiet_logs.keep = ignore  # type: ignore[attr-defined]
+    quiet_logs.keep = ignore  # type: ignore[attr-defined]
 
 
-def _meta_string(model: llama_cpp.llama_model_p, key: str, capacity: int = 256) -> str | None:
+def meta_string(model: llama_cpp.llama_model_p, key: str, capacity: int = 256) -> str | None:
     """A metadata value of a loaded model as text (None when absent)."""
     buffer = ctypes.create_string_buffer(capacity)
     length = llama_cpp.llama_model_meta_val_str(model, key.encode(), buffer, ctypes.sizeof(buffer))
     if length >= capacity:
-        return _meta_string(model, key, length + 1)
+        return meta_string(model, key, length + 1)
     return buffer.value.decode(errors="replace") if length >= 0 else None
 
 
@@ -104,9 +104,9 @@ class StageEngine:
     """
 
     def __init__(self, path: str, settings: StageSettings = StageSettings(), *, verbose: bool = False):
-        _ensure_backend()
+        ensure_backend()
         if not verbose:
-            _quiet_logs()
+            quiet_logs()
         if not os.path.isfile(path):
             raise StageError(f"{path}: no such file")
         self.path = path
@@ -117,9 +117,9 @@ class StageEngine:
         if not self._model:
             raise StageError(f"{path}: llama.cpp could not load this model")
         # A file without specpipe metadata is the whole model: one stage.
-        self.stage_index = int(_meta_string(self._model, KEY_STAGE_INDEX) or 0)
-        self.stage_count = int(_meta_string(self._model, KEY_STAGE_COUNT) or 1)
-        self.first_block = int(_meta_string(self._model, KEY_FIRST_BLOCK) or 0)
+        self.stage_index = int(meta_string(self._model, KEY_STAGE_INDEX) or 0)
+        self.stage_count = int(meta_string(self._model, KEY_STAGE_COUNT) or 1)
+        self.first_block = int(meta_string(self._model, KEY_FIRST_BLOCK) or 0)
         self.is_first = self.stage_index == 0
         self.is_last = self.stage_index == self.stage_count - 1
         self.block_count = llama_cpp.llama_model_n_layer(self._model)
