@@ -81,14 +81,19 @@ def main() -> None:
 @click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
 @click.argument("outputs", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--boundaries", help="Blocks where stages 2..n start, e.g. '15' or '10,20' (default: balanced by bytes).")
+@click.option("--only", type=int, metavar="K",
+              help="Write only stage K (the K-th OUTPUT, from 0), cut where the full split would cut.")
 @one_line_errors
-def split(model: Path, outputs: tuple[Path, ...], boundaries: str | None) -> None:
+def split(model: Path, outputs: tuple[Path, ...], boundaries: str | None, only: int | None) -> None:
     """Cut MODEL (one file or the first shard) into one stage file per OUTPUT."""
     from stages.split import split_model
 
-    plan = split_model(model, list(outputs), _parse_boundaries(boundaries), progress=_progress_bar("splitting"))
-    for output, (first, end) in zip(outputs, plan.ranges):
-        click.echo(f"{output}: blocks [{first}, {end})")
+    plan = split_model(
+        model, list(outputs), _parse_boundaries(boundaries), progress=_progress_bar("splitting"), only=only
+    )
+    for stage_index, (output, (first, end)) in enumerate(zip(outputs, plan.ranges)):
+        if only is None or stage_index == only:
+            click.echo(f"{output}: blocks [{first}, {end})")
 
 
 @main.command("verify-split")

@@ -180,26 +180,40 @@ def split_model(
     outputs: list[str | os.PathLike[str]],
     boundaries: list[int] | None = None,
     progress: ProgressCallback | None = None,
+    only: int | None = None,
 ) -> SplitPlan:
     """Write one stage file per output. Returns the plan used.
+
+    only: write just stage ``only`` (the file ``outputs[only]``), cut at the
+    boundaries the full split would use, so that each machine can cut its own
+    slice from the whole model and the slices still form one set. Other
+    stages' tensors are not read, and their outputs need not be writable here.
 
     Every check happens before the first byte is written; each output appears
     under its name only when complete.
     """
     output_paths = [Path(output) for output in outputs]
+    if only is not None and not 0 <= only < len(output_paths):
+        raise ValueError(
+            f"there is no stage {only}: {len(output_paths)} output files make stages 0..{len(output_paths) - 1}"
+        )
     model = read_model(model_path)
     plan = plan_split(model, len(output_paths), boundaries)
+    if len({output.resolve() for output in output_paths}) != len(output_paths):
+        raise ModelFileError("the same output file is named twice")
+    stages_to_write = range(len(output_paths)) if only is None else [only]
     resolved_inputs = {path.resolve() for path in model.paths}
-    for output in output_paths:
+    for stage_index in stages_to_write:
+        output = output_paths[stage_index]
         if output.resolve() in resolved_inputs:
             raise ModelFileError(f"{output}: output would overwrite the input model")
         if not output.parent.exists():
             raise ModelFileError(f"{output}: folder {output.parent} does not exist")
-    if len({output.resolve() for output in output_paths}) != len(output_paths):
-        raise ModelFileError("the same output file is named twice")
 
     total = sum(
-        tensor.n_bytes for first, end in plan.ranges for _, tensor in _stage_tensors(model, first, end)
+        tensor.n_bytes
+        for stage_index in stages_to_write
+        for _, tensor in _stage_tensors(model, *plan.ranges[stage_index])
     )
     written = 0
 
@@ -209,7 +223,8 @@ def split_model(
         if progress is not None:
             progress(written, total)
 
-    for stage_index, output in enumerate(output_paths):
+    for stage_index in stages_to_write:
+        output = output_paths[stage_index]
         partial = output.with_name(output.name + ".partial")
         try:
             _write_stage(plan, stage_index, partial, advance)

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from conftest import PROMPTS, orchestrate
 
@@ -27,6 +28,18 @@ def test_split_then_run_json_equals_llama(smollm2, reference, tmp_path):
     assert report["tokens_per_second"] > 0 and report["seconds"] > 0
     assert [stage["layers"] for stage in report["stages"]] == [[0, 12], [12, 30]]
     assert all(stage["busy_seconds"] > 0 and stage["node"] for stage in report["stages"])
+
+
+def test_split_only_one_stage_matches_the_full_split(smollm2, splits, tmp_path):
+    """Each machine cuts its own slice: `--only 1` writes stage 1 alone, byte for byte
+    what a full split writes, and not stage 0 (whose folder need not exist here)."""
+    elsewhere = tmp_path / "on-another-machine" / "stage-0.gguf"
+    mine = tmp_path / "stage-1.gguf"
+    result = orchestrate("split", smollm2, elsewhere, mine, "--only", "1")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines() == [f"{mine}: blocks [15, 30)"]
+    assert mine.read_bytes() == Path(splits[2][1]).read_bytes()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["stage-1.gguf"]
 
 
 def test_whole_model_as_one_stage_and_seeded_sampling(smollm2):

@@ -53,6 +53,12 @@ def test_bad_boundary(smollm2, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def test_split_only_a_stage_that_does_not_exist(smollm2, tmp_path):
+    result = orchestrate("split", smollm2, tmp_path / "a.gguf", tmp_path / "b.gguf", "--only", "2")
+    assert_one_line_error(result, "no stage 2", "stages 0..1")
+    assert not list(tmp_path.iterdir())
+
+
 def test_wrong_order_missing_stage_and_mixed_splits(smollm2, splits):
     three, two = splits[3], splits[2]
     assert_one_line_error(orchestrate("verify-split", smollm2, three[1], three[0], three[2]), "out of order")
