@@ -73,7 +73,9 @@ def alive_nodes() -> list[NodeInfo]:
     import ray
 
     return [
-        NodeInfo(node["NodeID"], node["NodeManagerAddress"], float(node["Resources"].get("CPU", 0)))
+        NodeInfo(
+            node["NodeID"], node["NodeManagerAddress"], float(node["Resources"].get("CPU", 0)), dict(node["Resources"])
+        )
         for node in ray.nodes()
         if node["Alive"]
     ]

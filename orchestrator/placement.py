@@ -5,11 +5,17 @@
   STRICT_SPREAD), so that each machine holds one slice of the model.
 * ``--place 0=ADDR,1=ADDR``: stage i on the node whose address or node id
   (or a unique prefix of it) is given.
+* Nodes that advertise a custom resource ``specpipe-stage-K`` (cluster.yaml
+  starts each machine with the stage it holds the file of): stage K on that
+  node. ``--place`` wins over them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+STAGE_RESOURCE_PREFIX = "specpipe-stage-"
 
 
 class PlacementError(ValueError):
@@ -18,20 +24,38 @@ class PlacementError(ValueError):
 
 @dataclass(frozen=True)
 class NodeInfo:
-    """An alive Ray node: its id, its IP address and its CPUs."""
+    """An alive Ray node: its id, its IP address, its CPUs and all its resources
+    (Ray's own and custom ones such as ``specpipe-stage-0``)."""
 
     node_id: str
     address: str
     cpus: float
+    resources: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class PlacementPlan:
     """strategy: "local" (all stages on local_node), "spread" (one per node,
-    Ray picks which), or "explicit" (node_ids[i] for stage i)."""
+    Ray picks which), or "explicit" (node_ids[i] for stage i: from --place or
+    from the nodes' stage resources)."""
 
     strategy: str
     node_ids: tuple[str, ...] = ()
+
+
+def stage_resource(stage_index: int) -> str:
+    """The custom resource a node advertises to say it holds stage ``stage_index``'s file."""
+    return f"{STAGE_RESOURCE_PREFIX}{stage_index}"
+
+
+def advertised_stages(node: NodeInfo) -> list[int]:
+    """The stages a node advertises with ``specpipe-stage-K`` resources."""
+    stages = []
+    for name, amount in node.resources.items():
+        suffix = name[len(STAGE_RESOURCE_PREFIX):] if name.startswith(STAGE_RESOURCE_PREFIX) else ""
+        if suffix.isdigit() and amount > 0:
+            stages.append(int(suffix))
+    return sorted(stages)
 
 
 def parse_place(text: str) -> dict[int, str]:
@@ -58,6 +82,25 @@ def _find_node(nodes: list[NodeInfo], wanted: str) -> NodeInfo:
     raise PlacementError(f"no alive node {wanted!r}; alive nodes: {known}")
 
 
+def _advertising_node(nodes: list[NodeInfo], stage_index: int) -> NodeInfo:
+    """The one node that advertises stage ``stage_index``."""
+    name = stage_resource(stage_index)
+    holders = [node for node in nodes if stage_index in advertised_stages(node)]
+    if len(holders) == 1:
+        return holders[0]
+    if holders:
+        addresses = ", ".join(f"{node.address} ({node.node_id[:8]})" for node in holders)
+        raise PlacementError(f"{name} is advertised by more than one node ({addresses}); give --place")
+    advertised = ", ".join(
+        f"{node.address} stage {','.join(map(str, advertised_stages(node)))}"
+        for node in nodes if advertised_stages(node)
+    )
+    raise PlacementError(
+        f"no alive node advertises {name} (advertised: {advertised}); "
+        f"start the node holding stage {stage_index} with --resources='{{\"{name}\": 1}}', or give --place"
+    )
+
+
 def plan_placement(
     nodes: list[NodeInfo], stage_count: int, local_node_id: str, place: dict[int, str] | None = None
 ) -> PlacementPlan:
@@ -71,6 +114,8 @@ def plan_placement(
         if missing:
             raise PlacementError(f"--place gives no node for stage {missing[0]}")
         return PlacementPlan("explicit", tuple(_find_node(nodes, place[stage]).node_id for stage in range(stage_count)))
+    if any(advertised_stages(node) for node in nodes):
+        return PlacementPlan("explicit", tuple(_advertising_node(nodes, stage).node_id for stage in range(stage_count)))
     if len(nodes) == 1:
         return PlacementPlan("local", (local_node_id,) * stage_count)
     if len(nodes) < stage_count:

@@ -1,6 +1,6 @@
 import pytest
 
-from orchestrator.placement import NodeInfo, PlacementError, parse_place, plan_placement
+from orchestrator.placement import NodeInfo, PlacementError, parse_place, plan_placement, stage_resource
 
 NODES = [NodeInfo("aaaa1111", "10.0.0.1", 1), NodeInfo("bbbb2222", "10.0.0.2", 1), NodeInfo("cccc3333", "10.0.0.3", 1)]
 
@@ -36,3 +36,42 @@ def test_bad_explicit_placement(text, message):
 def test_malformed_place_text():
     with pytest.raises(PlacementError, match="STAGE=NODE"):
         parse_place("first:10.0.0.1")
+
+
+def holding(node: NodeInfo, *stages: int) -> NodeInfo:
+    """The node, advertising the stage resources of ``stages`` (as cluster.yaml starts it)."""
+    resources = {"CPU": node.cpus, "node:" + node.address: 1.0} | {stage_resource(stage): 1.0 for stage in stages}
+    return NodeInfo(node.node_id, node.address, node.cpus, resources)
+
+
+def test_nodes_advertising_stage_resources_hold_those_stages():
+    nodes = [holding(NODES[0], 1), holding(NODES[1]), holding(NODES[2], 0)]
+    plan = plan_placement(nodes, 2, "aaaa1111")
+    assert plan.strategy == "explicit" and plan.node_ids == ("cccc3333", "aaaa1111")
+
+
+def test_one_node_may_advertise_every_stage():
+    plan = plan_placement([holding(NODES[0], 0, 1, 2)], 3, "aaaa1111")
+    assert plan.node_ids == ("aaaa1111",) * 3
+
+
+def test_place_wins_over_stage_resources():
+    nodes = [holding(NODES[0], 0), holding(NODES[1], 1)]
+    plan = plan_placement(nodes, 2, "aaaa1111", parse_place("0=10.0.0.2,1=10.0.0.1"))
+    assert plan.node_ids == ("bbbb2222", "aaaa1111")
+
+
+def test_a_stage_no_node_advertises_is_refused_with_a_hint():
+    # e.g. the head is up but the worker holding stage 1 has not joined yet
+    with pytest.raises(PlacementError, match=r"no alive node advertises specpipe-stage-1 \(advertised: 10.0.0.1 stage 0\)"):
+        plan_placement([holding(NODES[0], 0)], 2, "aaaa1111")
+
+
+def test_a_stage_advertised_twice_is_refused():
+    with pytest.raises(PlacementError, match="specpipe-stage-0 is advertised by more than one node"):
+        plan_placement([holding(NODES[0], 0), holding(NODES[1], 0, 1)], 2, "aaaa1111")
+
+
+def test_resources_that_are_not_stages_are_ignored():
+    nodes = [NodeInfo(node.node_id, node.address, 1, {"specpipe-stage-x": 1.0, "specpipe-stage-": 1.0}) for node in NODES]
+    assert plan_placement(nodes, 2, "aaaa1111").strategy == "spread"
