@@ -5,14 +5,19 @@ the per-token path does not go through Ray: a plain actor call costs ~1-2 ms
 on these machines, as much as a whole stage of a small model. Instead each
 stage connects a TCP socket to the next, and the coordinator sends a batch to
 stage 0 and reads the logits back from the last stage (orchestrator.wire).
+Before any stage loads, each stage file's header is read on the node that is to
+run it (the driver may not hold the other machines' files), and the set is
+validated from those readings.
 """
 
 from __future__ import annotations
 
 import collections
+import os
 import socket
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -22,7 +27,7 @@ from orchestrator.messages import Boundary, PassResult, Shutdown, StageBatch, St
 from orchestrator.placement import plan_placement
 from orchestrator.stage_server import StageDescription, StageServer
 from stages.engine import StageSettings
-from stages.gguf_file import StageFileInfo, stage_info_of, validate_stage_set
+from stages.gguf_file import ModelFileError, StageFileInfo, stage_info_of, validate_stage_set
 
 ACTOR_START_SECONDS = 300.0
 
@@ -45,10 +50,49 @@ class StageReport:
 
 
 def check_stage_files(paths: list[str]) -> list[StageFileInfo | None]:
-    """Validate a set of stage files before anything is loaded (ModelFileError if not)."""
-    from pathlib import Path
-
+    """Validate a set of stage files on this machine before anything is loaded (ModelFileError if not)."""
     infos = [stage_info_of(path) for path in paths]
+    validate_stage_set(infos, [Path(path) for path in paths])
+    return infos
+
+
+NOT_FOUND = "not found"
+
+
+@dataclass(frozen=True)
+class NodeStageFile:
+    """A stage file's header as read on the node that is to run the stage.
+
+    problem: "" if the file is a readable GGUF file, NOT_FOUND if there is no
+    such file on that node, else why it cannot be used (one line).
+    """
+
+    node_address: str
+    node_id: str
+    info: StageFileInfo | None
+    problem: str = ""
+
+
+def read_stage_file(path: str, node_address: str, node_id: str) -> NodeStageFile:
+    """Read a stage file's header on this node (run there as a Ray task)."""
+    if not os.path.exists(path):
+        return NodeStageFile(node_address, node_id, None, NOT_FOUND)
+    try:
+        return NodeStageFile(node_address, node_id, stage_info_of(path))
+    except ModelFileError as error:
+        return NodeStageFile(node_address, node_id, None, str(error))
+
+
+def check_stage_files_on_nodes(paths: list[str], found: list[NodeStageFile]) -> list[StageFileInfo | None]:
+    """Validate a set of stage files from their headers as read on their nodes
+    (``found[i]`` for ``paths[i]``); ModelFileError names the node of a bad file."""
+    for stage_index, (path, file) in enumerate(zip(paths, found)):
+        node = f"node {file.node_address} ({file.node_id[:8]})"
+        if file.problem == NOT_FOUND:
+            raise ModelFileError(f"stage {stage_index} file {path} not found on {node}")
+        if file.problem:
+            raise ModelFileError(f"stage {stage_index} file on {node}: {file.problem}")
+    infos = [file.info for file in found]
     validate_stage_set(infos, [Path(path) for path in paths])
     return infos
 
@@ -68,6 +112,16 @@ def peak_rss_mb() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _stage_file_reader():
+    import ray
+
+    @ray.remote(num_cpus=0, max_retries=0)
+    def read_stage_file_on_node(path: str) -> NodeStageFile:
+        return read_stage_file(path, ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id())
+
+    return read_stage_file_on_node
 
 
 def _stage_actor_class():
@@ -134,14 +188,18 @@ class Pipeline:
         (await_boundary); asynchronous speculation needs it."""
         import ray
 
-        check_stage_files(stage_paths)
         self.stage_paths = list(stage_paths)
         local_node = ray.get_runtime_context().get_node_id()
-        plan = plan_placement(alive_nodes(), len(stage_paths), local_node, place)
-        self._plan = plan
+        self._plan = plan_placement(alive_nodes(), len(stage_paths), local_node, place)
         self._placement_group = None
-        actor_class = _stage_actor_class()
         self.actors = []
+        try:
+            # Each file is read on the node that will load it (the driver may not hold it).
+            self.stage_files = self._check_stage_files_on_their_nodes()
+        except BaseException:
+            self.close()
+            raise
+        actor_class = _stage_actor_class()
         for index, path in enumerate(stage_paths):
             options = self.actor_options(index, num_cpus=1)
             self.actors.append(actor_class.options(**options).remote(path, settings, wire_dtype))
@@ -182,6 +240,22 @@ class Pipeline:
         self.transport_seconds = 0.0
         self.passes = 0
 
+    def _check_stage_files_on_their_nodes(self) -> list[StageFileInfo | None]:
+        import ray
+
+        reader = _stage_file_reader()
+        readings = [
+            reader.options(scheduling_strategy=self.scheduling_strategy(index)).remote(path)
+            for index, path in enumerate(self.stage_paths)
+        ]
+        try:
+            found = ray.get(readings, timeout=ACTOR_START_SECONDS)
+        except ray.exceptions.GetTimeoutError:
+            raise PipelineError(f"stage files were not read on their nodes within {ACTOR_START_SECONDS:.0f} s") from None
+        except ray.exceptions.RayError as error:
+            raise PipelineError(f"could not read the stage files on their nodes: {one_line(error)}") from None
+        return check_stage_files_on_nodes(self.stage_paths, found)
+
     def _accept(self) -> socket.socket:
         connection, _ = self._listener.accept()
         connection.settimeout(None)
@@ -189,15 +263,22 @@ class Pipeline:
 
     def actor_options(self, index: int, *, num_cpus: float) -> dict:
         """Ray options that put an actor on stage ``index``'s node (in its placement bundle)."""
-        import ray
+        return {
+            "max_restarts": 0,
+            "scheduling_strategy": self.scheduling_strategy(index),
+            # in a placement group the bundle reserved the CPU; pinned to a node, nothing is reserved
+            "num_cpus": num_cpus if self._plan.strategy == "spread" else 0,
+        }
 
-        plan, count = self._plan, len(self.stage_paths)
+    def scheduling_strategy(self, index: int):
+        """The Ray scheduling strategy that puts a task or actor on stage ``index``'s node."""
+        import ray
         from ray.util.scheduling_strategies import (
             NodeAffinitySchedulingStrategy,
             PlacementGroupSchedulingStrategy,
         )
 
-        options: dict = {"max_restarts": 0}
+        plan, count = self._plan, len(self.stage_paths)
         if plan.strategy == "spread":
             if self._placement_group is None:
                 self._placement_group = ray.util.placement_group([{"CPU": 1}] * count, strategy="STRICT_SPREAD")
@@ -209,14 +290,8 @@ class Pipeline:
                     raise PipelineError(
                         f"could not place {count} stages on {count} different nodes (each needs 1 free CPU)"
                     ) from None
-            options["num_cpus"] = num_cpus
-            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                self._placement_group, placement_group_bundle_index=index
-            )
-        else:
-            options["num_cpus"] = 0
-            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(plan.node_ids[index], soft=False)
-        return options
+            return PlacementGroupSchedulingStrategy(self._placement_group, placement_group_bundle_index=index)
+        return NodeAffinitySchedulingStrategy(plan.node_ids[index], soft=False)
 
     # -- the hot path -------------------------------------------------------
     def forward(

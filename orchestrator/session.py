@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ from orchestrator.pipeline import Pipeline, StageReport, check_stage_files
 from orchestrator.sampling import SamplingSettings
 from orchestrator.tokenizer import Tokenizer
 from stages.engine import StageError, StageSettings
+from stages.gguf_file import ModelFileError, StageFileInfo, stage_info_of
 
 SPECULATORS = ("none", "ngram", "model")
 
@@ -152,13 +154,40 @@ def speculator_factory(settings: SpeculationSettings, tokenizer: Tokenizer, stag
     return None
 
 
+def vocabulary_file(stage_paths: list[str]) -> str:
+    """The first stage file on this machine: the coordinator reads the vocabulary
+    from it (every stage file carries the whole vocabulary). On a cluster this
+    machine may hold only its own stage's file."""
+    for path in stage_paths:
+        if os.path.exists(path):
+            return path
+    raise ModelFileError(
+        f"none of the stage files is on this machine ({', '.join(stage_paths)}); the coordinator reads "
+        "the vocabulary from one of them: run orchestrate on a node that holds a stage file"
+    )
+
+
+def check_same_model(vocabulary_path: str, stage_files: list[StageFileInfo | None]) -> None:
+    """The local file the vocabulary came from must be cut from the model the nodes run."""
+    local = stage_info_of(vocabulary_path)
+    on_nodes = stage_files[0]
+    if local is not None and on_nodes is not None and local.source_fingerprint != on_nodes.source_fingerprint:
+        raise ModelFileError(
+            f"{vocabulary_path} on this machine was cut from another model ({local.source_name}) than "
+            f"the stage files on the nodes ({on_nodes.source_name})"
+        )
+
+
 def run_generation(
     settings: RunSettings,
     on_text: Callable[[str], None] | None = None,
     on_status: Callable[[str], None] | None = None,
 ) -> RunOutcome:
-    check_stage_files(settings.stage_paths)  # before Ray starts: bad files fail fast
-    tokenizer = Tokenizer(settings.stage_paths[0])
+    if settings.address is None:  # a local run: bad files fail before Ray starts
+        check_stage_files(settings.stage_paths)
+    # On a cluster each file is checked on the node that runs its stage (Pipeline).
+    vocabulary_path = vocabulary_file(settings.stage_paths)
+    tokenizer = Tokenizer(vocabulary_path)
     tokens = prompt_tokens(tokenizer, settings.prompt, settings.chat)
     if len(tokens) + settings.max_tokens + settings.speculation.draft_max > settings.stage.n_ctx:
         raise ValueError(
@@ -184,6 +213,7 @@ def run_generation(
             settings.stage_paths, settings.stage, wire_dtype=settings.wire_dtype, place=settings.place,
             notify_boundaries=asynchronous,
         ) as pipeline:
+            check_same_model(vocabulary_path, pipeline.stage_files)
             drafters: list[DrafterClient] = []
             speculation = None
             if make_speculator is not None:

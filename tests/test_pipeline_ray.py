@@ -9,8 +9,9 @@ from orchestrator.placement import PlacementError
 from orchestrator.sampling import SamplingSettings
 from orchestrator.tokenizer import Tokenizer
 from stages.engine import StageSettings
+from stages.gguf_file import ModelFileError
 
-from conftest import PROMPTS
+from conftest import PROMPTS, orchestrate
 
 SETTINGS = StageSettings(n_ctx=1024)
 
@@ -77,3 +78,58 @@ def test_lossy_f16_wire_is_close_but_labelled_lossy(ray_cluster, splits):
     difference = float(np.max(np.abs(approximate - expected)))
     assert 0.0 < difference < 2.0  # really rounded on the wire (measured ~0.34), yet close
     assert int(np.argmax(approximate)) == int(np.argmax(expected))
+
+
+def alive_nodes_in_order():
+    import ray
+
+    return [node for node in ray.nodes() if node["Alive"]]
+
+
+def test_a_stage_file_missing_on_its_node_fails_before_any_stage_loads(ray_cluster, splits, tmp_path, monkeypatch):
+    """Each file is read on the node that is to run it. (All nodes here share one
+    file system, so "missing on that node" is a path that exists nowhere.)"""
+    from orchestrator import pipeline as pipeline_module
+
+    def no_stage_may_load():
+        raise AssertionError("a stage began loading before the files were checked")
+
+    monkeypatch.setattr(pipeline_module, "_stage_actor_class", no_stage_may_load)
+    nodes = alive_nodes_in_order()
+    missing = str(tmp_path / "b.gguf")
+    with pytest.raises(ModelFileError) as raised:
+        Pipeline([splits[2][0], missing], SETTINGS, place={0: nodes[1]["NodeID"], 1: nodes[2]["NodeID"]})
+    node = f"{nodes[2]['NodeManagerAddress']} ({nodes[2]['NodeID'][:8]})"
+    assert str(raised.value) == f"stage 1 file {missing} not found on node {node}"
+
+
+def test_an_invalid_stage_file_on_its_node_is_named_with_the_node(ray_cluster, splits, tmp_path):
+    nodes = alive_nodes_in_order()
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(open(splits[2][1], "rb").read(100_000))
+    with pytest.raises(ModelFileError) as raised:
+        Pipeline([splits[2][0], str(truncated)], SETTINGS, place={0: nodes[0]["NodeID"], 1: nodes[1]["NodeID"]})
+    node = f"{nodes[1]['NodeManagerAddress']} ({nodes[1]['NodeID'][:8]})"
+    assert str(raised.value).startswith(f"stage 1 file on node {node}: {truncated}: truncated GGUF file")
+
+
+def test_the_whole_set_is_validated_from_the_nodes_readings(ray_cluster, splits):
+    """Spread over the cluster (a placement group), the set checks still apply."""
+    with pytest.raises(ModelFileError, match="out of order"):
+        Pipeline([splits[2][1], splits[2][0]], SETTINGS)
+    with pytest.raises(ModelFileError, match="stage 2 of 3 missing"):
+        Pipeline([splits[3][0], splits[3][2]], SETTINGS)
+    with Pipeline(splits[2], SETTINGS) as pipeline:  # the failed attempts left the nodes free
+        assert [info.stage_index for info in pipeline.stage_files] == [0, 1]
+
+
+def test_run_on_a_cluster_names_the_node_of_a_missing_file(ray_cluster, splits, tmp_path):
+    """`orchestrate run --address` as a driver of an existing cluster: one error line."""
+    missing = tmp_path / "b.gguf"
+    result = orchestrate("run", "--address", ray_cluster.address, "--model-split", splits[2][0], missing,
+                         "--prompt", "hi", "--max-tokens", "2")
+    assert result.returncode == 1, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    addresses = {node["NodeManagerAddress"] for node in alive_nodes_in_order()}
+    assert len(lines) == 1 and lines[0].startswith(f"error: stage 1 file {missing} not found on node "), result.stderr
+    assert lines[0].split(" not found on node ")[1].split(" ")[0] in addresses
