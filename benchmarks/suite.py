@@ -125,6 +125,9 @@ class Run:
     accepted_lengths: Counter = field(default_factory=Counter)
     stage_seconds: list[float] = field(default_factory=list)
     drafter_seconds: float = 0.0
+    rejected_passes: int = 0
+    waited_tokens: int = 0
+    waited_stops: int = 0
 
 
 def whole_run(llama, prompt_tokens: list[int], max_tokens: int) -> tuple[list[int], float, float, float]:
@@ -213,6 +216,7 @@ def run_scenario(
                     mode, 0, 0, result.tokens, result.tokens_per_second, result.prefill_seconds, result.seconds,
                     result.passes, stats.drafted_tokens, stats.accepted_tokens, Counter(stats.accepted_lengths),
                     list(result.stage_seconds), sum(client.busy_seconds for client in clients) - busy_before,
+                    stats.rejected_passes, stats.waited_tokens, stats.waited_stops,
                 )
 
             for mode in modes:  # warm-up
@@ -255,6 +259,10 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
+def _share(successes: int, failures: int) -> float | None:
+    return successes / (successes + failures) if successes + failures else None
+
+
 def summarise(scenario: Scenario, modes: list[str], runs: list[Run], stage_count: int, hop_seconds: float,
               memory: dict[str, float | None]) -> dict:
     """Per-mode figures; ratios are taken per (repetition, prompt) pair, then the median."""
@@ -287,6 +295,11 @@ def summarise(scenario: Scenario, modes: list[str], runs: list[Run], stage_count
             "identical": all(run.tokens == reference[(run.repetition, run.prompt_index)].tokens for run in mode_runs),
             "target_passes_per_token": sum(run.passes for run in mode_runs) / tokens if pipelined and tokens else None,
             "acceptance_rate": sum(run.accepted for run in mode_runs) / drafted if drafted else None,
+            # The planner's inputs (orchestrator.generate.SpeculationStats explains them).
+            "acceptance_per_token": _share(sum(run.accepted for run in mode_runs),
+                                           sum(run.rejected_passes for run in mode_runs)),
+            "draft_continuation": _share(sum(run.waited_tokens for run in mode_runs),
+                                         sum(run.waited_stops for run in mode_runs)),
             "accepted_length_histogram": {str(length): count for length, count in sorted(lengths.items())},
             "stage_busy_fraction": [sum(run.stage_seconds[index] for run in mode_runs) / seconds
                                     for index in range(stage_count)] if pipelined and seconds else None,

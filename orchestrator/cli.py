@@ -236,5 +236,89 @@ def bench(out_dir: Path, quick: bool, names: tuple[str, ...], folder: Path | Non
         sys.exit(1)
 
 
+@main.command()
+@click.argument("stage_files", nargs=-1, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--whole", "whole_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="The unsplit model STAGE_FILES were cut from (default: the default model).")
+@click.option("--draft", "draft_path", type=click.Path(exists=True, dir_okay=False), help="Also time this draft model.")
+@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Profile JSON to write.")
+@click.option("--repetitions", default=7, show_default=True, type=click.IntRange(1), help="Timings per batch size (median).")
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(1), help="Threads per stage.")
+@one_line_errors
+def profile(stage_files, whole_path, draft_path, out_path, repetitions, threads) -> None:
+    """Measure this machine for `orchestrate plan`: stage time per batch of 1..64 tokens, drafter, hop."""
+    from orchestrator.defaults import default_model_path, default_stage_paths
+    from orchestrator.pipeline import check_stage_files
+    from orchestrator.profile import ProfileSettings, profile_machine
+
+    if stage_files and whole_path is None:
+        raise click.UsageError("give --whole MODEL.gguf, the model the stage files were cut from")
+    paths = [str(path) for path in stage_files] or default_stage_paths(progress=_progress_bar("splitting default model"))
+    if len(paths) < 2:
+        raise click.UsageError("profile needs at least two stage files (to tell a block's time from the head's)")
+    check_stage_files(paths)
+    settings = ProfileSettings(paths, str(whole_path or default_model_path()), draft_path, repetitions=repetitions,
+                               threads=threads)
+    result = profile_machine(settings, progress=_progress_bar("batch sizes"), status=lambda line: click.echo(line, err=True))
+    partial = out_path.with_name(out_path.name + ".partial")
+    partial.write_text(json.dumps(result, indent=1) + "\n")
+    partial.replace(out_path)
+    click.echo(
+        f"{out_path}: one token {sum(stage['seconds'][0] for stage in result['stages']) * 1e3:.1f} ms over "
+        f"{len(paths)} stages, hop {result['hop_seconds'] * 1e6:.0f} us, "
+        f"prompt lookup {result['drafter_seconds_per_token']['ngram'] * 1e6:.0f} us/token"
+    )
+
+
+@main.command()
+@click.argument("setup_file", required=False, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--profile", "profile_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Without SETUP_FILE: plan the profiled machine running the profiled split.")
+@click.option("--acceptance", type=click.FloatRange(0.0, 1.0),
+              help="Draft acceptance per token (bench's acceptance_per_token); overrides the setup's.")
+@click.option("--continuation", type=click.FloatRange(0.0, 1.0),
+              help="Chance the drafter proposes another token (bench's draft_continuation; 1 for a draft model).")
+@click.option("--drafter", type=click.Choice(["ngram", "model"]), default="ngram", show_default=True,
+              help="With --profile: whose measured time per draft token to use.")
+@click.option("--max-tokens", type=click.IntRange(2), help="Tokens per simulated generation (default: the setup's, or 256).")
+@click.option("--draft-max", type=click.IntRange(1, 64), help="Predict at this --draft-max only (default: find the best).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@one_line_errors
+def plan(setup_file, profile_path, acceptance, continuation, drafter, max_tokens, draft_max, as_json) -> None:
+    """Predict tokens/s of the plain pipeline and both speculative schedules; recommend a split and draft length."""
+    from dataclasses import replace
+
+    from orchestrator.planning.recommend import recommend
+    from orchestrator.planning.report import plan_json, plan_lines
+    from orchestrator.planning.setup_file import load_setup, read_profile, setup_from_profile
+    from orchestrator.planning.simulation import DraftBehaviour
+
+    if (setup_file is None) == (profile_path is None):
+        raise click.UsageError("give a SETUP_FILE or --profile PROFILE.json")
+    if setup_file is not None:
+        setup = load_setup(setup_file)
+    else:
+        behaviour = DraftBehaviour(acceptance, 1.0 if continuation is None else continuation) if acceptance is not None else None
+        setup = setup_from_profile(read_profile(profile_path), behaviour=behaviour, drafter=drafter)
+    if acceptance is not None or continuation is not None:
+        current = setup.behaviour or DraftBehaviour(0.0)
+        setup = replace(setup, behaviour=DraftBehaviour(
+            current.acceptance if acceptance is None else acceptance,
+            current.continuation if continuation is None else continuation,
+        ))
+    if max_tokens is not None:
+        setup = replace(setup, max_tokens=max_tokens)
+    if draft_max is not None:
+        setup = replace(setup, draft_lengths=(draft_max,))
+    if setup.behaviour is not None and setup.draft_seconds is None:
+        raise click.UsageError("speculation needs a draft cost: add a [draft] table to the setup")
+    recommendation = recommend(setup)
+    if as_json:
+        click.echo(json.dumps(plan_json(setup, recommendation)))
+        return
+    for line in plan_lines(setup, recommendation):
+        click.echo(line)
+
+
 if __name__ == "__main__":
     main()

@@ -54,18 +54,39 @@ class SpeculationStats:
     accepted_lengths: passes by number of tokens they committed (1 = no draft accepted).
     input_lengths: passes by number of tokens fed to the target.
     collected_tokens: tokens the drafters delivered (verified or not).
-    discarded_passes: passes started ahead on a speculation that then failed."""
+    discarded_passes: passes started ahead on a speculation that then failed.
+    rejected_passes: passes in which a draft token was rejected.
+    waited_tokens, waited_stops: over the drafts awaited until the drafter
+    stopped (sync, or async with nothing pending), the tokens drafted and how
+    many times it stopped by itself before --draft-max."""
 
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     collected_tokens: int = 0
     discarded_passes: int = 0
+    rejected_passes: int = 0
+    waited_tokens: int = 0
+    waited_stops: int = 0
     accepted_lengths: Counter = field(default_factory=Counter)
     input_lengths: Counter = field(default_factory=Counter)
 
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def acceptance_per_token(self) -> float:
+        """Probability that a draft token is accepted when every draft before it
+        was: each accepted token is one success, each rejection one failure."""
+        trials = self.accepted_tokens + self.rejected_passes
+        return self.accepted_tokens / trials if trials else 0.0
+
+    @property
+    def draft_continuation(self) -> float:
+        """Probability that the drafter proposes one more token (prompt lookup
+        finds no n-gram at some positions; a draft model always proposes)."""
+        trials = self.waited_tokens + self.waited_stops
+        return self.waited_tokens / trials if trials else 0.0
 
     @property
     def wasted_tokens(self) -> int:
@@ -129,7 +150,10 @@ class Speculation:
         idle anyway, until it stops by itself."""
         if self.schedule == "sync" or not pending:
             self.drafters[0].speculate(committed)
-            return self._collect(0, wait=True)
+            tokens = self._collect(0, wait=True)
+            self.stats.waited_tokens += len(tokens)
+            self.stats.waited_stops += len(tokens) < self.max_drafts
+            return tokens
         return pending
 
     def while_running(self, target, committed: list[int], speculation: list[int]) -> list[int]:
@@ -268,6 +292,7 @@ def generate(
         on_a_roll = bool(drafts) and len(new_tokens) == len(drafts) + 1
         stats.drafted_tokens += len(drafts)
         stats.accepted_tokens += len(new_tokens) - 1
+        stats.rejected_passes += len(new_tokens) - 1 < len(drafts)
         if speculation is not None:
             speculation.draft_limit = next_draft_limit(
                 speculation.draft_limit, len(drafts), len(new_tokens) - 1, speculation.max_drafts

@@ -1,0 +1,134 @@
+"""Prediction against measurement: ``orchestrate plan``'s simulation, fed with
+``orchestrate profile`` output, next to ``orchestrate bench``'s medians.
+
+For each scenario and mode of a bench results.json:
+
+* pipeline: the plain schedule on the scenario's split (priced from the
+  profile's per-block, head and fixed times, so a split other than the
+  profiled one is a real prediction);
+* spec-sync-KIND, spec-async-KIND: the speculative schedules at the bench's
+  --draft-max 8, with the workload's draft statistics measured by the same
+  bench run (acceptance per token and draft continuation, pooled over the
+  scenario's two speculative modes), and the profile's time per draft token;
+* whole: the whole model as one stage, with no hops and no coordinator of ours
+  (llama-cpp-python's own loop);
+* whole-lookup is not predicted: it is llama-cpp-python's own speculative
+  loop, not this project's schedule.
+
+Nothing here is fitted to the bench's tokens/s.
+
+    python -m benchmarks.calibrate --profile PROFILE.json --bench results.json [--out calibration.md]
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import click
+
+from orchestrator.planning.costs import Software
+from orchestrator.planning.simulation import DraftBehaviour, Mode, predict
+from orchestrator.planning.setup_file import read_profile, setup_from_profile
+
+BENCH_DRAFT_MAX = 8
+RUNS = 64
+
+
+def scenario_starts(scenario: dict, profile: dict) -> tuple[int, ...]:
+    """The bench's split for a scenario: its boundaries, or the profiled default split."""
+    from benchmarks.suite import SCENARIO_DIR, load_scenarios
+
+    for declared in load_scenarios(SCENARIO_DIR):
+        if declared.name == scenario["scenario"] and declared.boundaries:
+            return (0, *declared.boundaries)
+    if scenario["stages"] == len(profile["stages"]):
+        return tuple(stage["first_block"] for stage in profile["stages"])
+    raise click.ClickException(f"scenario {scenario['scenario']}: give its boundaries in its TOML to predict it")
+
+
+def pooled_behaviour(scenario: dict) -> DraftBehaviour | None:
+    """acceptance_per_token and draft_continuation over the speculative modes (weighted by runs)."""
+    rows = [row for row in scenario["modes"] if row["mode"].startswith("spec-") and row.get("acceptance_per_token") is not None]
+    if not rows:
+        return None
+    weight = sum(row["runs"] for row in rows)
+    acceptance = sum(row["acceptance_per_token"] * row["runs"] for row in rows) / weight
+    continuation = sum((row["draft_continuation"] or 0.0) * row["runs"] for row in rows) / weight
+    return DraftBehaviour(acceptance, continuation)
+
+
+def calibrate(profile: dict, bench: dict) -> list[dict]:
+    rows = []
+    for scenario in bench["scenarios"]:
+        behaviour = pooled_behaviour(scenario)
+        base = setup_from_profile(profile, behaviour=behaviour, max_tokens=scenario["max_tokens"])
+        starts = scenario_starts(scenario, profile)
+        machine = base.machines[0]
+        split = replace(base, machines=[machine] * len(starts), links=[None] * len(starts), starts=starts,
+                        draft_seconds=[0.0] * len(starts))
+        whole = replace(base, machines=[machine], links=[None], starts=(0,), draft_seconds=[0.0],
+                        software=Software(0.0, 0.0, 0.0, 1e18))
+        for row in scenario["modes"]:
+            mode_name = row["mode"]
+            if mode_name == "whole":
+                setup, mode = whole, Mode("plain")
+            elif mode_name == "pipeline":
+                setup, mode = split, Mode("plain")
+            elif mode_name.startswith("spec-") and behaviour is not None:
+                _, schedule, kind = mode_name.split("-", 2)
+                drafter_seconds = profile["drafter_seconds_per_token"].get(kind)
+                if drafter_seconds is None:
+                    continue
+                setup = replace(split, draft_seconds=[drafter_seconds] * len(starts))
+                mode = Mode(schedule, BENCH_DRAFT_MAX)
+            else:
+                continue
+            prediction = predict(setup.costs(setup.starts), mode, behaviour or DraftBehaviour(0.0), setup.max_tokens, RUNS)
+            measured = row["tokens_per_second"]["median"]
+            rows.append({
+                "scenario": scenario["scenario"], "mode": mode_name, "measured": measured,
+                "measured_min": row["tokens_per_second"]["min"], "measured_max": row["tokens_per_second"]["max"],
+                "predicted": prediction.tokens_per_second, "error": prediction.tokens_per_second / measured - 1,
+                "acceptance_per_token": behaviour.acceptance if behaviour and mode.schedule != "plain" else None,
+                "continuation": behaviour.continuation if behaviour and mode.schedule != "plain" else None,
+            })
+    return rows
+
+
+def markdown(rows: list[dict], command: str) -> str:
+    lines = [
+        f"Produced by `{command}`.",
+        "",
+        "| scenario | mode | measured tokens/s (min-max) | predicted | error | acceptance / continuation |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in rows:
+        behaviour = "-" if row["acceptance_per_token"] is None else f"{row['acceptance_per_token']:.2f} / {row['continuation']:.2f}"
+        lines.append(
+            f"| {row['scenario']} | {row['mode']} | {row['measured']:.1f} ({row['measured_min']:.1f}-{row['measured_max']:.1f}) "
+            f"| {row['predicted']:.1f} | {row['error']:+.0%} | {behaviour} |"
+        )
+    worst = max(rows, key=lambda row: abs(row["error"]))
+    lines += ["", f"Largest error: {worst['error']:+.0%} ({worst['scenario']}, {worst['mode']})."]
+    return "\n".join(lines) + "\n"
+
+
+@click.command()
+@click.option("--profile", "profile_path", required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--bench", "bench_path", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="results.json written by orchestrate bench.")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), help="Also write the table here.")
+def main(profile_path: str, bench_path: str, out_path: Path | None) -> None:
+    import sys
+
+    rows = calibrate(read_profile(profile_path), json.loads(Path(bench_path).read_text()))
+    text = markdown(rows, "python -m benchmarks.calibrate " + " ".join(sys.argv[1:]))
+    click.echo(text, nl=False)
+    if out_path is not None:
+        out_path.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""What each part of a pipeline costs, for the schedule simulation.
+
+Two sources, one shape (``StageCosts``, a ``simulation.PipelineCosts``):
+
+* a measured profile (``orchestrate profile``): each block's, the head's and a
+  pass's fixed time for batches of 1..64 tokens on that machine, the hop's
+  fixed cost and its bytes per second, the coordinator's time per pass, and
+  the drafter's time per token;
+* named hardware (``Machine``): a roofline. A stage of ``b`` blocks reads its
+  weights once per pass and does 2 flops per weight per token, so a pass of n
+  tokens takes max(weight bytes / bandwidth, 2 * weights * n / flops) plus a
+  fixed overhead. Bandwidth and flops are what the machine really achieves:
+  peak figures times an efficiency the user states.
+
+Links carry activations (float32, n x width per pass) between stages and one
+row of float32 logits per token from the last stage back to the coordinator,
+which runs on stage 0's machine. Pure Python; no Ray, no llama.cpp.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+FLOAT_BYTES = 4
+
+
+@dataclass(frozen=True)
+class BatchCurve:
+    """Seconds for a batch of n tokens, measured at ``sizes``; linear in n
+    between them and beyond the largest (a batch's cost grows with n once the
+    arithmetic, not the weight reads, dominates)."""
+
+    sizes: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __post_init__(self):
+        if len(self.sizes) != len(self.seconds) or not self.sizes or list(self.sizes) != sorted(set(self.sizes)):
+            raise ValueError("a batch curve needs increasing sizes, one time each")
+
+    def at(self, tokens: int) -> float:
+        sizes, seconds = self.sizes, self.seconds
+        if len(sizes) == 1 or tokens <= sizes[0]:
+            return seconds[0]
+        index = min(bisect.bisect_left(sizes, tokens), len(sizes) - 1)
+        low, high = index - 1, index
+        slope = (seconds[high] - seconds[low]) / (sizes[high] - sizes[low])
+        return seconds[low] + slope * (tokens - sizes[low])
+
+    def scaled(self, factor: float) -> BatchCurve:
+        return BatchCurve(self.sizes, tuple(value * factor for value in self.seconds))
+
+    def plus(self, other: BatchCurve) -> BatchCurve:
+        return BatchCurve(self.sizes, tuple(value + other.at(size) for size, value in zip(self.sizes, self.seconds)))
+
+
+@dataclass(frozen=True)
+class Link:
+    """A network link: one-way latency (s) and bandwidth (bytes/s); software
+    overhead per hop (serialising, sockets, the stage server) comes on top."""
+
+    latency_seconds: float
+    bytes_per_second: float
+
+    def seconds(self, payload_bytes: int) -> float:
+        return self.latency_seconds + payload_bytes / self.bytes_per_second
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs of a model. block_bytes and head_bytes: weights
+    as stored (quantised); block_parameters: weights per block (for flops);
+    kv_bytes_per_token: one block's KV cache for one position."""
+
+    name: str
+    blocks: int
+    width: int
+    vocab: int
+    block_bytes: tuple[int, ...]
+    head_bytes: int
+    embedding_bytes: int
+    block_parameters: int
+    head_parameters: int
+    kv_bytes_per_token: int
+
+    def stage_bytes(self, first: int, end: int) -> int:
+        """Weights of blocks [first, end), plus the embedding table on the first
+        stage and the output head on the last."""
+        total = sum(self.block_bytes[first:end])
+        if first == 0:
+            total += self.embedding_bytes
+        if end == self.blocks:
+            total += self.head_bytes
+        return total
+
+    @classmethod
+    def from_parameters(cls, name: str, blocks: int, width: int, vocab: int, parameters: float,
+                        bits_per_weight: float, kv_heads_width: int, kv_bytes_per_value: int = 2) -> ModelShape:
+        """A transformer given by its size: ``parameters`` in all, of which the
+        embedding table and the head are vocab x width each (untied), the rest
+        evenly in blocks. kv_heads_width: key (= value) width per position."""
+        table = vocab * width
+        block_parameters = int((parameters - 2 * table) / blocks)
+        if block_parameters <= 0:
+            raise ValueError(f"{parameters:g} parameters cannot hold two {vocab} x {width} tables and {blocks} blocks")
+        to_bytes = bits_per_weight / 8
+        return cls(
+            name=name, blocks=blocks, width=width, vocab=vocab,
+            block_bytes=(int(block_parameters * to_bytes),) * blocks,
+            head_bytes=int(table * to_bytes), embedding_bytes=int(table * to_bytes),
+            block_parameters=block_parameters, head_parameters=table,
+            kv_bytes_per_token=2 * kv_heads_width * kv_bytes_per_value,
+        )
+
+
+@dataclass(frozen=True)
+class Machine:
+    """A machine described by what it achieves: memory (bytes), memory bandwidth
+    (bytes/s), compute (flops/s), a fixed overhead per pass (s)."""
+
+    name: str
+    memory_bytes: float
+    bytes_per_second: float
+    flops_per_second: float
+    pass_overhead_seconds: float = 0.0
+
+    def stage_seconds(self, model: ModelShape, first: int, end: int, tokens: int) -> float:
+        weights = model.stage_bytes(first, end)
+        parameters = (end - first) * model.block_parameters + (model.head_parameters if end == model.blocks else 0)
+        return self.pass_overhead_seconds + max(
+            weights / self.bytes_per_second, 2.0 * parameters * tokens / self.flops_per_second
+        )
+
+
+@dataclass(frozen=True)
+class MeasuredMachine:
+    """A machine measured by ``orchestrate profile``: per-block, head and fixed
+    per-pass time for batches of n tokens (``block + head + fixed`` is the last
+    stage, ``blocks * block + fixed`` the others). memory_bytes: its RAM."""
+
+    name: str
+    memory_bytes: float
+    block: BatchCurve
+    head: BatchCurve
+    fixed: BatchCurve
+
+    def stage_seconds(self, model: ModelShape, first: int, end: int, tokens: int) -> float:
+        seconds = self.fixed.at(tokens) + (end - first) * self.block.at(tokens)
+        return seconds + (self.head.at(tokens) if end == model.blocks else 0.0)
+
+
+@dataclass(frozen=True)
+class Software:
+    """Costs of this project's own code, measured by ``orchestrate profile``:
+    hop_seconds per hop (serialising and the socket round of a small
+    activation on one machine), coordinator seconds per pass and per logit row,
+    and the bytes per second of a socket within one machine."""
+
+    hop_seconds: float
+    coordinator_pass_seconds: float
+    coordinator_row_seconds: float
+    local_bytes_per_second: float = 2e9
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """A pipeline of stages [starts[i], starts[i+1]) on machines[i], joined by
+    links[i] (stage i to i+1; the last link carries the logits back to stage
+    0's machine, where the coordinator runs). None for a link between stages on
+    the same machine: only the software hop cost is paid."""
+
+    model: ModelShape
+    machines: Sequence[Machine | MeasuredMachine]
+    starts: tuple[int, ...]
+    links: Sequence[Link | None]
+    software: Software
+    draft_seconds_per_token: Sequence[float]
+
+    @property
+    def stage_count(self) -> int:
+        return len(self.starts)
+
+    def stage_range(self, stage: int) -> tuple[int, int]:
+        end = self.starts[stage + 1] if stage + 1 < len(self.starts) else self.model.blocks
+        return self.starts[stage], end
+
+    def stage_seconds(self, stage: int, tokens: int) -> float:
+        first, end = self.stage_range(stage)
+        return self.machines[stage].stage_seconds(self.model, first, end, tokens)
+
+    def hop_seconds(self, hop: int, tokens: int) -> float:
+        if hop == 0:  # coordinator to stage 0: same machine, token ids only
+            return self.software.hop_seconds
+        link = self.links[hop - 1] if hop - 1 < len(self.links) else None
+        row_width = self.model.vocab if hop == self.stage_count else self.model.width
+        payload = tokens * row_width * FLOAT_BYTES
+        carried = link.seconds(payload) if link is not None else payload / self.software.local_bytes_per_second
+        return self.software.hop_seconds + carried
+
+    def coordinator_seconds(self, tokens: int) -> float:
+        return self.software.coordinator_pass_seconds + tokens * self.software.coordinator_row_seconds
+
+    def draft_seconds(self, machine: int) -> float:
+        return self.draft_seconds_per_token[machine]
+
+    def memory_needed(self, stage: int, context: int, draft_bytes: int) -> int:
+        """Weights, KV cache for ``context`` positions, and the draft model."""
+        first, end = self.stage_range(stage)
+        return self.model.stage_bytes(first, end) + (end - first) * context * self.model.kv_bytes_per_token + draft_bytes

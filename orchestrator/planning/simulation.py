@@ -1,0 +1,277 @@
+"""A discrete-event simulation of the coordinator's decoding loop.
+
+It replays orchestrator.generate's schedule in virtual time, pass by pass:
+the same draft-length rule (speculators.draft_length), the same async relay
+of drafters at stage boundaries, the same pass started ahead after a fully
+accepted pass, the same discarding of a pass started on a failed
+speculation. Time comes from a cost model (``PipelineCosts``); no formula for
+tokens/s is assumed anywhere: throughput is what the simulated clock shows.
+
+Resources and their timelines:
+
+* each stage's machine runs one pass at a time, in submission order;
+* a hop carries a pass from the coordinator to stage 0 (hop 0), from stage
+  i - 1 to stage i (hop i), and the logits from the last stage back (hop n);
+* the coordinator does its own work after each result (verification,
+  bookkeeping) and waits on boundaries and results as the real loop does;
+* one drafter per machine drafts from when it is told to speculate until it
+  is collected, one token per ``draft_seconds``, stopping by itself with
+  probability ``1 - continuation`` at each token and after ``draft_max``.
+
+Which drafts are right is drawn at random: each draft token is right with
+probability ``acceptance`` when every token before it is right (a token
+drafted after a wrong one is wrong). Pure Python, no Ray, no llama.cpp.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from speculators.draft_length import next_draft_limit
+
+SCHEDULES = ("plain", "sync", "async")
+
+
+class PipelineCosts(Protocol):
+    """Seconds for everything the schedule waits on."""
+
+    stage_count: int
+
+    def stage_seconds(self, stage: int, tokens: int) -> float:
+        """One stage's compute for a pass of ``tokens`` tokens."""
+
+    def hop_seconds(self, hop: int, tokens: int) -> float:
+        """Hop ``hop`` (0: coordinator to stage 0; i: stage i-1 to i; n: last stage
+        to the coordinator, carrying one row of logits per token)."""
+
+    def coordinator_seconds(self, tokens: int) -> float:
+        """The coordinator's own work on a result of ``tokens`` rows."""
+
+    def draft_seconds(self, machine: int) -> float:
+        """One draft token on the drafter beside stage ``machine``."""
+
+
+@dataclass(frozen=True)
+class DraftBehaviour:
+    """acceptance: probability that a draft token is right, given the tokens
+    before it are right (bench reports it as acceptance_per_token).
+    continuation: probability that the drafter proposes a next token at all
+    (1 for a draft model; below 1 for prompt lookup, which finds no n-gram
+    at some positions)."""
+
+    acceptance: float
+    continuation: float = 1.0
+
+    def __post_init__(self):
+        if not (0.0 <= self.acceptance <= 1.0 and 0.0 <= self.continuation <= 1.0):
+            raise ValueError("acceptance and continuation are probabilities in [0, 1]")
+
+
+@dataclass(frozen=True)
+class Mode:
+    """schedule: plain (no drafts), sync or async; draft_max as ``--draft-max``."""
+
+    schedule: str
+    draft_max: int = 8
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {self.schedule!r} (choose {', '.join(SCHEDULES)})")
+        if self.draft_max < 1:
+            raise ValueError("draft_max must be at least 1")
+
+
+@dataclass
+class SimulatedRun:
+    """One simulated generation. tokens_per_second is measured like
+    Generation.tokens_per_second: tokens after the first over their time."""
+
+    tokens: int
+    seconds: float
+    passes: int = 0
+    discarded_passes: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    stage_busy_seconds: list[float] = field(default_factory=list)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return (self.tokens - 1) / self.seconds if self.seconds > 0 else math.inf
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Medians over simulated runs with different random draws."""
+
+    mode: Mode
+    tokens_per_second: float
+    passes_per_token: float
+    acceptance_rate: float
+    discarded_passes_per_run: float
+    stage_busy_fraction: tuple[float, ...]
+
+
+@dataclass
+class _Pass:
+    first: int  # position of its first input (the last committed token, or a speculated one)
+    drafts: list[bool]  # correctness of inputs[1:]
+    first_input_right: bool
+    boundaries: list[float]  # when it left each stage
+    result_time: float
+
+
+class _Stages:
+    """The stages' timelines: each runs one pass at a time, in order."""
+
+    def __init__(self, costs: PipelineCosts):
+        self.costs = costs
+        self.free_at = [0.0] * costs.stage_count
+        self.busy = [0.0] * costs.stage_count
+
+    def run(self, submitted: float, tokens: int) -> tuple[list[float], float]:
+        arrival = submitted + self.costs.hop_seconds(0, tokens)
+        boundaries = []
+        for stage in range(self.costs.stage_count):
+            compute = self.costs.stage_seconds(stage, tokens)
+            end = max(arrival, self.free_at[stage]) + compute
+            self.free_at[stage] = end
+            self.busy[stage] += compute
+            boundaries.append(end)
+            arrival = end + self.costs.hop_seconds(stage + 1, tokens)
+        return boundaries, arrival
+
+
+class _Drafter:
+    """A drafter beside one stage: drafts from ``speculate`` until ``collect``."""
+
+    def __init__(self, seconds_per_token: float, draft_max: int, behaviour: DraftBehaviour, rng: random.Random):
+        self.seconds_per_token = seconds_per_token
+        self.draft_max = draft_max
+        self.behaviour = behaviour
+        self.rng = rng
+        self.started = 0.0
+        self.possible = 0  # tokens it would draft before stopping by itself
+
+    def speculate(self, at: float) -> None:
+        self.started = at
+        self.possible = 0
+        while self.possible < self.draft_max and self.rng.random() < self.behaviour.continuation:
+            self.possible += 1
+
+    def collect(self, at: float, wait: bool) -> tuple[int, float]:
+        """(tokens drafted, when the reply is ready)."""
+        if wait:
+            return self.possible, max(at, self.started + self.possible * self.seconds_per_token)
+        if self.seconds_per_token <= 0:
+            return self.possible, at
+        done = int(max(0.0, at - self.started) / self.seconds_per_token)
+        return min(self.possible, done), at
+
+
+def simulate(costs: PipelineCosts, mode: Mode, behaviour: DraftBehaviour, max_tokens: int, seed: int = 0) -> SimulatedRun:
+    """One generation of max_tokens tokens, from the first generated token on
+    (the prompt's pass is not simulated; its drafting fills the first speculation)."""
+    rng = random.Random(seed)
+    count = costs.stage_count
+    stages = _Stages(costs)
+    drafters = [_Drafter(costs.draft_seconds(machine), mode.draft_max, behaviour, rng) for machine in range(count)]
+    run = SimulatedRun(tokens=1, seconds=0.0)
+
+    def extend(speculation: list[bool], tokens: int) -> None:
+        right = all(speculation)
+        for _ in range(tokens):
+            right = right and rng.random() < behaviour.acceptance
+            speculation.append(right)
+
+    def submit(at: float, first: int, first_input_right: bool, drafts: list[bool]) -> _Pass:
+        boundaries, result_time = stages.run(at, 1 + len(drafts))
+        return _Pass(first, drafts, first_input_right, boundaries, result_time)
+
+    def receive(now: float, head: _Pass, speculation: list[bool]) -> float:
+        """The coordinator waits for ``head``, relaying drafters (async) meanwhile."""
+        if mode.schedule == "async":
+            drafters[1 % count].speculate(now)
+            for stage in range(count - 1):
+                now = max(now, head.boundaries[stage])
+                extend(speculation, drafters[(stage + 1) % count].collect(now, wait=False)[0])
+                drafters[(stage + 2) % count].speculate(now)
+        now = max(now, head.result_time)
+        if mode.schedule == "async":
+            extend(speculation, drafters[0].collect(now, wait=False)[0])
+        return now + costs.coordinator_seconds(1 + len(head.drafts))
+
+    speculative = mode.schedule != "plain"
+    draft_limit = mode.draft_max
+    speculation: list[bool] = []  # beyond the committed text; True = right
+    if mode.schedule == "async":  # the drafters relayed during the prompt's pass
+        drafters[0].speculate(0.0)
+        extend(speculation, drafters[0].collect(0.0, wait=True)[0])
+    in_flight: deque[_Pass] = deque()
+    now = 0.0
+    committed = 1  # generated tokens; the first came from the prompt's pass at time 0
+    on_a_roll = False
+    while committed < max_tokens:
+        room = max_tokens - committed - 1
+        if not in_flight:
+            if speculative and (mode.schedule == "sync" or not speculation):
+                drafters[0].speculate(now)
+                drafted, now = drafters[0].collect(now, wait=True)
+                speculation = []
+                extend(speculation, drafted)
+            limit = min(draft_limit, room) if speculative else 0
+            in_flight.append(submit(now, committed - 1, True, speculation[:limit]))
+        head = in_flight[0]
+        if mode.schedule == "async" and on_a_roll and len(in_flight) == 1:
+            offset = len(head.drafts)  # index in speculation of the ahead pass's first input
+            limit = min(draft_limit, room - (offset + 1))
+            if len(speculation) > offset and limit >= 0:
+                in_flight.append(
+                    submit(now, head.first + offset + 1, speculation[offset], speculation[offset + 1 : offset + 2 + limit])
+                )
+        now = receive(now, head, speculation)
+        in_flight.popleft()
+        run.passes += 1
+        accepted = 0
+        while accepted < len(head.drafts) and head.drafts[accepted]:
+            accepted += 1
+        new_tokens = min(accepted + 1, max_tokens - committed)
+        committed += new_tokens
+        run.drafted_tokens += len(head.drafts)
+        run.accepted_tokens += accepted
+        on_a_roll = bool(head.drafts) and accepted == len(head.drafts)
+        if speculative:
+            draft_limit = next_draft_limit(draft_limit, len(head.drafts), accepted, mode.draft_max)
+        # The speculation survives if it agrees with all newly committed tokens.
+        agrees = accepted == len(head.drafts) and len(speculation) > accepted and speculation[accepted]
+        speculation = speculation[accepted + 1 :] if agrees else []
+        finished = committed >= max_tokens
+        while in_flight and (finished or in_flight[0].first != committed - 1 or not in_flight[0].first_input_right):
+            now = max(now, in_flight.popleft().result_time)  # received and discarded
+            run.passes += 1
+            run.discarded_passes += 1
+    run.tokens = committed
+    run.seconds = now
+    run.stage_busy_seconds = list(stages.busy)
+    return run
+
+
+def predict(costs: PipelineCosts, mode: Mode, behaviour: DraftBehaviour, max_tokens: int, runs: int = 32) -> Prediction:
+    """Medians over ``runs`` simulated generations with different random draws."""
+    results = [simulate(costs, mode, behaviour, max_tokens, seed) for seed in range(runs)]
+    drafted = sum(result.drafted_tokens for result in results)
+    return Prediction(
+        mode=mode,
+        tokens_per_second=statistics.median(result.tokens_per_second for result in results),
+        passes_per_token=sum(result.passes for result in results) / sum(result.tokens for result in results),
+        acceptance_rate=sum(result.accepted_tokens for result in results) / drafted if drafted else 0.0,
+        discarded_passes_per_run=sum(result.discarded_passes for result in results) / runs,
+        stage_busy_fraction=tuple(
+            statistics.median(result.stage_busy_seconds[stage] / result.seconds for result in results if result.seconds)
+            for stage in range(costs.stage_count)
+        ),
+    )

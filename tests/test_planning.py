@@ -1,0 +1,165 @@
+"""The capacity planner: schedule simulation, cost models, split search. Pure Python."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+
+from orchestrator.planning.costs import BatchCurve, Link, Machine, ModelShape, Software, StageCosts
+from orchestrator.planning.recommend import PlanError, Setup, candidate_splits, recommend
+from orchestrator.planning.simulation import DraftBehaviour, Mode, predict, simulate
+from orchestrator.profile import split_costs
+
+
+@dataclass(frozen=True)
+class FlatCosts:
+    """Every stage costs base + per_token * tokens; hops and the coordinator are constant."""
+
+    stage_count: int
+    base: float = 0.010
+    per_token: float = 0.001
+    hop: float = 0.0002
+    coordinator: float = 0.0003
+    draft: float = 0.0
+
+    def stage_seconds(self, stage: int, tokens: int) -> float:
+        return self.base + self.per_token * tokens
+
+    def hop_seconds(self, hop: int, tokens: int) -> float:
+        return self.hop
+
+    def coordinator_seconds(self, tokens: int) -> float:
+        return self.coordinator
+
+    def draft_seconds(self, machine: int) -> float:
+        return self.draft
+
+
+def test_plain_pipeline_costs_every_stage_hop_and_coordinator_per_token():
+    costs = FlatCosts(stage_count=3)
+    run = simulate(costs, Mode("plain"), DraftBehaviour(0.0), max_tokens=50)
+    per_token = 3 * (costs.base + costs.per_token) + 4 * costs.hop + costs.coordinator
+    assert run.passes == 49 and run.drafted_tokens == 0
+    assert run.tokens_per_second == pytest.approx(1 / per_token)
+
+
+def test_sync_speculation_with_perfect_drafts_commits_draft_max_plus_one_per_pass():
+    costs = FlatCosts(stage_count=2)
+    run = simulate(costs, Mode("sync", draft_max=4), DraftBehaviour(1.0), max_tokens=101)
+    assert run.passes == 20  # 100 tokens after the first, 5 per pass
+    assert run.accepted_tokens == run.drafted_tokens == 80
+    plain = simulate(costs, Mode("plain"), DraftBehaviour(1.0), max_tokens=101)
+    assert run.tokens_per_second > 3 * plain.tokens_per_second
+
+
+def test_wrong_drafts_make_speculation_slower_than_plain():
+    costs = FlatCosts(stage_count=2)
+    wrong = predict(costs, Mode("sync", 8), DraftBehaviour(0.0), max_tokens=64, runs=4)
+    plain = predict(costs, Mode("plain"), DraftBehaviour(0.0), max_tokens=64, runs=4)
+    assert wrong.acceptance_rate == 0.0
+    assert wrong.passes_per_token == pytest.approx(plain.passes_per_token)
+    # the adaptive limit falls to one draft a pass: each pass is a 2-token batch
+    assert wrong.tokens_per_second < plain.tokens_per_second
+
+
+def test_async_pipelines_passes_when_drafts_are_right():
+    """With every draft right, async starts the next window while the first is in
+    flight: stage 0 and stage 1 work at once, which sync never does."""
+    costs = FlatCosts(stage_count=2)
+    sync = simulate(costs, Mode("sync", 4), DraftBehaviour(1.0), max_tokens=201)
+    asynchronous = simulate(costs, Mode("async", 4), DraftBehaviour(1.0), max_tokens=201)
+    assert asynchronous.discarded_passes == 0
+    assert asynchronous.tokens_per_second > 1.5 * sync.tokens_per_second
+    assert min(asynchronous.stage_busy_seconds) / asynchronous.seconds > 0.8
+
+
+def test_async_discards_passes_started_on_failed_speculation():
+    costs = FlatCosts(stage_count=2)
+    run = simulate(costs, Mode("async", 4), DraftBehaviour(0.8), max_tokens=300, seed=3)
+    assert run.discarded_passes > 0
+    assert run.tokens == 300
+
+
+def test_slow_drafter_costs_sync_its_drafting_time():
+    fast = simulate(FlatCosts(2), Mode("sync", 4), DraftBehaviour(1.0), max_tokens=101)
+    slow = simulate(FlatCosts(2, draft=0.002), Mode("sync", 4), DraftBehaviour(1.0), max_tokens=101)
+    assert slow.seconds == pytest.approx(fast.seconds + 20 * 4 * 0.002)
+
+
+def test_low_continuation_gives_short_drafts():
+    run = simulate(FlatCosts(2), Mode("sync", 8), DraftBehaviour(1.0, continuation=0.0), max_tokens=40)
+    assert run.drafted_tokens == 0 and run.passes == 39
+
+
+def test_batch_curve_interpolates_and_extends_linearly():
+    curve = BatchCurve((1, 2, 4), (1.0, 1.5, 2.5))
+    assert curve.at(1) == 1.0 and curve.at(3) == 2.0 and curve.at(8) == 4.5
+    with pytest.raises(ValueError):
+        BatchCurve((2, 1), (1.0, 1.0))
+
+
+def test_profile_split_recovers_block_head_and_fixed_costs():
+    fixed, block, head = 0.002, 0.0005, 0.004
+    stages = [
+        {"first_block": 0, "end_block": 10, "seconds": [fixed + 10 * block]},
+        {"first_block": 10, "end_block": 30, "seconds": [fixed + 20 * block + head]},
+    ]
+    whole = {"seconds": [fixed + 30 * block + head]}
+    derived = split_costs(stages, whole)
+    assert derived["fixed_seconds"][0] == pytest.approx(fixed)
+    assert derived["block_seconds"][0] == pytest.approx(block)
+    assert derived["head_seconds"][0] == pytest.approx(head)
+
+
+def _shape(blocks: int = 10) -> ModelShape:
+    return ModelShape.from_parameters("test", blocks=blocks, width=1024, vocab=32000, parameters=2e9,
+                                      bits_per_weight=8, kv_heads_width=256)
+
+
+def test_roofline_machine_reads_weights_once_per_pass_until_compute_bound():
+    shape = _shape()
+    machine = Machine("m", 64e9, bytes_per_second=100e9, flops_per_second=10e12)
+    one = machine.stage_seconds(shape, 0, 5, 1)
+    assert one == pytest.approx(shape.stage_bytes(0, 5) / 100e9)
+    assert machine.stage_seconds(shape, 0, 5, 4) == pytest.approx(one)  # still memory-bound
+    flops = 2 * 5 * shape.block_parameters * 4096
+    assert machine.stage_seconds(shape, 0, 5, 4096) == pytest.approx(flops / 10e12)  # compute-bound
+
+
+def test_links_carry_activations_and_logits():
+    shape = _shape()
+    link = Link(latency_seconds=0.001, bytes_per_second=1e9)
+    software = Software(0.0001, 0.0, 0.0)
+    machine = Machine("m", 64e9, 100e9, 10e12)
+    costs = StageCosts(shape, [machine, machine], (0, 5), [link, link], software, (0.0, 0.0))
+    assert costs.hop_seconds(0, 8) == pytest.approx(0.0001)
+    assert costs.hop_seconds(1, 8) == pytest.approx(0.0001 + 0.001 + 8 * 1024 * 4 / 1e9)
+    assert costs.hop_seconds(2, 8) == pytest.approx(0.0001 + 0.001 + 8 * 32000 * 4 / 1e9)
+
+
+def test_candidate_splits_cover_every_split_once():
+    assert candidate_splits(4, 2, 1) == [(0, 1), (0, 2), (0, 3)]
+    assert len(candidate_splits(10, 3, 1)) == math.comb(9, 2)
+
+
+def _setup(memories: list[float], blocks: int = 10) -> Setup:
+    machines = [Machine(f"m{index}", memory, 100e9, 10e12) for index, memory in enumerate(memories)]
+    return Setup(_shape(blocks), machines, [Link(0.0001, 1e9)] * len(machines), Software(0.0001, 0.0001, 0.0),
+                 DraftBehaviour(0.8), draft_seconds=[0.0005] * len(machines), context=256, max_tokens=64)
+
+
+def test_recommendation_respects_each_machines_memory():
+    # 2e9 parameters at 8 bits: ~0.19 GB a block; the first machine holds at most 2 blocks and the embedding
+    small = _setup([0.6e9, 64e9])
+    recommendation = recommend(small)
+    assert recommendation.blocks_per_machine[0] <= 2
+    assert all(need <= 0.9 * machine.memory_bytes
+               for need, machine in zip(recommendation.memory_needed, small.machines))
+    assert set(recommendation.predictions) == {"plain", "sync", "async"}
+
+
+def test_a_model_that_fits_nowhere_is_refused():
+    with pytest.raises(PlanError, match="does not fit"):
+        recommend(_setup([0.5e9, 0.5e9]))
