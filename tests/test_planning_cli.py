@@ -1,0 +1,77 @@
+"""`orchestrate profile` and `orchestrate plan` as a user runs them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import orchestrate
+
+SETUP_405B = Path(__file__).parent.parent / "benchmarks" / "setups" / "llama-405b-two-machines.toml"
+
+
+@pytest.fixture(scope="module")
+def profile_path(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("profile") / "profile.json"
+    result = orchestrate("profile", "--out", path, "--repetitions", "1")
+    assert result.returncode == 0, result.stderr
+    return path
+
+
+def test_profile_measures_batches_drafter_and_hop(profile_path):
+    profile = json.loads(profile_path.read_text())
+    assert profile["batch_sizes"] == [1, 2, 4, 8, 16, 32, 64]
+    assert [stage["first_block"] for stage in profile["stages"]] == [0, 15]
+    for stage in profile["stages"]:
+        assert len(stage["seconds"]) == 7 and all(seconds > 0 for seconds in stage["seconds"])
+    assert len(profile["block_seconds"]) == len(profile["head_seconds"]) == len(profile["fixed_seconds"]) == 7
+    assert profile["hop_seconds"] > 0 and profile["coordinator_pass_seconds"] > 0
+    assert profile["drafter_seconds_per_token"]["ngram"] > 0
+    assert not list(profile_path.parent.glob("*.partial"))
+
+
+def test_plan_from_a_profile_predicts_each_mode(profile_path):
+    result = orchestrate("plan", "--profile", profile_path, "--acceptance", "0.9", "--continuation", "0.9",
+                         "--draft-max", "8", "--max-tokens", "64", "--json")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["starts"] == [0, 15]  # the profiled split
+    assert set(plan["predictions"]) == {"plain", "sync", "async"}
+    assert all(mode["tokens_per_second"] > 0 for mode in plan["predictions"].values())
+    assert plan["predictions"]["sync"]["draft_max"] == 8
+
+
+def test_plan_projects_405b_on_two_machines_within_memory():
+    result = orchestrate("plan", SETUP_405B, "--json")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert sum(plan["blocks_per_stage"]) == 126 and len(plan["blocks_per_stage"]) == 2
+    assert all(need <= 0.9 * 192e9 for need in plan["memory_needed_bytes"])
+    assert plan["predictions"]["sync"]["tokens_per_second"] > plan["predictions"]["plain"]["tokens_per_second"]
+    table = orchestrate("plan", SETUP_405B, "--acceptance", "0.5")
+    assert table.returncode == 0 and "recommended:" in table.stdout
+
+
+@pytest.mark.parametrize("text, message", [
+    ("not = [toml", "not TOML"),
+    ("[model]\nblocks = 2\n", "width is missing"),
+    ("[model]\nblocks = 126\nwidth = 16384\nvocab = 128256\nparameters = 405e9\nbits_per_weight = 4\nkv_width = 1024\n"
+     "[[machines]]\nmemory_gb = 16\nbandwidth_gb_per_s = 100\ncompute_tflops = 1\n", "does not fit"),
+])
+def test_bad_setups_get_one_line(tmp_path, text, message):
+    setup = tmp_path / "setup.toml"
+    setup.write_text(text)
+    result = orchestrate("plan", setup)
+    assert result.returncode == 1
+    assert result.stderr.startswith("error:") and message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_profile_of_bad_stage_files_writes_nothing(tmp_path):
+    bogus = tmp_path / "bogus.gguf"
+    bogus.write_bytes(b"not a model")
+    out = tmp_path / "profile.json"
+    result = orchestrate("profile", bogus, bogus, "--whole", bogus, "--out", out)
+    assert result.returncode == 1 and result.stderr.startswith("error:")
+    assert not out.exists()
