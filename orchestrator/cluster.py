@@ -50,7 +50,10 @@ def ray_session(address: str | None, *, dashboard: bool = False, num_cpus: int |
             context = ray.init(address=address, log_to_driver=False, configure_logging=False)
     except (ConnectionError, RuntimeError, ValueError) as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ClusterError(f"could not {'start' if address is None else 'connect to'} Ray: {first_line}") from None
+        hint = ""
+        if address is not None and os.environ.get("RAY_AUTH_MODE") != "token":
+            hint = " (a cluster started with RAY_AUTH_MODE=token, as cluster.yaml does, needs it set here too)"
+        raise ClusterError(f"could not {'start' if address is None else 'connect to'} Ray: {first_line}{hint}") from None
     try:
         url = context.dashboard_url
         parts = [f"Ray dashboard: http://{url}"] if url else []
