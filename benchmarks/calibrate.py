@@ -8,8 +8,11 @@ For each scenario and mode of a bench results.json:
   profiled one is a real prediction);
 * spec-sync-KIND, spec-async-KIND: the speculative schedules at the bench's
   --draft-max 8, with the workload's draft statistics measured by the same
-  bench run (acceptance per token and draft continuation, pooled over the
-  scenario's two speculative modes), and the profile's time per draft token;
+  bench run in its spec-sync-KIND mode (acceptance of the first and of later
+  draft tokens, the drafter's availability and continuation), and the
+  profile's time per draft token;
+* every stage on this one machine, at most (cores / threads per stage) of
+  them computing at once;
 * whole: the whole model as one stage, with no hops and no coordinator of ours
   (llama-cpp-python's own loop);
 * whole-lookup is not predicted: it is llama-cpp-python's own speculative
@@ -48,22 +51,20 @@ def scenario_starts(scenario: dict, profile: dict) -> tuple[int, ...]:
     raise click.ClickException(f"scenario {scenario['scenario']}: give its boundaries in its TOML to predict it")
 
 
-def pooled_behaviour(scenario: dict) -> DraftBehaviour | None:
-    """acceptance_per_token and draft_continuation over the speculative modes (weighted by runs)."""
-    rows = [row for row in scenario["modes"] if row["mode"].startswith("spec-") and row.get("acceptance_per_token") is not None]
-    if not rows:
-        return None
-    weight = sum(row["runs"] for row in rows)
-    acceptance = sum(row["acceptance_per_token"] * row["runs"] for row in rows) / weight
-    continuation = sum((row["draft_continuation"] or 0.0) * row["runs"] for row in rows) / weight
-    return DraftBehaviour(acceptance, continuation)
+def measured_behaviour(scenario: dict, kind: str) -> DraftBehaviour | None:
+    """The workload's draft statistics for a speculator kind, from its sync mode
+    (where every pass drafts afresh from the committed text)."""
+    for row in scenario["modes"]:
+        if row["mode"] == f"spec-sync-{kind}" and row.get("acceptance_later") is not None:
+            return DraftBehaviour(row["acceptance_later"], row["draft_availability"], row["acceptance_first"],
+                                  row["draft_continuation"])
+    return None
 
 
 def calibrate(profile: dict, bench: dict) -> list[dict]:
     rows = []
     for scenario in bench["scenarios"]:
-        behaviour = pooled_behaviour(scenario)
-        base = setup_from_profile(profile, behaviour=behaviour, max_tokens=scenario["max_tokens"])
+        base = setup_from_profile(profile, behaviour=None, max_tokens=scenario["max_tokens"])
         starts = scenario_starts(scenario, profile)
         machine = base.machines[0]
         split = replace(base, machines=[machine] * len(starts), links=[None] * len(starts), starts=starts,
@@ -71,28 +72,30 @@ def calibrate(profile: dict, bench: dict) -> list[dict]:
         whole = replace(base, machines=[machine], links=[None], starts=(0,), draft_seconds=[0.0],
                         software=Software(0.0, 0.0, 0.0, 1e18))
         for row in scenario["modes"]:
-            mode_name = row["mode"]
+            mode_name, behaviour = row["mode"], None
             if mode_name == "whole":
                 setup, mode = whole, Mode("plain")
             elif mode_name == "pipeline":
                 setup, mode = split, Mode("plain")
-            elif mode_name.startswith("spec-") and behaviour is not None:
+            elif mode_name.startswith("spec-"):
                 _, schedule, kind = mode_name.split("-", 2)
+                behaviour = measured_behaviour(scenario, kind)
                 drafter_seconds = profile["drafter_seconds_per_token"].get(kind)
-                if drafter_seconds is None:
+                if behaviour is None or drafter_seconds is None:
                     continue
                 setup = replace(split, draft_seconds=[drafter_seconds] * len(starts))
                 mode = Mode(schedule, BENCH_DRAFT_MAX)
             else:
                 continue
-            prediction = predict(setup.costs(setup.starts), mode, behaviour or DraftBehaviour(0.0), setup.max_tokens, RUNS)
+            # As long as the measured generations were (they may end before max_tokens).
+            length = max(2, round(row["mean_tokens"]))
+            prediction = predict(setup.costs(setup.starts), mode, behaviour or DraftBehaviour(0.0), length, RUNS)
             measured = row["tokens_per_second"]["median"]
             rows.append({
                 "scenario": scenario["scenario"], "mode": mode_name, "measured": measured,
                 "measured_min": row["tokens_per_second"]["min"], "measured_max": row["tokens_per_second"]["max"],
                 "predicted": prediction.tokens_per_second, "error": prediction.tokens_per_second / measured - 1,
-                "acceptance_per_token": behaviour.acceptance if behaviour and mode.schedule != "plain" else None,
-                "continuation": behaviour.continuation if behaviour and mode.schedule != "plain" else None,
+                "behaviour": behaviour,
             })
     return rows
 
@@ -101,11 +104,13 @@ def markdown(rows: list[dict], command: str) -> str:
     lines = [
         f"Produced by `{command}`.",
         "",
-        "| scenario | mode | measured tokens/s (min-max) | predicted | error | acceptance / continuation |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| scenario | mode | measured tokens/s (min-max) | predicted | error | acceptance first / later | availability / continuation |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in rows:
-        behaviour = "-" if row["acceptance_per_token"] is None else f"{row['acceptance_per_token']:.2f} / {row['continuation']:.2f}"
+        drafts = row["behaviour"]
+        behaviour = ("- | -" if drafts is None else
+                     f"{drafts.first:.2f} / {drafts.acceptance:.2f} | {drafts.availability:.2f} / {drafts.next:.2f}")
         lines.append(
             f"| {row['scenario']} | {row['mode']} | {row['measured']:.1f} ({row['measured_min']:.1f}-{row['measured_max']:.1f}) "
             f"| {row['predicted']:.1f} | {row['error']:+.0%} | {behaviour} |"

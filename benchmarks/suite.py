@@ -126,6 +126,10 @@ class Run:
     stage_seconds: list[float] = field(default_factory=list)
     drafter_seconds: float = 0.0
     rejected_passes: int = 0
+    drafted_passes: int = 0
+    first_accepted_passes: int = 0
+    waited_calls: int = 0
+    waited_nonempty: int = 0
     waited_tokens: int = 0
     waited_stops: int = 0
 
@@ -216,7 +220,8 @@ def run_scenario(
                     mode, 0, 0, result.tokens, result.tokens_per_second, result.prefill_seconds, result.seconds,
                     result.passes, stats.drafted_tokens, stats.accepted_tokens, Counter(stats.accepted_lengths),
                     list(result.stage_seconds), sum(client.busy_seconds for client in clients) - busy_before,
-                    stats.rejected_passes, stats.waited_tokens, stats.waited_stops,
+                    stats.rejected_passes, stats.drafted_passes, stats.first_accepted_passes,
+                    stats.waited_calls, stats.waited_nonempty, stats.waited_tokens, stats.waited_stops,
                 )
 
             for mode in modes:  # warm-up
@@ -259,8 +264,22 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
-def _share(successes: int, failures: int) -> float | None:
-    return successes / (successes + failures) if successes + failures else None
+def draft_behaviour(runs: list[Run]) -> dict[str, float | None]:
+    """The planner's draft statistics over runs (None where nothing was drafted)."""
+    from orchestrator.generate import SpeculationStats
+
+    stats = SpeculationStats(
+        drafted_tokens=sum(run.drafted for run in runs), accepted_tokens=sum(run.accepted for run in runs),
+        rejected_passes=sum(run.rejected_passes for run in runs),
+        drafted_passes=sum(run.drafted_passes for run in runs),
+        first_accepted_passes=sum(run.first_accepted_passes for run in runs),
+        waited_calls=sum(run.waited_calls for run in runs), waited_nonempty=sum(run.waited_nonempty for run in runs),
+        waited_tokens=sum(run.waited_tokens for run in runs), waited_stops=sum(run.waited_stops for run in runs),
+    )
+    if not stats.waited_calls:
+        return {"acceptance_first": None, "acceptance_later": None, "draft_availability": None, "draft_continuation": None}
+    return {"acceptance_first": stats.acceptance_first, "acceptance_later": stats.acceptance_later,
+            "draft_availability": stats.draft_availability, "draft_continuation": stats.draft_continuation}
 
 
 def summarise(scenario: Scenario, modes: list[str], runs: list[Run], stage_count: int, hop_seconds: float,
@@ -288,6 +307,7 @@ def summarise(scenario: Scenario, modes: list[str], runs: list[Run], stage_count
         rows.append({
             "mode": mode,
             "runs": len(mode_runs),
+            "mean_tokens": tokens / len(mode_runs) if mode_runs else 0.0,
             "tokens_per_second": {"median": _median(rates), "min": min(rates), "max": max(rates)},
             "time_to_first_token_ms": _median([run.first_token_seconds * 1e3 for run in mode_runs]),
             "ratio_to_pipeline": ratio_to("pipeline"),
@@ -296,10 +316,7 @@ def summarise(scenario: Scenario, modes: list[str], runs: list[Run], stage_count
             "target_passes_per_token": sum(run.passes for run in mode_runs) / tokens if pipelined and tokens else None,
             "acceptance_rate": sum(run.accepted for run in mode_runs) / drafted if drafted else None,
             # The planner's inputs (orchestrator.generate.SpeculationStats explains them).
-            "acceptance_per_token": _share(sum(run.accepted for run in mode_runs),
-                                           sum(run.rejected_passes for run in mode_runs)),
-            "draft_continuation": _share(sum(run.waited_tokens for run in mode_runs),
-                                         sum(run.waited_stops for run in mode_runs)),
+            **draft_behaviour(mode_runs),
             "accepted_length_histogram": {str(length): count for length, count in sorted(lengths.items())},
             "stage_busy_fraction": [sum(run.stage_seconds[index] for run in mode_runs) / seconds
                                     for index in range(stage_count)] if pipelined and seconds else None,

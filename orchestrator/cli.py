@@ -275,16 +275,23 @@ def profile(stage_files, whole_path, draft_path, out_path, repetitions, threads)
 @click.option("--profile", "profile_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Without SETUP_FILE: plan the profiled machine running the profiled split.")
 @click.option("--acceptance", type=click.FloatRange(0.0, 1.0),
-              help="Draft acceptance per token (bench's acceptance_per_token); overrides the setup's.")
+              help="Acceptance of a draft token after accepted ones (bench's acceptance_later); overrides the setup's.")
+@click.option("--first-acceptance", type=click.FloatRange(0.0, 1.0),
+              help="Acceptance of the first draft token (bench's acceptance_first); default: as --acceptance.")
+@click.option("--availability", type=click.FloatRange(0.0, 1.0),
+              help="Chance that drafting from the committed text proposes anything (bench's draft_availability; "
+                   "1 for a draft model).")
 @click.option("--continuation", type=click.FloatRange(0.0, 1.0),
-              help="Chance the drafter proposes another token (bench's draft_continuation; 1 for a draft model).")
+              help="Chance the drafter proposes one more token after one (bench's draft_continuation); "
+                   "default: as --availability.")
 @click.option("--drafter", type=click.Choice(["ngram", "model"]), default="ngram", show_default=True,
               help="With --profile: whose measured time per draft token to use.")
 @click.option("--max-tokens", type=click.IntRange(2), help="Tokens per simulated generation (default: the setup's, or 256).")
 @click.option("--draft-max", type=click.IntRange(1, 64), help="Predict at this --draft-max only (default: find the best).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @one_line_errors
-def plan(setup_file, profile_path, acceptance, continuation, drafter, max_tokens, draft_max, as_json) -> None:
+def plan(setup_file, profile_path, acceptance, first_acceptance, availability, continuation, drafter, max_tokens,
+         draft_max, as_json) -> None:
     """Predict tokens/s of the plain pipeline and both speculative schedules; recommend a split and draft length."""
     from dataclasses import replace
 
@@ -295,17 +302,16 @@ def plan(setup_file, profile_path, acceptance, continuation, drafter, max_tokens
 
     if (setup_file is None) == (profile_path is None):
         raise click.UsageError("give a SETUP_FILE or --profile PROFILE.json")
+    overrides = {name: value for name, value in (
+        ("acceptance", acceptance), ("first_acceptance", first_acceptance),
+        ("availability", availability), ("continuation", continuation)) if value is not None}
     if setup_file is not None:
         setup = load_setup(setup_file)
     else:
-        behaviour = DraftBehaviour(acceptance, 1.0 if continuation is None else continuation) if acceptance is not None else None
-        setup = setup_from_profile(read_profile(profile_path), behaviour=behaviour, drafter=drafter)
-    if acceptance is not None or continuation is not None:
-        current = setup.behaviour or DraftBehaviour(0.0)
-        setup = replace(setup, behaviour=DraftBehaviour(
-            current.acceptance if acceptance is None else acceptance,
-            current.continuation if continuation is None else continuation,
-        ))
+        setup = setup_from_profile(read_profile(profile_path), behaviour=DraftBehaviour(1.0) if overrides else None,
+                                   drafter=drafter)
+    if overrides:
+        setup = replace(setup, behaviour=replace(setup.behaviour or DraftBehaviour(1.0), **overrides))
     if max_tokens is not None:
         setup = replace(setup, max_tokens=max_tokens)
     if draft_max is not None:

@@ -56,15 +56,22 @@ class SpeculationStats:
     collected_tokens: tokens the drafters delivered (verified or not).
     discarded_passes: passes started ahead on a speculation that then failed.
     rejected_passes: passes in which a draft token was rejected.
-    waited_tokens, waited_stops: over the drafts awaited until the drafter
-    stopped (sync, or async with nothing pending), the tokens drafted and how
-    many times it stopped by itself before --draft-max."""
+    drafted_passes, first_accepted_passes: passes with at least one draft, and
+    those of them that accepted the first.
+    waited_calls, waited_nonempty, waited_tokens, waited_stops: over the drafts
+    awaited until the drafter stopped (sync, or async with nothing pending):
+    how many, how many brought at least one token, the tokens, and how many
+    stopped by themselves before --draft-max."""
 
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     collected_tokens: int = 0
     discarded_passes: int = 0
     rejected_passes: int = 0
+    drafted_passes: int = 0
+    first_accepted_passes: int = 0
+    waited_calls: int = 0
+    waited_nonempty: int = 0
     waited_tokens: int = 0
     waited_stops: int = 0
     accepted_lengths: Counter = field(default_factory=Counter)
@@ -75,18 +82,34 @@ class SpeculationStats:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
     @property
-    def acceptance_per_token(self) -> float:
-        """Probability that a draft token is accepted when every draft before it
-        was: each accepted token is one success, each rejection one failure."""
-        trials = self.accepted_tokens + self.rejected_passes
-        return self.accepted_tokens / trials if trials else 0.0
+    def acceptance_first(self) -> float:
+        """Probability that a pass accepts its first draft token."""
+        return self.first_accepted_passes / self.drafted_passes if self.drafted_passes else 0.0
+
+    @property
+    def acceptance_later(self) -> float:
+        """Probability that a later draft token is accepted when every draft
+        before it was: each such acceptance is a success, each rejection after
+        the first token a failure. (With sync drafting every pass drafts afresh
+        from the committed text; the planner takes these as a workload's figures.)"""
+        later_accepted = self.accepted_tokens - self.first_accepted_passes
+        later_rejected = self.rejected_passes - (self.drafted_passes - self.first_accepted_passes)
+        trials = later_accepted + later_rejected
+        return later_accepted / trials if trials else 0.0
+
+    @property
+    def draft_availability(self) -> float:
+        """Probability that drafting from the committed text proposes anything
+        (prompt lookup finds no n-gram at some positions; a draft model always proposes)."""
+        return self.waited_nonempty / self.waited_calls if self.waited_calls else 0.0
 
     @property
     def draft_continuation(self) -> float:
-        """Probability that the drafter proposes one more token (prompt lookup
-        finds no n-gram at some positions; a draft model always proposes)."""
-        trials = self.waited_tokens + self.waited_stops
-        return self.waited_tokens / trials if trials else 0.0
+        """Probability that the drafter proposes one more token after one it proposed."""
+        later_tokens = self.waited_tokens - self.waited_nonempty
+        later_stops = self.waited_stops - (self.waited_calls - self.waited_nonempty)
+        trials = later_tokens + later_stops
+        return later_tokens / trials if trials else 0.0
 
     @property
     def wasted_tokens(self) -> int:
@@ -151,6 +174,8 @@ class Speculation:
         if self.schedule == "sync" or not pending:
             self.drafters[0].speculate(committed)
             tokens = self._collect(0, wait=True)
+            self.stats.waited_calls += 1
+            self.stats.waited_nonempty += bool(tokens)
             self.stats.waited_tokens += len(tokens)
             self.stats.waited_stops += len(tokens) < self.max_drafts
             return tokens
@@ -293,6 +318,8 @@ def generate(
         stats.drafted_tokens += len(drafts)
         stats.accepted_tokens += len(new_tokens) - 1
         stats.rejected_passes += len(new_tokens) - 1 < len(drafts)
+        stats.drafted_passes += bool(drafts)
+        stats.first_accepted_passes += bool(drafts) and len(new_tokens) > 1
         if speculation is not None:
             speculation.draft_limit = next_draft_limit(
                 speculation.draft_limit, len(drafts), len(new_tokens) - 1, speculation.max_drafts

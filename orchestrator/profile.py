@@ -1,19 +1,21 @@
 """``orchestrate profile``: measure what the planner needs, on this machine.
 
-* Stage time for a batch of n tokens (n = 1, 2, 4, ... 64), for each stage file
-  and for the whole model, in this process (one engine each, after a context of
-  ``context`` positions, the batch rolled back after every repetition; medians).
-  From these: a block's time, the output head's time and a pass's fixed time
-  for each n (``costs.MeasuredMachine``), so the planner can price any split.
+* Stage time for a batch of n tokens (n = 1, 2, 4, ... 64): each stage file
+  through the real pipeline on a local Ray, timed by the stage actors as in a
+  run; the whole model in this process, as bench's whole mode runs it. Every
+  batch follows a context of ``context`` positions and is rolled back after
+  each repetition; medians. From these: a block's time, the output head's
+  time and a pass's fixed time for each n (``costs.MeasuredMachine``), so the
+  planner can price any split.
+* The hop time: the pipeline's wall time minus stage compute, per hop, over
+  the one-token passes; the bytes per second of a large frame over a local socket.
 * The drafter's time per draft token: prompt lookup on a context of
   ``context`` tokens, and a draft model if one is given.
-* The hop time, from a short plain generation through the real pipeline on a
-  local Ray (the pipeline measures each pass's wall time minus its stages'
-  compute); the bytes per second of a large frame over a local socket.
 * The coordinator's own time per pass (the decoding loop against a target
-  that answers at once) and the time to verify one more logits row.
+  that answers at once), the time to verify one more logits row, and one
+  drafting request's round trip to a drafter in another process.
 
-The profile is one JSON file (schema in ``profile_schema``); ``plan`` reads it.
+The profile is one JSON file; orchestrator.planning.setup_file reads it.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-PROFILE_KIND = "specpipe-profile"
 PROFILE_VERSION = 1
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_CONTEXT = 128
@@ -44,7 +45,6 @@ class ProfileSettings:
     repetitions: int = 7
     context: int = DEFAULT_CONTEXT
     threads: int = 1
-    pipeline_tokens: int = 48
 
 
 def _median_seconds(action: Callable[[], object], repetitions: int) -> float:
@@ -56,61 +56,71 @@ def _median_seconds(action: Callable[[], object], repetitions: int) -> float:
     return statistics.median(times)
 
 
-def measure_stages(settings: ProfileSettings, progress: Callable[[int, int], None]) -> tuple[list[dict], dict]:
-    """Median seconds per batch size for each stage (fed its real input) and the whole model."""
+def measure_whole(settings: ProfileSettings, progress: Callable[[int, int], None]) -> dict:
+    """Median seconds per batch size for the whole model in this process (as
+    bench's whole mode runs it), after a context of settings.context positions."""
     from stages.engine import StageEngine, StageSettings
 
-    engine_settings = StageSettings(n_ctx=settings.context + max(settings.batch_sizes) + 16, threads=settings.threads)
-    stages = [StageEngine(path, engine_settings) for path in settings.stage_paths]
-    whole = StageEngine(settings.whole_path, engine_settings)
+    whole = StageEngine(settings.whole_path, StageSettings(n_ctx=_context_size(settings), threads=settings.threads))
     rng = np.random.default_rng(0)
-    context_tokens = rng.integers(100, 10000, settings.context).astype(np.int32)
-    context_positions = np.arange(settings.context, dtype=np.int32)
-
-    def chain(positions: np.ndarray, tokens: np.ndarray, rows: np.ndarray) -> list[np.ndarray]:
-        """Every stage's input for this batch (running the chain once)."""
-        inputs, value = [], tokens
-        for stage in stages:
-            inputs.append(value)
-            stage.remove(int(positions[0]))
-            value = stage.decode(positions, **({"tokens": value} if stage.is_first else {"hidden": value}), logit_rows=rows)
-        return inputs
-
-    chain(context_positions, context_tokens, np.array([settings.context - 1], dtype=np.int32))
-    whole.decode(context_positions, tokens=context_tokens)
-    stage_seconds: list[list[float]] = [[] for _ in stages]
-    whole_seconds: list[float] = []
-    total = len(settings.batch_sizes)
+    whole.decode(np.arange(settings.context, dtype=np.int32), tokens=rng.integers(100, 10000, settings.context).astype(np.int32))
+    seconds = []
     for done, size in enumerate(settings.batch_sizes):
         positions = np.arange(settings.context, settings.context + size, dtype=np.int32)
         tokens = rng.integers(100, 10000, size).astype(np.int32)
         rows = np.arange(size, dtype=np.int32)  # a verification pass wants every row's logits
-        inputs = chain(positions, tokens, rows)
-        for index, stage in enumerate(stages):
-            keyword = {"tokens": inputs[index]} if stage.is_first else {"hidden": inputs[index]}
 
-            def one_pass(stage=stage, keyword=keyword) -> None:
-                stage.remove(settings.context)
-                stage.decode(positions, logit_rows=rows if stage.is_last else None, **keyword)
-
-            stage_seconds[index].append(_median_seconds(one_pass, settings.repetitions))
-
-        def whole_pass() -> None:
+        def one_pass() -> None:
             whole.remove(settings.context)
             whole.decode(positions, tokens=tokens, logit_rows=rows)
 
-        whole_seconds.append(_median_seconds(whole_pass, settings.repetitions))
-        progress(done + 1, total)
-    described = [
-        {"path": stage.path, "first_block": stage.first_block, "end_block": stage.end_block, "is_last": stage.is_last,
-         "seconds": seconds}
-        for stage, seconds in zip(stages, stage_seconds)
-    ]
-    whole_description = {"path": whole.path, "blocks": whole.block_count, "width": whole.n_embd,
-                         "vocab": whole.n_vocab, "seconds": whole_seconds}
-    for engine in [*stages, whole]:
-        engine.close()
-    return described, whole_description
+        seconds.append(_median_seconds(one_pass, settings.repetitions))
+        progress(done + 1, 2 * len(settings.batch_sizes))
+    description = {"path": whole.path, "blocks": whole.block_count, "width": whole.n_embd, "vocab": whole.n_vocab,
+                   "seconds": seconds}
+    whole.close()
+    return description
+
+
+def _context_size(settings: ProfileSettings) -> int:
+    return settings.context + max(settings.batch_sizes) + 16
+
+
+def measure_pipeline(settings: ProfileSettings, progress: Callable[[int, int], None]) -> tuple[list[dict], float]:
+    """Each stage's compute per batch size and the hop time, from passes through
+    the real pipeline on a local Ray: the stage actors time their own compute
+    (as they do in a run, beside the coordinator and each other), and the
+    pipeline takes wall time minus compute as transport. The hop time comes
+    from the one-token passes. Every pass is rolled back (keep = context)."""
+    from orchestrator.cluster import ray_session
+    from orchestrator.pipeline import Pipeline
+    from stages.engine import StageSettings
+
+    rng = np.random.default_rng(0)
+    stage_settings = StageSettings(n_ctx=_context_size(settings), threads=settings.threads)
+    with ray_session(None), Pipeline(settings.stage_paths, stage_settings) as pipeline:
+        context = rng.integers(100, 10000, settings.context).astype(np.int32)
+        pipeline.forward(np.arange(settings.context, dtype=np.int32), context, 0)
+        per_stage: list[list[float]] = [[] for _ in settings.stage_paths]
+        hop_seconds = 0.0
+        for done, size in enumerate(settings.batch_sizes):
+            positions = np.arange(settings.context, settings.context + size, dtype=np.int32)
+            tokens = rng.integers(100, 10000, size).astype(np.int32)
+            rows = np.arange(size, dtype=np.int32)
+            transport_before, passes_before = pipeline.transport_seconds, pipeline.passes
+            timings = [pipeline.forward(positions, tokens, settings.context, rows).stage_seconds
+                       for _ in range(settings.repetitions + 1)][1:]  # the first warms this batch size
+            for index in range(len(per_stage)):
+                per_stage[index].append(statistics.median(timing[index] for timing in timings))
+            if size == 1:
+                passes = pipeline.passes - passes_before
+                hop_seconds = (pipeline.transport_seconds - transport_before) / passes / (len(per_stage) + 1)
+            progress(len(settings.batch_sizes) + done + 1, 2 * len(settings.batch_sizes))
+        stages = [
+            {"path": path, "first_block": stage.first_block, "end_block": stage.end_block, "seconds": seconds}
+            for path, stage, seconds in zip(settings.stage_paths, pipeline.stages, per_stage)
+        ]
+    return stages, hop_seconds
 
 
 def split_costs(stages: list[dict], whole: dict) -> dict[str, list[float]]:
@@ -208,6 +218,50 @@ def measure_verification(vocab: int) -> float:
     return _median_seconds(lambda: verify(drafts, logits, 0, SamplingSettings()), 20) / 9
 
 
+def _serve_prompt_lookup(connection) -> None:
+    """In a child process: a prompt-lookup drafter server until told to stop."""
+    from orchestrator.drafter_server import DrafterServer
+    from speculators.prompt_lookup import PromptLookupSpeculator
+
+    server = DrafterServer(PromptLookupSpeculator, "127.0.0.1", max_tokens=8)
+    connection.send(server.port)
+    connection.recv()
+
+
+def measure_drafter_call(context_length: int, calls: int = 200) -> float:
+    """Seconds the coordinator spends on one drafting request to a drafter in
+    another process (speculate, then collect), on a context where prompt lookup
+    finds nothing: the messaging cost alone."""
+    import multiprocessing
+
+    from orchestrator import wire
+    from orchestrator.messages import CollectDraft, Shutdown, SpeculateFrom
+
+    spawn = multiprocessing.get_context("spawn")
+    ours, theirs = spawn.Pipe()
+    process = spawn.Process(target=_serve_prompt_lookup, args=(theirs,), daemon=True)
+    process.start()
+    try:
+        connection = wire.connect("127.0.0.1", ours.recv())
+        context = np.arange(context_length, dtype=np.int32)  # no n-gram recurs
+
+        def request(epoch: int) -> None:
+            wire.send_message(connection, SpeculateFrom(epoch, context))
+            wire.send_message(connection, CollectDraft(epoch, True))
+            wire.receive_message(connection)
+
+        epochs = iter(range(1, 10 * calls))
+        for _ in range(10):
+            request(next(epochs))
+        seconds = _median_seconds(lambda: request(next(epochs)), calls)
+        wire.send_message(connection, Shutdown())
+        connection.close()
+    finally:
+        ours.send(None)
+        process.join(10)
+    return seconds
+
+
 class _InstantTarget:
     """A pipeline that answers every pass at once with zero logits: timing
     generate() against it leaves the coordinator's own time per pass."""
@@ -244,34 +298,24 @@ def measure_coordinator(vocab: int, tokens: int = 400) -> float:
     return (time.perf_counter() - started) / result.passes
 
 
-def measure_pipeline(settings: ProfileSettings) -> dict:
-    """The hop time from a short plain generation on a local Ray: the pipeline
-    measures each pass's wall time minus its stages' compute."""
-    from orchestrator.defaults import DEFAULT_PROMPT
-    from orchestrator.sampling import SamplingSettings
-    from orchestrator.session import RunSettings, run_generation
-    from stages.engine import StageSettings
-
-    outcome = run_generation(RunSettings(
-        stage_paths=settings.stage_paths, prompt=DEFAULT_PROMPT, chat=True, max_tokens=settings.pipeline_tokens,
-        sampling=SamplingSettings(), stage=StageSettings(threads=settings.threads),
-    ))
-    return {"hop_seconds": outcome.hop_seconds, "pipeline_tokens_per_second": outcome.generation.tokens_per_second}
-
-
 def profile_machine(settings: ProfileSettings, progress: Callable[[int, int], None] = lambda done, total: None,
                     status: Callable[[str], None] = lambda line: None) -> dict:
     import platform
 
-    status("timing stage batches")
-    stages, whole = measure_stages(settings, progress)
+    from dataclasses import asdict
+
+    from orchestrator.planning.setup_file import PROFILE_KIND, model_shape_of_gguf
+
+    status("timing the whole model, then the stages through a pipeline on a local Ray")
+    whole = measure_whole(settings, progress)
+    stages, hop_seconds = measure_pipeline(settings, progress)
     status("timing drafters, sockets and verification")
     drafters = measure_drafters(settings)
     bandwidth = measure_socket_bandwidth()
     row_seconds = measure_verification(whole["vocab"])
     coordinator = measure_coordinator(whole["vocab"])
-    status("timing the pipeline on a local Ray")
-    pipeline = measure_pipeline(settings)
+    draft_call = measure_drafter_call(settings.context)
+
     return {
         "kind": PROFILE_KIND,
         "version": PROFILE_VERSION,
@@ -282,11 +326,13 @@ def profile_machine(settings: ProfileSettings, progress: Callable[[int, int], No
         "batch_sizes": list(settings.batch_sizes),
         "repetitions": settings.repetitions,
         "model": whole,
+        "model_shape": asdict(model_shape_of_gguf(settings.whole_path)),
         "stages": stages,
         **split_costs(stages, whole),
         "drafter_seconds_per_token": drafters,
         "socket_bytes_per_second": bandwidth,
         "coordinator_row_seconds": row_seconds,
         "coordinator_pass_seconds": coordinator,
-        **pipeline,
+        "drafter_call_seconds": draft_call,
+        "hop_seconds": hop_seconds,
     }

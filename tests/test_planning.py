@@ -23,6 +23,7 @@ class FlatCosts:
     hop: float = 0.0002
     coordinator: float = 0.0003
     draft: float = 0.0
+    shared_host: bool = False  # all stages on one single-core host
 
     def stage_seconds(self, stage: int, tokens: int) -> float:
         return self.base + self.per_token * tokens
@@ -35,6 +36,15 @@ class FlatCosts:
 
     def draft_seconds(self, machine: int) -> float:
         return self.draft
+
+    def draft_call_seconds(self) -> float:
+        return 0.0
+
+    def host(self, stage: int) -> int:
+        return 0 if self.shared_host else stage
+
+    def parallel_stages(self, host: int) -> int:
+        return 1
 
 
 def test_plain_pipeline_costs_every_stage_hop_and_coordinator_per_token():
@@ -75,6 +85,24 @@ def test_async_pipelines_passes_when_drafts_are_right():
     assert min(asynchronous.stage_busy_seconds) / asynchronous.seconds > 0.8
 
 
+def test_stages_sharing_one_core_cannot_pipeline():
+    separate = simulate(FlatCosts(2), Mode("async", 4), DraftBehaviour(1.0), max_tokens=201)
+    shared = simulate(FlatCosts(2, shared_host=True), Mode("async", 4), DraftBehaviour(1.0), max_tokens=201)
+    sync = simulate(FlatCosts(2), Mode("sync", 4), DraftBehaviour(1.0), max_tokens=201)
+    assert shared.passes == separate.passes
+    assert sum(shared.stage_busy_seconds) <= shared.seconds  # never two stages at once
+    assert shared.tokens_per_second < 0.7 * separate.tokens_per_second
+    assert shared.tokens_per_second < 1.2 * sync.tokens_per_second  # only hops and the coordinator overlap
+
+
+def test_first_acceptance_applies_to_the_first_draft_of_a_fresh_speculation():
+    costs = FlatCosts(stage_count=2)
+    never_first = simulate(costs, Mode("sync", 4), DraftBehaviour(1.0, first_acceptance=0.0), max_tokens=50)
+    assert never_first.accepted_tokens == 0 and never_first.passes == 49
+    always = simulate(costs, Mode("sync", 4), DraftBehaviour(0.0, first_acceptance=1.0), max_tokens=51)
+    assert always.accepted_tokens == always.passes  # exactly the first draft of each pass
+
+
 def test_async_discards_passes_started_on_failed_speculation():
     costs = FlatCosts(stage_count=2)
     run = simulate(costs, Mode("async", 4), DraftBehaviour(0.8), max_tokens=300, seed=3)
@@ -88,9 +116,12 @@ def test_slow_drafter_costs_sync_its_drafting_time():
     assert slow.seconds == pytest.approx(fast.seconds + 20 * 4 * 0.002)
 
 
-def test_low_continuation_gives_short_drafts():
-    run = simulate(FlatCosts(2), Mode("sync", 8), DraftBehaviour(1.0, continuation=0.0), max_tokens=40)
-    assert run.drafted_tokens == 0 and run.passes == 39
+def test_availability_and_continuation_set_draft_lengths():
+    nothing = simulate(FlatCosts(2), Mode("sync", 8), DraftBehaviour(1.0, availability=0.0), max_tokens=40)
+    assert nothing.drafted_tokens == 0 and nothing.passes == 39
+    single = simulate(FlatCosts(2), Mode("sync", 8), DraftBehaviour(1.0, availability=1.0, continuation=0.0),
+                      max_tokens=41)
+    assert single.drafted_tokens == single.passes == 20  # one draft a pass, always accepted
 
 
 def test_batch_curve_interpolates_and_extends_linearly():

@@ -155,12 +155,14 @@ class Software:
     """Costs of this project's own code, measured by ``orchestrate profile``:
     hop_seconds per hop (serialising and the socket round of a small
     activation on one machine), coordinator seconds per pass and per logit row,
-    and the bytes per second of a socket within one machine."""
+    the bytes per second of a socket within one machine, and the round trip of
+    one request to a drafter (speculate, then collect)."""
 
     hop_seconds: float
     coordinator_pass_seconds: float
     coordinator_row_seconds: float
     local_bytes_per_second: float = 2e9
+    draft_call_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -176,6 +178,8 @@ class StageCosts:
     links: Sequence[Link | None]
     software: Software
     draft_seconds_per_token: Sequence[float]
+    hosts: tuple[int, ...] | None = None  # stage i runs on host hosts[i]; None: each on its own
+    host_parallel_stages: int | None = None  # stages one host computes at once (cores / threads); None: all
 
     @property
     def stage_count(self) -> int:
@@ -203,6 +207,15 @@ class StageCosts:
 
     def draft_seconds(self, machine: int) -> float:
         return self.draft_seconds_per_token[machine]
+
+    def draft_call_seconds(self) -> float:
+        return self.software.draft_call_seconds
+
+    def host(self, stage: int) -> int:
+        return self.hosts[stage] if self.hosts is not None else stage
+
+    def parallel_stages(self, host: int) -> int | None:
+        return self.host_parallel_stages
 
     def memory_needed(self, stage: int, context: int, draft_bytes: int) -> int:
         """Weights, KV cache for ``context`` positions, and the draft model."""

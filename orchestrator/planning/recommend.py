@@ -11,7 +11,7 @@ Python over orchestrator.planning.simulation; no Ray, no llama.cpp.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from orchestrator.planning.costs import Link, Machine, MeasuredMachine, ModelShape, Software, StageCosts
 from orchestrator.planning.simulation import DraftBehaviour, Mode, Prediction, predict
@@ -33,7 +33,9 @@ class Setup:
     machine i and i + 1 (the last carries logits back to machine 0); None for
     stages on the same machine. draft_seconds: per draft token on each machine
     (None: no speculation). draft_bytes: the draft model's memory on each
-    machine. starts: a fixed split (None: search)."""
+    machine. starts: a fixed split (None: search). one_host_parallel_stages:
+    the machines are one host's stages (a profile's setup), which can compute
+    only this many at once (its cores over each stage's threads)."""
 
     model: ModelShape
     machines: Sequence[Machine | MeasuredMachine]
@@ -46,10 +48,14 @@ class Setup:
     max_tokens: int = 256
     starts: tuple[int, ...] | None = None
     draft_lengths: tuple[int, ...] = DRAFT_LENGTHS
+    one_host_parallel_stages: int | None = None  # all stages on one machine computing this many at once
 
     def costs(self, starts: tuple[int, ...]) -> StageCosts:
+        shared = self.one_host_parallel_stages
         return StageCosts(self.model, self.machines, starts, self.links, self.software,
-                          tuple(self.draft_seconds or (0.0,) * len(self.machines)))
+                          tuple(self.draft_seconds or (0.0,) * len(self.machines)),
+                          hosts=(0,) * len(starts) if shared else None,
+                          host_parallel_stages=shared)
 
 
 @dataclass(frozen=True)
@@ -172,7 +178,3 @@ def recommend(setup: Setup) -> Recommendation:
     starts = choose_split(setup)
     blocks = tuple(end - first for first, end in (setup.costs(starts).stage_range(stage) for stage in range(len(starts))))
     return Recommendation(starts, blocks, memory_needed(setup, starts), predict_modes(setup, starts))
-
-
-def with_behaviour(setup: Setup, acceptance: float, continuation: float = 1.0) -> Setup:
-    return replace(setup, behaviour=DraftBehaviour(acceptance, continuation))

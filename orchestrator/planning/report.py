@@ -24,8 +24,10 @@ def plan_lines(setup: Setup, recommendation: Recommendation) -> list[str]:
     lines = [f"{setup.model.name}: {setup.model.blocks} blocks over {len(setup.machines)} stages"]
     lines += _stage_lines(setup, recommendation)
     if setup.behaviour is not None:
-        lines.append(f"draft: acceptance {setup.behaviour.acceptance:.2f} per token, continuation "
-                     f"{setup.behaviour.continuation:.2f}, {min(setup.draft_seconds or [0]) * 1e3:.3f} ms per token")
+        drafts = setup.behaviour
+        lines.append(f"draft: acceptance {drafts.first:.2f} first, {drafts.acceptance:.2f} later; availability "
+                     f"{drafts.availability:.2f}, continuation {drafts.next:.2f}; "
+                     f"{min(setup.draft_seconds or [0]) * 1e3:.3f} ms per token")
     lines.append(f"{'mode':20s} {'tokens/s':>9s} {'passes/token':>13s} {'draft max':>10s} {'vs plain':>9s}")
     plain = recommendation.predictions["plain"].tokens_per_second
     for name, prediction in recommendation.predictions.items():
@@ -46,8 +48,10 @@ def plan_json(setup: Setup, recommendation: Recommendation) -> dict:
         "blocks_per_stage": list(recommendation.blocks_per_machine),
         "memory_needed_bytes": list(recommendation.memory_needed),
         "machines": [machine.name for machine in setup.machines],
-        "acceptance": setup.behaviour.acceptance if setup.behaviour else None,
-        "continuation": setup.behaviour.continuation if setup.behaviour else None,
+        "draft_behaviour": {
+            "acceptance_first": setup.behaviour.first, "acceptance_later": setup.behaviour.acceptance,
+            "availability": setup.behaviour.availability, "continuation": setup.behaviour.next,
+        } if setup.behaviour else None,
         "max_tokens": setup.max_tokens,
         "predictions": {
             name: {

@@ -30,15 +30,18 @@ is in the unit its key names:
 
     [draft]                    # omit for no speculation
     acceptance = 0.7           # per token, given the tokens before it were right
-    continuation = 1.0         # chance the drafter proposes another token
+    first_acceptance = 0.6     # optional: the first token drafted from the committed text
+    availability = 1.0         # chance that drafting proposes anything (1 for a draft model)
+    continuation = 1.0         # optional: chance of one more token after one
     seconds_per_token = 0.002  # or a model by size, priced on each machine:
     parameters = 1.24e9
     bits_per_weight = 4.5
 
     [software]                 # profile = "profile.json", or:
-    hop_us = 190
-    coordinator_pass_us = 300
+    hop_us = 300
+    coordinator_pass_us = 20
     coordinator_row_us = 10
+    draft_call_us = 500
 
 A profile alone (``setup_from_profile``) describes the machine it was measured
 on running the profiled split, every stage on that one machine.
@@ -57,7 +60,8 @@ from orchestrator.planning.simulation import DraftBehaviour
 PROFILE_KIND = "specpipe-profile"
 # This project's own costs where no profile is given: measured on the 2-core
 # development machine (orchestrate profile), see README.
-DEFAULT_SOFTWARE = Software(hop_seconds=190e-6, coordinator_pass_seconds=300e-6, coordinator_row_seconds=10e-6)
+DEFAULT_SOFTWARE = Software(hop_seconds=300e-6, coordinator_pass_seconds=20e-6, coordinator_row_seconds=10e-6,
+                            draft_call_seconds=500e-6)
 
 
 def read_profile(path: str | Path) -> dict:
@@ -89,6 +93,7 @@ def measured_software(profile: dict) -> Software:
         coordinator_pass_seconds=profile["coordinator_pass_seconds"],
         coordinator_row_seconds=profile["coordinator_row_seconds"],
         local_bytes_per_second=profile["socket_bytes_per_second"],
+        draft_call_seconds=profile["drafter_call_seconds"],
     )
 
 
@@ -139,7 +144,7 @@ def setup_from_profile(profile: dict, *, behaviour: DraftBehaviour | None, draft
     if behaviour is not None and draft_seconds is None:
         raise PlanError(f"the profile has no {drafter} drafter timing (profile with --draft for a draft model)")
     return Setup(
-        model=model_shape_of_gguf(profile["model"]["path"]),
+        model=ModelShape(**{**profile["model_shape"], "block_bytes": tuple(profile["model_shape"]["block_bytes"])}),
         machines=[machine] * len(stages),
         links=[None] * len(stages),
         software=measured_software(profile),
@@ -148,6 +153,7 @@ def setup_from_profile(profile: dict, *, behaviour: DraftBehaviour | None, draft
         context=context,
         max_tokens=max_tokens,
         starts=tuple(stage["first_block"] for stage in stages),
+        one_host_parallel_stages=max(1, profile["machine"]["cpus"] // profile["machine"]["threads_per_stage"]),
     )
 
 
@@ -191,9 +197,13 @@ def _link(table: dict, index: int) -> Link:
     return Link(_number(table, "latency_ms", where) / 1e3, _number(table, "bandwidth_gbit_per_s", where) * 1e9 / 8)
 
 
-def _draft(table: dict, model: ModelShape, machines: list) -> tuple[DraftBehaviour, list[float], int]:
+def _draft(table: dict, machines: list) -> tuple[DraftBehaviour, list[float], int]:
     where = "[draft]"
-    behaviour = DraftBehaviour(_number(table, "acceptance", where), _number(table, "continuation", where, 1.0))
+    def optional(key: str) -> float | None:
+        return None if key not in table else _number(table, key, where)
+
+    behaviour = DraftBehaviour(_number(table, "acceptance", where), _number(table, "availability", where, 1.0),
+                               optional("first_acceptance"), optional("continuation"))
     if "seconds_per_token" in table:
         seconds = _number(table, "seconds_per_token", where)
         return behaviour, [seconds] * len(machines), int(_number(table, "bytes", where, 0))
@@ -238,12 +248,13 @@ def load_setup(path: str | Path) -> Setup:
             _number(software_table, "hop_us", "[software]") / 1e6,
             _number(software_table, "coordinator_pass_us", "[software]") / 1e6,
             _number(software_table, "coordinator_row_us", "[software]") / 1e6,
+            draft_call_seconds=_number(software_table, "draft_call_us", "[software]") / 1e6,
         )
     else:
         software = DEFAULT_SOFTWARE
     behaviour, draft_seconds, draft_bytes = None, None, 0
     if "draft" in document:
-        behaviour, draft_seconds, draft_bytes = _draft(document["draft"], model, machines)
+        behaviour, draft_seconds, draft_bytes = _draft(document["draft"], machines)
     boundaries = document.get("boundaries")
     return Setup(
         model=model, machines=machines, links=links, software=software, behaviour=behaviour,

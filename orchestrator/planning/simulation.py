@@ -9,18 +9,21 @@ tokens/s is assumed anywhere: throughput is what the simulated clock shows.
 
 Resources and their timelines:
 
-* each stage's machine runs one pass at a time, in submission order;
+* each stage runs one pass at a time, in submission order, on a free core of
+  its machine (stages sharing a machine with fewer cores wait for one);
 * a hop carries a pass from the coordinator to stage 0 (hop 0), from stage
   i - 1 to stage i (hop i), and the logits from the last stage back (hop n);
 * the coordinator does its own work after each result (verification,
   bookkeeping) and waits on boundaries and results as the real loop does;
 * one drafter per machine drafts from when it is told to speculate until it
-  is collected, one token per ``draft_seconds``, stopping by itself with
-  probability ``1 - continuation`` at each token and after ``draft_max``.
+  is collected, one token per ``draft_seconds``, stopping by itself (with
+  probability ``1 - availability`` before its first token from the committed
+  text, ``1 - continuation`` after each token) and after ``draft_max``.
 
 Which drafts are right is drawn at random: each draft token is right with
-probability ``acceptance`` when every token before it is right (a token
-drafted after a wrong one is wrong). Pure Python, no Ray, no llama.cpp.
+probability ``acceptance`` when every token before it is right (the first one
+drafted from the committed text with ``first_acceptance``; a token drafted
+after a wrong one is wrong). Pure Python, no Ray, no llama.cpp.
 """
 
 from __future__ import annotations
@@ -55,21 +58,48 @@ class PipelineCosts(Protocol):
     def draft_seconds(self, machine: int) -> float:
         """One draft token on the drafter beside stage ``machine``."""
 
+    def draft_call_seconds(self) -> float:
+        """The coordinator's round trip for one drafting request (speculate, then collect)."""
+
+    def host(self, stage: int) -> int:
+        """The machine stage ``stage`` runs on (stages may share one)."""
+
+    def parallel_stages(self, host: int) -> int | None:
+        """How many stages can compute at once on ``host`` (its cores over
+        each stage's threads; None: as many as it holds); stages beyond that
+        wait for one to finish."""
+
 
 @dataclass(frozen=True)
 class DraftBehaviour:
     """acceptance: probability that a draft token is right, given the tokens
-    before it are right (bench reports it as acceptance_per_token).
-    continuation: probability that the drafter proposes a next token at all
-    (1 for a draft model; below 1 for prompt lookup, which finds no n-gram
-    at some positions)."""
+    before it are right (bench: acceptance_later).
+    first_acceptance: the same for the first token drafted from the committed
+    text (bench: acceptance_first); None: as ``acceptance``. Prompt lookup's
+    first guess is much less often right than its next ones: once it has found
+    the passage being copied, it stays on it.
+    availability: probability that drafting from the committed text proposes
+    a token at all (bench: draft_availability; 1 for a draft model; below 1
+    for prompt lookup, which finds no n-gram at some positions).
+    continuation: probability that the drafter proposes a next token after
+    one it proposed (bench: draft_continuation); None: as ``availability``."""
 
     acceptance: float
-    continuation: float = 1.0
+    availability: float = 1.0
+    first_acceptance: float | None = None
+    continuation: float | None = None
 
     def __post_init__(self):
-        if not (0.0 <= self.acceptance <= 1.0 and 0.0 <= self.continuation <= 1.0):
-            raise ValueError("acceptance and continuation are probabilities in [0, 1]")
+        if not all(0.0 <= value <= 1.0 for value in (self.acceptance, self.first, self.availability, self.next)):
+            raise ValueError("acceptances, availability and continuation are probabilities in [0, 1]")
+
+    @property
+    def first(self) -> float:
+        return self.acceptance if self.first_acceptance is None else self.first_acceptance
+
+    @property
+    def next(self) -> float:
+        return self.availability if self.continuation is None else self.continuation
 
 
 @dataclass(frozen=True)
@@ -126,19 +156,25 @@ class _Pass:
 
 
 class _Stages:
-    """The stages' timelines: each runs one pass at a time, in order."""
+    """The stages' timelines: each runs one pass at a time, in order, on a
+    free core of its host."""
 
     def __init__(self, costs: PipelineCosts):
         self.costs = costs
         self.free_at = [0.0] * costs.stage_count
         self.busy = [0.0] * costs.stage_count
+        hosts = {costs.host(stage) for stage in range(costs.stage_count)}
+        self.cores_free_at = {host: [0.0] * (costs.parallel_stages(host) or costs.stage_count) for host in hosts}
 
     def run(self, submitted: float, tokens: int) -> tuple[list[float], float]:
         arrival = submitted + self.costs.hop_seconds(0, tokens)
         boundaries = []
         for stage in range(self.costs.stage_count):
             compute = self.costs.stage_seconds(stage, tokens)
-            end = max(arrival, self.free_at[stage]) + compute
+            cores = self.cores_free_at[self.costs.host(stage)]
+            core = min(range(len(cores)), key=cores.__getitem__)
+            end = max(arrival, self.free_at[stage], cores[core]) + compute
+            cores[core] = end
             self.free_at[stage] = end
             self.busy[stage] += compute
             boundaries.append(end)
@@ -157,11 +193,14 @@ class _Drafter:
         self.started = 0.0
         self.possible = 0  # tokens it would draft before stopping by itself
 
-    def speculate(self, at: float) -> None:
+    def speculate(self, at: float, fresh: bool) -> None:
+        """Start drafting; ``fresh``: from the committed text (no speculation yet)."""
         self.started = at
         self.possible = 0
-        while self.possible < self.draft_max and self.rng.random() < self.behaviour.continuation:
+        chance = self.behaviour.availability if fresh else self.behaviour.next
+        while self.possible < self.draft_max and self.rng.random() < chance:
             self.possible += 1
+            chance = self.behaviour.next
 
     def collect(self, at: float, wait: bool) -> tuple[int, float]:
         """(tokens drafted, when the reply is ready)."""
@@ -185,7 +224,8 @@ def simulate(costs: PipelineCosts, mode: Mode, behaviour: DraftBehaviour, max_to
     def extend(speculation: list[bool], tokens: int) -> None:
         right = all(speculation)
         for _ in range(tokens):
-            right = right and rng.random() < behaviour.acceptance
+            chance = behaviour.acceptance if speculation else behaviour.first
+            right = right and rng.random() < chance
             speculation.append(right)
 
     def submit(at: float, first: int, first_input_right: bool, drafts: list[bool]) -> _Pass:
@@ -194,22 +234,25 @@ def simulate(costs: PipelineCosts, mode: Mode, behaviour: DraftBehaviour, max_to
 
     def receive(now: float, head: _Pass, speculation: list[bool]) -> float:
         """The coordinator waits for ``head``, relaying drafters (async) meanwhile."""
+        call = costs.draft_call_seconds()
         if mode.schedule == "async":
-            drafters[1 % count].speculate(now)
+            drafters[1 % count].speculate(now, fresh=not speculation)
             for stage in range(count - 1):
                 now = max(now, head.boundaries[stage])
                 extend(speculation, drafters[(stage + 1) % count].collect(now, wait=False)[0])
-                drafters[(stage + 2) % count].speculate(now)
+                now += call
+                drafters[(stage + 2) % count].speculate(now, fresh=not speculation)
         now = max(now, head.result_time)
         if mode.schedule == "async":
             extend(speculation, drafters[0].collect(now, wait=False)[0])
+            now += call
         return now + costs.coordinator_seconds(1 + len(head.drafts))
 
     speculative = mode.schedule != "plain"
     draft_limit = mode.draft_max
     speculation: list[bool] = []  # beyond the committed text; True = right
     if mode.schedule == "async":  # the drafters relayed during the prompt's pass
-        drafters[0].speculate(0.0)
+        drafters[0].speculate(0.0, fresh=True)
         extend(speculation, drafters[0].collect(0.0, wait=True)[0])
     in_flight: deque[_Pass] = deque()
     now = 0.0
@@ -219,8 +262,9 @@ def simulate(costs: PipelineCosts, mode: Mode, behaviour: DraftBehaviour, max_to
         room = max_tokens - committed - 1
         if not in_flight:
             if speculative and (mode.schedule == "sync" or not speculation):
-                drafters[0].speculate(now)
+                drafters[0].speculate(now, fresh=True)
                 drafted, now = drafters[0].collect(now, wait=True)
+                now += costs.draft_call_seconds()
                 speculation = []
                 extend(speculation, drafted)
             limit = min(draft_limit, room) if speculative else 0
