@@ -24,7 +24,7 @@ WHEEL_CACHE   ?= $(HOME)/.cache/specpipe/wheels
 LLAMA_WHEELS  := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_VERSION)-noamx-nollamafile
 LLAMA_BUILT   := $(LLAMA_WHEELS)/.complete
 
-.PHONY: install run test bench clean
+.PHONY: install run test bench calibrate clean
 
 install: $(STAMP)
 
@@ -57,6 +57,14 @@ test: install
 bench: install
 	$(BIN)/python -m benchmarks.pipeline_vs_whole
 	$(BIN)/python -m benchmarks.speculation
+
+# Planner against measurement (README "Planning a cluster"): profile this
+# machine, run the bench suite, and put the simulation's predictions beside it.
+calibrate: install
+	$(BIN)/orchestrate profile --out benchmarks/results/profile.json
+	$(BIN)/orchestrate bench --out benchmarks/results
+	$(BIN)/python -m benchmarks.calibrate --profile benchmarks/results/profile.json \
+	    --bench benchmarks/results/results.json --out benchmarks/results/calibration.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info

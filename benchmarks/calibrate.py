@@ -18,7 +18,12 @@ For each scenario and mode of a bench results.json:
 * whole-lookup is not predicted: it is llama-cpp-python's own speculative
   loop, not this project's schedule.
 
-Nothing here is fitted to the bench's tokens/s.
+Two predictions per speculative mode: from the rates above (what ``orchestrate
+plan --acceptance ...`` takes), and from the workload's trace: the whole
+model's output for each prompt, with prompt lookup replayed over it, so the
+simulation drafts exactly what the real drafter drafted and ends where the
+text ended (``simulation.DraftTrace``). Nothing here is fitted to the bench's
+tokens/s.
 
     python -m benchmarks.calibrate --profile PROFILE.json --bench results.json [--out calibration.md]
 """
@@ -26,13 +31,14 @@ Nothing here is fitted to the bench's tokens/s.
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import replace
 from pathlib import Path
 
 import click
 
 from orchestrator.planning.costs import Software
-from orchestrator.planning.simulation import DraftBehaviour, Mode, predict
+from orchestrator.planning.simulation import DraftBehaviour, DraftTrace, Mode, predict
 from orchestrator.planning.setup_file import read_profile, setup_from_profile
 
 BENCH_DRAFT_MAX = 8
@@ -61,6 +67,34 @@ def measured_behaviour(scenario: dict, kind: str) -> DraftBehaviour | None:
     return None
 
 
+def prompt_lookup_traces(scenario_name: str) -> list[DraftTrace]:
+    """For each prompt of a scenario: the whole model's greedy output (what
+    every mode produced), and prompt lookup replayed over it position by
+    position: what it proposes for each token given the true text before it."""
+    import llama_cpp
+
+    from benchmarks.suite import SCENARIO_DIR, load_scenarios, whole_run
+    from orchestrator.defaults import default_model_path
+    from orchestrator.tokenizer import Tokenizer
+    from speculators.prompt_lookup import PromptLookupSpeculator
+
+    scenario = next(declared for declared in load_scenarios(SCENARIO_DIR) if declared.name == scenario_name)
+    model = str(default_model_path()) if scenario.model == "default" else scenario.model
+    tokenizer = Tokenizer(model)
+    whole = llama_cpp.Llama(model, n_ctx=2048, n_threads=1, n_threads_batch=1, verbose=False)
+    lookup = PromptLookupSpeculator()
+    traces = []
+    for text in scenario.prompts:
+        prompt = tokenizer.chat_prompt(text) if scenario.chat else tokenizer.tokenize(text)
+        output = whole_run(whole, prompt, scenario.max_tokens)[0]
+        proposals: list[bool | None] = [None]  # token 0 comes from the prompt's pass
+        for position in range(1, len(output)):
+            proposal = lookup.extend(prompt + output[:position])
+            proposals.append(None if proposal is None else proposal == output[position])
+        traces.append(DraftTrace(tuple(proposals)))
+    return traces
+
+
 def calibrate(profile: dict, bench: dict) -> list[dict]:
     rows = []
     for scenario in bench["scenarios"]:
@@ -71,6 +105,7 @@ def calibrate(profile: dict, bench: dict) -> list[dict]:
                         draft_seconds=[0.0] * len(starts))
         whole = replace(base, machines=[machine], links=[None], starts=(0,), draft_seconds=[0.0],
                         software=Software(0.0, 0.0, 0.0, 1e18))
+        traces = None
         for row in scenario["modes"]:
             mode_name, behaviour = row["mode"], None
             if mode_name == "whole":
@@ -85,17 +120,24 @@ def calibrate(profile: dict, bench: dict) -> list[dict]:
                     continue
                 setup = replace(split, draft_seconds=[drafter_seconds] * len(starts))
                 mode = Mode(schedule, BENCH_DRAFT_MAX)
+                if kind == "ngram" and traces is None:
+                    traces = prompt_lookup_traces(scenario["scenario"])
             else:
                 continue
+            costs = setup.costs(setup.starts)
             # As long as the measured generations were (they may end before max_tokens).
             length = max(2, round(row["mean_tokens"]))
-            prediction = predict(setup.costs(setup.starts), mode, behaviour or DraftBehaviour(0.0), length, RUNS)
+            from_rates = predict(costs, mode, behaviour or DraftBehaviour(0.0), length, RUNS).tokens_per_second
+            from_trace = None
+            if behaviour is not None and kind == "ngram":
+                from_trace = statistics.median(
+                    predict(costs, mode, trace, scenario["max_tokens"], runs=1).tokens_per_second for trace in traces
+                )
             measured = row["tokens_per_second"]["median"]
             rows.append({
                 "scenario": scenario["scenario"], "mode": mode_name, "measured": measured,
                 "measured_min": row["tokens_per_second"]["min"], "measured_max": row["tokens_per_second"]["max"],
-                "predicted": prediction.tokens_per_second, "error": prediction.tokens_per_second / measured - 1,
-                "behaviour": behaviour,
+                "from_rates": from_rates, "from_trace": from_trace, "behaviour": behaviour,
             })
     return rows
 
@@ -104,19 +146,28 @@ def markdown(rows: list[dict], command: str) -> str:
     lines = [
         f"Produced by `{command}`.",
         "",
-        "| scenario | mode | measured tokens/s (min-max) | predicted | error | acceptance first / later | availability / continuation |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| scenario | mode | measured tokens/s (min-max) | predicted from rates | error | predicted from trace | error "
+        "| acceptance first / later | availability / continuation |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+
+    def error(predicted: float, measured: float) -> str:
+        return f"{predicted / measured - 1:+.0%}"
+
     for row in rows:
-        drafts = row["behaviour"]
+        drafts, measured = row["behaviour"], row["measured"]
         behaviour = ("- | -" if drafts is None else
                      f"{drafts.first:.2f} / {drafts.acceptance:.2f} | {drafts.availability:.2f} / {drafts.next:.2f}")
+        trace = "- | -" if row["from_trace"] is None else f"{row['from_trace']:.1f} | {error(row['from_trace'], measured)}"
         lines.append(
-            f"| {row['scenario']} | {row['mode']} | {row['measured']:.1f} ({row['measured_min']:.1f}-{row['measured_max']:.1f}) "
-            f"| {row['predicted']:.1f} | {row['error']:+.0%} | {behaviour} |"
+            f"| {row['scenario']} | {row['mode']} | {measured:.1f} ({row['measured_min']:.1f}-{row['measured_max']:.1f}) "
+            f"| {row['from_rates']:.1f} | {error(row['from_rates'], measured)} | {trace} | {behaviour} |"
         )
-    worst = max(rows, key=lambda row: abs(row["error"]))
-    lines += ["", f"Largest error: {worst['error']:+.0%} ({worst['scenario']}, {worst['mode']})."]
+    for column in ("from_rates", "from_trace"):
+        # plain modes have no trace: their one prediction counts for both columns
+        errors = [((row[column] or row["from_rates"]) / row["measured"] - 1, row) for row in rows]
+        value, worst = max(errors, key=lambda item: abs(item[0]))
+        lines.append(f"Largest error {column.replace('_', ' ')}: {value:+.0%} ({worst['scenario']}, {worst['mode']}).")
     return "\n".join(lines) + "\n"
 
 

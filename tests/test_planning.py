@@ -9,7 +9,7 @@ import pytest
 
 from orchestrator.planning.costs import BatchCurve, Link, Machine, ModelShape, Software, StageCosts
 from orchestrator.planning.recommend import PlanError, Setup, candidate_splits, recommend
-from orchestrator.planning.simulation import DraftBehaviour, Mode, predict, simulate
+from orchestrator.planning.simulation import DraftBehaviour, DraftTrace, Mode, predict, simulate
 from orchestrator.profile import split_costs
 
 
@@ -122,6 +122,18 @@ def test_availability_and_continuation_set_draft_lengths():
     single = simulate(FlatCosts(2), Mode("sync", 8), DraftBehaviour(1.0, availability=1.0, continuation=0.0),
                       max_tokens=41)
     assert single.drafted_tokens == single.passes == 20  # one draft a pass, always accepted
+
+
+def test_a_trace_replays_what_the_drafter_proposed_and_ends_where_the_text_ended():
+    # proposals for tokens 1-8 right, nothing for 9, 10-14 right, 15 wrong, 16-19 right; the text ends at 20
+    trace = DraftTrace((None,) + (True,) * 8 + (None,) + (True,) * 5 + (False,) + (True,) * 4)
+    run = simulate(FlatCosts(2), Mode("sync", 8), trace, max_tokens=64)
+    # pass 1: drafts 1-8, all accepted, the target adds 9;
+    # pass 2: drafts 10-17 (wrong from 15 on), accepts 10-14, the target adds 15;
+    # pass 3: drafts 16-19 (nothing is proposed past the end), all accepted: the text is done
+    assert run.tokens == 20
+    assert run.passes == 3
+    assert run.drafted_tokens == 8 + 8 + 4 and run.accepted_tokens == 8 + 5 + 4
 
 
 def test_batch_curve_interpolates_and_extends_linearly():

@@ -101,6 +101,46 @@ class DraftBehaviour:
     def next(self) -> float:
         return self.availability if self.continuation is None else self.continuation
 
+    end = None  # random drafts say nothing of where the text ends
+
+    def draw(self, position: int, prefix_right: bool, fresh: bool, rng: random.Random) -> bool | None:
+        """The drafter's token at ``position``: None if it proposes none (and
+        stops), else whether it is right. ``fresh``: the first token drafted
+        from the committed text; ``prefix_right``: every token before it is right."""
+        if rng.random() >= (self.availability if fresh else self.next):
+            return None
+        return prefix_right and rng.random() < (self.first if fresh else self.acceptance)
+
+
+@dataclass(frozen=True)
+class DraftTrace:
+    """A measured workload instead of rates: proposals[p] is what the drafter
+    proposes for generated token p given the true text before it (True: the
+    right token, False: a wrong one, None: nothing). Made by replaying a
+    drafter over a real output (benchmarks.calibrate does it for prompt
+    lookup). After a wrong token the drafter is taken to go on proposing, and
+    everything it proposes is wrong. The target ends the text after the last
+    token (its end-of-generation token), as the traced output did."""
+
+    proposals: tuple[bool | None, ...]
+
+    @property
+    def end(self) -> int:
+        """Where the target ends the text: after the last token of the trace."""
+        return len(self.proposals)
+
+    def draw(self, position: int, prefix_right: bool, fresh: bool, rng: random.Random) -> bool | None:
+        if not prefix_right:
+            return False
+        return self.proposals[position] if position < len(self.proposals) else None
+
+
+class DraftOutcomes(Protocol):
+    end: int | None  # the generated position of the target's end-of-generation token, if known
+
+    def draw(self, position: int, prefix_right: bool, fresh: bool, rng: random.Random) -> bool | None:
+        """The drafter's token at generated position ``position`` (see DraftBehaviour.draw)."""
+
 
 @dataclass(frozen=True)
 class Mode:
@@ -185,34 +225,37 @@ class _Stages:
 class _Drafter:
     """A drafter beside one stage: drafts from ``speculate`` until ``collect``."""
 
-    def __init__(self, seconds_per_token: float, draft_max: int, behaviour: DraftBehaviour, rng: random.Random):
+    def __init__(self, seconds_per_token: float, draft_max: int, outcomes: DraftOutcomes, rng: random.Random):
         self.seconds_per_token = seconds_per_token
         self.draft_max = draft_max
-        self.behaviour = behaviour
+        self.outcomes = outcomes
         self.rng = rng
         self.started = 0.0
-        self.possible = 0  # tokens it would draft before stopping by itself
+        self.tokens: list[bool] = []  # what it would draft before stopping by itself: right or wrong
 
-    def speculate(self, at: float, fresh: bool) -> None:
-        """Start drafting; ``fresh``: from the committed text (no speculation yet)."""
+    def speculate(self, at: float, position: int, prefix_right: bool, fresh: bool) -> None:
+        """Start drafting generated tokens from ``position`` on."""
         self.started = at
-        self.possible = 0
-        chance = self.behaviour.availability if fresh else self.behaviour.next
-        while self.possible < self.draft_max and self.rng.random() < chance:
-            self.possible += 1
-            chance = self.behaviour.next
+        self.tokens = []
+        right = prefix_right
+        while len(self.tokens) < self.draft_max:
+            token = self.outcomes.draw(position + len(self.tokens), right, fresh and not self.tokens, self.rng)
+            if token is None:
+                break
+            right = right and token
+            self.tokens.append(right)
 
-    def collect(self, at: float, wait: bool) -> tuple[int, float]:
-        """(tokens drafted, when the reply is ready)."""
+    def collect(self, at: float, wait: bool) -> tuple[list[bool], float]:
+        """(the tokens drafted by ``at``, right or wrong; when the reply is ready)."""
         if wait:
-            return self.possible, max(at, self.started + self.possible * self.seconds_per_token)
+            return self.tokens, max(at, self.started + len(self.tokens) * self.seconds_per_token)
         if self.seconds_per_token <= 0:
-            return self.possible, at
+            return self.tokens, at
         done = int(max(0.0, at - self.started) / self.seconds_per_token)
-        return min(self.possible, done), at
+        return self.tokens[:done], at
 
 
-def simulate(costs: PipelineCosts, mode: Mode, behaviour: DraftBehaviour, max_tokens: int, seed: int = 0) -> SimulatedRun:
+def simulate(costs: PipelineCosts, mode: Mode, behaviour: DraftOutcomes, max_tokens: int, seed: int = 0) -> SimulatedRun:
     """One generation of max_tokens tokens, from the first generated token on
     (the prompt's pass is not simulated; its drafting fills the first speculation)."""
     rng = random.Random(seed)
@@ -221,12 +264,8 @@ def simulate(costs: PipelineCosts, mode: Mode, behaviour: DraftBehaviour, max_to
     drafters = [_Drafter(costs.draft_seconds(machine), mode.draft_max, behaviour, rng) for machine in range(count)]
     run = SimulatedRun(tokens=1, seconds=0.0)
 
-    def extend(speculation: list[bool], tokens: int) -> None:
-        right = all(speculation)
-        for _ in range(tokens):
-            chance = behaviour.acceptance if speculation else behaviour.first
-            right = right and rng.random() < chance
-            speculation.append(right)
+    def speculate(drafter: _Drafter, at: float, speculation: list[bool]) -> None:
+        drafter.speculate(at, committed + len(speculation), all(speculation), fresh=not speculation)
 
     def submit(at: float, first: int, first_input_right: bool, drafts: list[bool]) -> _Pass:
         boundaries, result_time = stages.run(at, 1 + len(drafts))
@@ -236,37 +275,41 @@ def simulate(costs: PipelineCosts, mode: Mode, behaviour: DraftBehaviour, max_to
         """The coordinator waits for ``head``, relaying drafters (async) meanwhile."""
         call = costs.draft_call_seconds()
         if mode.schedule == "async":
-            drafters[1 % count].speculate(now, fresh=not speculation)
+            speculate(drafters[1 % count], now, speculation)
             for stage in range(count - 1):
                 now = max(now, head.boundaries[stage])
-                extend(speculation, drafters[(stage + 1) % count].collect(now, wait=False)[0])
+                speculation.extend(drafters[(stage + 1) % count].collect(now, wait=False)[0])
                 now += call
-                drafters[(stage + 2) % count].speculate(now, fresh=not speculation)
+                speculate(drafters[(stage + 2) % count], now, speculation)
         now = max(now, head.result_time)
         if mode.schedule == "async":
-            extend(speculation, drafters[0].collect(now, wait=False)[0])
+            speculation.extend(drafters[0].collect(now, wait=False)[0])
             now += call
         return now + costs.coordinator_seconds(1 + len(head.drafts))
 
     speculative = mode.schedule != "plain"
     draft_limit = mode.draft_max
     speculation: list[bool] = []  # beyond the committed text; True = right
-    if mode.schedule == "async":  # the drafters relayed during the prompt's pass
-        drafters[0].speculate(0.0, fresh=True)
-        extend(speculation, drafters[0].collect(0.0, wait=True)[0])
     in_flight: deque[_Pass] = deque()
     now = 0.0
     committed = 1  # generated tokens; the first came from the prompt's pass at time 0
+    if mode.schedule == "async":  # the drafters relayed during the prompt's pass
+        speculate(drafters[0], 0.0, speculation)
+        speculation.extend(drafters[0].collect(0.0, wait=True)[0])
     on_a_roll = False
-    while committed < max_tokens:
+    # The target's end-of-generation token, where the workload knows it (a trace):
+    # generation stops there, before max_tokens.
+    last = max_tokens if behaviour.end is None else min(max_tokens, behaviour.end)
+    last_token_time = 0.0
+    while committed < last:
         room = max_tokens - committed - 1
         if not in_flight:
             if speculative and (mode.schedule == "sync" or not speculation):
-                drafters[0].speculate(now, fresh=True)
+                speculation = []
+                speculate(drafters[0], now, speculation)
                 drafted, now = drafters[0].collect(now, wait=True)
                 now += costs.draft_call_seconds()
-                speculation = []
-                extend(speculation, drafted)
+                speculation = list(drafted)
             limit = min(draft_limit, room) if speculative else 0
             in_flight.append(submit(now, committed - 1, True, speculation[:limit]))
         head = in_flight[0]
@@ -283,8 +326,8 @@ def simulate(costs: PipelineCosts, mode: Mode, behaviour: DraftBehaviour, max_to
         accepted = 0
         while accepted < len(head.drafts) and head.drafts[accepted]:
             accepted += 1
-        new_tokens = min(accepted + 1, max_tokens - committed)
-        committed += new_tokens
+        committed += min(accepted + 1, last - committed)
+        last_token_time = now
         run.drafted_tokens += len(head.drafts)
         run.accepted_tokens += accepted
         on_a_roll = bool(head.drafts) and accepted == len(head.drafts)
@@ -293,18 +336,18 @@ def simulate(costs: PipelineCosts, mode: Mode, behaviour: DraftBehaviour, max_to
         # The speculation survives if it agrees with all newly committed tokens.
         agrees = accepted == len(head.drafts) and len(speculation) > accepted and speculation[accepted]
         speculation = speculation[accepted + 1 :] if agrees else []
-        finished = committed >= max_tokens
+        finished = committed >= last
         while in_flight and (finished or in_flight[0].first != committed - 1 or not in_flight[0].first_input_right):
             now = max(now, in_flight.popleft().result_time)  # received and discarded
             run.passes += 1
             run.discarded_passes += 1
     run.tokens = committed
-    run.seconds = now
+    run.seconds = last_token_time
     run.stage_busy_seconds = list(stages.busy)
     return run
 
 
-def predict(costs: PipelineCosts, mode: Mode, behaviour: DraftBehaviour, max_tokens: int, runs: int = 32) -> Prediction:
+def predict(costs: PipelineCosts, mode: Mode, behaviour: DraftOutcomes, max_tokens: int, runs: int = 32) -> Prediction:
     """Medians over ``runs`` simulated generations with different random draws."""
     results = [simulate(costs, mode, behaviour, max_tokens, seed) for seed in range(runs)]
     drafted = sum(result.drafted_tokens for result in results)
