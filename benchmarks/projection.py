@@ -39,7 +39,7 @@ def main(setup_file: str, rates: tuple[float, ...]) -> None:
                     f"draft max {prediction.mode.draft_max})")
 
         blocks = " + ".join(str(count) for count in recommendation.blocks_per_machine)
-        click.echo(f"| {rate:.1f} | {blocks} | {plain:.2f} tok/s | {cell('sync')} | {cell('async')} |")
+        click.echo(f"| {rate:g} | {blocks} | {plain:.2f} tok/s | {cell('sync')} | {cell('async')} |")
 
 
 if __name__ == "__main__":

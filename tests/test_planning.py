@@ -206,3 +206,16 @@ def test_recommendation_respects_each_machines_memory():
 def test_a_model_that_fits_nowhere_is_refused():
     with pytest.raises(PlanError, match="does not fit"):
         recommend(_setup([0.5e9, 0.5e9]))
+
+
+def test_importing_the_planner_loads_neither_ray_nor_llama_cpp():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, orchestrator.planning.simulation, orchestrator.planning.recommend, "
+        "orchestrator.planning.costs, orchestrator.planning.report;"
+        "print('ray' in sys.modules, 'llama_cpp' in sys.modules)"
+    )
+    output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert output.split() == ["False", "False"]
