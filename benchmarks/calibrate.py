@@ -31,6 +31,7 @@ tokens/s.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import replace
 from pathlib import Path
@@ -43,6 +44,9 @@ from orchestrator.planning.setup_file import read_profile, setup_from_profile
 
 BENCH_DRAFT_MAX = 8
 RUNS = 64
+# bench's whole mode: llama-cpp-python in the benchmark's own process, no hops, no coordinator of ours
+IN_PROCESS = Software(hop_seconds=0.0, coordinator_pass_seconds=0.0, coordinator_row_seconds=0.0,
+                      local_bytes_per_second=math.inf)
 
 
 def scenario_starts(scenario: dict, profile: dict) -> tuple[int, ...]:
@@ -104,7 +108,7 @@ def calibrate(profile: dict, bench: dict) -> list[dict]:
         split = replace(base, machines=[machine] * len(starts), links=[None] * len(starts), starts=starts,
                         draft_seconds=[0.0] * len(starts))
         whole = replace(base, machines=[machine], links=[None], starts=(0,), draft_seconds=[0.0],
-                        software=Software(0.0, 0.0, 0.0, 1e18))
+                        software=IN_PROCESS)
         traces = None
         for row in scenario["modes"]:
             mode_name, behaviour = row["mode"], None

@@ -75,3 +75,16 @@ def test_profile_of_bad_stage_files_writes_nothing(tmp_path):
     result = orchestrate("profile", bogus, bogus, "--whole", bogus, "--out", out)
     assert result.returncode == 1 and result.stderr.startswith("error:")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"kind": "specpipe-profile", "version": 1}', "incomplete or older profile"),
+    ("[1, 2", "not JSON"),
+    ('{"kind": "something else"}', "not a profile"),
+])
+def test_bad_profiles_get_one_line(tmp_path, content, message):
+    profile = tmp_path / "profile.json"
+    profile.write_text(content)
+    result = orchestrate("plan", "--profile", profile)
+    assert result.returncode == 1
+    assert result.stderr.startswith("error:") and message in result.stderr and "Traceback" not in result.stderr

@@ -38,10 +38,10 @@ is in the unit its key names:
     bits_per_weight = 4.5
 
     [software]                 # profile = "profile.json", or:
-    hop_us = 300
+    hop_us = 400
     coordinator_pass_us = 20
     coordinator_row_us = 10
-    draft_call_us = 500
+    draft_call_us = 250
 
 A profile alone (``setup_from_profile``) describes the machine it was measured
 on running the profiled split, every stage on that one machine.
@@ -58,10 +58,14 @@ from orchestrator.planning.recommend import PlanError, Setup
 from orchestrator.planning.simulation import DraftBehaviour
 
 PROFILE_KIND = "specpipe-profile"
-# This project's own costs where no profile is given: measured on the 2-core
-# development machine (orchestrate profile), see README.
-DEFAULT_SOFTWARE = Software(hop_seconds=300e-6, coordinator_pass_seconds=20e-6, coordinator_row_seconds=10e-6,
-                            draft_call_seconds=500e-6)
+# This project's own costs where no profile is given, rounded up from the 2-core
+# development machine's profile (benchmarks/results/profile.json: hop 385 us,
+# coordinator 15 us a pass and 8 us a row, drafting round trip 208 us).
+DEFAULT_SOFTWARE = Software(hop_seconds=400e-6, coordinator_pass_seconds=20e-6, coordinator_row_seconds=10e-6,
+                            draft_call_seconds=250e-6)
+PROFILE_KEYS = ("machine", "batch_sizes", "stages", "model", "model_shape", "block_seconds", "head_seconds",
+                "fixed_seconds", "hop_seconds", "coordinator_pass_seconds", "coordinator_row_seconds",
+                "socket_bytes_per_second", "drafter_seconds_per_token", "drafter_call_seconds")
 
 
 def read_profile(path: str | Path) -> dict:
@@ -73,6 +77,9 @@ def read_profile(path: str | Path) -> dict:
         raise PlanError(f"{path}: not JSON ({error.msg} at line {error.lineno})") from None
     if not isinstance(profile, dict) or profile.get("kind") != PROFILE_KIND:
         raise PlanError(f"{path}: not a profile written by `orchestrate profile`")
+    missing = [key for key in PROFILE_KEYS if key not in profile]
+    if missing:
+        raise PlanError(f"{path}: an incomplete or older profile (no {missing[0]}); run `orchestrate profile` again")
     return profile
 
 
