@@ -180,6 +180,7 @@ def run_scenario(
     from orchestrator.session import SpeculationSettings, speculator_factory
     from orchestrator.tokenizer import Tokenizer
     from stages.engine import StageSettings
+    from stages.gguf_file import stage_info_of
 
     model, stage_paths = _stage_paths(scenario, workdir)
     settings = StageSettings(n_ctx=2048, threads=1)
@@ -245,7 +246,25 @@ def run_scenario(
         finally:
             for clients in drafters.values():
                 stop_drafters(clients)
-    return summarise(scenario, modes, runs, len(stage_paths), hop_seconds, memory)
+    summary = summarise(scenario, modes, runs, len(stage_paths), hop_seconds, memory)
+    summary["stage_starts"] = [stage_info_of(path).first_block for path in stage_paths]
+    summary["draft_traces"] = draft_traces(scenario, prompts, runs)
+    return summary
+
+
+def draft_traces(scenario: Scenario, prompts: list[list[int]], runs: list[Run]) -> dict[str, list[str]]:
+    """For prompt lookup, per prompt: what it proposes for each token of the
+    whole model's output given the true text before it (simulation.DraftTrace,
+    as text). The planner replays these to predict the speculative modes."""
+    from orchestrator.planning.simulation import DraftTrace
+    from speculators.prompt_lookup import PromptLookupSpeculator
+
+    if "ngram" not in scenario.speculators:
+        return {}
+    outputs = {run.prompt_index: run.tokens for run in runs if run.mode == "whole" and run.repetition == 0}
+    lookup = PromptLookupSpeculator()
+    return {"ngram": [DraftTrace.replay(lookup.extend, prompt, outputs[index]).as_text()
+                      for index, prompt in enumerate(prompts)]}
 
 
 def peak_rss_of(clients) -> list[float | None]:

@@ -288,10 +288,12 @@ def profile(stage_files, whole_path, draft_path, out_path, repetitions, threads)
               help="With --profile: whose measured time per draft token to use.")
 @click.option("--max-tokens", type=click.IntRange(2), help="Tokens per simulated generation (default: the setup's, or 256).")
 @click.option("--draft-max", type=click.IntRange(1, 64), help="Predict at this --draft-max only (default: find the best).")
+@click.option("--bench", "bench_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="With --profile: predict every mode of this bench results.json and show it beside the measurement.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @one_line_errors
 def plan(setup_file, profile_path, acceptance, first_acceptance, availability, continuation, drafter, max_tokens,
-         draft_max, as_json) -> None:
+         draft_max, bench_path, as_json) -> None:
     """Predict tokens/s of the plain pipeline and both speculative schedules; recommend a split and draft length."""
     from dataclasses import replace
 
@@ -302,6 +304,11 @@ def plan(setup_file, profile_path, acceptance, first_acceptance, availability, c
 
     if (setup_file is None) == (profile_path is None):
         raise click.UsageError("give a SETUP_FILE or --profile PROFILE.json")
+    if bench_path is not None:
+        if profile_path is None:
+            raise click.UsageError("--bench needs --profile (the machine the bench ran on)")
+        _plan_against_bench(profile_path, bench_path, as_json)
+        return
     overrides = {name: value for name, value in (
         ("acceptance", acceptance), ("first_acceptance", first_acceptance),
         ("availability", availability), ("continuation", continuation)) if value is not None}
@@ -324,6 +331,32 @@ def plan(setup_file, profile_path, acceptance, first_acceptance, availability, c
         return
     for line in plan_lines(setup, recommendation):
         click.echo(line)
+
+
+def _plan_against_bench(profile_path: Path, bench_path: Path, as_json: bool) -> None:
+    from dataclasses import asdict
+
+    from orchestrator.planning.against_bench import predict_scenario
+    from orchestrator.planning.setup_file import read_profile
+
+    profile = read_profile(profile_path)
+    try:
+        scenarios = json.loads(bench_path.read_text())["scenarios"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise click.ClickException(f"{bench_path}: not a results.json written by orchestrate bench") from None
+    predictions = [prediction for scenario in scenarios for prediction in predict_scenario(profile, scenario)]
+    if as_json:
+        click.echo(json.dumps([asdict(prediction) for prediction in predictions]))
+        return
+
+    def cell(value: float | None, measured: float) -> str:
+        return "-" if value is None else f"{value:.1f} ({value / measured - 1:+.0%})"
+
+    click.echo(f"{'scenario':14s} {'mode':18s} {'measured':>9s} {'from rates':>16s} {'from trace':>16s}  (tokens/s)")
+    for prediction in predictions:
+        click.echo(f"{prediction.scenario:14s} {prediction.mode:18s} {prediction.measured:9.1f} "
+                   f"{cell(prediction.from_rates, prediction.measured):>16s} "
+                   f"{cell(prediction.from_trace, prediction.measured):>16s}")
 
 
 if __name__ == "__main__":

@@ -51,6 +51,15 @@ def orchestrate(*args, timeout=600):
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.fixture(scope="session")
+def profile_path(tmp_path_factory):
+    """`orchestrate profile` of this machine (one repetition per batch size)."""
+    path = tmp_path_factory.mktemp("profile") / "profile.json"
+    result = orchestrate("profile", "--out", path, "--repetitions", "1")
+    assert result.returncode == 0, result.stderr
+    return path
+
+
 class Reference:
     """llama-cpp-python's own Llama on the whole model: what outputs must equal."""
 

@@ -10,10 +10,16 @@ from conftest import orchestrate
 MODES = ["whole", "whole-lookup", "pipeline", "spec-sync-ngram", "spec-async-ngram"]
 
 
-def test_quick_bench_writes_results_table_and_chart(tmp_path):
-    out = tmp_path / "bench"
+@pytest.fixture(scope="module")
+def quick_bench(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "bench"
     result = orchestrate("bench", "--quick", "--out", out)
     assert result.returncode == 0, result.stderr
+    return out
+
+
+def test_quick_bench_writes_results_table_and_chart(quick_bench):
+    out = quick_bench
     results = json.loads((out / "results.json").read_text())
     table = (out / "results.md").read_text()
     chart = (out / "chart.png").read_bytes()
@@ -34,6 +40,10 @@ def test_quick_bench_writes_results_table_and_chart(tmp_path):
             if row["mode"].startswith("spec-"):
                 assert 0 <= row["acceptance_rate"] <= 1 and 0 <= row["drafter_busy_fraction"] < 1
         assert f"## {scenario['scenario']}" in table
+        assert scenario["stage_starts"] == [0, 15]
+        (trace,) = scenario["draft_traces"]["ngram"]  # one quick prompt
+        assert set(trace) <= set("Rw.") and trace[0] == "."
+        assert len(trace) == round(next(row for row in scenario["modes"] if row["mode"] == "whole")["mean_tokens"])
     assert table.count("| yes |") == 2 * len(MODES)
     assert not list(out.glob("*.partial*"))
 
@@ -57,3 +67,16 @@ def test_shipped_scenarios_load_and_quick_keeps_a_small_subset():
     assert {scenario.name for scenario in every} >= {"chat", "rewrite", "three-stages"}
     assert {scenario.name for scenario in quick} == {"chat", "rewrite"}
     assert all(scenario.repetitions == 1 and len(scenario.prompts) == 1 for scenario in quick)
+
+
+def test_plan_predicts_every_mode_of_the_bench_beside_its_measurement(quick_bench, profile_path):
+    result = orchestrate("plan", "--profile", profile_path, "--bench", quick_bench / "results.json", "--json")
+    assert result.returncode == 0, result.stderr
+    predictions = json.loads(result.stdout)
+    assert [(row["scenario"], row["mode"]) for row in predictions] == [
+        (scenario, mode) for scenario in ("chat", "rewrite") for mode in MODES if mode != "whole-lookup"
+    ]
+    for row in predictions:
+        assert row["measured"] > 0 and row["from_rates"] > 0
+        assert (row["from_trace"] is not None) == row["mode"].startswith("spec-")
+        assert (row["behaviour"] is not None) == row["mode"].startswith("spec-")

@@ -12,14 +12,6 @@ from conftest import orchestrate
 SETUP_405B = Path(__file__).parent.parent / "benchmarks" / "setups" / "llama-405b-two-machines.toml"
 
 
-@pytest.fixture(scope="module")
-def profile_path(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("profile") / "profile.json"
-    result = orchestrate("profile", "--out", path, "--repetitions", "1")
-    assert result.returncode == 0, result.stderr
-    return path
-
-
 def test_profile_measures_batches_drafter_and_hop(profile_path):
     profile = json.loads(profile_path.read_text())
     assert profile["batch_sizes"] == [1, 2, 4, 8, 16, 32, 64]

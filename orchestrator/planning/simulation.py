@@ -32,6 +32,7 @@ import math
 import random
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -123,6 +124,30 @@ class DraftTrace:
     token (its end-of-generation token), as the traced output did."""
 
     proposals: tuple[bool | None, ...]
+
+    SYMBOLS = {True: "R", False: "w", None: "."}
+
+    @classmethod
+    def replay(cls, propose: Callable[[list[int]], int | None], prompt: list[int], output: list[int]) -> DraftTrace:
+        """Ask a drafter (``propose``: context -> next token or None) for each
+        token of ``output`` given the prompt and the output before it."""
+        proposals: list[bool | None] = [None]  # token 0 comes from the prompt's pass
+        for position in range(1, len(output)):
+            proposal = propose(prompt + output[:position])
+            proposals.append(None if proposal is None else proposal == output[position])
+        return cls(tuple(proposals))
+
+    def as_text(self) -> str:
+        """One character a token: R right, w wrong, . nothing proposed."""
+        return "".join(self.SYMBOLS[proposal] for proposal in self.proposals)
+
+    @classmethod
+    def from_text(cls, text: str) -> DraftTrace:
+        meaning = {symbol: proposal for proposal, symbol in cls.SYMBOLS.items()}
+        unknown = set(text) - set(meaning)
+        if unknown:
+            raise ValueError(f"a draft trace holds only R, w and . (found {sorted(unknown)[0]!r})")
+        return cls(tuple(meaning[symbol] for symbol in text))
 
     @property
     def end(self) -> int:

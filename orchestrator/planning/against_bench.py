@@ -1,0 +1,110 @@
+"""Predict every mode of an ``orchestrate bench`` scenario from a profile, to
+set beside what the bench measured (``orchestrate plan --profile P --bench
+results.json``; ``benchmarks.calibrate`` tabulates it).
+
+For a scenario of a bench results.json:
+
+* pipeline: the plain schedule on the scenario's split (priced from the
+  profile's per-block, head and fixed times, so a split other than the
+  profiled one is a real prediction), every stage on the profiled machine, at
+  most (cores / threads per stage) of them computing at once;
+* spec-sync-KIND, spec-async-KIND: the speculative schedules at the bench's
+  --draft-max, with the profile's time per draft token, predicted twice:
+  from the workload's four rates as the bench measured them in its
+  spec-sync-KIND mode (where every pass drafts afresh), and, where the bench
+  wrote one, from the workload's trace (the whole model's output with the
+  drafter replayed over it: ``simulation.DraftTrace``);
+* whole: the whole model as one stage, with no hops and no coordinator of
+  ours (llama-cpp-python's own loop, in the bench's process);
+* whole-lookup is not predicted: it is llama-cpp-python's own speculative
+  loop, not this project's schedule.
+
+Nothing here is fitted to the measured tokens/s. Pure Python.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, replace
+
+from orchestrator.planning.costs import Software
+from orchestrator.planning.recommend import PlanError
+from orchestrator.planning.setup_file import setup_from_profile
+from orchestrator.planning.simulation import DraftBehaviour, DraftTrace, Mode, predict
+
+BENCH_DRAFT_MAX = 8  # benchmarks.suite runs every speculative mode with --draft-max 8
+RUNS = 64
+IN_PROCESS = Software(hop_seconds=0.0, coordinator_pass_seconds=0.0, coordinator_row_seconds=0.0,
+                      local_bytes_per_second=math.inf)
+
+
+@dataclass(frozen=True)
+class ModePrediction:
+    """One bench mode: measured median tokens/s (and its range) beside the
+    predictions from rates and, for speculation with a trace, from the trace."""
+
+    scenario: str
+    mode: str
+    measured: float
+    measured_min: float
+    measured_max: float
+    from_rates: float
+    from_trace: float | None
+    behaviour: DraftBehaviour | None
+
+    @property
+    def best(self) -> float:
+        """The most informed prediction: from the trace where there is one."""
+        return self.from_trace if self.from_trace is not None else self.from_rates
+
+
+def measured_behaviour(scenario: dict, kind: str) -> DraftBehaviour | None:
+    """The workload's draft statistics for a speculator kind, from its sync mode."""
+    for row in scenario["modes"]:
+        if row["mode"] == f"spec-sync-{kind}" and row.get("acceptance_later") is not None:
+            return DraftBehaviour(row["acceptance_later"], row["draft_availability"], row["acceptance_first"],
+                                  row["draft_continuation"])
+    return None
+
+
+def predict_scenario(profile: dict, scenario: dict, runs: int = RUNS) -> list[ModePrediction]:
+    if "stage_starts" not in scenario:
+        raise PlanError(f"scenario {scenario.get('scenario')}: results from an older bench; run orchestrate bench again")
+    starts = tuple(scenario["stage_starts"])
+    base = setup_from_profile(profile, behaviour=None, max_tokens=scenario["max_tokens"])
+    machine = base.machines[0]
+    split = replace(base, machines=[machine] * len(starts), links=[None] * len(starts), starts=starts,
+                    draft_seconds=[0.0] * len(starts))
+    whole = replace(base, machines=[machine], links=[None], starts=(0,), draft_seconds=[0.0], software=IN_PROCESS)
+    predictions = []
+    for row in scenario["modes"]:
+        mode_name, behaviour, traces = row["mode"], None, []
+        if mode_name == "whole":
+            setup, mode = whole, Mode("plain")
+        elif mode_name == "pipeline":
+            setup, mode = split, Mode("plain")
+        elif mode_name.startswith("spec-"):
+            _, schedule, kind = mode_name.split("-", 2)
+            behaviour = measured_behaviour(scenario, kind)
+            drafter_seconds = profile["drafter_seconds_per_token"].get(kind)
+            if behaviour is None or drafter_seconds is None:
+                continue
+            setup = replace(split, draft_seconds=[drafter_seconds] * len(starts))
+            mode = Mode(schedule, BENCH_DRAFT_MAX)
+            traces = [DraftTrace.from_text(text) for text in scenario.get("draft_traces", {}).get(kind, [])]
+        else:
+            continue
+        costs = setup.costs(setup.starts)
+        # As long as the measured generations were (they may end before max_tokens).
+        length = max(2, round(row["mean_tokens"]))
+        from_rates = predict(costs, mode, behaviour or DraftBehaviour(0.0), length, runs).tokens_per_second
+        from_trace = statistics.median(
+            predict(costs, mode, trace, scenario["max_tokens"], runs=1).tokens_per_second for trace in traces
+        ) if traces else None
+        tokens_per_second = row["tokens_per_second"]
+        predictions.append(ModePrediction(
+            scenario["scenario"], mode_name, tokens_per_second["median"], tokens_per_second["min"],
+            tokens_per_second["max"], from_rates, from_trace, behaviour,
+        ))
+    return predictions
