@@ -38,6 +38,7 @@ def markdown(rows: list[ModePrediction], command: str) -> str:
             f"| {row.scenario} | {row.mode} | {row.measured:.1f} ({row.measured_min:.1f}-{row.measured_max:.1f}) "
             f"| {row.from_rates:.1f} | {error(row.from_rates, row.measured)} | {trace} | {behaviour} |"
         )
+    lines.append("")
     for label, predicted in (("from rates", lambda row: row.from_rates), ("from trace", lambda row: row.best)):
         # plain modes have no trace: their one prediction counts for both columns
         worst = max(rows, key=lambda row: abs(predicted(row) / row.measured - 1))
