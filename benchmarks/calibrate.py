@@ -32,7 +32,7 @@ def markdown(rows: list[ModePrediction], command: str) -> str:
     for row in rows:
         drafts = row.behaviour
         behaviour = ("- | -" if drafts is None else
-                     f"{drafts.first:.2f} / {drafts.acceptance:.2f} | {drafts.availability:.2f} / {drafts.next:.2f}")
+                     f"{drafts.first:.2f} / {drafts.acceptance:.2f} | {drafts.availability:.2f} / {drafts.continuation:.2f}")
         trace = "- | -" if row.from_trace is None else f"{row.from_trace:.1f} | {error(row.from_trace, row.measured)}"
         lines.append(
             f"| {row.scenario} | {row.mode} | {row.measured:.1f} ({row.measured_min:.1f}-{row.measured_max:.1f}) "
@@ -60,7 +60,9 @@ def main(profile_path: str, bench_path: str, out_path: Path | None) -> None:
     text = markdown(rows, "python -m benchmarks.calibrate " + " ".join(sys.argv[1:]))
     click.echo(text, nl=False)
     if out_path is not None:
-        out_path.write_text(text)
+        partial = out_path.with_name(out_path.name + ".partial")
+        partial.write_text(text)
+        partial.replace(out_path)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from pathlib import Path
 SCENARIO_DIR = Path(__file__).parent / "scenarios"
 QUICK_REPETITIONS = 1
 QUICK_MAX_TOKENS = 48
+DRAFT_MAX = 8  # --draft-max of every speculative mode
 SPECULATOR_KINDS = ("ngram", "model")
 
 
@@ -200,7 +201,7 @@ def run_scenario(
             kind: start_drafters(
                 pipeline,
                 speculator_factory(SpeculationSettings(speculator=kind, draft_path=draft), tokenizer, settings),
-                DrafterSettings(max_tokens=8),
+                DrafterSettings(max_tokens=DRAFT_MAX),
             )
             for kind in scenario.speculators
         }
@@ -212,7 +213,7 @@ def run_scenario(
                 speculation = None
                 if mode.startswith("spec-"):
                     _, schedule, kind = mode.split("-", 2)
-                    speculation = Speculation(drafters[kind], schedule, 8)
+                    speculation = Speculation(drafters[kind], schedule, DRAFT_MAX)
                 clients = drafters.get(mode.split("-", 2)[-1], [])
                 busy_before = sum(client.busy_seconds for client in clients)
                 result = generate(pipeline, prompt, max_tokens, SamplingSettings(), tokenizer.is_end, speculation=speculation)
@@ -248,6 +249,7 @@ def run_scenario(
                 stop_drafters(clients)
     summary = summarise(scenario, modes, runs, len(stage_paths), hop_seconds, memory)
     summary["stage_starts"] = [stage_info_of(path).first_block for path in stage_paths]
+    summary["draft_max"] = DRAFT_MAX
     summary["draft_traces"] = draft_traces(scenario, prompts, runs)
     return summary
 

@@ -250,19 +250,25 @@ def profile(stage_files, whole_path, draft_path, out_path, repetitions, threads)
     from orchestrator.defaults import default_model_path, default_stage_paths
     from orchestrator.pipeline import check_stage_files
     from orchestrator.profile import ProfileSettings, profile_machine
+    from stages.gguf_file import ModelFileError, read_model
 
     if stage_files and whole_path is None:
         raise click.UsageError("give --whole MODEL.gguf, the model the stage files were cut from")
     paths = [str(path) for path in stage_files] or default_stage_paths(progress=_progress_bar("splitting default model"))
     if len(paths) < 2:
         raise click.UsageError("profile needs at least two stage files (to tell a block's time from the head's)")
-    check_stage_files(paths)
-    settings = ProfileSettings(paths, str(whole_path or default_model_path()), draft_path, repetitions=repetitions,
-                               threads=threads)
+    whole = str(whole_path or default_model_path())
+    first = check_stage_files(paths)[0]
+    if first is None or first.source_fingerprint != read_model(whole).fingerprint:
+        raise ModelFileError(f"{paths[0]} was not cut from {whole}; give the model the stage files came from with --whole")
+    settings = ProfileSettings(paths, whole, draft_path, repetitions=repetitions, threads=threads)
     result = profile_machine(settings, progress=_progress_bar("batch sizes"), status=lambda line: click.echo(line, err=True))
     partial = out_path.with_name(out_path.name + ".partial")
-    partial.write_text(json.dumps(result, indent=1) + "\n")
-    partial.replace(out_path)
+    try:
+        partial.write_text(json.dumps(result, indent=1) + "\n")
+        partial.replace(out_path)
+    finally:
+        partial.unlink(missing_ok=True)
     click.echo(
         f"{out_path}: one token {sum(stage['seconds'][0] for stage in result['stages']) * 1e3:.1f} ms over "
         f"{len(paths)} stages, hop {result['hop_seconds'] * 1e6:.0f} us, "
@@ -282,8 +288,7 @@ def profile(stage_files, whole_path, draft_path, out_path, repetitions, threads)
               help="Chance that drafting from the committed text proposes anything (bench's draft_availability; "
                    "1 for a draft model).")
 @click.option("--continuation", type=click.FloatRange(0.0, 1.0),
-              help="Chance the drafter proposes one more token after one (bench's draft_continuation); "
-                   "default: as --availability.")
+              help="Chance the drafter proposes one more token after one (bench's draft_continuation); default 1.")
 @click.option("--drafter", type=click.Choice(["ngram", "model"]), default="ngram", show_default=True,
               help="With --profile: whose measured time per draft token to use.")
 @click.option("--max-tokens", type=click.IntRange(2), help="Tokens per simulated generation (default: the setup's, or 256).")
@@ -315,10 +320,11 @@ def plan(setup_file, profile_path, acceptance, first_acceptance, availability, c
     if setup_file is not None:
         setup = load_setup(setup_file)
     else:
-        setup = setup_from_profile(read_profile(profile_path), behaviour=DraftBehaviour(1.0) if overrides else None,
-                                   drafter=drafter)
+        setup = setup_from_profile(read_profile(profile_path), behaviour=None, drafter=drafter)
+    if overrides and setup.behaviour is None and acceptance is None:
+        raise click.UsageError("give --acceptance: the setup has no [draft] table to take it from")
     if overrides:
-        setup = replace(setup, behaviour=replace(setup.behaviour or DraftBehaviour(1.0), **overrides))
+        setup = replace(setup, behaviour=replace(setup.behaviour or DraftBehaviour(acceptance), **overrides))
     if max_tokens is not None:
         setup = replace(setup, max_tokens=max_tokens)
     if draft_max is not None:

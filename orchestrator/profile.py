@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-PROFILE_VERSION = 1
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_CONTEXT = 128
 
@@ -74,6 +73,7 @@ def measure_whole(settings: ProfileSettings, progress: Callable[[int, int], None
             whole.remove(settings.context)
             whole.decode(positions, tokens=tokens, logit_rows=rows)
 
+        one_pass()  # warms this batch size, as the pipeline's first pass does
         seconds.append(_median_seconds(one_pass, settings.repetitions))
         progress(done + 1, 2 * len(settings.batch_sizes))
     description = {"path": whole.path, "blocks": whole.block_count, "width": whole.n_embd, "vocab": whole.n_vocab,
@@ -241,7 +241,10 @@ def measure_drafter_call(context_length: int, calls: int = 200) -> float:
     ours, theirs = spawn.Pipe()
     process = spawn.Process(target=_serve_prompt_lookup, args=(theirs,), daemon=True)
     process.start()
+    theirs.close()  # so that a child that dies before answering ends the wait
     try:
+        if not ours.poll(60):
+            raise OSError("the drafter process did not start within 60 s")
         connection = wire.connect("127.0.0.1", ours.recv())
         context = np.arange(context_length, dtype=np.int32)  # no n-gram recurs
 
@@ -257,7 +260,10 @@ def measure_drafter_call(context_length: int, calls: int = 200) -> float:
         wire.send_message(connection, Shutdown())
         connection.close()
     finally:
-        ours.send(None)
+        try:
+            ours.send(None)
+        except OSError:
+            pass
         process.join(10)
     return seconds
 
@@ -304,7 +310,7 @@ def profile_machine(settings: ProfileSettings, progress: Callable[[int, int], No
 
     from dataclasses import asdict
 
-    from orchestrator.planning.setup_file import PROFILE_KIND, model_shape_of_gguf
+    from orchestrator.planning.setup_file import PROFILE_KIND, PROFILE_VERSION, model_shape_of_gguf
 
     status("timing the whole model, then the stages through a pipeline on a local Ray")
     whole = measure_whole(settings, progress)

@@ -219,3 +219,101 @@ def test_importing_the_planner_loads_neither_ray_nor_llama_cpp():
     )
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert output.split() == ["False", "False"]
+
+
+class _InstantTarget:
+    """A pipeline that answers at once: row i of a pass at position p predicts truth[p + i + 1]."""
+
+    n_batch = 512
+
+    def __init__(self, truth: list[int], vocab: int):
+        self.truth, self.vocab, self.pending = truth, vocab, []
+
+    def submit(self, positions, tokens, keep, logit_rows=None):
+        import numpy as np
+
+        rows = range(len(tokens)) if logit_rows is None else logit_rows
+        logits = np.zeros((len(rows), self.vocab), dtype=np.float32)
+        for row, index in enumerate(rows):
+            logits[row, self.truth[int(positions[index]) + 1]] = 1.0
+        self.pending.append(logits)
+
+    def receive(self):
+        from orchestrator.messages import PassResult
+
+        return PassResult(0, self.pending.pop(0), (0.0, 0.0))
+
+    def forward(self, positions, tokens, keep, logit_rows=None):
+        self.submit(positions, tokens, keep, logit_rows)
+        return self.receive()
+
+    def await_boundary(self, stage):
+        return 0
+
+
+class _TraceDrafter:
+    """A drafter that proposes what a DraftTrace says, drafting instantly."""
+
+    WRONG = 1
+
+    def __init__(self, truth: list[int], prompt_length: int, trace: DraftTrace, draft_max: int):
+        self.truth, self.prompt_length, self.trace, self.draft_max = truth, prompt_length, trace, draft_max
+        self.context = None
+
+    def speculate(self, context):
+        self.context = list(context)
+
+    def collect(self, wait=False):
+        if self.context is None:
+            return []
+        context, self.context = self.context, None
+        right = context == self.truth[: len(context)]
+        tokens: list[int] = []
+        while len(tokens) < self.draft_max:
+            position = len(context) + len(tokens) - self.prompt_length  # generated position
+            proposal = False if not right else (self.trace.proposals[position] if position < self.trace.end else None)
+            if proposal is None:
+                break
+            right = right and proposal
+            tokens.append(self.truth[self.prompt_length + position] if proposal else self.WRONG)
+        return tokens
+
+
+@pytest.mark.parametrize("schedule", ["sync", "async"])
+@pytest.mark.parametrize("text", [
+    ".RRRRRRRRRRRRRRRRRRRRRRRRRRRRw..RRRRRRRRRRRRRRRRRRRRRRRRRRRRRRR",
+    ".....................Rw..............w......RRw.RRRRRRRRRRwRRRRRR",
+    ".RRRRRRRRRRRRRRRRRRRw..RRRRRRR",
+])
+def test_the_simulation_makes_the_same_passes_as_the_real_loop(schedule, text):
+    """generate() against an instant target and drafters replaying a trace, beside
+    simulate() on the same trace: the same passes, drafts, acceptances and discards."""
+    from orchestrator.generate import Speculation, generate
+    from orchestrator.sampling import SamplingSettings
+
+    trace = DraftTrace.from_text(text)
+    end_token, prompt = 2, [5, 6, 7, 5, 6]
+    truth = prompt + [10 + position for position in range(trace.end)] + [end_token] + [3] * 20  # drafts may run past the end
+    drafters = [_TraceDrafter(truth, len(prompt), trace, 6) for _ in range(2)]
+    real = generate(_InstantTarget(truth, 10 + trace.end), prompt, 200, SamplingSettings(), lambda token: token == end_token,
+                    speculation=Speculation(drafters, schedule, 6))
+    simulated = simulate(FlatCosts(2), Mode(schedule, 6), trace, max_tokens=200)
+    assert real.tokens == truth[len(prompt) : len(prompt) + trace.end] and simulated.tokens == len(real.tokens)
+    stats = real.speculation
+    assert (simulated.passes, simulated.discarded_passes) == (real.passes, stats.discarded_passes)
+    assert (simulated.drafted_tokens, simulated.accepted_tokens) == (stats.drafted_tokens, stats.accepted_tokens)
+
+
+def test_bench_draft_statistics_count_first_and_later_tokens_apart():
+    from orchestrator.generate import SpeculationStats
+
+    # passes: 4 drafted; 3 accepted their first draft; 7 accepted in all; 2 rejections
+    # (one at a first draft, one later); drafting: 5 awaited calls, 4 brought tokens,
+    # 10 tokens, 2 stopped early (the empty one, and one after 2 tokens)
+    stats = SpeculationStats(drafted_tokens=10, accepted_tokens=7, rejected_passes=2, drafted_passes=4,
+                             first_accepted_passes=3, waited_calls=5, waited_nonempty=4, waited_tokens=10,
+                             waited_stops=2)
+    assert stats.acceptance_first == 3 / 4
+    assert stats.acceptance_later == 4 / 5  # 4 later acceptances, 1 later rejection
+    assert stats.draft_availability == 4 / 5
+    assert stats.draft_continuation == 6 / 7  # 6 tokens after a first one, 1 stop after a token

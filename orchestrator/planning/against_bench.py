@@ -33,7 +33,6 @@ from orchestrator.planning.recommend import PlanError
 from orchestrator.planning.setup_file import setup_from_profile
 from orchestrator.planning.simulation import DraftBehaviour, DraftTrace, Mode, predict
 
-BENCH_DRAFT_MAX = 8  # benchmarks.suite runs every speculative mode with --draft-max 8
 RUNS = 64
 IN_PROCESS = Software(hop_seconds=0.0, coordinator_pass_seconds=0.0, coordinator_row_seconds=0.0,
                       local_bytes_per_second=math.inf)
@@ -69,7 +68,7 @@ def measured_behaviour(scenario: dict, kind: str) -> DraftBehaviour | None:
 
 
 def predict_scenario(profile: dict, scenario: dict, runs: int = RUNS) -> list[ModePrediction]:
-    if "stage_starts" not in scenario:
+    if "stage_starts" not in scenario or "draft_max" not in scenario:
         raise PlanError(f"scenario {scenario.get('scenario')}: results from an older bench; run orchestrate bench again")
     starts = tuple(scenario["stage_starts"])
     base = setup_from_profile(profile, behaviour=None, max_tokens=scenario["max_tokens"])
@@ -91,7 +90,7 @@ def predict_scenario(profile: dict, scenario: dict, runs: int = RUNS) -> list[Mo
             if behaviour is None or drafter_seconds is None:
                 continue
             setup = replace(split, draft_seconds=[drafter_seconds] * len(starts))
-            mode = Mode(schedule, BENCH_DRAFT_MAX)
+            mode = Mode(schedule, scenario["draft_max"])
             traces = [DraftTrace.from_text(text) for text in scenario.get("draft_traces", {}).get(kind, [])]
         else:
             continue

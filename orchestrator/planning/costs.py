@@ -48,11 +48,6 @@ class BatchCurve:
         slope = (seconds[high] - seconds[low]) / (sizes[high] - sizes[low])
         return seconds[low] + slope * (tokens - sizes[low])
 
-    def scaled(self, factor: float) -> BatchCurve:
-        return BatchCurve(self.sizes, tuple(value * factor for value in self.seconds))
-
-    def plus(self, other: BatchCurve) -> BatchCurve:
-        return BatchCurve(self.sizes, tuple(value + other.at(size) for size, value in zip(self.sizes, self.seconds)))
 
 
 @dataclass(frozen=True)
@@ -154,7 +149,8 @@ class MeasuredMachine:
 class Software:
     """Costs of this project's own code, measured by ``orchestrate profile``:
     hop_seconds per hop (serialising and the socket round of a small
-    activation on one machine), coordinator seconds per pass and per logit row,
+    activation on one machine), coordinator seconds per pass (verifying one
+    row) and per further logits row,
     the bytes per second of a socket within one machine, and the round trip of
     one request to a drafter (speculate, then collect)."""
 
@@ -199,11 +195,14 @@ class StageCosts:
         link = self.links[hop - 1] if hop - 1 < len(self.links) else None
         row_width = self.model.vocab if hop == self.stage_count else self.model.width
         payload = tokens * row_width * FLOAT_BYTES
-        carried = link.seconds(payload) if link is not None else payload / self.software.local_bytes_per_second
-        return self.software.hop_seconds + carried
+        if link is not None:
+            return self.software.hop_seconds + link.seconds(payload)
+        # on one machine the measured hop time already carried one token's row
+        return self.software.hop_seconds + (tokens - 1) * row_width * FLOAT_BYTES / self.software.local_bytes_per_second
 
     def coordinator_seconds(self, tokens: int) -> float:
-        return self.software.coordinator_pass_seconds + tokens * self.software.coordinator_row_seconds
+        # the measured time per pass already verified one row
+        return self.software.coordinator_pass_seconds + (tokens - 1) * self.software.coordinator_row_seconds
 
     def draft_seconds(self, machine: int) -> float:
         return self.draft_seconds_per_token[machine]

@@ -10,6 +10,7 @@ Python over orchestrator.planning.simulation; no Ray, no llama.cpp.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,6 +22,8 @@ MEMORY_HEADROOM = 0.9  # of each machine's memory, the share the model, its KV c
 SEARCH_RUNS = 8
 FINAL_RUNS = 48
 TIE = 0.01
+GRID_SPLITS = 40
+EVERY_SPLIT_LIMIT = 5000
 
 
 class PlanError(ValueError):
@@ -97,7 +100,7 @@ def candidate_splits(blocks: int, machines: int, step: int) -> list[tuple[int, .
         lowest = starts[-1] + 1
         highest = blocks - remaining
         for start in range(lowest, highest + 1):
-            if start % step == 0 or step == 1:
+            if start % step == 0:
                 extend(starts + (start,), remaining - 1)
 
     extend((0,), machines - 1)
@@ -120,9 +123,20 @@ def _score(setup: Setup, starts: tuple[int, ...], runs: int) -> float:
                for mode in _modes(setup, middle))
 
 
+def memory_proportional(setup: Setup) -> tuple[int, ...]:
+    """Blocks in proportion to each machine's memory (a starting point that fits
+    where anything does, when a coarse grid misses every fitting split)."""
+    total = sum(machine.memory_bytes for machine in setup.machines)
+    starts, held = [0], 0.0
+    for machine in setup.machines[:-1]:
+        held += machine.memory_bytes
+        starts.append(max(starts[-1] + 1, round(setup.model.blocks * held / total)))
+    return tuple(starts)
+
+
 def choose_split(setup: Setup) -> tuple[int, ...]:
     """The fitting split with the highest simulated throughput: a coarse grid
-    of boundaries, then every split near the best of it."""
+    of boundaries, then single-boundary moves around the best of it."""
     count, blocks = len(setup.machines), setup.model.blocks
     if setup.starts is not None:
         if len(setup.starts) != count:
@@ -132,11 +146,12 @@ def choose_split(setup: Setup) -> tuple[int, ...]:
         return setup.starts
     if blocks < count:
         raise PlanError(f"{blocks} blocks cannot be split over {count} machines")
-    step = 1
-    while len(candidate_splits(blocks, count, step)) > 40:
+    step = 1  # boundaries on multiples of step: a grid of at most GRID_SPLITS splits
+    while math.comb((blocks - 1) // step, count - 1) > GRID_SPLITS:
         step += 1
-    grid = [starts for starts in candidate_splits(blocks, count, step) if fits(setup, starts)]
-    if not grid:
+    grid = [starts for starts in [*candidate_splits(blocks, count, step), memory_proportional(setup)]
+            if fits(setup, starts)]
+    if not grid and math.comb(blocks - 1, count - 1) <= EVERY_SPLIT_LIMIT:
         grid = [starts for starts in candidate_splits(blocks, count, 1) if fits(setup, starts)][:200]
     if not grid:
         largest = max(machine.memory_bytes for machine in setup.machines)
@@ -147,11 +162,17 @@ def choose_split(setup: Setup) -> tuple[int, ...]:
             f"{total / 1e9:.0f} GB needed in all with KV cache and drafts)"
         )
     scored = {starts: _score(setup, starts, SEARCH_RUNS) for starts in grid}
-    best = max(scored, key=scored.get)
-    if step > 1:
-        near = [starts for starts in candidate_splits(blocks, count, 1)
-                if all(abs(a - b) < step for a, b in zip(starts, best)) and fits(setup, starts)]
-        scored.update({starts: _score(setup, starts, SEARCH_RUNS) for starts in near if starts not in scored})
+    # Then move one boundary at a time within a grid step of the best, while that helps.
+    for _ in range(3):
+        best = max(scored, key=scored.get)
+        for boundary in range(1, count):
+            for start in range(best[boundary] - step + 1, best[boundary] + step):
+                starts = best[:boundary] + (start,) + best[boundary + 1:]
+                if starts not in scored and list(starts) == sorted(set(starts)) and 0 < start < blocks \
+                        and fits(setup, starts):
+                    scored[starts] = _score(setup, starts, SEARCH_RUNS)
+        if max(scored, key=scored.get) == best:
+            break
     # Splits within TIE of the fastest are equal within the simulation's noise
     # (a one-pass-at-a-time pipeline costs the sum of its stages wherever the
     # cut is): take the one that leaves the most memory free on its fullest machine.

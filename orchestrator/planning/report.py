@@ -26,7 +26,7 @@ def plan_lines(setup: Setup, recommendation: Recommendation) -> list[str]:
     if setup.behaviour is not None:
         drafts = setup.behaviour
         lines.append(f"draft: acceptance {drafts.first:.2f} first, {drafts.acceptance:.2f} later; availability "
-                     f"{drafts.availability:.2f}, continuation {drafts.next:.2f}; "
+                     f"{drafts.availability:.2f}, continuation {drafts.continuation:.2f}; "
                      f"{min(setup.draft_seconds or [0]) * 1e3:.3f} ms per token")
     lines.append(f"{'mode':20s} {'tokens/s':>9s} {'passes/token':>13s} {'draft max':>10s} {'vs plain':>9s}")
     plain = recommendation.predictions["plain"].tokens_per_second
@@ -50,7 +50,7 @@ def plan_json(setup: Setup, recommendation: Recommendation) -> dict:
         "machines": [machine.name for machine in setup.machines],
         "draft_behaviour": {
             "acceptance_first": setup.behaviour.first, "acceptance_later": setup.behaviour.acceptance,
-            "availability": setup.behaviour.availability, "continuation": setup.behaviour.next,
+            "availability": setup.behaviour.availability, "continuation": setup.behaviour.continuation,
         } if setup.behaviour else None,
         "max_tokens": setup.max_tokens,
         "predictions": {

@@ -32,16 +32,16 @@ is in the unit its key names:
     acceptance = 0.7           # per token, given the tokens before it were right
     first_acceptance = 0.6     # optional: the first token drafted from the committed text
     availability = 1.0         # chance that drafting proposes anything (1 for a draft model)
-    continuation = 1.0         # optional: chance of one more token after one
+    continuation = 1.0         # chance of one more token after one (default 1)
     seconds_per_token = 0.002  # or a model by size, priced on each machine:
     parameters = 1.24e9
     bits_per_weight = 4.5
 
     [software]                 # profile = "profile.json", or:
-    hop_us = 400
+    hop_us = 500
     coordinator_pass_us = 20
     coordinator_row_us = 10
-    draft_call_us = 250
+    draft_call_us = 300
 
 A profile alone (``setup_from_profile``) describes the machine it was measured
 on running the profiled split, every stage on that one machine.
@@ -58,11 +58,13 @@ from orchestrator.planning.recommend import PlanError, Setup
 from orchestrator.planning.simulation import DraftBehaviour
 
 PROFILE_KIND = "specpipe-profile"
+PROFILE_VERSION = 1
 # This project's own costs where no profile is given, rounded up from the 2-core
-# development machine's profile (benchmarks/results/profile.json: hop 385 us,
-# coordinator 15 us a pass and 8 us a row, drafting round trip 208 us).
-DEFAULT_SOFTWARE = Software(hop_seconds=400e-6, coordinator_pass_seconds=20e-6, coordinator_row_seconds=10e-6,
-                            draft_call_seconds=250e-6)
+# development machine's profiles (benchmarks/results/profile.json and earlier
+# runs: hop 280-460 us, coordinator 13-17 us a pass and 5-9 us a row, drafting
+# round trip 120-300 us).
+DEFAULT_SOFTWARE = Software(hop_seconds=500e-6, coordinator_pass_seconds=20e-6, coordinator_row_seconds=10e-6,
+                            draft_call_seconds=300e-6)
 PROFILE_KEYS = ("machine", "batch_sizes", "stages", "model", "model_shape", "block_seconds", "head_seconds",
                 "fixed_seconds", "hop_seconds", "coordinator_pass_seconds", "coordinator_row_seconds",
                 "socket_bytes_per_second", "drafter_seconds_per_token", "drafter_call_seconds")
@@ -77,6 +79,9 @@ def read_profile(path: str | Path) -> dict:
         raise PlanError(f"{path}: not JSON ({error.msg} at line {error.lineno})") from None
     if not isinstance(profile, dict) or profile.get("kind") != PROFILE_KIND:
         raise PlanError(f"{path}: not a profile written by `orchestrate profile`")
+    if profile.get("version") != PROFILE_VERSION:
+        raise PlanError(f"{path}: profile version {profile.get('version')}, this planner reads {PROFILE_VERSION}; "
+                        "run `orchestrate profile` again")
     missing = [key for key in PROFILE_KEYS if key not in profile]
     if missing:
         raise PlanError(f"{path}: an incomplete or older profile (no {missing[0]}); run `orchestrate profile` again")
@@ -145,6 +150,14 @@ def model_shape_of_gguf(path: str | Path) -> ModelShape:
 def setup_from_profile(profile: dict, *, behaviour: DraftBehaviour | None, drafter: str = "ngram",
                        max_tokens: int = 256, context: int = 2048) -> Setup:
     """The profiled machine running the profiled split, all stages on it."""
+    try:
+        return _setup_from_profile(profile, behaviour, drafter, max_tokens, context)
+    except (KeyError, TypeError, ValueError) as error:
+        raise PlanError(f"a malformed profile ({type(error).__name__}: {error}); run `orchestrate profile` again") from None
+
+
+def _setup_from_profile(profile: dict, behaviour: DraftBehaviour | None, drafter: str, max_tokens: int,
+                        context: int) -> Setup:
     machine = measured_machine(profile)
     stages = profile["stages"]
     draft_seconds = profile["drafter_seconds_per_token"].get(drafter)
@@ -210,7 +223,7 @@ def _draft(table: dict, machines: list) -> tuple[DraftBehaviour, list[float], in
         return None if key not in table else _number(table, key, where)
 
     behaviour = DraftBehaviour(_number(table, "acceptance", where), _number(table, "availability", where, 1.0),
-                               optional("first_acceptance"), optional("continuation"))
+                               optional("first_acceptance"), _number(table, "continuation", where, 1.0))
     if "seconds_per_token" in table:
         seconds = _number(table, "seconds_per_token", where)
         return behaviour, [seconds] * len(machines), int(_number(table, "bytes", where, 0))
@@ -234,6 +247,11 @@ def load_setup(path: str | Path) -> Setup:
     except tomllib.TOMLDecodeError as error:
         raise PlanError(f"{path}: not TOML ({error})") from None
     base = path.parent
+    for key, kind in (("model", dict), ("machines", list), ("links", list), ("draft", dict), ("software", dict)):
+        if key in document and not isinstance(document[key], kind):
+            raise PlanError(f"{path}: {key} must be {'a table' if kind is dict else 'an array of tables'}")
+    if not all(isinstance(table, dict) for key in ("machines", "links") for table in document.get(key, [])):
+        raise PlanError(f"{path}: every [[machines]] and [[links]] entry must be a table")
     try:
         model = _model(document["model"], base)
         machines = [_machine(table, index, base) for index, table in enumerate(document["machines"])]
@@ -246,7 +264,8 @@ def load_setup(path: str | Path) -> Setup:
     if len(links) == 1:
         links = links * len(machines)
     if len(machines) > 1 and len(links) < len(machines):
-        raise PlanError(f"{path}: {len(machines)} machines need {len(machines) - 1} links (or one for all)")
+        raise PlanError(f"{path}: {len(machines)} machines need {len(machines)} links (machine i to i + 1, the last "
+                        "carrying logits back to machine 0), or one for all")
     software_table = document.get("software", {})
     if "profile" in software_table:
         software = measured_software(read_profile(base / software_table["profile"]))
@@ -263,6 +282,15 @@ def load_setup(path: str | Path) -> Setup:
     if "draft" in document:
         behaviour, draft_seconds, draft_bytes = _draft(document["draft"], machines)
     boundaries = document.get("boundaries")
+    if boundaries is not None:
+        valid = (isinstance(boundaries, list) and len(boundaries) == len(machines) - 1
+                 and all(isinstance(value, int) and not isinstance(value, bool) for value in boundaries)
+                 and [0, *boundaries, model.blocks] == sorted(set([0, *boundaries, model.blocks])))
+        if not valid:
+            raise PlanError(f"{path}: boundaries must be {len(machines) - 1} increasing block numbers "
+                            f"between 1 and {model.blocks - 1}")
+    if int(_number(document, "max_tokens", str(path), 256)) < 2:
+        raise PlanError(f"{path}: max_tokens must be at least 2")
     return Setup(
         model=model, machines=machines, links=links, software=software, behaviour=behaviour,
         draft_seconds=draft_seconds, draft_bytes=draft_bytes,

@@ -83,24 +83,21 @@ class DraftBehaviour:
     a token at all (bench: draft_availability; 1 for a draft model; below 1
     for prompt lookup, which finds no n-gram at some positions).
     continuation: probability that the drafter proposes a next token after
-    one it proposed (bench: draft_continuation); None: as ``availability``."""
+    one it proposed (bench: draft_continuation; prompt lookup, once it has
+    found a passage, nearly always goes on)."""
 
     acceptance: float
     availability: float = 1.0
     first_acceptance: float | None = None
-    continuation: float | None = None
+    continuation: float = 1.0
 
     def __post_init__(self):
-        if not all(0.0 <= value <= 1.0 for value in (self.acceptance, self.first, self.availability, self.next)):
+        if not all(0.0 <= value <= 1.0 for value in (self.acceptance, self.first, self.availability, self.continuation)):
             raise ValueError("acceptances, availability and continuation are probabilities in [0, 1]")
 
     @property
     def first(self) -> float:
         return self.acceptance if self.first_acceptance is None else self.first_acceptance
-
-    @property
-    def next(self) -> float:
-        return self.availability if self.continuation is None else self.continuation
 
     end = None  # random drafts say nothing of where the text ends
 
@@ -108,7 +105,7 @@ class DraftBehaviour:
         """The drafter's token at ``position``: None if it proposes none (and
         stops), else whether it is right. ``fresh``: the first token drafted
         from the committed text; ``prefix_right``: every token before it is right."""
-        if rng.random() >= (self.availability if fresh else self.next):
+        if rng.random() >= (self.availability if fresh else self.continuation):
             return None
         return prefix_right and rng.random() < (self.first if fresh else self.acceptance)
 
@@ -323,8 +320,10 @@ def simulate(costs: PipelineCosts, mode: Mode, behaviour: DraftOutcomes, max_tok
         speculation.extend(drafters[0].collect(0.0, wait=True)[0])
     on_a_roll = False
     # The target's end-of-generation token, where the workload knows it (a trace):
-    # generation stops there, before max_tokens.
-    last = max_tokens if behaviour.end is None else min(max_tokens, behaviour.end)
+    # generation stops once a pass has produced it, like the real loop (which
+    # counts neither it nor the time after the last real token).
+    tokens_wanted = max_tokens if behaviour.end is None else min(max_tokens, behaviour.end)
+    last = max_tokens if behaviour.end is None or behaviour.end >= max_tokens else behaviour.end + 1
     last_token_time = 0.0
     while committed < last:
         room = max_tokens - committed - 1
@@ -343,7 +342,7 @@ def simulate(costs: PipelineCosts, mode: Mode, behaviour: DraftOutcomes, max_tok
             limit = min(draft_limit, room - (offset + 1))
             if len(speculation) > offset and limit >= 0:
                 in_flight.append(
-                    submit(now, head.first + offset + 1, speculation[offset], speculation[offset + 1 : offset + 2 + limit])
+                    submit(now, head.first + offset + 1, speculation[offset], speculation[offset + 1 : offset + 1 + limit])
                 )
         now = receive(now, head, speculation)
         in_flight.popleft()
@@ -351,8 +350,9 @@ def simulate(costs: PipelineCosts, mode: Mode, behaviour: DraftOutcomes, max_tok
         accepted = 0
         while accepted < len(head.drafts) and head.drafts[accepted]:
             accepted += 1
+        if committed < tokens_wanted:
+            last_token_time = now
         committed += min(accepted + 1, last - committed)
-        last_token_time = now
         run.drafted_tokens += len(head.drafts)
         run.accepted_tokens += accepted
         on_a_roll = bool(head.drafts) and accepted == len(head.drafts)
@@ -366,7 +366,7 @@ def simulate(costs: PipelineCosts, mode: Mode, behaviour: DraftOutcomes, max_tok
             now = max(now, in_flight.popleft().result_time)  # received and discarded
             run.passes += 1
             run.discarded_passes += 1
-    run.tokens = committed
+    run.tokens = min(committed, tokens_wanted)
     run.seconds = last_token_time
     run.stage_busy_seconds = list(stages.busy)
     return run
