@@ -208,8 +208,13 @@ class RayAcrossHosts:
 
     def start(self, timeout: float = 120.0) -> list[str]:
         """Start head and worker; return the alive nodes' addresses once both are up."""
-        self._start_node("head", self.hosts.first, ["--head", "--port", str(self.port), "--include-dashboard=false"])
-        self._start_node("worker", self.hosts.second, ["--address", self.address])
+        # Each host advertises the stage it holds, as cluster.yaml starts them, but
+        # the other way round (the worker holds stage 0), so that a placement by
+        # these resources cannot be mistaken for Ray's own choice.
+        self._start_node("head", self.hosts.first, ["--head", "--port", str(self.port), "--include-dashboard=false",
+                                                    "--resources", '{"specpipe-stage-1": 1}'])
+        self._start_node("worker", self.hosts.second, ["--address", self.address,
+                                                       "--resources", '{"specpipe-stage-0": 1}'])
         deadline = time.monotonic() + timeout
         alive: list[str] = []
         while time.monotonic() < deadline:

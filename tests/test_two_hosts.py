@@ -50,11 +50,9 @@ def report_link(hosts):
 
 
 def run_across_hosts(cluster: RayAcrossHosts, stage_files: list[str], *options: str) -> dict:
-    """`orchestrate run` from the head's host, stage i pinned to host i; its JSON report."""
-    hosts = cluster.hosts
+    """`orchestrate run` from the head's host; its JSON report."""
     result = cluster.driver(
         ["-m", "orchestrator.cli", "run", "--model-split", *stage_files, "--address", cluster.address,
-         "--place", f"0={hosts.first.address},1={hosts.second.address}",
          "--prompt", PROMPTS[0], "--max-tokens", str(MAX_TOKENS), "--json", *options],
         timeout=300,
     )
@@ -63,16 +61,18 @@ def run_across_hosts(cluster: RayAcrossHosts, stage_files: list[str], *options: 
     return json.loads(result.stdout)
 
 
-def assert_stage_per_host(report: dict, cluster: RayAcrossHosts) -> None:
-    hosts = cluster.hosts
-    assert [stage["host"] for stage in report["stages"]] == [hosts.first.address, hosts.second.address]
-    assert report["stages"][0]["node"] != report["stages"][1]["node"]
-
-
-@pytest.mark.parametrize("speculator", ["none", "ngram"])
-def test_run_across_two_hosts_equals_whole_model(cluster, splits, reference, speculator):
-    report = run_across_hosts(cluster, splits[2], "--speculator", speculator)
+@pytest.mark.parametrize("speculator, placed_by", [("none", "stage resources"), ("ngram", "--place")])
+def test_run_across_two_hosts_equals_whole_model(cluster, splits, reference, speculator, placed_by):
+    """The worker advertises specpipe-stage-0 and the head specpipe-stage-1: a run
+    places the stages by those alone, or by --place, which wins over them."""
+    first, second = cluster.hosts.first.address, cluster.hosts.second.address
+    if placed_by == "--place":
+        place, expected = ["--place", f"0={first},1={second}"], [first, second]
+    else:
+        place, expected = [], [second, first]
+    report = run_across_hosts(cluster, splits[2], "--speculator", speculator, *place)
     assert report["tokens"] == reference.greedy(reference.tokenize(PROMPTS[0]), MAX_TOKENS)
-    assert_stage_per_host(report, cluster)
+    assert [stage["host"] for stage in report["stages"]] == expected
+    assert report["stages"][0]["node"] != report["stages"][1]["node"]
     if speculator == "ngram":
         assert {drafter["node"] for drafter in report["speculators"]} == {stage["node"] for stage in report["stages"]}
