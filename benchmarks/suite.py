@@ -20,10 +20,11 @@ from __future__ import annotations
 import statistics
 import time
 import tomllib
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from orchestrator.generate import SpeculationStats
 
 SCENARIO_DIR = Path(__file__).parent / "scenarios"
 QUICK_REPETITIONS = 1
@@ -121,18 +122,9 @@ class Run:
     first_token_seconds: float
     seconds: float
     passes: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    accepted_lengths: Counter = field(default_factory=Counter)
+    speculation: SpeculationStats = field(default_factory=SpeculationStats)
     stage_seconds: list[float] = field(default_factory=list)
     drafter_seconds: float = 0.0
-    rejected_passes: int = 0
-    drafted_passes: int = 0
-    first_accepted_passes: int = 0
-    waited_calls: int = 0
-    waited_nonempty: int = 0
-    waited_tokens: int = 0
-    waited_stops: int = 0
 
 
 def whole_run(llama, prompt_tokens: list[int], max_tokens: int) -> tuple[list[int], float, float, float]:
@@ -217,13 +209,10 @@ def run_scenario(
                 clients = drafters.get(mode.split("-", 2)[-1], [])
                 busy_before = sum(client.busy_seconds for client in clients)
                 result = generate(pipeline, prompt, max_tokens, SamplingSettings(), tokenizer.is_end, speculation=speculation)
-                stats = result.speculation
                 return Run(
                     mode, 0, 0, result.tokens, result.tokens_per_second, result.prefill_seconds, result.seconds,
-                    result.passes, stats.drafted_tokens, stats.accepted_tokens, Counter(stats.accepted_lengths),
-                    list(result.stage_seconds), sum(client.busy_seconds for client in clients) - busy_before,
-                    stats.rejected_passes, stats.drafted_passes, stats.first_accepted_passes,
-                    stats.waited_calls, stats.waited_nonempty, stats.waited_tokens, stats.waited_stops,
+                    result.passes, result.speculation, list(result.stage_seconds),
+                    sum(client.busy_seconds for client in clients) - busy_before,
                 )
 
             for mode in modes:  # warm-up
@@ -285,18 +274,8 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
-def draft_behaviour(runs: list[Run]) -> dict[str, float | None]:
-    """The planner's draft statistics over runs (None where nothing was drafted)."""
-    from orchestrator.generate import SpeculationStats
-
-    stats = SpeculationStats(
-        drafted_tokens=sum(run.drafted for run in runs), accepted_tokens=sum(run.accepted for run in runs),
-        rejected_passes=sum(run.rejected_passes for run in runs),
-        drafted_passes=sum(run.drafted_passes for run in runs),
-        first_accepted_passes=sum(run.first_accepted_passes for run in runs),
-        waited_calls=sum(run.waited_calls for run in runs), waited_nonempty=sum(run.waited_nonempty for run in runs),
-        waited_tokens=sum(run.waited_tokens for run in runs), waited_stops=sum(run.waited_stops for run in runs),
-    )
+def draft_behaviour(stats: SpeculationStats) -> dict[str, float | None]:
+    """The planner's draft statistics (None where nothing was drafted)."""
     if not stats.waited_calls:
         return {"acceptance_first": None, "acceptance_later": None, "draft_availability": None, "draft_continuation": None}
     return {"acceptance_first": stats.acceptance_first, "acceptance_later": stats.acceptance_later,
@@ -320,10 +299,7 @@ def summarise(scenario: Scenario, modes: list[str], runs: list[Run], stage_count
 
         tokens = sum(len(run.tokens) for run in mode_runs)
         seconds = sum(run.seconds for run in mode_runs)
-        drafted = sum(run.drafted for run in mode_runs)
-        lengths: Counter = Counter()
-        for run in mode_runs:
-            lengths.update(run.accepted_lengths)
+        stats = sum((run.speculation for run in mode_runs), SpeculationStats())
         pipelined = mode not in ("whole", "whole-lookup")
         rows.append({
             "mode": mode,
@@ -335,10 +311,10 @@ def summarise(scenario: Scenario, modes: list[str], runs: list[Run], stage_count
             "ratio_to_whole": ratio_to("whole"),
             "identical": all(run.tokens == reference[(run.repetition, run.prompt_index)].tokens for run in mode_runs),
             "target_passes_per_token": sum(run.passes for run in mode_runs) / tokens if pipelined and tokens else None,
-            "acceptance_rate": sum(run.accepted for run in mode_runs) / drafted if drafted else None,
+            "acceptance_rate": stats.acceptance_rate if stats.drafted_tokens else None,
             # The planner's inputs (orchestrator.generate.SpeculationStats explains them).
-            **draft_behaviour(mode_runs),
-            "accepted_length_histogram": {str(length): count for length, count in sorted(lengths.items())},
+            **draft_behaviour(stats),
+            "accepted_length_histogram": {str(length): count for length, count in sorted(stats.accepted_lengths.items())},
             "stage_busy_fraction": [sum(run.stage_seconds[index] for run in mode_runs) / seconds
                                     for index in range(stage_count)] if pipelined and seconds else None,
             "drafter_busy_fraction": (sum(run.drafter_seconds for run in mode_runs) / seconds / stage_count

@@ -37,7 +37,7 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -46,6 +46,10 @@ from speculators.draft_length import next_draft_limit
 from speculators.verify import verify
 
 SCHEDULES = ("sync", "async")
+
+
+def _share(successes: int, failures: int) -> float:
+    return successes / (successes + failures) if successes + failures else 0.0
 
 
 @dataclass
@@ -92,10 +96,8 @@ class SpeculationStats:
         before it was: each such acceptance is a success, each rejection after
         the first token a failure. (With sync drafting every pass drafts afresh
         from the committed text; the planner takes these as a workload's figures.)"""
-        later_accepted = self.accepted_tokens - self.first_accepted_passes
         later_rejected = self.rejected_passes - (self.drafted_passes - self.first_accepted_passes)
-        trials = later_accepted + later_rejected
-        return later_accepted / trials if trials else 0.0
+        return _share(self.accepted_tokens - self.first_accepted_passes, later_rejected)
 
     @property
     def draft_availability(self) -> float:
@@ -106,10 +108,13 @@ class SpeculationStats:
     @property
     def draft_continuation(self) -> float:
         """Probability that the drafter proposes one more token after one it proposed."""
-        later_tokens = self.waited_tokens - self.waited_nonempty
         later_stops = self.waited_stops - (self.waited_calls - self.waited_nonempty)
-        trials = later_tokens + later_stops
-        return later_tokens / trials if trials else 0.0
+        return _share(self.waited_tokens - self.waited_nonempty, later_stops)
+
+    def __add__(self, other: SpeculationStats) -> SpeculationStats:
+        """The counts of two generations together."""
+        return SpeculationStats(**{item.name: getattr(self, item.name) + getattr(other, item.name)
+                                   for item in fields(self)})
 
     @property
     def wasted_tokens(self) -> int:
