@@ -20,10 +20,14 @@ Resources and their timelines:
   probability ``1 - availability`` before its first token from the committed
   text, ``1 - continuation`` after each token) and after ``draft_max``.
 
-Which drafts are right is drawn at random: each draft token is right with
-probability ``acceptance`` when every token before it is right (the first one
-drafted from the committed text with ``first_acceptance``; a token drafted
-after a wrong one is wrong). Pure Python, no Ray, no llama.cpp.
+Which drafts are proposed and right comes from the workload: drawn at random
+from rates (``DraftBehaviour``: each draft token is right with probability
+``acceptance`` when every token before it is right, the first one drafted
+from the committed text with ``first_acceptance``; a token drafted after a
+wrong one is wrong), or replayed from a real output (``DraftTrace``).
+tests/test_planning.py checks that on traces it makes the same passes,
+drafts, acceptances and discards as generate() itself. Pure Python, no Ray,
+no llama.cpp.
 """
 
 from __future__ import annotations
