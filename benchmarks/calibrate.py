@@ -26,23 +26,20 @@ def markdown(rows: list[ModePrediction], command: str) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
 
-    def error(predicted: float, measured: float) -> str:
-        return f"{predicted / measured - 1:+.0%}"
-
     for row in rows:
         drafts = row.behaviour
         behaviour = ("- | -" if drafts is None else
                      f"{drafts.first:.2f} / {drafts.acceptance:.2f} | {drafts.availability:.2f} / {drafts.continuation:.2f}")
-        trace = "- | -" if row.from_trace is None else f"{row.from_trace:.1f} | {error(row.from_trace, row.measured)}"
+        trace = "- | -" if row.from_trace is None else f"{row.from_trace:.1f} | {row.error(row.from_trace):+.0%}"
         lines.append(
             f"| {row.scenario} | {row.mode} | {row.measured:.1f} ({row.measured_min:.1f}-{row.measured_max:.1f}) "
-            f"| {row.from_rates:.1f} | {error(row.from_rates, row.measured)} | {trace} | {behaviour} |"
+            f"| {row.from_rates:.1f} | {row.error(row.from_rates):+.0%} | {trace} | {behaviour} |"
         )
     lines.append("")
     for label, predicted in (("from rates", lambda row: row.from_rates), ("from trace", lambda row: row.best)):
         # plain modes have no trace: their one prediction counts for both columns
-        worst = max(rows, key=lambda row: abs(predicted(row) / row.measured - 1))
-        lines.append(f"Largest error {label}: {error(predicted(worst), worst.measured)} ({worst.scenario}, {worst.mode}).")
+        worst = max(rows, key=lambda row: abs(row.error(predicted(row))))
+        lines.append(f"Largest error {label}: {worst.error(predicted(worst)):+.0%} ({worst.scenario}, {worst.mode}).")
     return "\n".join(lines) + "\n"
 
 

@@ -355,14 +355,13 @@ def _plan_against_bench(profile_path: Path, bench_path: Path, as_json: bool) -> 
         click.echo(json.dumps([asdict(prediction) for prediction in predictions]))
         return
 
-    def cell(value: float | None, measured: float) -> str:
-        return "-" if value is None else f"{value:.1f} ({value / measured - 1:+.0%})"
+    def cell(prediction, value: float | None) -> str:
+        return "-" if value is None else f"{value:.1f} ({prediction.error(value):+.0%})"
 
     click.echo(f"{'scenario':14s} {'mode':18s} {'measured':>9s} {'from rates':>16s} {'from trace':>16s}  (tokens/s)")
     for prediction in predictions:
         click.echo(f"{prediction.scenario:14s} {prediction.mode:18s} {prediction.measured:9.1f} "
-                   f"{cell(prediction.from_rates, prediction.measured):>16s} "
-                   f"{cell(prediction.from_trace, prediction.measured):>16s}")
+                   f"{cell(prediction, prediction.from_rates):>16s} {cell(prediction, prediction.from_trace):>16s}")
 
 
 if __name__ == "__main__":

@@ -52,6 +52,10 @@ class ModePrediction:
     from_trace: float | None
     behaviour: DraftBehaviour | None
 
+    def error(self, predicted: float) -> float:
+        """A prediction's relative error against the measured median."""
+        return predicted / self.measured - 1
+
     @property
     def best(self) -> float:
         """The most informed prediction: from the trace where there is one."""

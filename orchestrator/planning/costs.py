@@ -120,12 +120,15 @@ class Machine:
     flops_per_second: float
     pass_overhead_seconds: float = 0.0
 
-    def stage_seconds(self, model: ModelShape, first: int, end: int, tokens: int) -> float:
-        weights = model.stage_bytes(first, end)
-        parameters = (end - first) * model.block_parameters + (model.head_parameters if end == model.blocks else 0)
+    def pass_seconds(self, weight_bytes: float, parameters: float, tokens: int) -> float:
+        """A pass of ``tokens`` tokens over weights of that size (the roofline)."""
         return self.pass_overhead_seconds + max(
-            weights / self.bytes_per_second, 2.0 * parameters * tokens / self.flops_per_second
+            weight_bytes / self.bytes_per_second, 2.0 * parameters * tokens / self.flops_per_second
         )
+
+    def stage_seconds(self, model: ModelShape, first: int, end: int, tokens: int) -> float:
+        parameters = (end - first) * model.block_parameters + (model.head_parameters if end == model.blocks else 0)
+        return self.pass_seconds(model.stage_bytes(first, end), parameters, tokens)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ def plan_lines(setup: Setup, recommendation: Recommendation) -> list[str]:
         lines.append(f"{MODE_NAMES[name]:20s} {prediction.tokens_per_second:9.2f} {prediction.passes_per_token:13.2f} "
                      f"{draft:>10s} {prediction.tokens_per_second / plain:8.2f}x")
     best = recommendation.best
-    lines.append(f"recommended: {MODE_NAMES[[n for n, p in recommendation.predictions.items() if p is best][0]]}"
+    lines.append(f"recommended: {MODE_NAMES[best.mode.schedule]}"
                  + (f" with --draft-max {best.mode.draft_max}" if best.mode.schedule != "plain" else "")
                  + f", stages starting at blocks {list(recommendation.starts)}")
     return lines

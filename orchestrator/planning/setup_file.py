@@ -233,8 +233,7 @@ def _draft(table: dict, machines: list) -> tuple[DraftBehaviour, list[float], in
     for machine in machines:
         if not isinstance(machine, Machine):
             raise PlanError(f"{where}: give seconds_per_token for a profiled machine ({machine.name})")
-        seconds.append(machine.pass_overhead_seconds + max(draft_bytes / machine.bytes_per_second,
-                                                           2 * parameters / machine.flops_per_second))
+        seconds.append(machine.pass_seconds(draft_bytes, parameters, tokens=1))
     return behaviour, seconds, draft_bytes
 
 
@@ -289,12 +288,13 @@ def load_setup(path: str | Path) -> Setup:
         if not valid:
             raise PlanError(f"{path}: boundaries must be {len(machines) - 1} increasing block numbers "
                             f"between 1 and {model.blocks - 1}")
-    if int(_number(document, "max_tokens", str(path), 256)) < 2:
+    max_tokens = int(_number(document, "max_tokens", str(path), 256))
+    if max_tokens < 2:
         raise PlanError(f"{path}: max_tokens must be at least 2")
     return Setup(
         model=model, machines=machines, links=links, software=software, behaviour=behaviour,
         draft_seconds=draft_seconds, draft_bytes=draft_bytes,
         context=int(_number(document, "context", str(path), 4096)),
-        max_tokens=int(_number(document, "max_tokens", str(path), 256)),
+        max_tokens=max_tokens,
         starts=(0, *boundaries) if boundaries else None,
     )
