@@ -23,7 +23,8 @@ CONTEXT = 200
 @click.option("--repetitions", default=15, show_default=True, type=click.IntRange(1))
 def main(repetitions: int) -> None:
     from orchestrator.defaults import default_stage_paths
-    from stages.engine import StageEngine, StageSettings
+    from stages.engine import StageEngine
+    from stages.settings import StageSettings
 
     first_stage, last_stage = (StageEngine(path, StageSettings(n_ctx=1024)) for path in default_stage_paths())
     context = np.arange(100, 100 + CONTEXT, dtype=np.int32)

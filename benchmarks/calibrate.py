@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 
+from orchestrator.output import write_whole
 from orchestrator.planning.against_bench import ModePrediction, predict_scenario
 from orchestrator.planning.setup_file import read_profile
 
@@ -57,9 +58,7 @@ def main(profile_path: str, bench_path: str, out_path: Path | None) -> None:
     text = markdown(rows, "python -m benchmarks.calibrate " + " ".join(sys.argv[1:]))
     click.echo(text, nl=False)
     if out_path is not None:
-        partial = out_path.with_name(out_path.name + ".partial")
-        partial.write_text(text)
-        partial.replace(out_path)
+        write_whole(out_path, lambda path: path.write_text(text))
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+
+from orchestrator.output import write_whole
 
 
 def _number(value, digits: int = 2) -> str:
@@ -69,20 +70,11 @@ def chart(results: dict, path: Path) -> None:
 
 def write_results(results: dict, folder: Path) -> list[Path]:
     """Write the three files; each appears complete or not at all."""
-    folder.mkdir(parents=True, exist_ok=True)
     outputs = {
         "results.json": lambda path: path.write_text(json.dumps(results, indent=2)),
         "results.md": lambda path: path.write_text(markdown(results)),
         "chart.png": lambda path: chart(results, path),
     }
-    written = []
     for name, write in outputs.items():
-        final = folder / name
-        partial = folder / (name + ".partial" + final.suffix)
-        try:
-            write(partial)
-            os.replace(partial, final)
-        finally:
-            partial.unlink(missing_ok=True)
-        written.append(final)
-    return written
+        write_whole(folder / name, write)
+    return [folder / name for name in outputs]

@@ -18,22 +18,22 @@ benchmarks/METHODOLOGY.md.
 from __future__ import annotations
 
 import statistics
-import time
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator.generate import SpeculationStats
+from orchestrator.defaults import BENCH_CONTEXT, DRAFT_MAX
+from orchestrator.schedule import Schedule, SpeculationStats
+from stages.errors import SpecpipeError
 
 SCENARIO_DIR = Path(__file__).parent / "scenarios"
 QUICK_REPETITIONS = 1
 QUICK_MAX_TOKENS = 48
-DRAFT_MAX = 8  # --draft-max of every speculative mode
 SPECULATOR_KINDS = ("ngram", "model")
 
 
-class ScenarioError(ValueError):
+class ScenarioError(SpecpipeError):
     """A scenario file that cannot be used; the message names the file."""
 
 
@@ -127,25 +127,6 @@ class Run:
     drafter_seconds: float = 0.0
 
 
-def whole_run(llama, prompt_tokens: list[int], max_tokens: int) -> tuple[list[int], float, float, float]:
-    """Greedy through llama-cpp-python: tokens, tokens/s, time to first token, seconds."""
-    import llama_cpp
-
-    llama.reset()
-    produced: list[int] = []
-    started = time.perf_counter()
-    first = last = started
-    for token in llama.generate(prompt_tokens, temp=0.0, repeat_penalty=1.0, reset=True):
-        if llama_cpp.llama_vocab_is_eog(llama._model.vocab, token) or len(produced) >= max_tokens:
-            break
-        last = time.perf_counter()
-        if not produced:
-            first = last
-        produced.append(token)
-    rate = (len(produced) - 1) / (last - first) if len(produced) > 1 and last > first else 0.0
-    return produced, rate, first - started, last - started
-
-
 def _stage_paths(scenario: Scenario, workdir: Path) -> tuple[str, list[str]]:
     from orchestrator.defaults import default_model_path
     from stages.split import split_model
@@ -163,28 +144,25 @@ def run_scenario(
     scenario: Scenario, workdir: Path, progress: Callable[[int, int], None] | None = None
 ) -> dict:
     """Run every mode of a scenario; return its figures (see summarise)."""
-    import llama_cpp
-    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
+    from benchmarks.reference import WholeModel
     from orchestrator.drafters import DrafterSettings, start_drafters, stop_drafters
-    from orchestrator.generate import Speculation, generate
+    from orchestrator.generate import Drafting, generate
     from orchestrator.pipeline import Pipeline
-    from orchestrator.sampling import SamplingSettings
+    from speculators.sampling import SamplingSettings
     from orchestrator.session import SpeculationSettings, speculator_factory
     from orchestrator.tokenizer import Tokenizer
-    from stages.engine import StageSettings
+    from stages.settings import StageSettings
     from stages.gguf_file import stage_info_of
 
     model, stage_paths = _stage_paths(scenario, workdir)
-    settings = StageSettings(n_ctx=2048, threads=1)
+    settings = StageSettings(n_ctx=BENCH_CONTEXT, threads=1)
     tokenizer = Tokenizer(stage_paths[0])
     prompts = [tokenizer.chat_prompt(text) if scenario.chat else tokenizer.tokenize(text) for text in scenario.prompts]
-    whole = llama_cpp.Llama(model, n_ctx=2048, n_threads=1, n_threads_batch=1, verbose=False)
-    whole_lookup = llama_cpp.Llama(model, n_ctx=2048, n_threads=1, n_threads_batch=1, verbose=False,
-                                   draft_model=LlamaPromptLookupDecoding(num_pred_tokens=8))
+    whole = WholeModel(model)
+    whole_lookup = WholeModel(model, prompt_lookup_tokens=DRAFT_MAX)
     draft = model if scenario.draft == "default" else scenario.draft
     modes = ["whole", "whole-lookup", "pipeline"] + [
-        f"spec-{schedule}-{kind}" for kind in scenario.speculators for schedule in ("sync", "async")
+        f"spec-{schedule.value}-{kind}" for kind in scenario.speculators for schedule in (Schedule.SYNC, Schedule.ASYNC)
     ]
     runs: list[Run] = []
     total = scenario.repetitions * len(prompts) * len(modes)
@@ -193,22 +171,22 @@ def run_scenario(
             kind: start_drafters(
                 pipeline,
                 speculator_factory(SpeculationSettings(speculator=kind, draft_path=draft), tokenizer, settings),
-                DrafterSettings(max_tokens=DRAFT_MAX),
+                DrafterSettings(draft_max=DRAFT_MAX),
             )
             for kind in scenario.speculators
         }
         try:
             def run_mode(mode: str, prompt: list[int], max_tokens: int) -> Run:
                 if mode in ("whole", "whole-lookup"):
-                    tokens, rate, first, seconds = whole_run(whole if mode == "whole" else whole_lookup, prompt, max_tokens)
-                    return Run(mode, 0, 0, tokens, rate, first, seconds)
-                speculation = None
+                    run = (whole if mode == "whole" else whole_lookup).greedy(prompt, max_tokens)
+                    return Run(mode, 0, 0, run.tokens, run.tokens_per_second, run.first_token_seconds, run.seconds)
+                drafting = None
                 if mode.startswith("spec-"):
                     _, schedule, kind = mode.split("-", 2)
-                    speculation = Speculation(drafters[kind], schedule, DRAFT_MAX)
+                    drafting = Drafting(drafters[kind], Schedule(schedule), DRAFT_MAX)
                 clients = drafters.get(mode.split("-", 2)[-1], [])
                 busy_before = sum(client.busy_seconds for client in clients)
-                result = generate(pipeline, prompt, max_tokens, SamplingSettings(), tokenizer.is_end, speculation=speculation)
+                result = generate(pipeline, prompt, max_tokens, SamplingSettings(), tokenizer.is_end, drafting=drafting)
                 return Run(
                     mode, 0, 0, result.tokens, result.tokens_per_second, result.prefill_seconds, result.seconds,
                     result.passes, result.speculation, list(result.stage_seconds),
@@ -312,7 +290,7 @@ def summarise(scenario: Scenario, modes: list[str], runs: list[Run], stage_count
             "identical": all(run.tokens == reference[(run.repetition, run.prompt_index)].tokens for run in mode_runs),
             "target_passes_per_token": sum(run.passes for run in mode_runs) / tokens if pipelined and tokens else None,
             "acceptance_rate": stats.acceptance_rate if stats.drafted_tokens else None,
-            # The planner's inputs (orchestrator.generate.SpeculationStats explains them).
+            # The planner's inputs (orchestrator.schedule.SpeculationStats explains them).
             **draft_behaviour(stats),
             "accepted_length_histogram": {str(length): count for length, count in sorted(stats.accepted_lengths.items())},
             "stage_busy_fraction": [sum(run.stage_seconds[index] for run in mode_runs) / seconds

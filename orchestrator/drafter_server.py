@@ -7,7 +7,7 @@ its stage). The coordinator connects and sends:
 * ``CollectDraft(epoch, wait)``: reply at once with what has been drafted for
   that epoch, and stop drafting (the machine's stage is about to run). With
   ``wait`` the drafting is first allowed to finish by itself (up to
-  ``max_tokens`` or the speculator's own stop), for at most ``wait_seconds``.
+  ``draft_max`` or the speculator's own stop), for at most ``wait_seconds``.
 
 The socket is served by its own thread, so a speculator that is slow, hangs
 or raises never delays a reply: the reply is whatever exists by then. A result
@@ -24,6 +24,7 @@ from typing import Protocol
 import numpy as np
 
 from orchestrator import wire
+from orchestrator.defaults import DRAFTER_WAIT_SECONDS
 from orchestrator.messages import CollectDraft, DraftReply, Shutdown, SpeculateFrom
 
 
@@ -38,12 +39,12 @@ class DrafterServer:
         make_speculator: Callable[[], Speculator],
         host: str,
         *,
-        max_tokens: int,
+        draft_max: int,
         overlap: bool = False,
-        wait_seconds: float = 2.0,
+        wait_seconds: float = DRAFTER_WAIT_SECONDS,
     ):
         self.speculator = make_speculator()
-        self.max_tokens = max_tokens
+        self.draft_max = draft_max
         self.overlap = overlap
         self.wait_seconds = wait_seconds
         self.listener = wire.listen(host)
@@ -115,8 +116,8 @@ class DrafterServer:
     def _draft_loop(self) -> None:
         while True:
             with self._lock:
-                while not self._closed and not (self._drafting and len(self._extension) < self.max_tokens):
-                    if self._drafting:  # reached max_tokens
+                while not self._closed and not (self._drafting and len(self._extension) < self.draft_max):
+                    if self._drafting:  # reached draft_max
                         self._drafting = False
                         self._finished.set()
                     self._wake.wait()

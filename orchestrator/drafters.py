@@ -16,22 +16,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from orchestrator import wire
+from orchestrator.defaults import ACTOR_START_SECONDS, CONNECT_SECONDS, DRAFT_MAX, DRAFTER_REPLY_SECONDS, DRAFTER_WAIT_SECONDS
 from orchestrator.drafter_server import DrafterServer, Speculator
 from orchestrator.messages import CollectDraft, DraftReply, Shutdown, SpeculateFrom
-
-# A reply normally takes well under a millisecond; past this the drafter is lost.
-REPLY_TIMEOUT_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
 class DrafterSettings:
-    """max_tokens: most tokens drafted per request (--draft-max).
+    """draft_max: most tokens drafted per request (--draft-max).
     overlap: keep drafting while the machine's own stage runs (--draft-overlap).
     wait_seconds: how long a synchronous request may wait for the draft to finish."""
 
-    max_tokens: int = 8
+    draft_max: int = DRAFT_MAX
     overlap: bool = False
-    wait_seconds: float = 2.0
+    wait_seconds: float = DRAFTER_WAIT_SECONDS
 
 
 def _drafter_actor_class():
@@ -45,11 +43,11 @@ def _drafter_actor_class():
             self.index = index
             self.server = DrafterServer(
                 make_speculator, ray.util.get_node_ip_address(),
-                max_tokens=settings.max_tokens, overlap=settings.overlap, wait_seconds=settings.wait_seconds,
+                draft_max=settings.draft_max, overlap=settings.overlap, wait_seconds=settings.wait_seconds,
             )
 
         def peak_rss_mb(self) -> float:
-            from orchestrator.pipeline import peak_rss_mb
+            from orchestrator.cluster import peak_rss_mb
 
             return peak_rss_mb()
 
@@ -104,7 +102,7 @@ class DrafterClient:
         self._speculating = False
         try:
             wire.send_message(self._sock, CollectDraft(self._epoch, wait))
-            self._sock.settimeout(REPLY_TIMEOUT_SECONDS)
+            self._sock.settimeout(DRAFTER_REPLY_SECONDS)
             reply = wire.receive_message(self._sock)
             self._sock.settimeout(None)
         except (OSError, wire.ConnectionClosed) as error:
@@ -135,7 +133,7 @@ def start_drafters(pipeline, make_speculator: Callable[[], Speculator], settings
     """
     import ray
 
-    from orchestrator.pipeline import one_line
+    from orchestrator.cluster import one_line
 
     actor_class = _drafter_actor_class()
     actors = [
@@ -145,8 +143,8 @@ def start_drafters(pipeline, make_speculator: Callable[[], Speculator], settings
     clients = []
     for index, actor in enumerate(actors):
         try:
-            host, port, node_id = ray.get(actor.address.remote(), timeout=300)
-            clients.append(DrafterClient(index, wire.connect(host, port), node_id, actor))
+            host, port, node_id = ray.get(actor.address.remote(), timeout=ACTOR_START_SECONDS)
+            clients.append(DrafterClient(index, wire.connect(host, port, timeout=CONNECT_SECONDS), node_id, actor))
         except (ray.exceptions.RayError, OSError) as error:
             client = DrafterClient(index, None, actor=actor)
             client.lost_reason = f"did not start: {one_line(error)}"

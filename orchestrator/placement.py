@@ -15,10 +15,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from stages.errors import SpecpipeError
+
 STAGE_RESOURCE_PREFIX = "specpipe-stage-"
 
 
-class PlacementError(ValueError):
+class PlacementError(SpecpipeError):
     """A placement that cannot be satisfied; the message is one line."""
 
 

@@ -25,14 +25,14 @@ import socket
 import statistics
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from orchestrator.defaults import PROFILE_CONTEXT, PROFILE_REPETITIONS
+
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
-DEFAULT_CONTEXT = 128
 
 
 @dataclass(frozen=True)
@@ -41,8 +41,8 @@ class ProfileSettings:
     whole_path: str
     draft_path: str | None = None
     batch_sizes: tuple[int, ...] = BATCH_SIZES
-    repetitions: int = 7
-    context: int = DEFAULT_CONTEXT
+    repetitions: int = PROFILE_REPETITIONS
+    context: int = PROFILE_CONTEXT
     threads: int = 1
 
 
@@ -58,7 +58,8 @@ def _median_seconds(action: Callable[[], object], repetitions: int) -> float:
 def measure_whole(settings: ProfileSettings, progress: Callable[[int, int], None]) -> dict:
     """Median seconds per batch size for the whole model in this process (as
     bench's whole mode runs it), after a context of settings.context positions."""
-    from stages.engine import StageEngine, StageSettings
+    from stages.engine import StageEngine
+    from stages.settings import StageSettings
 
     whole = StageEngine(settings.whole_path, StageSettings(n_ctx=_context_size(settings), threads=settings.threads))
     rng = np.random.default_rng(0)
@@ -94,7 +95,7 @@ def measure_pipeline(settings: ProfileSettings, progress: Callable[[int, int], N
     from the one-token passes. Every pass is rolled back (keep = context)."""
     from orchestrator.cluster import ray_session
     from orchestrator.pipeline import Pipeline
-    from stages.engine import StageSettings
+    from stages.settings import StageSettings
 
     rng = np.random.default_rng(0)
     stage_settings = StageSettings(n_ctx=_context_size(settings), threads=settings.threads)
@@ -107,46 +108,20 @@ def measure_pipeline(settings: ProfileSettings, progress: Callable[[int, int], N
             positions = np.arange(settings.context, settings.context + size, dtype=np.int32)
             tokens = rng.integers(100, 10000, size).astype(np.int32)
             rows = np.arange(size, dtype=np.int32)
-            transport_before, passes_before = pipeline.transport_seconds, pipeline.passes
+            transport_before, passes_before = pipeline.chain.transport_seconds, pipeline.chain.passes_alone
             timings = [pipeline.forward(positions, tokens, settings.context, rows).stage_seconds
                        for _ in range(settings.repetitions + 1)][1:]  # the first warms this batch size
             for index in range(len(per_stage)):
                 per_stage[index].append(statistics.median(timing[index] for timing in timings))
             if size == 1:
-                passes = pipeline.passes - passes_before
-                hop_seconds = (pipeline.transport_seconds - transport_before) / passes / (len(per_stage) + 1)
+                passes = pipeline.chain.passes_alone - passes_before
+                hop_seconds = (pipeline.chain.transport_seconds - transport_before) / passes / (len(per_stage) + 1)
             progress(len(settings.batch_sizes) + done + 1, 2 * len(settings.batch_sizes))
         stages = [
             {"path": path, "first_block": stage.first_block, "end_block": stage.end_block, "seconds": seconds}
             for path, stage, seconds in zip(settings.stage_paths, pipeline.stages, per_stage)
         ]
     return stages, hop_seconds
-
-
-def split_costs(stages: list[dict], whole: dict) -> dict[str, list[float]]:
-    """Per batch size: a block's time, the head's, and a pass's fixed time.
-
-    Non-last stage i: fixed + blocks_i * block; last: fixed + blocks * block +
-    head; whole: fixed + all blocks * block + head. With k >= 2 stages the sum
-    of the stages holds k fixed costs and the whole model one, which gives the
-    fixed cost; the non-last stages then give the block, the last the head.
-    Noise can push a derived time below zero; it is clamped at zero."""
-    if len(stages) < 2:
-        raise ValueError("profiling the costs of a split needs at least two stage files")
-    sizes = len(whole["seconds"])
-    fixed, block, head = [], [], []
-    for column in range(sizes):
-        stage_sum = sum(stage["seconds"][column] for stage in stages)
-        fixed_time = max(0.0, (stage_sum - whole["seconds"][column]) / (len(stages) - 1))
-        inner = stages[:-1]
-        inner_blocks = sum(stage["end_block"] - stage["first_block"] for stage in inner)
-        block_time = max(0.0, sum(stage["seconds"][column] - fixed_time for stage in inner) / inner_blocks)
-        last = stages[-1]
-        head_time = last["seconds"][column] - fixed_time - (last["end_block"] - last["first_block"]) * block_time
-        fixed.append(fixed_time)
-        block.append(block_time)
-        head.append(max(0.0, head_time))
-    return {"fixed_seconds": fixed, "block_seconds": block, "head_seconds": head}
 
 
 def measure_drafters(settings: ProfileSettings) -> dict:
@@ -210,7 +185,7 @@ def measure_socket_bandwidth(payload_bytes: int = 8 * 1024 * 1024, repetitions: 
 
 def measure_verification(vocab: int) -> float:
     """Seconds to verify one logits row (greedy)."""
-    from orchestrator.sampling import SamplingSettings
+    from speculators.sampling import SamplingSettings
     from speculators.verify import verify
 
     logits = np.random.default_rng(2).standard_normal((9, vocab)).astype(np.float32)
@@ -220,10 +195,11 @@ def measure_verification(vocab: int) -> float:
 
 def _serve_prompt_lookup(connection) -> None:
     """In a child process: a prompt-lookup drafter server until told to stop."""
+    from orchestrator.defaults import DRAFT_MAX
     from orchestrator.drafter_server import DrafterServer
     from speculators.prompt_lookup import PromptLookupSpeculator
 
-    server = DrafterServer(PromptLookupSpeculator, "127.0.0.1", max_tokens=8)
+    server = DrafterServer(PromptLookupSpeculator, "127.0.0.1", draft_max=DRAFT_MAX)
     connection.send(server.port)
     connection.recv()
 
@@ -235,6 +211,7 @@ def measure_drafter_call(context_length: int, calls: int = 200) -> float:
     import multiprocessing
 
     from orchestrator import wire
+    from orchestrator.chain import PipelineError
     from orchestrator.messages import CollectDraft, Shutdown, SpeculateFrom
 
     spawn = multiprocessing.get_context("spawn")
@@ -244,7 +221,7 @@ def measure_drafter_call(context_length: int, calls: int = 200) -> float:
     theirs.close()  # so that a child that dies before answering ends the wait
     try:
         if not ours.poll(60):
-            raise OSError("the drafter process did not start within 60 s")
+            raise PipelineError("the drafter process did not start within 60 s")
         connection = wire.connect("127.0.0.1", ours.recv())
         context = np.arange(context_length, dtype=np.int32)  # no n-gram recurs
 
@@ -268,36 +245,14 @@ def measure_drafter_call(context_length: int, calls: int = 200) -> float:
     return seconds
 
 
-class _InstantTarget:
-    """A pipeline that answers every pass at once with zero logits: timing
-    generate() against it leaves the coordinator's own time per pass."""
-
-    n_batch = 512
-
-    def __init__(self, vocab: int):
-        self.logits = np.zeros((64, vocab), dtype=np.float32)
-        self.pending: deque[int] = deque()
-
-    def submit(self, positions, tokens, keep, logit_rows=None) -> None:
-        self.pending.append(1 if logit_rows is None else len(logit_rows))
-
-    def receive(self):
-        from orchestrator.messages import PassResult
-
-        return PassResult(0, self.logits[: self.pending.popleft()], (0.0,))
-
-    def forward(self, positions, tokens, keep, logit_rows=None):
-        self.submit(positions, tokens, keep, logit_rows)
-        return self.receive()
-
-
 def measure_coordinator(vocab: int, tokens: int = 400) -> float:
     """Seconds of the decoding loop's own work per plain pass (verification of
     one row, bookkeeping), with a target that takes no time."""
     from orchestrator.generate import generate
-    from orchestrator.sampling import SamplingSettings
+    from orchestrator.interfaces import InstantTarget
+    from speculators.sampling import SamplingSettings
 
-    target = _InstantTarget(vocab)
+    target = InstantTarget(vocab)
     generate(target, [1, 2, 3], 20, SamplingSettings(), lambda token: False)  # warm-up
     started = time.perf_counter()
     result = generate(target, [1, 2, 3], tokens, SamplingSettings(), lambda token: False)
@@ -310,6 +265,7 @@ def profile_machine(settings: ProfileSettings, progress: Callable[[int, int], No
 
     from dataclasses import asdict
 
+    from orchestrator.planning.costs import split_costs
     from orchestrator.planning.setup_file import PROFILE_KIND, PROFILE_VERSION, model_shape_of_gguf
 
     status("timing the whole model, then the stages through a pipeline on a local Ray")

@@ -8,16 +8,25 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from orchestrator.cluster import ray_session
+from orchestrator.defaults import DRAFT_MAX
 from orchestrator.drafters import DrafterClient, DrafterSettings, start_drafters, stop_drafters
-from orchestrator.generate import Generation, Speculation, generate
+from orchestrator.generate import Drafting, Generation, generate
 from orchestrator.metrics import GenerationMetrics
-from orchestrator.pipeline import Pipeline, StageReport, check_stage_files
-from orchestrator.sampling import SamplingSettings
+from orchestrator.pipeline import Pipeline, StageReport
+from orchestrator.schedule import Schedule
 from orchestrator.tokenizer import Tokenizer
-from stages.engine import StageError, StageSettings
+from speculators.sampling import SamplingSettings
+from stages.engine import StageError
+from stages.errors import SpecpipeError
 from stages.gguf_file import ModelFileError, StageFileInfo, stage_info_of
+from stages.settings import StageSettings
+from stages.stage_files import check_stage_files
 
 SPECULATORS = ("none", "ngram", "model")
+
+
+class RunError(SpecpipeError):
+    """A run that cannot be done as asked; the message is one line."""
 
 
 @dataclass(frozen=True)
@@ -29,8 +38,8 @@ class SpeculationSettings:
 
     speculator: str = "none"
     draft_path: str | None = None
-    schedule: str = "async"
-    draft_max: int = 8
+    schedule: Schedule = Schedule.ASYNC
+    draft_max: int = DRAFT_MAX
     draft_p_min: float = 0.0
     overlap: bool = False
 
@@ -142,7 +151,7 @@ def speculator_factory(settings: SpeculationSettings, tokenizer: Tokenizer, stag
             raise ValueError("--speculator model needs --draft DRAFT.gguf")
         info = check_stage_files([settings.draft_path])[0]
         if info is not None:
-            raise ValueError(f"{settings.draft_path}: a draft model must be a whole model, not a stage file")
+            raise ModelFileError(f"{settings.draft_path}: a draft model must be a whole model, not a stage file")
         if Tokenizer(settings.draft_path).vocabulary_digest() != tokenizer.vocabulary_digest():
             raise StageError(
                 f"{settings.draft_path}: the draft model's vocabulary differs from the target's; "
@@ -190,7 +199,7 @@ def run_generation(
     tokenizer = Tokenizer(vocabulary_path)
     tokens = prompt_tokens(tokenizer, settings.prompt, settings.chat)
     if len(tokens) + settings.max_tokens + settings.speculation.draft_max > settings.stage.n_ctx:
-        raise ValueError(
+        raise RunError(
             f"prompt ({len(tokens)} tokens) + --max-tokens {settings.max_tokens} (+ drafts) exceed the context of "
             f"{settings.stage.n_ctx} tokens; raise --n-ctx or lower --max-tokens"
         )
@@ -205,7 +214,7 @@ def run_generation(
             on_text(text)
 
     speculation_settings = settings.speculation
-    asynchronous = make_speculator is not None and speculation_settings.schedule == "async"
+    asynchronous = make_speculator is not None and speculation_settings.schedule is Schedule.ASYNC
     with ray_session(settings.address, dashboard=settings.dashboard) as where:
         if where and on_status is not None:
             on_status(f"[{where}]")
@@ -215,18 +224,18 @@ def run_generation(
         ) as pipeline:
             check_same_model(vocabulary_path, pipeline.stage_files)
             drafters: list[DrafterClient] = []
-            speculation = None
+            drafting = None
             if make_speculator is not None:
                 drafters = start_drafters(
                     pipeline, make_speculator,
-                    DrafterSettings(max_tokens=speculation_settings.draft_max, overlap=speculation_settings.overlap),
+                    DrafterSettings(draft_max=speculation_settings.draft_max, overlap=speculation_settings.overlap),
                 )
-                speculation = Speculation(drafters, speculation_settings.schedule, speculation_settings.draft_max)
+                drafting = Drafting(drafters, speculation_settings.schedule, speculation_settings.draft_max)
             live = GenerationMetrics()
             try:
                 generation = generate(
                     pipeline, tokens, settings.max_tokens, settings.sampling, tokenizer.is_end,
-                    on_token=emit, speculation=speculation,
+                    on_token=emit, drafting=drafting,
                     on_pass=lambda running, committed: live.record(running, committed, pipeline.hop_seconds, drafters),
                 )
             finally:

@@ -19,7 +19,8 @@ import numpy as np
 
 from orchestrator import wire
 from orchestrator.messages import Boundary, PassResult, Shutdown, StageBatch, StageFailure
-from stages.engine import StageEngine, StageError, StageSettings
+from stages.engine import StageEngine, StageError
+from stages.settings import StageSettings
 
 WIRE_DTYPES = {"f32": np.float32, "f16": np.float16}
 

@@ -10,8 +10,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from orchestrator.pipeline import check_stage_files
-from stages.engine import StageEngine, StageSettings
+from stages.engine import StageEngine
+from stages.gguf_file import ModelFileError
+from stages.settings import StageSettings
+from stages.stage_files import check_stage_files
 
 PROBE_TEXT = (
     "The quick brown fox jumps over the lazy dog. In 1969, astronauts first walked on the Moon, "
@@ -49,7 +51,7 @@ def compare_split(model_path: str, stage_paths: list[str], *, threads: int = 1) 
     check_stage_files(stage_paths)
     infos = check_stage_files([model_path])
     if infos[0] is not None:
-        raise ValueError(f"{model_path}: is a stage file; give the original model first")
+        raise ModelFileError(f"{model_path}: is a stage file; give the original model first")
     settings = StageSettings(n_ctx=512, threads=threads)
     probe = np.asarray(Tokenizer(model_path).tokenize(PROBE_TEXT), dtype=np.int32)
     whole = [StageEngine(model_path, settings)]

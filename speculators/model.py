@@ -24,7 +24,8 @@ class ModelSpeculator:
     """
 
     def __init__(self, path: str, *, p_min: float = 0.0, n_ctx: int = 4096, threads: int = 1):
-        from stages.engine import StageEngine, StageError, StageSettings
+        from stages.engine import StageEngine, StageError
+        from stages.settings import StageSettings
 
         self.engine = StageEngine(path, StageSettings(n_ctx=n_ctx, threads=threads))
         if self.engine.stage_count != 1:

@@ -4,7 +4,7 @@ A pass feeds the target [last committed token, d_1, ..., d_k] and gets one logit
 row per input: row i predicts the token at absolute position ``first_position + i``.
 At each row the target's own token is chosen exactly as plain decoding would
 choose it (argmax, or a draw seeded by (seed, position): see
-orchestrator.sampling); while it equals the draft token the walk goes on; the
+speculators.sampling); while it equals the draft token the walk goes on; the
 first mismatch, or the row after the last draft, contributes the target's token
 and ends the pass. The committed tokens are therefore exactly those plain
 decoding would produce, for any draft: greedy and seeded sampling alike.
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from orchestrator.sampling import SamplingSettings, choose_token
+from speculators.sampling import SamplingSettings, choose_token
 
 
 def verify(drafts: Sequence[int], logits: np.ndarray, first_position: int, sampling: SamplingSettings) -> list[int]:

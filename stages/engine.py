@@ -25,15 +25,13 @@ from __future__ import annotations
 
 import ctypes
 import os
-from dataclasses import dataclass
 
 import numpy as np
 
 import llama_cpp
+from stages.errors import SpecpipeError
 from stages.gguf_file import KEY_FIRST_BLOCK, KEY_STAGE_COUNT, KEY_STAGE_INDEX
-
-DEFAULT_CONTEXT = 4096
-DEFAULT_BATCH = 512
+from stages.settings import StageSettings
 
 _ggml_base = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-base.so"))
 _ggml_base.ggml_get_name.argtypes = [ctypes.c_void_p]
@@ -46,26 +44,8 @@ _ggml_base.ggml_backend_tensor_get.restype = None
 _backend_ready = False
 
 
-class StageError(RuntimeError):
+class StageError(SpecpipeError):
     """A stage could not load or decode; the message says why in one line."""
-
-
-@dataclass(frozen=True)
-class StageSettings:
-    """How a stage's llama.cpp context is built.
-
-    n_ctx: KV cache cells (positions) per stage.
-    threads: CPU threads for decoding (single tokens and batches alike).
-    n_gpu_layers: blocks offloaded to a GPU backend, when llama.cpp has one.
-    n_batch: most tokens decoded in one llama_decode call.
-    sequences: KV sequences (1 for a chain; more for token trees).
-    """
-
-    n_ctx: int = DEFAULT_CONTEXT
-    threads: int = 1
-    n_gpu_layers: int = 0
-    n_batch: int = DEFAULT_BATCH
-    sequences: int = 1
 
 
 def ensure_backend() -> None:

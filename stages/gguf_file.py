@@ -14,6 +14,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from stages.errors import SpecpipeError
+
 # Keys of this project's own namespace, written into every stage file.
 KEY_STAGE_INDEX = "specpipe.stage.index"
 KEY_STAGE_COUNT = "specpipe.stage.count"
@@ -28,7 +30,7 @@ SHARD_PATTERN = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 SYNTHETIC_KEY_PREFIXES = ("GGUF.", "split.")
 
 
-class ModelFileError(ValueError):
+class ModelFileError(SpecpipeError):
     """A model or stage file that cannot be used; the message names the file."""
 
 

@@ -26,6 +26,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from stages.errors import SpecpipeError
+
 # arch -> (period, dense_first): arguments of llama.cpp's load_swa_pattern().
 SLIDING_WINDOW_PERIODS: dict[str, tuple[int, bool]] = {
     "gemma2": (2, False),
@@ -63,7 +65,7 @@ UNSPLITTABLE: dict[str, str] = {
 }
 
 
-class SplitRuleError(ValueError):
+class SplitRuleError(SpecpipeError):
     """A model or boundary that cannot be split exactly."""
 
 

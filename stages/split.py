@@ -194,7 +194,7 @@ def split_model(
     """
     output_paths = [Path(output) for output in outputs]
     if only is not None and not 0 <= only < len(output_paths):
-        raise ValueError(
+        raise SplitRuleError(
             f"there is no stage {only}: {len(output_paths)} output files make stages 0..{len(output_paths) - 1}"
         )
     model = read_model(model_path)
@@ -229,6 +229,9 @@ def split_model(
         try:
             _write_stage(plan, stage_index, partial, advance)
             os.replace(partial, output)
+        except OSError as error:
+            partial.unlink(missing_ok=True)
+            raise ModelFileError(f"{output}: {error.strerror or error}") from None
         except BaseException:
             partial.unlink(missing_ok=True)
             raise

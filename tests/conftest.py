@@ -1,4 +1,6 @@
-"""Shared fixtures: the real SmolLM2 file, its splits, a reference decoder, one Ray cluster."""
+"""Shared fixtures: the real SmolLM2 file, its splits, the reference decoder, one Ray cluster.
+
+Test doubles are in tests/fakes.py."""
 
 from __future__ import annotations
 
@@ -60,32 +62,12 @@ def profile_path(tmp_path_factory):
     return path
 
 
-class Reference:
-    """llama-cpp-python's own Llama on the whole model: what outputs must equal."""
-
-    def __init__(self, path: str):
-        import llama_cpp
-
-        self.llama = llama_cpp.Llama(path, n_ctx=2048, n_threads=1, n_threads_batch=1, verbose=False)
-
-    def tokenize(self, text: str) -> list[int]:
-        return self.llama.tokenize(text.encode(), add_bos=True)
-
-    def greedy(self, prompt_tokens: list[int], max_tokens: int) -> list[int]:
-        import llama_cpp
-
-        self.llama.reset()
-        produced: list[int] = []
-        for token in self.llama.generate(prompt_tokens, temp=0.0, repeat_penalty=1.0, reset=True):
-            if llama_cpp.llama_vocab_is_eog(self.llama._model.vocab, token) or len(produced) >= max_tokens:
-                break
-            produced.append(token)
-        return produced
-
-
 @pytest.fixture(scope="session")
-def reference(smollm2) -> Reference:
-    return Reference(smollm2)
+def reference(smollm2):
+    """llama-cpp-python's own Llama on the whole model: what outputs must equal."""
+    from benchmarks.reference import WholeModel
+
+    return WholeModel(smollm2)
 
 
 def free_port() -> int:

@@ -21,7 +21,7 @@ def test_split_then_run_json_equals_llama(smollm2, reference, tmp_path):
     result = orchestrate("run", "--model-split", *outputs, "--prompt", PROMPTS[0], "--max-tokens", "24", "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    expected = reference.greedy(reference.tokenize(PROMPTS[0]), 24)
+    expected = reference.greedy(reference.tokenize(PROMPTS[0]), 24).tokens
     assert report["tokens"] == expected
     assert report["text"] == reference.llama.detokenize(expected).decode()
     assert report["prompt_tokens"] == len(reference.tokenize(PROMPTS[0]))

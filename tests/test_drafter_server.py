@@ -3,7 +3,7 @@
 import functools
 import time
 
-import speculator_doubles
+import fakes
 from orchestrator import wire
 from orchestrator.drafter_server import DrafterServer
 from orchestrator.drafters import DrafterClient
@@ -26,7 +26,7 @@ def serve(make, **settings):
 
 
 def test_synchronous_collect_waits_for_a_full_draft():
-    server, client = serve(PromptLookupSpeculator, max_tokens=5)
+    server, client = serve(PromptLookupSpeculator, draft_max=5)
     client.speculate([1, 2, 3, 4, 5, 6, 7, 1, 2, 3])
     assert client.collect(wait=True) == [4, 5, 6, 7, 1]
     assert client.collect() == []  # nothing requested since
@@ -35,8 +35,8 @@ def test_synchronous_collect_waits_for_a_full_draft():
 
 def test_drafting_stops_at_collect_unless_overlap():
     for overlap in (False, True):
-        make = functools.partial(speculator_doubles.SlowSpeculator, TRUTH, set())  # 10 ms a token
-        server, client = serve(make, max_tokens=40, overlap=overlap)
+        make = functools.partial(fakes.SlowSpeculator, TRUTH, set())  # 10 ms a token
+        server, client = serve(make, draft_max=40, overlap=overlap)
         client.speculate(TRUTH[:5])
         wait_until(lambda: server.drafted_tokens >= 2, "drafting started")
         collected = client.collect()
@@ -51,8 +51,8 @@ def test_drafting_stops_at_collect_unless_overlap():
 
 
 def test_a_hanging_speculator_still_gets_an_answer_and_is_not_waited_for_twice():
-    make = functools.partial(speculator_doubles.HangingSpeculator, TRUTH, good_calls=2)
-    server, client = serve(make, max_tokens=8, wait_seconds=0.3)
+    make = functools.partial(fakes.HangingSpeculator, TRUTH, good_calls=2)
+    server, client = serve(make, draft_max=8, wait_seconds=0.3)
     client.speculate(TRUTH[:5])
     assert client.collect(wait=True) == TRUTH[5:7]  # answered although the speculator hangs
     assert server.stalled  # so later synchronous requests do not wait for it again

@@ -5,13 +5,14 @@ import time
 import urllib.request
 
 from orchestrator.drafters import DrafterSettings, start_drafters, stop_drafters
-from orchestrator.generate import Speculation, generate
+from orchestrator.generate import Drafting, generate
+from orchestrator.schedule import Schedule
 from orchestrator.metrics import GenerationMetrics
 from orchestrator.pipeline import Pipeline
-from orchestrator.sampling import SamplingSettings
+from speculators.sampling import SamplingSettings
 from orchestrator.tokenizer import Tokenizer
 from speculators.prompt_lookup import PromptLookupSpeculator
-from stages.engine import StageSettings
+from stages.settings import StageSettings
 
 
 def scrape(ports) -> str:
@@ -39,12 +40,12 @@ def test_custom_metrics_appear_at_the_metrics_endpoint_during_a_run(ray_cluster,
     tokenizer = Tokenizer(splits[2][0])
     prompt = tokenizer.chat_prompt("Repeat exactly: the quick brown fox jumps over the lazy dog, twice.")
     with Pipeline(splits[2], StageSettings(n_ctx=1024), notify_boundaries=True) as pipeline:
-        drafters = start_drafters(pipeline, PromptLookupSpeculator, DrafterSettings(max_tokens=6))
+        drafters = start_drafters(pipeline, PromptLookupSpeculator, DrafterSettings(draft_max=6))
         live = GenerationMetrics()
         try:
             result = generate(
                 pipeline, prompt, 40, SamplingSettings(), tokenizer.is_end,
-                speculation=Speculation(drafters, "async", 6),
+                drafting=Drafting(drafters, Schedule.ASYNC, 6),
                 on_pass=lambda running, committed: live.record(running, committed, pipeline.hop_seconds, drafters),
             )
             deadline = time.monotonic() + 60

@@ -6,9 +6,9 @@ import pytest
 from orchestrator.generate import generate
 from orchestrator.pipeline import Pipeline, PipelineError
 from orchestrator.placement import PlacementError
-from orchestrator.sampling import SamplingSettings
+from speculators.sampling import SamplingSettings
 from orchestrator.tokenizer import Tokenizer
-from stages.engine import StageSettings
+from stages.settings import StageSettings
 from stages.gguf_file import ModelFileError
 
 from conftest import PROMPTS, orchestrate
@@ -29,7 +29,7 @@ def test_greedy_pipeline_equals_llama_and_stages_land_on_distinct_nodes(ray_clus
         assert [(stage.first_block, stage.end_block) for stage in pipeline.stages][0][0] == 0
         for prompt in PROMPTS:
             tokens = reference.tokenize(prompt)
-            expected = reference.greedy(tokens, 40)
+            expected = reference.greedy(tokens, 40).tokens
             assert run(pipeline, tokenizer, tokens, 40).tokens == expected, prompt
         reports = pipeline.reports()
         assert all(report.busy_seconds > 0 and report.passes > 0 for report in reports)

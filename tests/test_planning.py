@@ -8,9 +8,11 @@ from dataclasses import dataclass
 import pytest
 
 from orchestrator.planning.costs import BatchCurve, Link, Machine, ModelShape, Software, StageCosts
-from orchestrator.planning.recommend import PlanError, Setup, candidate_splits, recommend
-from orchestrator.planning.simulation import DraftBehaviour, DraftTrace, Mode, predict, simulate
-from orchestrator.profile import split_costs
+from orchestrator.planning.recommend import candidate_splits, recommend
+from orchestrator.planning.setup import PlanError, Setup
+from orchestrator.planning.simulation import DraftBehaviour, DraftTrace, Mode, predict, simulate, simulate_many
+from speculators.sampling import SamplingSettings
+from orchestrator.planning.costs import split_costs
 
 
 @dataclass(frozen=True)
@@ -221,91 +223,73 @@ def test_importing_the_planner_loads_neither_ray_nor_llama_cpp():
     assert output.split() == ["False", "False"]
 
 
-class _InstantTarget:
-    """A pipeline that answers at once: row i of a pass at position p predicts truth[p + i + 1]."""
-
-    n_batch = 512
-
-    def __init__(self, truth: list[int], vocab: int):
-        self.truth, self.vocab, self.pending = truth, vocab, []
-
-    def submit(self, positions, tokens, keep, logit_rows=None):
-        import numpy as np
-
-        rows = range(len(tokens)) if logit_rows is None else logit_rows
-        logits = np.zeros((len(rows), self.vocab), dtype=np.float32)
-        for row, index in enumerate(rows):
-            logits[row, self.truth[int(positions[index]) + 1]] = 1.0
-        self.pending.append(logits)
-
-    def receive(self):
-        from orchestrator.messages import PassResult
-
-        return PassResult(0, self.pending.pop(0), (0.0, 0.0))
-
-    def forward(self, positions, tokens, keep, logit_rows=None):
-        self.submit(positions, tokens, keep, logit_rows)
-        return self.receive()
-
-    def await_boundary(self, stage):
-        return 0
-
-
-class _TraceDrafter:
-    """A drafter that proposes what a DraftTrace says, drafting instantly."""
-
-    WRONG = 1
-
-    def __init__(self, truth: list[int], prompt_length: int, trace: DraftTrace, draft_max: int):
-        self.truth, self.prompt_length, self.trace, self.draft_max = truth, prompt_length, trace, draft_max
-        self.context = None
-
-    def speculate(self, context):
-        self.context = list(context)
-
-    def collect(self, wait=False):
-        if self.context is None:
-            return []
-        context, self.context = self.context, None
-        right = context == self.truth[: len(context)]
-        tokens: list[int] = []
-        while len(tokens) < self.draft_max:
-            position = len(context) + len(tokens) - self.prompt_length  # generated position
-            proposal = False if not right else (self.trace.proposals[position] if position < self.trace.end else None)
-            if proposal is None:
-                break
-            right = right and proposal
-            tokens.append(self.truth[self.prompt_length + position] if proposal else self.WRONG)
-        return tokens
-
-
-@pytest.mark.parametrize("schedule", ["sync", "async"])
-@pytest.mark.parametrize("text", [
+TRACES = [
     ".RRRRRRRRRRRRRRRRRRRRRRRRRRRRw..RRRRRRRRRRRRRRRRRRRRRRRRRRRRRRR",
     ".....................Rw..............w......RRw.RRRRRRRRRRwRRRRRR",
     ".RRRRRRRRRRRRRRRRRRRw..RRRRRRR",
-])
-def test_the_simulation_makes_the_same_passes_as_the_real_loop(schedule, text):
-    """generate() against an instant target and drafters replaying a trace, beside
-    simulate() on the same trace: the same passes, drafts, acceptances and discards."""
-    from orchestrator.generate import Speculation, generate
-    from orchestrator.sampling import SamplingSettings
+]
+END_TOKEN = 2
 
-    trace = DraftTrace.from_text(text)
-    end_token, prompt = 2, [5, 6, 7, 5, 6]
-    truth = prompt + [10 + position for position in range(trace.end)] + [end_token] + [3] * 20  # drafts may run past the end
-    drafters = [_TraceDrafter(truth, len(prompt), trace, 6) for _ in range(2)]
-    real = generate(_InstantTarget(truth, 10 + trace.end), prompt, 200, SamplingSettings(), lambda token: token == end_token,
-                    speculation=Speculation(drafters, schedule, 6))
-    simulated = simulate(FlatCosts(2), Mode(schedule, 6), trace, max_tokens=200)
-    assert real.tokens == truth[len(prompt) : len(prompt) + trace.end] and simulated.tokens == len(real.tokens)
+
+def _real_loop(schedule: str, texts: list[str], draft_max: int = 6):
+    """generate_many() against an instant target, each sequence with drafters
+    replaying its trace; returns the generations and the passes submitted."""
+    from fakes import TraceDrafter, truth_target
+    from orchestrator.generate import Drafting, Request, generate_many
+    from orchestrator.schedule import Schedule
+
+    requests, truths = [], []
+    for index, text in enumerate(texts):
+        trace = DraftTrace.from_text(text)
+        prompt = [5, 6, 7, 5, 6 + index]
+        # drafts may run past the end of the text
+        truth = prompt + [10 + 100 * index + position for position in range(trace.end)] + [END_TOKEN] + [3] * 20
+        drafters = [TraceDrafter(truth, len(prompt), trace, draft_max) for _ in range(2)]
+        requests.append(Request(prompt, 200, SamplingSettings(), Drafting(drafters, Schedule(schedule), draft_max)))
+        truths.append(truth)
+    target = truth_target(truths)
+    generations = generate_many(target, requests, lambda token: token == END_TOKEN)
+    for generation, truth, text in zip(generations, truths, texts):
+        prompt_length = len(generation.prompt_tokens)
+        assert generation.tokens == truth[prompt_length : prompt_length + DraftTrace.from_text(text).end]
+    return generations, target.submitted
+
+
+def _assert_same_decisions(real, simulated) -> None:
     stats = real.speculation
+    assert simulated.tokens == len(real.tokens)
     assert (simulated.passes, simulated.discarded_passes) == (real.passes, stats.discarded_passes)
     assert (simulated.drafted_tokens, simulated.accepted_tokens) == (stats.drafted_tokens, stats.accepted_tokens)
 
 
+@pytest.mark.parametrize("schedule", ["sync", "async"])
+@pytest.mark.parametrize("text", TRACES)
+def test_the_simulation_makes_the_same_passes_as_the_real_loop(schedule, text):
+    """generate() against an instant target and drafters replaying a trace, beside
+    simulate() on the same trace: the same passes, drafts, acceptances and discards."""
+    (real,), _ = _real_loop(schedule, [text])
+    _assert_same_decisions(real, simulate(FlatCosts(2), Mode(schedule, 6), DraftTrace.from_text(text), max_tokens=200))
+
+
+@pytest.mark.parametrize("schedule", ["sync", "async"])
+def test_two_sequences_interleaved_make_the_same_passes_in_the_real_loop_and_the_simulation(schedule):
+    """Two sequences decoded at once share passes; each makes the same decisions
+    in generate_many() as in simulate_many()."""
+    texts = TRACES[:2]
+    generations, submitted = _real_loop(schedule, texts)
+    assert any(len(target_pass.windows) == 2 for target_pass in submitted)  # really interleaved
+    simulated = simulate_many(FlatCosts(2), Mode(schedule, 6), [DraftTrace.from_text(text) for text in texts],
+                              max_tokens=200)
+    for real, run in zip(generations, simulated):
+        _assert_same_decisions(real, run)
+    for text, run in zip(texts, simulated):  # sharing passes changes no sequence's decisions
+        alone = simulate(FlatCosts(2), Mode(schedule, 6), DraftTrace.from_text(text), max_tokens=200)
+        assert (alone.passes, alone.discarded_passes, alone.drafted_tokens, alone.accepted_tokens) == \
+            (run.passes, run.discarded_passes, run.drafted_tokens, run.accepted_tokens)
+
+
 def test_bench_draft_statistics_count_first_and_later_tokens_apart():
-    from orchestrator.generate import SpeculationStats
+    from orchestrator.schedule import SpeculationStats
 
     # passes: 4 drafted; 3 accepted their first draft; 7 accepted in all; 2 rejections
     # (one at a first draft, one later); drafting: 5 awaited calls, 4 brought tokens,

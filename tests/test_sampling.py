@@ -1,6 +1,6 @@
 import numpy as np
 
-from orchestrator.sampling import SamplingSettings, choose_token, token_probabilities
+from speculators.sampling import SamplingSettings, choose_token, token_probabilities
 
 
 def test_greedy_is_argmax():

@@ -3,22 +3,23 @@
 SmolLM2 has no smaller sibling, so it drafts for itself (acceptance near 100 %:
 a check of the machinery) and a copy cut to its first 6 blocks drafts badly
 (a check of the rejection paths). Scripted drafters are wrong at chosen
-positions or fail on purpose (tests/speculator_doubles.py)."""
+positions or fail on purpose (tests/fakes.py)."""
 
 import functools
 import threading
 
 import pytest
 
-import speculator_doubles
+import fakes
 from orchestrator.drafters import DrafterSettings, start_drafters, stop_drafters
-from orchestrator.generate import Speculation, generate
+from orchestrator.generate import Drafting, generate
+from orchestrator.schedule import Schedule
 from orchestrator.pipeline import Pipeline
-from orchestrator.sampling import SamplingSettings
+from speculators.sampling import SamplingSettings
 from orchestrator.tokenizer import Tokenizer
 from speculators.model import ModelSpeculator
 from speculators.prompt_lookup import PromptLookupSpeculator
-from stages.engine import StageSettings
+from stages.settings import StageSettings
 
 REWRITE = (
     "Repeat this sentence exactly: The old lighthouse keeper climbed the narrow stairs every night "
@@ -34,7 +35,7 @@ MAX_TOKENS = 40
 def pickle_doubles_by_value():
     import ray.cloudpickle
 
-    ray.cloudpickle.register_pickle_by_value(speculator_doubles)
+    ray.cloudpickle.register_pickle_by_value(fakes)
 
 
 @pytest.fixture(scope="module")
@@ -60,14 +61,14 @@ def poor_draft(smollm2, tmp_path_factory):
 
 
 def decode(pipeline, tokenizer, prompt, sampling, drafters=None, schedule="sync", draft_max=6):
-    speculation = Speculation(drafters, schedule, draft_max) if drafters else None
+    drafting = Drafting(drafters, Schedule(schedule), draft_max) if drafters else None
     tokens = tokenizer.chat_prompt(prompt)
-    return generate(pipeline, tokens, MAX_TOKENS, sampling, tokenizer.is_end, speculation=speculation)
+    return generate(pipeline, tokens, MAX_TOKENS, sampling, tokenizer.is_end, drafting=drafting)
 
 
 def assert_unchanged(pipeline, tokenizer, make_speculator, prompts=(REWRITE, OPEN), schedules=("sync", "async")):
     """Every schedule, greedy and sampled, gives the plain pipeline's tokens. Returns the stats."""
-    drafters = start_drafters(pipeline, make_speculator, DrafterSettings(max_tokens=6))
+    drafters = start_drafters(pipeline, make_speculator, DrafterSettings(draft_max=6))
     stats = []
     try:
         assert all(drafter.alive for drafter in drafters)
@@ -115,7 +116,7 @@ def test_partial_acceptance_rolls_every_stage_back(pipelines, tokenizer, stage_c
     truth = prompt_tokens + plain
     wrong = {len(prompt_tokens) + offset for offset in (3, 7, 8, 15, 22, 30)}
     drafters = start_drafters(
-        pipeline, functools.partial(speculator_doubles.ScriptedSpeculator, truth, wrong), DrafterSettings(max_tokens=6)
+        pipeline, functools.partial(fakes.ScriptedSpeculator, truth, wrong), DrafterSettings(draft_max=6)
     )
     try:
         result = decode(pipeline, tokenizer, OPEN, GREEDY, drafters, schedule)
@@ -132,8 +133,8 @@ def test_partial_acceptance_rolls_every_stage_back(pipelines, tokenizer, stage_c
 @pytest.mark.parametrize(
     "double",
     [
-        functools.partial(speculator_doubles.RaisingSpeculator, good_calls=5),
-        functools.partial(speculator_doubles.HangingSpeculator, good_calls=5),
+        functools.partial(fakes.RaisingSpeculator, good_calls=5),
+        functools.partial(fakes.HangingSpeculator, good_calls=5),
     ],
     ids=["raises", "hangs"],
 )
@@ -142,7 +143,7 @@ def test_a_failing_drafter_changes_nothing(pipelines, tokenizer, double, schedul
     pipeline = pipelines[2]
     prompt_tokens = tokenizer.chat_prompt(OPEN)
     plain = decode(pipeline, tokenizer, OPEN, GREEDY).tokens
-    drafters = start_drafters(pipeline, functools.partial(double, prompt_tokens + plain), DrafterSettings(max_tokens=6, wait_seconds=0.5))
+    drafters = start_drafters(pipeline, functools.partial(double, prompt_tokens + plain), DrafterSettings(draft_max=6, wait_seconds=0.5))
     try:
         result = decode(pipeline, tokenizer, OPEN, GREEDY, drafters, schedule)
     finally:
@@ -158,7 +159,7 @@ def test_killing_a_drafter_mid_generation_changes_nothing(pipelines, tokenizer, 
     prompt_tokens = tokenizer.chat_prompt(OPEN)
     plain = decode(pipeline, tokenizer, OPEN, GREEDY).tokens
     drafters = start_drafters(
-        pipeline, functools.partial(speculator_doubles.SlowSpeculator, prompt_tokens + plain, set()), DrafterSettings(max_tokens=4)
+        pipeline, functools.partial(fakes.SlowSpeculator, prompt_tokens + plain, set()), DrafterSettings(draft_max=4)
     )
     killed = threading.Event()
 
@@ -171,9 +172,9 @@ def test_killing_a_drafter_mid_generation_changes_nothing(pipelines, tokenizer, 
 
     produced: list[int] = []
     try:
-        speculation = Speculation(drafters, schedule, 4)
+        drafting = Drafting(drafters, Schedule(schedule), 4)
         result = generate(
-            pipeline, prompt_tokens, MAX_TOKENS, GREEDY, tokenizer.is_end, speculation=speculation,
+            pipeline, prompt_tokens, MAX_TOKENS, GREEDY, tokenizer.is_end, drafting=drafting,
             on_token=kill_after_some_tokens,
         )
     finally:

@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from orchestrator.sampling import SamplingSettings, choose_token
+from speculators.sampling import SamplingSettings, choose_token
 from speculators.prompt_lookup import PromptLookupSpeculator
 from speculators.verify import verify
 

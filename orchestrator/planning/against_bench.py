@@ -29,7 +29,7 @@ import statistics
 from dataclasses import dataclass, replace
 
 from orchestrator.planning.costs import Software
-from orchestrator.planning.recommend import PlanError
+from orchestrator.planning.setup import PlanError
 from orchestrator.planning.setup_file import setup_from_profile
 from orchestrator.planning.simulation import DraftBehaviour, DraftTrace, Mode, predict
 
@@ -95,7 +95,10 @@ def predict_scenario(profile: dict, scenario: dict, runs: int = RUNS) -> list[Mo
                 continue
             setup = replace(split, draft_seconds=[drafter_seconds] * len(starts))
             mode = Mode(schedule, scenario["draft_max"])
-            traces = [DraftTrace.from_text(text) for text in scenario.get("draft_traces", {}).get(kind, [])]
+            try:
+                traces = [DraftTrace.from_text(text) for text in scenario.get("draft_traces", {}).get(kind, [])]
+            except ValueError as error:
+                raise PlanError(f"scenario {scenario['scenario']}: {error}") from None
         else:
             continue
         costs = setup.costs(setup.starts)

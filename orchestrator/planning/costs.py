@@ -223,3 +223,29 @@ class StageCosts:
         """Weights, KV cache for ``context`` positions, and the draft model."""
         first, end = self.stage_range(stage)
         return self.model.stage_bytes(first, end) + (end - first) * context * self.model.kv_bytes_per_token + draft_bytes
+
+
+def split_costs(stages: list[dict], whole: dict) -> dict[str, list[float]]:
+    """Per batch size: a block's time, the head's, and a pass's fixed time.
+
+    Non-last stage i: fixed + blocks_i * block; last: fixed + blocks * block +
+    head; whole: fixed + all blocks * block + head. With k >= 2 stages the sum
+    of the stages holds k fixed costs and the whole model one, which gives the
+    fixed cost; the non-last stages then give the block, the last the head.
+    Noise can push a derived time below zero; it is clamped at zero."""
+    if len(stages) < 2:
+        raise ValueError("profiling the costs of a split needs at least two stage files")
+    sizes = len(whole["seconds"])
+    fixed, block, head = [], [], []
+    for column in range(sizes):
+        stage_sum = sum(stage["seconds"][column] for stage in stages)
+        fixed_time = max(0.0, (stage_sum - whole["seconds"][column]) / (len(stages) - 1))
+        inner = stages[:-1]
+        inner_blocks = sum(stage["end_block"] - stage["first_block"] for stage in inner)
+        block_time = max(0.0, sum(stage["seconds"][column] - fixed_time for stage in inner) / inner_blocks)
+        last = stages[-1]
+        head_time = last["seconds"][column] - fixed_time - (last["end_block"] - last["first_block"]) * block_time
+        fixed.append(fixed_time)
+        block.append(block_time)
+        head.append(max(0.0, head_time))
+    return {"fixed_seconds": fixed, "block_seconds": block, "head_seconds": head}

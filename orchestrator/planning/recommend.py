@@ -11,54 +11,18 @@ Python over orchestrator.planning.simulation; no Ray, no llama.cpp.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-from orchestrator.planning.costs import Link, Machine, MeasuredMachine, ModelShape, Software, StageCosts
+from orchestrator.planning.setup import PlanError, Setup
 from orchestrator.planning.simulation import DraftBehaviour, Mode, Prediction, predict
+from orchestrator.schedule import Schedule
 
-DRAFT_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 MEMORY_HEADROOM = 0.9  # of each machine's memory, the share the model, its KV cache and the draft may use
 SEARCH_RUNS = 8
 FINAL_RUNS = 48
 TIE = 0.01
 GRID_SPLITS = 40
 EVERY_SPLIT_LIMIT = 5000
-
-
-class PlanError(ValueError):
-    """A setup that cannot be planned; the message is one line."""
-
-
-@dataclass(frozen=True)
-class Setup:
-    """machines: in pipeline order (stage i on machines[i]). links[i] joins
-    machine i and i + 1 (the last carries logits back to machine 0); None for
-    stages on the same machine. draft_seconds: per draft token on each machine
-    (None: no speculation). draft_bytes: the draft model's memory on each
-    machine. starts: a fixed split (None: search). one_host_parallel_stages:
-    the machines are one host's stages (a profile's setup), which can compute
-    only this many at once (its cores over each stage's threads)."""
-
-    model: ModelShape
-    machines: Sequence[Machine | MeasuredMachine]
-    links: Sequence[Link | None]
-    software: Software
-    behaviour: DraftBehaviour | None
-    draft_seconds: Sequence[float] | None = None
-    draft_bytes: int = 0
-    context: int = 4096
-    max_tokens: int = 256
-    starts: tuple[int, ...] | None = None
-    draft_lengths: tuple[int, ...] = DRAFT_LENGTHS
-    one_host_parallel_stages: int | None = None  # all stages on one machine computing this many at once
-
-    def costs(self, starts: tuple[int, ...]) -> StageCosts:
-        shared = self.one_host_parallel_stages
-        return StageCosts(self.model, self.machines, starts, self.links, self.software,
-                          tuple(self.draft_seconds or (0.0,) * len(self.machines)),
-                          hosts=(0,) * len(starts) if shared else None,
-                          host_parallel_stages=shared)
 
 
 @dataclass(frozen=True)
@@ -108,9 +72,9 @@ def candidate_splits(blocks: int, machines: int, step: int) -> list[tuple[int, .
 
 
 def _modes(setup: Setup, draft_max: int) -> list[Mode]:
-    modes = [Mode("plain")]
+    modes = [Mode(Schedule.PLAIN)]
     if setup.behaviour is not None:
-        modes += [Mode("sync", draft_max), Mode("async", draft_max)]
+        modes += [Mode(Schedule.SYNC, draft_max), Mode(Schedule.ASYNC, draft_max)]
     return modes
 
 
@@ -186,12 +150,12 @@ def predict_modes(setup: Setup, starts: tuple[int, ...], runs: int = FINAL_RUNS)
     """Plain pipeline, and each speculative schedule at its best draft length."""
     costs = setup.costs(starts)
     behaviour = setup.behaviour or DraftBehaviour(0.0)
-    predictions = {"plain": predict(costs, Mode("plain"), behaviour, setup.max_tokens, runs)}
+    predictions = {Schedule.PLAIN.value: predict(costs, Mode(Schedule.PLAIN), behaviour, setup.max_tokens, runs)}
     if setup.behaviour is not None:
-        for schedule in ("sync", "async"):
+        for schedule in (Schedule.SYNC, Schedule.ASYNC):
             options = [predict(costs, Mode(schedule, length), behaviour, setup.max_tokens, runs)
                        for length in setup.draft_lengths]
-            predictions[schedule] = max(options, key=lambda prediction: prediction.tokens_per_second)
+            predictions[schedule.value] = max(options, key=lambda prediction: prediction.tokens_per_second)
     return predictions
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from orchestrator.planning.recommend import Recommendation, Setup
+from orchestrator.planning.recommend import Recommendation
+from orchestrator.planning.setup import Setup
 
 MODE_NAMES = {"plain": "plain pipeline", "sync": "sync speculation", "async": "async speculation"}
 
@@ -35,8 +36,8 @@ def plan_lines(setup: Setup, recommendation: Recommendation) -> list[str]:
         lines.append(f"{MODE_NAMES[name]:20s} {prediction.tokens_per_second:9.2f} {prediction.passes_per_token:13.2f} "
                      f"{draft:>10s} {prediction.tokens_per_second / plain:8.2f}x")
     best = recommendation.best
-    lines.append(f"recommended: {MODE_NAMES[best.mode.schedule]}"
-                 + (f" with --draft-max {best.mode.draft_max}" if best.mode.schedule != "plain" else "")
+    lines.append(f"recommended: {MODE_NAMES[best.mode.schedule.value]}"
+                 + (f" with --draft-max {best.mode.draft_max}" if best.mode.schedule.speculative else "")
                  + f", stages starting at blocks {list(recommendation.starts)}")
     return lines
 

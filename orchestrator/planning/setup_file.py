@@ -54,7 +54,7 @@ import tomllib
 from pathlib import Path
 
 from orchestrator.planning.costs import BatchCurve, Link, Machine, MeasuredMachine, ModelShape, Software
-from orchestrator.planning.recommend import PlanError, Setup
+from orchestrator.planning.setup import PlanError, Setup
 from orchestrator.planning.simulation import DraftBehaviour
 
 PROFILE_KIND = "specpipe-profile"
@@ -190,6 +190,13 @@ def _model(table: dict, base: Path) -> ModelShape:
     if "gguf" in table:
         return model_shape_of_gguf(base / table["gguf"])
     where = "[model]"
+    try:
+        return _model_by_size(table, where)
+    except ValueError as error:
+        raise PlanError(f"{where}: {error}") from None
+
+
+def _model_by_size(table: dict, where: str) -> ModelShape:
     return ModelShape.from_parameters(
         name=str(table.get("name", "model")),
         blocks=int(_number(table, "blocks", where)), width=int(_number(table, "width", where)),
@@ -222,8 +229,11 @@ def _draft(table: dict, machines: list) -> tuple[DraftBehaviour, list[float], in
     def optional(key: str) -> float | None:
         return None if key not in table else _number(table, key, where)
 
-    behaviour = DraftBehaviour(_number(table, "acceptance", where), _number(table, "availability", where, 1.0),
-                               optional("first_acceptance"), _number(table, "continuation", where, 1.0))
+    try:
+        behaviour = DraftBehaviour(_number(table, "acceptance", where), _number(table, "availability", where, 1.0),
+                                   optional("first_acceptance"), _number(table, "continuation", where, 1.0))
+    except ValueError as error:
+        raise PlanError(f"{where}: {error}") from None
     if "seconds_per_token" in table:
         seconds = _number(table, "seconds_per_token", where)
         return behaviour, [seconds] * len(machines), int(_number(table, "bytes", where, 0))

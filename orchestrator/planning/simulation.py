@@ -1,11 +1,14 @@
 """A discrete-event simulation of the coordinator's decoding loop.
 
-It replays orchestrator.generate's schedule in virtual time, pass by pass:
-the same draft-length rule (speculators.draft_length), the same async relay
-of drafters at stage boundaries, the same pass started ahead after a fully
-accepted pass, the same discarding of a pass started on a failed
-speculation. Time comes from a cost model (``PipelineCosts``); no formula for
-tokens/s is assumed anywhere: throughput is what the simulated clock shows.
+It makes the decoding loop's decisions with the same pure functions the real
+loop (orchestrator.generate) calls, those of orchestrator.schedule: the same
+windows, the same drafting before a pass, the same async relay of drafters at
+stage boundaries, the same window started ahead after a fully accepted one,
+the same discarding of a window started on a failed speculation, the same
+draft-length rule; only time is virtual. It comes from a cost model
+(``PipelineCosts``); no formula for tokens/s is assumed anywhere: throughput
+is what the simulated clock shows. Several sequences may be decoded at once
+(``simulate_many``), their windows sharing passes, as in generate_many.
 
 Resources and their timelines:
 
@@ -40,10 +43,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from speculators.draft_length import next_draft_limit
-
-SCHEDULES = ("plain", "sync", "async")
-
+from orchestrator.defaults import DRAFT_MAX
+from orchestrator.schedule import Schedule, Scheduler, SequenceState, relay
 
 class PipelineCosts(Protocol):
     """Seconds for everything the schedule waits on."""
@@ -170,14 +171,13 @@ class DraftOutcomes(Protocol):
 
 @dataclass(frozen=True)
 class Mode:
-    """schedule: plain (no drafts), sync or async; draft_max as ``--draft-max``."""
+    """A schedule (a ``Schedule`` or its name) and its draft_max."""
 
-    schedule: str
-    draft_max: int = 8
+    schedule: Schedule
+    draft_max: int = DRAFT_MAX
 
     def __post_init__(self):
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {self.schedule!r} (choose {', '.join(SCHEDULES)})")
+        object.__setattr__(self, "schedule", Schedule(self.schedule))
         if self.draft_max < 1:
             raise ValueError("draft_max must be at least 1")
 
@@ -212,15 +212,6 @@ class Prediction:
     stage_busy_fraction: tuple[float, ...]
 
 
-@dataclass
-class _Pass:
-    first: int  # position of its first input (the last committed token, or a speculated one)
-    drafts: list[bool]  # correctness of inputs[1:]
-    first_input_right: bool
-    boundaries: list[float]  # when it left each stage
-    result_time: float
-
-
 class _Stages:
     """The stages' timelines: each runs one pass at a time, in order, on a
     free core of its host."""
@@ -248,6 +239,11 @@ class _Stages:
         return boundaries, arrival
 
 
+# The simulated text: the true token at generated position p is _TRUE + p, a
+# wrong draft is _WRONG, and the target ends the text with _END (traces only).
+_END, _WRONG, _TRUE = 0, 1, 16
+
+
 class _Drafter:
     """A drafter beside one stage: drafts from ``speculate`` until ``collect``."""
 
@@ -257,22 +253,24 @@ class _Drafter:
         self.outcomes = outcomes
         self.rng = rng
         self.started = 0.0
-        self.tokens: list[bool] = []  # what it would draft before stopping by itself: right or wrong
+        self.tokens: list[int] = []  # what it would draft before stopping by itself
 
-    def speculate(self, at: float, position: int, prefix_right: bool, fresh: bool) -> None:
-        """Start drafting generated tokens from ``position`` on."""
+    def speculate(self, at: float, state: SequenceState, *, from_committed: bool = False) -> None:
+        """Start drafting after the sequence's text (or its committed text alone)."""
+        speculation = [] if from_committed else state.speculation
+        position = len(state.committed) + len(speculation)
+        right = all(token == _TRUE + index for index, token in enumerate(speculation, start=len(state.committed)))
         self.started = at
         self.tokens = []
-        right = prefix_right
         while len(self.tokens) < self.draft_max:
-            token = self.outcomes.draw(position + len(self.tokens), right, fresh and not self.tokens, self.rng)
-            if token is None:
+            drawn = self.outcomes.draw(position + len(self.tokens), right, not speculation and not self.tokens, self.rng)
+            if drawn is None:
                 break
-            right = right and token
-            self.tokens.append(right)
+            right = right and drawn
+            self.tokens.append(_TRUE + position + len(self.tokens) if right else _WRONG)
 
-    def collect(self, at: float, wait: bool) -> tuple[list[bool], float]:
-        """(the tokens drafted by ``at``, right or wrong; when the reply is ready)."""
+    def collect(self, at: float, wait: bool) -> tuple[list[int], float]:
+        """(the tokens drafted by ``at``; when the reply is ready)."""
         if wait:
             return self.tokens, max(at, self.started + len(self.tokens) * self.seconds_per_token)
         if self.seconds_per_token <= 0:
@@ -281,100 +279,86 @@ class _Drafter:
         return self.tokens[:done], at
 
 
+def _target_tokens(window, end: int | None) -> list[int]:
+    """What verifying a window commits: the drafts equal to the true text, then the target's own token."""
+    accepted = 0
+    for position, draft in enumerate(window.drafts, start=window.first + 1):
+        if draft != _TRUE + position or (end is not None and position >= end):
+            break
+        accepted += 1
+    position = window.first + accepted + 1
+    return [*window.drafts[:accepted], _END if end is not None and position >= end else _TRUE + position]
+
+
 def simulate(costs: PipelineCosts, mode: Mode, behaviour: DraftOutcomes, max_tokens: int, seed: int = 0) -> SimulatedRun:
-    """One generation of max_tokens tokens, from the first generated token on
-    (the prompt's pass is not simulated; its drafting fills the first speculation)."""
+    """One generation of max_tokens tokens (see simulate_many)."""
+    return simulate_many(costs, mode, [behaviour], max_tokens, seed)[0]
+
+
+def simulate_many(costs: PipelineCosts, mode: Mode, workloads: list[DraftOutcomes], max_tokens: int,
+                  seed: int = 0) -> list[SimulatedRun]:
+    """Generations of max_tokens tokens, one per workload, decoded at once
+    (their windows share passes), from the first generated token on: the
+    prompt's pass is not simulated; its drafting fills the first speculation.
+    The loop is orchestrator.generate's, with the schedule's decisions
+    (orchestrator.schedule) carried out in virtual time."""
     rng = random.Random(seed)
     count = costs.stage_count
     stages = _Stages(costs)
-    drafters = [_Drafter(costs.draft_seconds(machine), mode.draft_max, behaviour, rng) for machine in range(count)]
-    run = SimulatedRun(tokens=1, seconds=0.0)
-
-    def speculate(drafter: _Drafter, at: float, speculation: list[bool]) -> None:
-        drafter.speculate(at, committed + len(speculation), all(speculation), fresh=not speculation)
-
-    def submit(at: float, first: int, first_input_right: bool, drafts: list[bool]) -> _Pass:
-        boundaries, result_time = stages.run(at, 1 + len(drafts))
-        return _Pass(first, drafts, first_input_right, boundaries, result_time)
-
-    def receive(now: float, head: _Pass, speculation: list[bool]) -> float:
-        """The coordinator waits for ``head``, relaying drafters (async) meanwhile."""
-        call = costs.draft_call_seconds()
-        if mode.schedule == "async":
-            speculate(drafters[1 % count], now, speculation)
-            for stage in range(count - 1):
-                now = max(now, head.boundaries[stage])
-                speculation.extend(drafters[(stage + 1) % count].collect(now, wait=False)[0])
-                now += call
-                speculate(drafters[(stage + 2) % count], now, speculation)
-        now = max(now, head.result_time)
-        if mode.schedule == "async":
-            speculation.extend(drafters[0].collect(now, wait=False)[0])
-            now += call
-        return now + costs.coordinator_seconds(1 + len(head.drafts))
-
-    speculative = mode.schedule != "plain"
-    draft_limit = mode.draft_max
-    speculation: list[bool] = []  # beyond the committed text; True = right
-    in_flight: deque[_Pass] = deque()
+    states = [SequenceState(index, [_TRUE], 0, max_tokens, mode.schedule, mode.draft_max)
+              for index in range(len(workloads))]
+    drafters = [[_Drafter(costs.draft_seconds(machine), mode.draft_max, workload, rng) for machine in range(count)]
+                for workload in workloads]
+    if mode.schedule.relays:  # the drafters relayed during the prompt's pass
+        for state, machines in zip(states, drafters):
+            machines[0].speculate(0.0, state)
+            state.drafted(machines[0].collect(0.0, wait=True)[0])
+    last_token_time = [0.0] * len(states)
+    scheduler = Scheduler(states)
+    timings: deque[tuple[list[float], float]] = deque()  # each pass in flight: when it left each stage, its result
     now = 0.0
-    committed = 1  # generated tokens; the first came from the prompt's pass at time 0
-    if mode.schedule == "async":  # the drafters relayed during the prompt's pass
-        speculate(drafters[0], 0.0, speculation)
-        speculation.extend(drafters[0].collect(0.0, wait=True)[0])
-    on_a_roll = False
-    # The target's end-of-generation token, where the workload knows it (a trace):
-    # generation stops once a pass has produced it, like the real loop (which
-    # counts neither it nor the time after the last real token).
-    tokens_wanted = max_tokens if behaviour.end is None else min(max_tokens, behaviour.end)
-    last = max_tokens if behaviour.end is None or behaviour.end >= max_tokens else behaviour.end + 1
-    last_token_time = 0.0
-    while committed < last:
-        room = max_tokens - committed - 1
-        if not in_flight:
-            if speculative and (mode.schedule == "sync" or not speculation):
-                speculation = []
-                speculate(drafters[0], now, speculation)
-                drafted, now = drafters[0].collect(now, wait=True)
-                now += costs.draft_call_seconds()
-                speculation = list(drafted)
-            limit = min(draft_limit, room) if speculative else 0
-            in_flight.append(submit(now, committed - 1, True, speculation[:limit]))
-        head = in_flight[0]
-        if mode.schedule == "async" and on_a_roll and len(in_flight) == 1:
-            offset = len(head.drafts)  # index in speculation of the ahead pass's first input
-            limit = min(draft_limit, room - (offset + 1))
-            if len(speculation) > offset and limit >= 0:
-                in_flight.append(
-                    submit(now, head.first + offset + 1, speculation[offset], speculation[offset + 1 : offset + 1 + limit])
-                )
-        now = receive(now, head, speculation)
-        in_flight.popleft()
-        run.passes += 1
-        accepted = 0
-        while accepted < len(head.drafts) and head.drafts[accepted]:
-            accepted += 1
-        if committed < tokens_wanted:
-            last_token_time = now
-        committed += min(accepted + 1, last - committed)
-        run.drafted_tokens += len(head.drafts)
-        run.accepted_tokens += accepted
-        on_a_roll = bool(head.drafts) and accepted == len(head.drafts)
-        if speculative:
-            draft_limit = next_draft_limit(draft_limit, len(head.drafts), accepted, mode.draft_max)
-        # The speculation survives if it agrees with all newly committed tokens.
-        agrees = accepted == len(head.drafts) and len(speculation) > accepted and speculation[accepted]
-        speculation = speculation[accepted + 1 :] if agrees else []
-        finished = committed >= last
-        while in_flight and (finished or in_flight[0].first != committed - 1 or not in_flight[0].first_input_right):
-            now = max(now, in_flight.popleft().result_time)  # received and discarded
-            run.passes += 1
-            run.discarded_passes += 1
-    run.tokens = min(committed, tokens_wanted)
-    run.seconds = last_token_time
-    run.stage_busy_seconds = list(stages.busy)
-    return run
+    call = costs.draft_call_seconds()
+    while not scheduler.done:
+        for state in scheduler.drafting_first():
+            drafter = drafters[state.sequence][0]
+            drafter.speculate(now, state, from_committed=True)
+            drafted, now = drafter.collect(now, wait=True)
+            now += call
+            state.drafted_first(list(drafted))
+        for target_pass in scheduler.next_passes():
+            timings.append(stages.run(now, target_pass.tokens))
+        boundaries, result_time = timings.popleft()
+        relaying = scheduler.relaying()
+        handoffs = relay(count) if relaying else ()
+        for moment, handoff in enumerate(handoffs):
+            if moment == len(handoffs) - 1:
+                now = max(now, result_time)
+            elif moment > 0:
+                now = max(now, boundaries[moment - 1])
+            for state in relaying:
+                machines = drafters[state.sequence]
+                if handoff.collect is not None:
+                    state.drafted(machines[handoff.collect].collect(now, wait=False)[0])
+                    now += call
+                if handoff.start is not None:
+                    machines[handoff.start].speculate(now, state)
+        now = max(now, result_time)
+        for state, window, rows in scheduler.received():
+            if rows is None:
+                continue
+            now += costs.coordinator_seconds(len(window.inputs))
+            if state.verified(window, _target_tokens(window, workloads[state.sequence].end), _is_end):
+                last_token_time[state.sequence] = now
+    return [
+        SimulatedRun(tokens=state.generated, seconds=last_token_time[state.sequence], passes=state.passes,
+                     discarded_passes=state.stats.discarded_passes, drafted_tokens=state.stats.drafted_tokens,
+                     accepted_tokens=state.stats.accepted_tokens, stage_busy_seconds=list(stages.busy))
+        for state in states
+    ]
 
+
+def _is_end(token: int) -> bool:
+    return token == _END
 
 def predict(costs: PipelineCosts, mode: Mode, behaviour: DraftOutcomes, max_tokens: int, runs: int = 32) -> Prediction:
     """Medians over ``runs`` simulated generations with different random draws."""

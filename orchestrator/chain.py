@@ -1,0 +1,136 @@
+"""The per-token path: a chain of TCP sockets through the stages.
+
+coordinator -> stage 0 -> stage 1 -> ... -> last stage -> coordinator. The
+coordinator sends each pass to stage 0 and reads the logits back from the last
+stage; with boundary notices, each non-last stage also reports every pass
+leaving it (async drafting uses the moment). Ray is not on this path: a plain
+actor call costs ~1-2 ms on these machines, as much as a whole stage of a small
+model (orchestrator.wire frames the messages).
+"""
+
+from __future__ import annotations
+
+import collections
+import socket
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from orchestrator import wire
+from orchestrator.defaults import CONNECT_SECONDS, SHUTDOWN_SECONDS
+from orchestrator.messages import Boundary, PassResult, Shutdown, StageBatch, StageFailure
+from stages.errors import SpecpipeError
+
+
+class PipelineError(SpecpipeError):
+    """A pipeline could not start or run; the message is one line."""
+
+
+@dataclass
+class _Timing:
+    """A pass in flight: its id, when it was sent, and whether another pass was
+    in flight at the same time (then wall time minus compute is not transport)."""
+
+    pass_id: int
+    started: float
+    overlapped: bool
+
+
+class SocketChain:
+    """The coordinator's ends of the chain: one socket to stage 0, one from the
+    last stage, and one from each non-last stage for boundary notices."""
+
+    def __init__(self, host: str):
+        """Listen on ``host`` (this machine's address) for the last stage and the notices."""
+        self.listener = wire.listen(host)
+        self.listener.settimeout(CONNECT_SECONDS)
+        self.address = (host, self.listener.getsockname()[1])
+        self._to_first: socket.socket | None = None
+        self._from_last: socket.socket | None = None
+        self._boundaries: list[socket.socket] = []
+        self._boundary_seen: list[int] = []  # last pass id each stage reported
+        self._pass_id = 0
+        self._in_flight: collections.deque[_Timing] = collections.deque()
+        self.stage_count = 0
+        # Wall time of passes minus the stages' own compute: the transport cost
+        # of all stage_count + 1 hops, over the passes that ran alone.
+        self.transport_seconds = 0.0
+        self.passes_alone = 0
+
+    def connect_first(self, host: str, port: int) -> None:
+        self._to_first = wire.connect(host, port, timeout=CONNECT_SECONDS)
+
+    def accept_last(self, stage_count: int) -> None:
+        """The last stage has been told to connect here."""
+        self.stage_count = stage_count
+        self._from_last = self._accept()
+
+    def accept_boundary(self) -> None:
+        """The next non-last stage (in stage order) has been told to connect here for its notices."""
+        self._boundaries.append(self._accept())
+        self._boundary_seen.append(0)
+
+    def _accept(self) -> socket.socket:
+        connection, _ = self.listener.accept()
+        connection.settimeout(None)
+        return wire.tune(connection)
+
+    def send(self, positions: np.ndarray, tokens: np.ndarray, keep: int, logit_rows: np.ndarray) -> int:
+        """Start a pass of tokens int32[n] at positions int32[n]; each stage first
+        drops cached positions >= keep; the last returns the logits of
+        logit_rows int32[rows]. Returns its id; results come back in order."""
+        self._pass_id += 1
+        overlapping = bool(self._in_flight)
+        for entry in self._in_flight:
+            entry.overlapped = True
+        self._in_flight.append(_Timing(self._pass_id, time.perf_counter(), overlapping))
+        wire.send_message(self._to_first, StageBatch(self._pass_id, keep, positions, logit_rows, tokens=tokens))
+        return self._pass_id
+
+    def await_boundary(self, stage_index: int) -> int:
+        """Block until the next pass has left stage ``stage_index``; return its id
+        (needs boundary notices). receive() consumes notices not awaited."""
+        notice = wire.receive_message(self._boundaries[stage_index])
+        if not isinstance(notice, Boundary) or notice.pass_id != self._boundary_seen[stage_index] + 1:
+            raise PipelineError(f"stage {stage_index} reported {notice} after pass {self._boundary_seen[stage_index]}")
+        self._boundary_seen[stage_index] = notice.pass_id
+        return notice.pass_id
+
+    def receive(self) -> PassResult:
+        """The logits of the oldest pass in flight."""
+        entry = self._in_flight.popleft()
+        for stage_index in range(len(self._boundaries)):
+            while self._boundary_seen[stage_index] < entry.pass_id:
+                self.await_boundary(stage_index)
+        reply = wire.receive_message(self._from_last)
+        if isinstance(reply, StageFailure):
+            raise PipelineError(f"stage {reply.stage_index} failed: {reply.message}")
+        if not isinstance(reply, PassResult) or reply.pass_id != entry.pass_id:
+            raise PipelineError(f"unexpected reply {type(reply).__name__} to pass {entry.pass_id}")
+        if not entry.overlapped:  # wall time minus compute is transport only for a pass that ran alone
+            self.transport_seconds += time.perf_counter() - entry.started - sum(reply.stage_seconds)
+            self.passes_alone += 1
+        return reply
+
+    @property
+    def hop_seconds(self) -> float:
+        """Mean transport time of one hop, over the passes that ran alone so far."""
+        hops = self.passes_alone * (self.stage_count + 1)
+        return self.transport_seconds / hops if hops else 0.0
+
+    def close(self) -> None:
+        """Send Shutdown down the chain (each stage closes in turn), then close our ends."""
+        if self._to_first is not None and self._from_last is not None:
+            try:
+                wire.send_message(self._to_first, Shutdown())
+                self._from_last.settimeout(SHUTDOWN_SECONDS)
+                wire.receive_message(self._from_last)
+            except (OSError, wire.ConnectionClosed):
+                pass
+        for connection in (self._to_first, self._from_last, *self._boundaries):
+            if connection is not None:
+                connection.close()
+        self._to_first = self._from_last = None
+        self._boundaries = []
+        self.listener.close()

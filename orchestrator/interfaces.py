@@ -1,0 +1,74 @@
+"""What the decoding loop (orchestrator.generate) assumes of a target and of a drafter.
+
+The loop never knows who computes or who drafts: a ``Pipeline`` of Ray
+actors, or a stand-in (``InstantTarget`` below; tests/fakes.py has more).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
+
+from orchestrator.messages import PassResult
+from orchestrator.schedule import TargetPass
+
+
+class Target(Protocol):
+    """The target model, split in stages or not."""
+
+    n_batch: int  # the most tokens one pass carries
+
+    def submit(self, target_pass: TargetPass) -> None:
+        """Start a pass; results come back in submission order through receive().
+        A pass may be submitted while others are in flight."""
+
+    def receive(self) -> PassResult:
+        """The oldest pass's logits: float32[rows, n_vocab], the windows' logit rows in order."""
+
+    def await_boundary(self, stage_index: int) -> int:
+        """Block until the next pass has left stage ``stage_index``; its pass id."""
+
+
+class Drafter(Protocol):
+    """The drafter beside one stage: drafts in the background, best effort, never raises."""
+
+    def speculate(self, context: list[int]) -> None:
+        """Go on drafting after ``context`` (committed text + speculation) from now on."""
+
+    def collect(self, wait: bool = False) -> list[int]:
+        """The tokens drafted since the last speculate ([] if none); with ``wait``,
+        first let the drafting stop by itself."""
+
+
+class InstantTarget:
+    """A target that answers every pass at once: timing the loop against it
+    leaves the coordinator's own time (``orchestrate profile``); tests give it
+    the text to predict. Row r of a window at position p predicts the token at
+    p + r + 1: ``next_token(sequence, position)``, or token 0 when not given."""
+
+    n_batch = 512
+
+    def __init__(self, vocab: int, next_token: Callable[[int, int], int] | None = None, stage_count: int = 1):
+        self.vocab = vocab
+        self.next_token = next_token
+        self.stage_count = stage_count
+        self.pending: deque[np.ndarray] = deque()
+        self.submitted: list[TargetPass] = []
+
+    def submit(self, target_pass: TargetPass) -> None:
+        self.submitted.append(target_pass)
+        rows = [(window.sequence, window.first + row + 1) for window in target_pass.windows for row in window.logit_rows]
+        logits = np.zeros((len(rows), self.vocab), dtype=np.float32)
+        if self.next_token is not None:
+            for row, (sequence, position) in enumerate(rows):
+                logits[row, self.next_token(sequence, position)] = 1.0
+        self.pending.append(logits)
+
+    def receive(self) -> PassResult:
+        return PassResult(0, self.pending.popleft(), (0.0,) * self.stage_count)
+
+    def await_boundary(self, stage_index: int) -> int:
+        return 0

@@ -1,0 +1,408 @@
+"""The decoding schedule: which windows the target runs, as pure decisions.
+
+The real decoding loop (orchestrator.generate) and the planner's simulation
+(orchestrator.planning.simulation) both follow these rules; they differ only
+in what a pass and a draft cost (real I/O, or virtual time). No I/O here: no
+Ray, no sockets, no llama.cpp.
+
+Terms (README, "Glossary"): a sequence's *text* is its committed tokens
+followed by its *speculation* (draft tokens not yet verified). A *window* is
+the part of one sequence a target pass feeds: the last committed token (or,
+for a window started ahead, a speculated one) and the drafts after it. A
+*pass* carries the windows of one or more sequences, one after the other.
+
+The rules:
+
+* Which window a pass feeds (``SequenceState.first_window``): the last
+  committed token, then the first ``draft_limit`` tokens of the speculation
+  (no more than the tokens still wanted allow).
+* When the drafter beside stage 0 drafts before a pass and the loop waits for
+  it (``SequenceState.drafts_first``): every pass in ``sync``; in ``async``
+  only when no speculation is pending (at the start, or after a rejection),
+  since stage 0 is idle until the pass starts and a pass without drafts
+  wastes the target.
+* How ``async`` hands drafting between machines while a pass runs
+  (``relay``): while stage i computes, the drafter beside stage i + 1 extends
+  the speculation; when the pass leaves stage i, that drafter is collected
+  and the drafter of the machine that just went idle goes on from the end of
+  the speculation; the result collects the drafter beside stage 0.
+* When a window is started ahead (``SequenceState.window_ahead``, ``async``
+  only, PipeInfer's idea): while one window of the sequence is in flight and
+  the last verified window accepted all its drafts, the next window of the
+  speculation is submitted at once, assuming the one in flight commits its
+  whole window. After a rejection the next window is likely wrong too, and a
+  discarded window still costs every stage its compute.
+* When a window in flight is invalid (``SequenceState.verified``): when it
+  does not start at the last committed token (the window before it did not
+  commit all it carried, or its own token differs), or the sequence is
+  finished. Its result is discarded when it arrives, and the sequence submits
+  nothing new until then (the next pass's rollback drops its cache entries).
+* How the draft length adapts: ``speculators.draft_length``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, fields
+
+from speculators.draft_length import next_draft_limit
+
+
+class Schedule(enum.Enum):
+    """How a generation drafts: ``plain`` (no drafts), ``sync`` (draft, then
+    verify) or ``async`` (draft on machines while their stage is idle, and
+    start windows ahead)."""
+
+    PLAIN = "plain"
+    SYNC = "sync"
+    ASYNC = "async"
+
+    @property
+    def speculative(self) -> bool:
+        return self is not Schedule.PLAIN
+
+    @property
+    def relays(self) -> bool:
+        """Drafting moves between machines while a pass runs, and windows start ahead."""
+        return self is Schedule.ASYNC
+
+
+def _share(successes: int, failures: int) -> float:
+    return successes / (successes + failures) if successes + failures else 0.0
+
+
+@dataclass
+class SpeculationStats:
+    """drafted_tokens: draft tokens the target verified; accepted_tokens: those it accepted.
+    accepted_lengths: verified windows by number of tokens they committed (1 = no draft accepted).
+    input_lengths: verified windows by number of tokens fed to the target.
+    collected_tokens: tokens the drafters delivered (verified or not).
+    discarded_passes: windows started ahead on a speculation that then failed.
+    rejected_passes: windows in which a draft token was rejected.
+    drafted_passes, first_accepted_passes: windows with at least one draft, and
+    those of them that accepted the first.
+    waited_calls, waited_nonempty, waited_tokens, waited_stops: over the drafts
+    awaited until the drafter stopped (``drafts_first``): how many, how many
+    brought at least one token, the tokens, and how many stopped by themselves
+    before draft_max."""
+
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    collected_tokens: int = 0
+    discarded_passes: int = 0
+    rejected_passes: int = 0
+    drafted_passes: int = 0
+    first_accepted_passes: int = 0
+    waited_calls: int = 0
+    waited_nonempty: int = 0
+    waited_tokens: int = 0
+    waited_stops: int = 0
+    accepted_lengths: Counter = field(default_factory=Counter)
+    input_lengths: Counter = field(default_factory=Counter)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def acceptance_first(self) -> float:
+        """Probability that a window accepts its first draft token."""
+        return self.first_accepted_passes / self.drafted_passes if self.drafted_passes else 0.0
+
+    @property
+    def acceptance_later(self) -> float:
+        """Probability that a later draft token is accepted when every draft
+        before it was: each such acceptance is a success, each rejection after
+        the first token a failure. (With sync drafting every window drafts afresh
+        from the committed text; the planner takes these as a workload's figures.)"""
+        later_rejected = self.rejected_passes - (self.drafted_passes - self.first_accepted_passes)
+        return _share(self.accepted_tokens - self.first_accepted_passes, later_rejected)
+
+    @property
+    def draft_availability(self) -> float:
+        """Probability that drafting from the committed text proposes anything
+        (prompt lookup finds no n-gram at some positions; a draft model always proposes)."""
+        return self.waited_nonempty / self.waited_calls if self.waited_calls else 0.0
+
+    @property
+    def draft_continuation(self) -> float:
+        """Probability that the drafter proposes one more token after one it proposed."""
+        later_stops = self.waited_stops - (self.waited_calls - self.waited_nonempty)
+        return _share(self.waited_tokens - self.waited_nonempty, later_stops)
+
+    @property
+    def wasted_tokens(self) -> int:
+        return max(0, self.collected_tokens - self.accepted_tokens)
+
+    def __add__(self, other: SpeculationStats) -> SpeculationStats:
+        """The counts of two generations together."""
+        return SpeculationStats(**{item.name: getattr(self, item.name) + getattr(other, item.name)
+                                   for item in fields(self)})
+
+
+@dataclass(frozen=True)
+class Window:
+    """One sequence's rows in a target pass: inputs[i] at absolute position first + i.
+
+    A decoding window's inputs are the last committed token (or, started ahead,
+    a speculated one) and then drafts; every row's logits are verified. A
+    prompt window is a chunk of the prompt: only its last row's logits are
+    wanted, and only the prompt's last chunk is verified (it gives the first token).
+    """
+
+    sequence: int
+    first: int
+    inputs: tuple[int, ...]
+    prompt: bool = False
+
+    @property
+    def drafts(self) -> tuple[int, ...]:
+        return () if self.prompt else self.inputs[1:]
+
+    @property
+    def logit_rows(self) -> tuple[int, ...]:
+        """Rows of this window whose logits the pass returns."""
+        return (len(self.inputs) - 1,) if self.prompt else tuple(range(len(self.inputs)))
+
+
+@dataclass(frozen=True)
+class TargetPass:
+    """One pass through every stage: the windows of one or more sequences, in row order.
+    Every stage first drops each window's sequence's cached positions from its ``first`` on."""
+
+    windows: tuple[Window, ...]
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(window.inputs) for window in self.windows)
+
+
+@dataclass
+class SequenceState:
+    """One sequence being decoded: its text, its windows in flight, its draft length.
+
+    committed: the prompt and the tokens generated so far (prompt_length of them the prompt).
+    prompt_from: the position of the prompt's last chunk, until it is submitted
+    (None from the start for a sequence that begins after its prompt's pass).
+    """
+
+    sequence: int
+    committed: list[int]
+    prompt_length: int
+    max_tokens: int
+    schedule: Schedule = Schedule.PLAIN
+    draft_max: int = 1
+    prompt_from: int | None = None
+    speculation: list[int] = field(default_factory=list)
+    in_flight: deque[Window] = field(default_factory=deque)
+    discards_pending: int = 0  # windows found invalid in flight, whose results are still to come
+    draft_limit: int = 0  # adapted after every verified window (speculators.draft_length)
+    on_a_roll: bool = False  # the last verified window accepted all its drafts
+    finished: bool = False
+    stopped_by: str = "length"
+    passes: int = 0  # passes that carried a window of it after the prompt (discarded ones too)
+    stats: SpeculationStats = field(default_factory=SpeculationStats)
+
+    def __post_init__(self):
+        if self.draft_max < 1:
+            raise ValueError("draft_max must be at least 1")
+        self.draft_limit = self.draft_limit or self.draft_max
+
+    @property
+    def text(self) -> list[int]:
+        return self.committed + self.speculation
+
+    @property
+    def generated(self) -> int:
+        return len(self.committed) - self.prompt_length
+
+    @property
+    def room(self) -> int:
+        """Drafts a window may still carry: it commits up to drafts + 1 tokens."""
+        return self.max_tokens - self.generated - 1
+
+    @property
+    def ready(self) -> bool:
+        """Nothing of it in flight or awaited: its next window may be submitted."""
+        return not self.finished and not self.in_flight and not self.discards_pending
+
+    @property
+    def drafts_first(self) -> bool:
+        """Before its next window, the drafter beside stage 0 drafts from the
+        committed text until it stops by itself, and the loop waits for it."""
+        return (self.ready and self.prompt_from is None and self.schedule.speculative
+                and (self.schedule is Schedule.SYNC or not self.speculation))
+
+    def drafted_first(self, tokens: list[int]) -> None:
+        """What the drafter beside stage 0 drafted when awaited (``drafts_first``)."""
+        self.stats.waited_calls += 1
+        self.stats.waited_nonempty += bool(tokens)
+        self.stats.waited_tokens += len(tokens)
+        self.stats.waited_stops += len(tokens) < self.draft_max
+        self.stats.collected_tokens += len(tokens)
+        self.speculation = list(tokens)
+
+    def drafted(self, tokens: list[int]) -> None:
+        """Tokens a drafter added to the end of the speculation while a pass ran."""
+        self.stats.collected_tokens += len(tokens)
+        self.speculation.extend(tokens)
+
+    def first_window(self) -> Window:
+        """The window of its next pass (it must be ``ready``)."""
+        if self.prompt_from is not None:
+            window = Window(self.sequence, self.prompt_from, tuple(self.committed[self.prompt_from:]), prompt=True)
+            self.prompt_from = None
+        else:
+            limit = min(self.draft_limit, self.room) if self.schedule.speculative else 0
+            window = Window(self.sequence, len(self.committed) - 1, (self.committed[-1], *self.speculation[:limit]))
+        self.in_flight.append(window)
+        return window
+
+    def window_ahead(self) -> Window | None:
+        """The next window of the speculation, started while one is in flight, or None."""
+        if not (self.schedule.relays and self.on_a_roll and len(self.in_flight) == 1 and not self.finished):
+            return None
+        head = self.in_flight[0]
+        first = head.first + len(head.inputs)
+        ahead = first - (len(self.committed) - 1)  # tokens the head must commit first
+        limit = min(self.draft_limit, self.room - ahead)
+        text = self.text
+        if len(text) <= first or limit < 0:
+            return None
+        window = Window(self.sequence, first, tuple(text[first : first + 1 + limit]))
+        self.in_flight.append(window)
+        return window
+
+    def is_head(self, window: Window) -> bool:
+        """The window is its oldest valid one in flight (the next to verify)."""
+        return bool(self.in_flight) and self.in_flight[0] is window
+
+    def verified(self, window: Window, new_tokens: list[int], is_end: Callable[[int], bool]) -> list[int]:
+        """The head window's verification gave new_tokens (accepted drafts, then
+        the target's own token). Commits them up to an end token or max_tokens,
+        keeps the speculation that still extends the committed text, and drops
+        the windows in flight that became invalid. Returns the tokens committed."""
+        self.in_flight.popleft()
+        if not window.prompt:
+            drafts, accepted = window.drafts, len(new_tokens) - 1
+            self.passes += 1
+            self.stats.drafted_tokens += len(drafts)
+            self.stats.accepted_tokens += accepted
+            self.stats.rejected_passes += accepted < len(drafts)
+            self.stats.drafted_passes += bool(drafts)
+            self.stats.first_accepted_passes += bool(drafts) and accepted > 0
+            self.stats.accepted_lengths[len(new_tokens)] += 1
+            self.stats.input_lengths[len(window.inputs)] += 1
+            self.on_a_roll = bool(drafts) and accepted == len(drafts)
+            if self.schedule.speculative:
+                self.draft_limit = next_draft_limit(self.draft_limit, len(drafts), accepted, self.draft_max)
+        committed = self._commit(new_tokens, is_end)
+        while self.in_flight and (self.finished or self.in_flight[0].first != len(self.committed) - 1
+                                  or self.in_flight[0].inputs[0] != self.committed[-1]):
+            self.in_flight.popleft()  # computed on a speculation that failed
+            self.discards_pending += 1
+        return committed
+
+    def discarded(self) -> None:
+        """The result of a window found invalid in flight has arrived."""
+        self.discards_pending -= 1
+        self.passes += 1
+        self.stats.discarded_passes += 1
+
+    def _commit(self, new_tokens: list[int], is_end: Callable[[int], bool]) -> list[int]:
+        committed: list[int] = []
+        for token in new_tokens:
+            if is_end(token):
+                self.finished, self.stopped_by = True, "end"
+                break
+            self.committed.append(token)
+            committed.append(token)
+            if self.generated == self.max_tokens:
+                self.finished = True
+                break
+        if self.speculation[: len(committed)] == committed:
+            del self.speculation[: len(committed)]
+        else:
+            self.speculation = []  # the speculation went wrong: drop it
+        return committed
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """A moment of an async pass: collect drafter ``collect`` (its tokens extend
+    the speculation), then start drafter ``start`` from the speculation's end.
+    Drafter i sits beside stage i; None: no drafter."""
+
+    collect: int | None
+    start: int | None
+
+
+def relay(stage_count: int) -> tuple[Handoff, ...]:
+    """The handoffs of async drafting during one pass, in order: when the loop
+    starts waiting for the pass, at each boundary (the pass left stage
+    0, 1, ..., stage_count - 2), and at its result."""
+    return (
+        Handoff(None, 1 % stage_count),
+        *(Handoff((stage + 1) % stage_count, (stage + 2) % stage_count) for stage in range(stage_count - 1)),
+        Handoff(0, None),
+    )
+
+
+class Scheduler:
+    """The passes in flight over several sequences, in submission order.
+
+    The loop around it asks, in turn: which sequences must be drafted for
+    first (``drafting_first``), which passes to submit now (``next_passes``:
+    one with every ready sequence's first window, one with the windows started
+    ahead), which sequences relay their drafters while the oldest pass runs
+    (``relaying``), and hands the oldest pass's result back (``received``).
+    """
+
+    def __init__(self, sequences: Iterable[SequenceState]):
+        self.sequences = {state.sequence: state for state in sequences}
+        self.in_flight: deque[TargetPass] = deque()
+
+    @property
+    def done(self) -> bool:
+        return not self.in_flight and all(state.finished for state in self.sequences.values())
+
+    def drafting_first(self) -> list[SequenceState]:
+        return [state for state in self.sequences.values() if state.drafts_first]
+
+    def next_passes(self) -> list[TargetPass]:
+        passes = []
+        firsts = tuple(state.first_window() for state in self.sequences.values() if state.ready)
+        if firsts:
+            passes.append(TargetPass(firsts))
+        ahead = tuple(window for state in self.sequences.values() if (window := state.window_ahead()) is not None)
+        if ahead:
+            passes.append(TargetPass(ahead))
+        self.in_flight.extend(passes)
+        return passes
+
+    def relaying(self) -> list[SequenceState]:
+        """Sequences whose drafters relay while the oldest pass runs: async ones
+        whose next window to verify is in it."""
+        oldest = self.in_flight[0]
+        return [state for window in oldest.windows if (state := self.sequences[window.sequence]).schedule.relays
+                and state.is_head(window) and not state.finished]
+
+    def received(self) -> list[tuple[SequenceState, Window, slice | None]]:
+        """The oldest pass has come back: for each of its windows, its sequence
+        and its rows of the result's logits (None: the window was invalid and
+        its result is discarded, counted here)."""
+        target_pass = self.in_flight.popleft()
+        outcome: list[tuple[SequenceState, Window, slice | None]] = []
+        row = 0
+        for window in target_pass.windows:
+            state = self.sequences[window.sequence]
+            rows = slice(row, row + len(window.logit_rows))
+            row = rows.stop
+            if state.is_head(window):
+                outcome.append((state, window, rows))
+            else:
+                state.discarded()
+                outcome.append((state, window, None))
+        return outcome

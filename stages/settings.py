@@ -1,0 +1,29 @@
+"""How a stage's llama.cpp context is built. Pure: importing it loads no llama.cpp.
+
+The defaults follow llama-cpp-python's ``Llama`` (n_batch = n_ubatch = 512),
+because ``Llama`` on the whole model is the reference the output must equal
+token for token; the context is that of a long conversation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_CONTEXT = 4096  # KV cache positions per stage
+DEFAULT_BATCH = 512  # tokens per llama_decode call, as Llama's default
+
+
+@dataclass(frozen=True)
+class StageSettings:
+    """n_ctx: KV cache cells (positions) per stage.
+    threads: CPU threads for decoding (single tokens and batches alike).
+    n_gpu_layers: blocks offloaded to a GPU backend, when llama.cpp has one.
+    n_batch: most tokens decoded in one llama_decode call.
+    sequences: KV sequences (1 for a chain; more for token trees).
+    """
+
+    n_ctx: int = DEFAULT_CONTEXT
+    threads: int = 1
+    n_gpu_layers: int = 0
+    n_batch: int = DEFAULT_BATCH
+    sequences: int = 1

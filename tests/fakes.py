@@ -1,0 +1,171 @@
+"""Every test double, in one place.
+
+* Speculators that misbehave on purpose, for fault and rollback tests (Ray
+  pickles them by value, see test_speculation.py, so drafter actors need not
+  import this module).
+* Drafters for the decoding loop without a drafter process: ``InstantDrafter``
+  (a speculator called in this process) and ``TraceDrafter`` (replays a
+  planner trace).
+* Targets without Ray: ``orchestrator.interfaces.InstantTarget`` (shared with
+  ``orchestrate profile``, re-exported here), ``truth_target``, and
+  ``EngineChain``, the real stage engines one after another in this process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from orchestrator.interfaces import InstantTarget
+from orchestrator.messages import PassResult
+from orchestrator.planning.simulation import DraftTrace
+from orchestrator.schedule import TargetPass
+
+
+class ScriptedSpeculator:
+    """Drafts the known right continuation, except a wrong token at chosen absolute positions."""
+
+    def __init__(self, truth: list[int], wrong_positions: set[int]):
+        self.truth = truth
+        self.wrong_positions = wrong_positions
+
+    def extend(self, context):
+        position = len(context)
+        if position >= len(self.truth):
+            return None
+        token = self.truth[position]
+        return token + 1 if position in self.wrong_positions else token
+
+
+class FailingSpeculator(ScriptedSpeculator):
+    """Right for good_calls tokens, then fails on every call (see fail())."""
+
+    def __init__(self, truth: list[int], good_calls: int):
+        super().__init__(truth, set())
+        self.calls = 0
+        self.good_calls = good_calls
+
+    def extend(self, context):
+        self.calls += 1
+        if self.calls > self.good_calls:
+            self.fail()
+        return super().extend(context)
+
+    def fail(self) -> None:
+        raise NotImplementedError
+
+
+class RaisingSpeculator(FailingSpeculator):
+    def fail(self) -> None:
+        raise RuntimeError("drafter exploded on purpose")
+
+
+class HangingSpeculator(FailingSpeculator):
+    def fail(self) -> None:
+        time.sleep(3600)
+
+
+class SlowSpeculator(ScriptedSpeculator):
+    """Right, but slow: a drafter that can be killed mid-generation."""
+
+    def extend(self, context):
+        time.sleep(0.01)
+        return super().extend(context)
+
+
+def truth_target(truths: list[list[int]]) -> InstantTarget:
+    """A target that answers at once: row r of a window of sequence s at position p
+    predicts truths[s][p + r + 1]."""
+    vocab = 1 + max(max(truth) for truth in truths)
+    return InstantTarget(vocab, lambda sequence, position: truths[sequence][position], stage_count=2)
+
+
+class InstantDrafter:
+    """A speculator called in this process: it drafts up to draft_max tokens at
+    collect (or until it stops by itself), as if it had drafted all along."""
+
+    def __init__(self, speculator, draft_max: int):
+        self.speculator = speculator
+        self.draft_max = draft_max
+        self.context: list[int] | None = None
+
+    def speculate(self, context: list[int]) -> None:
+        self.context = list(context)
+
+    def collect(self, wait: bool = False) -> list[int]:
+        if self.context is None:
+            return []
+        context, self.context = self.context, None
+        tokens: list[int] = []
+        while len(tokens) < self.draft_max:
+            token = self.speculator.extend(context + tokens)
+            if token is None:
+                break
+            tokens.append(token)
+        return tokens
+
+
+class TraceDrafter:
+    """Proposes what a planner trace (DraftTrace) says, instantly: the right token,
+    a wrong one (WRONG), or nothing; after a wrong token, only wrong ones."""
+
+    WRONG = 1
+
+    def __init__(self, truth: list[int], prompt_length: int, trace: DraftTrace, draft_max: int):
+        self.truth, self.prompt_length, self.trace, self.draft_max = truth, prompt_length, trace, draft_max
+        self.context: list[int] | None = None
+
+    def speculate(self, context: list[int]) -> None:
+        self.context = list(context)
+
+    def collect(self, wait: bool = False) -> list[int]:
+        if self.context is None:
+            return []
+        context, self.context = self.context, None
+        right = context == self.truth[: len(context)]
+        tokens: list[int] = []
+        while len(tokens) < self.draft_max:
+            position = len(context) + len(tokens) - self.prompt_length  # generated position
+            proposal = False if not right else (self.trace.proposals[position] if position < self.trace.end else None)
+            if proposal is None:
+                break
+            right = right and proposal
+            tokens.append(self.truth[self.prompt_length + position] if proposal else self.WRONG)
+        return tokens
+
+
+class EngineChain:
+    """The stage files' engines one after another in this process: a target
+    with real llama.cpp but no Ray and no sockets (one sequence per pass)."""
+
+    def __init__(self, paths: list[str], settings):
+        from stages.engine import StageEngine
+
+        self.engines = [StageEngine(path, settings) for path in paths]
+        self.n_batch = settings.n_batch
+        self.pending: deque[PassResult] = deque()
+
+    def submit(self, target_pass: TargetPass) -> None:
+        import numpy as np
+
+        (window,) = target_pass.windows
+        positions = np.arange(window.first, window.first + len(window.inputs), dtype=np.int32)
+        rows = np.asarray(window.logit_rows, dtype=np.int32)
+        hidden = None
+        for engine in self.engines:
+            engine.remove(window.first)
+            if engine.is_first:
+                hidden = engine.decode(positions, tokens=np.asarray(window.inputs, np.int32), logit_rows=rows)
+            else:
+                hidden = engine.decode(positions, hidden=hidden, logit_rows=rows)
+        self.pending.append(PassResult(0, hidden, (0.0,) * len(self.engines)))
+
+    def receive(self) -> PassResult:
+        return self.pending.popleft()
+
+    def await_boundary(self, stage_index: int) -> int:
+        return 0
+
+    def close(self) -> None:
+        for engine in self.engines:
+            engine.close()
