@@ -1,13 +1,17 @@
 """Framing of pipeline messages on a TCP socket.
 
-A frame is ``u32 header length | msgpack header | raw array bytes``. Small
-arrays (tokens, positions, rows) ride inside the header as bytes; the one large
-array of a message (hidden states or logits) follows as a raw frame described
-by the header's ``array`` entry ``[dtype, shape]``, written with one
-``sendmsg`` from the array's own memory and read with ``recv_into`` straight
-into a new array: no copy through Python objects. Measured on these machines:
-a msgpack header plus a raw frame costs microseconds whatever the size, while
-packing ``tobytes()`` into msgpack swings up to milliseconds (shared/design/ray.md).
+A frame is ``u32 header length | msgpack header | raw array bytes``. Each
+message class in ``orchestrator.messages`` declares its own header entries and
+its one large array (``to_wire`` / ``from_wire``); this module adds the
+header's ``kind`` entry, frames the message, and decodes a frame through
+``MESSAGE_CLASS_BY_KIND``. Small arrays (tokens, positions, rows) ride inside
+the header as bytes; the one large array of a message (hidden states, logits,
+a drafting context) follows as a raw frame described by the header's ``array``
+entry ``[dtype, shape]``, written with one ``sendmsg`` from the array's own
+memory and read with ``recv_into`` straight into a new array: no copy through
+Python objects. Measured on these machines: a msgpack header plus a raw frame
+costs microseconds whatever the size, while packing ``tobytes()`` into msgpack
+swings up to milliseconds (shared/design/ray.md).
 """
 
 from __future__ import annotations
@@ -18,65 +22,24 @@ import struct
 import msgpack
 import numpy as np
 
-from orchestrator.messages import (
-    Boundary,
-    CollectDraft,
-    DraftReply,
-    Message,
-    PassResult,
-    Shutdown,
-    SpeculateFrom,
-    StageBatch,
-    StageFailure,
-)
+from orchestrator.messages import MESSAGE_TYPES, Message
 
 _LENGTH = struct.Struct("!I")
+
+MESSAGE_CLASS_BY_KIND: dict[str, type[Message]] = {message_class.KIND: message_class for message_class in MESSAGE_TYPES}
+"""Which class a received header's ``kind`` names."""
 
 
 class ConnectionClosed(ConnectionError):
     """The other end closed the connection."""
 
 
-def _small(array: np.ndarray | None) -> bytes | None:
-    return None if array is None else np.ascontiguousarray(array, dtype=np.int32).tobytes()
-
-
-def _from_small(data: bytes | None) -> np.ndarray | None:
-    return None if data is None else np.frombuffer(data, dtype=np.int32)
-
-
 def send_message(sock: socket.socket, message: Message) -> None:
-    array: np.ndarray | None = None
-    if isinstance(message, StageBatch):
-        header = {
-            "kind": "batch",
-            "pass": message.pass_id,
-            "keep": message.keep,
-            "positions": _small(message.positions),
-            "rows": _small(message.logit_rows),
-            "tokens": _small(message.tokens),
-            "seconds": list(message.stage_seconds),
-        }
-        array = message.hidden
-    elif isinstance(message, PassResult):
-        header = {"kind": "result", "pass": message.pass_id, "seconds": list(message.stage_seconds)}
-        array = message.logits
-    elif isinstance(message, StageFailure):
-        header = {"kind": "failure", "pass": message.pass_id, "stage": message.stage_index, "message": message.message}
-    elif isinstance(message, Shutdown):
-        header = {"kind": "shutdown"}
-    elif isinstance(message, Boundary):
-        header = {"kind": "boundary", "pass": message.pass_id, "stage": message.stage_index}
-    elif isinstance(message, SpeculateFrom):
-        header = {"kind": "speculate", "epoch": message.epoch}
-        array = np.ascontiguousarray(message.context, dtype=np.int32)
-    elif isinstance(message, CollectDraft):
-        header = {"kind": "collect", "epoch": message.epoch, "wait": message.wait}
-    elif isinstance(message, DraftReply):
-        header = {"kind": "draft", "epoch": message.epoch, "tokens": _small(message.tokens),
-                  "busy": message.busy_seconds, "error": message.error}
-    else:
-        raise TypeError(f"cannot send {type(message).__name__}")
+    message_class = type(message)
+    if MESSAGE_CLASS_BY_KIND.get(getattr(message_class, "KIND", None)) is not message_class:
+        raise TypeError(f"cannot send {message_class.__name__}: not a message class of orchestrator.messages.MESSAGE_TYPES")
+    fields, array = message.to_wire()
+    header = {"kind": message.KIND, **fields}
     if array is not None:
         array = np.ascontiguousarray(array)
         header["array"] = [array.dtype.str, list(array.shape)]
@@ -115,39 +78,18 @@ def receive_message(sock: socket.socket) -> Message:
     packed = bytearray(length)
     _receive_exactly(sock, memoryview(packed))
     header = msgpack.unpackb(packed, raw=False)
+    kind = header.pop("kind", None)
+    array_description = header.pop("array", None)
     array: np.ndarray | None = None
-    if "array" in header:
-        dtype, shape = header["array"]
+    if array_description is not None:
+        dtype, shape = array_description
         array = np.empty(shape, dtype=np.dtype(dtype))
         if array.nbytes:
             _receive_exactly(sock, memoryview(array).cast("B"))
-    kind = header["kind"]
-    if kind == "batch":
-        return StageBatch(
-            pass_id=header["pass"],
-            keep=header["keep"],
-            positions=_from_small(header["positions"]),  # type: ignore[arg-type]
-            logit_rows=_from_small(header["rows"]),  # type: ignore[arg-type]
-            tokens=_from_small(header["tokens"]),
-            hidden=array,
-            stage_seconds=tuple(header["seconds"]),
-        )
-    if kind == "result":
-        return PassResult(pass_id=header["pass"], logits=array, stage_seconds=tuple(header["seconds"]))  # type: ignore[arg-type]
-    if kind == "failure":
-        return StageFailure(pass_id=header["pass"], stage_index=header["stage"], message=header["message"])
-    if kind == "shutdown":
-        return Shutdown()
-    if kind == "boundary":
-        return Boundary(pass_id=header["pass"], stage_index=header["stage"])
-    if kind == "speculate":
-        return SpeculateFrom(epoch=header["epoch"], context=array)  # type: ignore[arg-type]
-    if kind == "collect":
-        return CollectDraft(epoch=header["epoch"], wait=header["wait"])
-    if kind == "draft":
-        return DraftReply(epoch=header["epoch"], tokens=_from_small(header["tokens"]),  # type: ignore[arg-type]
-                          busy_seconds=header["busy"], error=header["error"])
-    raise ValueError(f"unknown message kind {kind!r}")
+    message_class = MESSAGE_CLASS_BY_KIND.get(kind)
+    if message_class is None:
+        raise ValueError(f"unknown message kind {kind!r} (known kinds: {', '.join(MESSAGE_CLASS_BY_KIND)})")
+    return message_class.from_wire(header, array)
 
 
 def listen(host: str) -> socket.socket:
