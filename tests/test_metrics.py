@@ -4,6 +4,8 @@ import re
 import time
 import urllib.request
 
+import pytest
+
 from orchestrator.drafters import DrafterSettings, start_drafters, stop_drafters
 from orchestrator.generate import Speculation, generate
 from orchestrator.metrics import GenerationMetrics
@@ -12,6 +14,8 @@ from orchestrator.sampling import SamplingSettings
 from orchestrator.tokenizer import Tokenizer
 from speculators.prompt_lookup import PromptLookupSpeculator
 from stages.engine import StageSettings
+
+pytestmark = pytest.mark.ray
 
 
 def scrape(ports) -> str:

@@ -12,6 +12,8 @@ from orchestrator.planning.recommend import PlanError, Setup, candidate_splits, 
 from orchestrator.planning.simulation import DraftBehaviour, DraftTrace, Mode, predict, simulate
 from orchestrator.profile import split_costs
 
+pytestmark = pytest.mark.pure
+
 
 @dataclass(frozen=True)
 class FlatCosts:

@@ -2,9 +2,12 @@ import socket
 import threading
 
 import numpy as np
+import pytest
 
 from orchestrator import wire
 from orchestrator.messages import PassResult, Shutdown, StageBatch, StageFailure
+
+pytestmark = pytest.mark.pure
 
 
 def round_trip(message):
