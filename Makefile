@@ -24,7 +24,7 @@ WHEEL_CACHE   ?= $(HOME)/.cache/specpipe/wheels
 LLAMA_WHEELS  := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_VERSION)-noamx-nollamafile
 LLAMA_BUILT   := $(LLAMA_WHEELS)/.complete
 
-.PHONY: install run test bench calibrate clean
+.PHONY: install run test test-fast bench calibrate clean
 
 install: $(STAMP)
 
@@ -53,6 +53,11 @@ run: install
 
 test: install
 	$(BIN)/python -m pytest
+
+# The pure tier only (numpy / pure Python: no model file, no llama.cpp, no Ray):
+# seconds. The tiers are pytest markers (pyproject.toml); `make test` runs all.
+test-fast: install
+	$(BIN)/python -m pytest -m pure -q
 
 bench: install
 	$(BIN)/python -m benchmarks.pipeline_vs_whole

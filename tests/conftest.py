@@ -103,3 +103,26 @@ def ray_cluster():
     yield cluster
     ray.shutdown()
     cluster.shutdown()
+
+
+TIERS = ("pure", "model", "ray", "hosts")  # pytest markers, described in pyproject.toml
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m/-k deselect: `-m pure` must not hide an untiered test
+def pytest_collection_modifyitems(config, items):
+    """Refuse to run unless every test has exactly one tier marker.
+
+    A test without one would run in no tier's selection (`make test-fast` would
+    silently skip it); one with several would be counted in two. A file's tier
+    is its `pytestmark`; a file that mixes tiers marks each test instead (a
+    test-level marker does not replace the file's for `-m`, so never both)."""
+    problems = []
+    for item in items:
+        tiers = sorted({mark.name for mark in item.iter_markers() if mark.name in TIERS})
+        if len(tiers) != 1:
+            problems.append(f"  {item.nodeid}: {', '.join(tiers) if tiers else 'no tier'}")
+    if problems:
+        raise pytest.UsageError(
+            f"every test needs exactly one tier marker ({', '.join(f'@pytest.mark.{tier}' for tier in TIERS)}; "
+            "see pyproject.toml), these have none or several:\n" + "\n".join(problems)
+        )

@@ -18,6 +18,7 @@ def quick_bench(tmp_path_factory):
     return out
 
 
+@pytest.mark.ray
 def test_quick_bench_writes_results_table_and_chart(quick_bench):
     out = quick_bench
     results = json.loads((out / "results.json").read_text())
@@ -48,6 +49,7 @@ def test_quick_bench_writes_results_table_and_chart(quick_bench):
     assert not list(out.glob("*.partial*"))
 
 
+@pytest.mark.pure
 def test_bad_scenarios_are_refused(tmp_path):
     (tmp_path / "a.toml").write_text('name = "a"\nprompts = ["hi"]\nspeculators = ["oracle"]\n')
     with pytest.raises(ScenarioError, match="unknown speculator 'oracle'"):
@@ -61,6 +63,7 @@ def test_bad_scenarios_are_refused(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.pure
 def test_shipped_scenarios_load_and_quick_keeps_a_small_subset():
     every = load_scenarios()
     quick = load_scenarios(quick=True)
@@ -69,6 +72,7 @@ def test_shipped_scenarios_load_and_quick_keeps_a_small_subset():
     assert all(scenario.repetitions == 1 and len(scenario.prompts) == 1 for scenario in quick)
 
 
+@pytest.mark.ray
 def test_plan_predicts_every_mode_of_the_bench_beside_its_measurement(quick_bench, profile_path):
     result = orchestrate("plan", "--profile", profile_path, "--bench", quick_bench / "results.json", "--json")
     assert result.returncode == 0, result.stderr

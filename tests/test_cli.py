@@ -5,9 +5,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import PROMPTS, orchestrate
 
 
+@pytest.mark.ray
 def test_split_then_run_json_equals_llama(smollm2, reference, tmp_path):
     outputs = [tmp_path / "a.gguf", tmp_path / "b.gguf"]
     result = orchestrate("split", smollm2, *outputs, "--boundaries", "12")
@@ -30,6 +33,7 @@ def test_split_then_run_json_equals_llama(smollm2, reference, tmp_path):
     assert all(stage["busy_seconds"] > 0 and stage["node"] for stage in report["stages"])
 
 
+@pytest.mark.model
 def test_split_only_one_stage_matches_the_full_split(smollm2, splits, tmp_path):
     """Each machine cuts its own slice: `--only 1` writes stage 1 alone, byte for byte
     what a full split writes, and not stage 0 (whose folder need not exist here)."""
@@ -42,6 +46,7 @@ def test_split_only_one_stage_matches_the_full_split(smollm2, splits, tmp_path):
     assert sorted(path.name for path in tmp_path.iterdir()) == ["stage-1.gguf"]
 
 
+@pytest.mark.ray
 def test_whole_model_as_one_stage_and_seeded_sampling(smollm2):
     common = ["--model-split", smollm2, "--prompt", PROMPTS[2], "--max-tokens", "16", "--json"]
     sampled = [orchestrate("run", *common, "--temperature", "0.8", "--seed", "5") for _ in range(2)]
@@ -51,6 +56,7 @@ def test_whole_model_as_one_stage_and_seeded_sampling(smollm2):
     assert [stage["layers"] for stage in first["stages"]] == [[0, 30]]
 
 
+@pytest.mark.ray
 def test_default_run_streams_a_chat_answer_and_a_summary():
     result = orchestrate("run", "--max-tokens", "32")
     assert result.returncode == 0, result.stderr
@@ -59,6 +65,7 @@ def test_default_run_streams_a_chat_answer_and_a_summary():
     assert "32 tokens" in summary and "tokens/s" in summary and "2 stages" in summary
 
 
+@pytest.mark.pure
 def test_usage_errors_are_one_line():
     result = orchestrate("run", "--prompt", "a", "--prompt-file", __file__)
     assert result.returncode != 0 and "Traceback" not in result.stderr
@@ -66,6 +73,7 @@ def test_usage_errors_are_one_line():
     assert result.returncode != 0 and "Traceback" not in result.stderr
 
 
+@pytest.mark.ray
 def test_benchmark_runs_and_its_modes_agree(tmp_path):
     """A smoke run of the benchmark: its figures exist and both modes give the same tokens.
     (Speed is judged by running the benchmark itself, never by a test.)"""
@@ -81,6 +89,7 @@ def test_benchmark_runs_and_its_modes_agree(tmp_path):
     assert figures["ratio_pipeline_to_whole"]["median"] > 0 and figures["hop_microseconds"] > 0
 
 
+@pytest.mark.ray
 def test_run_with_speculation_reports_its_figures(splits):
     common = ["run", "--model-split", *splits[2], "--prompt", "Repeat exactly: one two three four five six seven eight.",
               "--chat", "--max-tokens", "24", "--json"]
@@ -104,6 +113,7 @@ def test_run_with_speculation_reports_its_figures(splits):
     assert all(entry["lost"] == "" for entry in speculative["speculators"])
 
 
+@pytest.mark.model
 def test_draft_with_another_vocabulary_is_refused(splits, gemma3):
     result = orchestrate("run", "--model-split", *splits[2], "--prompt", "hi", "--speculator", "model", "--draft", gemma3)
     assert result.returncode == 1 and "Traceback" not in result.stderr

@@ -12,6 +12,8 @@ import yaml
 
 from orchestrator.placement import stage_resource
 
+pytestmark = pytest.mark.pure
+
 CLUSTER_YAML = Path(__file__).resolve().parent.parent / "cluster.yaml"
 PROJECT_RAY = "~/specpipe/.venv/bin/ray"
 

@@ -3,11 +3,15 @@
 import functools
 import time
 
+import pytest
+
 import fakes
 from orchestrator import wire
 from orchestrator.drafter_server import DrafterServer
 from orchestrator.drafters import DrafterClient
 from speculators.prompt_lookup import PromptLookupSpeculator
+
+pytestmark = pytest.mark.pure
 
 TRUTH = list(range(100, 160))
 

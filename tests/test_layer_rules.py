@@ -2,6 +2,8 @@ import pytest
 
 from stages.layer_rules import SplitRuleError, layer_rules, slice_metadata_overrides, sliding_window_pattern
 
+pytestmark = pytest.mark.pure
+
 
 def gemma3_metadata(blocks: int = 18) -> dict:
     return {"general.architecture": "gemma3", "gemma3.block_count": blocks, "gemma3.attention.sliding_window": 512}

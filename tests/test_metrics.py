@@ -4,6 +4,8 @@ import re
 import time
 import urllib.request
 
+import pytest
+
 from orchestrator.drafters import DrafterSettings, start_drafters, stop_drafters
 from orchestrator.generate import Drafting, generate
 from orchestrator.schedule import Schedule
@@ -13,6 +15,8 @@ from speculators.sampling import SamplingSettings
 from orchestrator.tokenizer import Tokenizer
 from speculators.prompt_lookup import PromptLookupSpeculator
 from stages.settings import StageSettings
+
+pytestmark = pytest.mark.ray
 
 
 def scrape(ports) -> str:

@@ -13,6 +13,8 @@ from stages.gguf_file import ModelFileError
 
 from conftest import PROMPTS, orchestrate
 
+pytestmark = pytest.mark.ray
+
 SETTINGS = StageSettings(n_ctx=1024)
 
 

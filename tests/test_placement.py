@@ -2,6 +2,8 @@ import pytest
 
 from orchestrator.placement import NodeInfo, PlacementError, parse_place, plan_placement, stage_resource
 
+pytestmark = pytest.mark.pure
+
 NODES = [NodeInfo("aaaa1111", "10.0.0.1", 1), NodeInfo("bbbb2222", "10.0.0.2", 1), NodeInfo("cccc3333", "10.0.0.3", 1)]
 
 

@@ -2,6 +2,8 @@ from stages.plan import balanced_starts, stage_ranges
 
 import pytest
 
+pytestmark = pytest.mark.pure
+
 
 def test_equal_blocks_split_evenly():
     assert balanced_starts([1] * 30, 2, list(range(1, 30))) == [0, 15]

@@ -14,6 +14,8 @@ from orchestrator.planning.simulation import DraftBehaviour, DraftTrace, Mode, p
 from speculators.sampling import SamplingSettings
 from orchestrator.planning.costs import split_costs
 
+pytestmark = pytest.mark.pure
+
 
 @dataclass(frozen=True)
 class FlatCosts:

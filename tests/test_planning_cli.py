@@ -12,6 +12,7 @@ from conftest import orchestrate
 SETUP_405B = Path(__file__).parent.parent / "benchmarks" / "setups" / "llama-405b-two-machines.toml"
 
 
+@pytest.mark.ray
 def test_profile_measures_batches_drafter_and_hop(profile_path):
     profile = json.loads(profile_path.read_text())
     assert profile["batch_sizes"] == [1, 2, 4, 8, 16, 32, 64]
@@ -24,6 +25,7 @@ def test_profile_measures_batches_drafter_and_hop(profile_path):
     assert not list(profile_path.parent.glob("*.partial"))
 
 
+@pytest.mark.ray
 def test_plan_from_a_profile_predicts_each_mode(profile_path):
     result = orchestrate("plan", "--profile", profile_path, "--acceptance", "0.9", "--continuation", "0.9",
                          "--draft-max", "8", "--max-tokens", "64", "--json")
@@ -35,6 +37,7 @@ def test_plan_from_a_profile_predicts_each_mode(profile_path):
     assert plan["predictions"]["sync"]["draft_max"] == 8
 
 
+@pytest.mark.pure
 def test_plan_projects_405b_on_two_machines_within_memory():
     result = orchestrate("plan", SETUP_405B, "--json")
     assert result.returncode == 0, result.stderr
@@ -52,6 +55,7 @@ def test_plan_projects_405b_on_two_machines_within_memory():
     ("[model]\nblocks = 126\nwidth = 16384\nvocab = 128256\nparameters = 405e9\nbits_per_weight = 4\nkv_width = 1024\n"
      "[[machines]]\nmemory_gb = 16\nbandwidth_gb_per_s = 100\ncompute_tflops = 1\n", "does not fit"),
 ])
+@pytest.mark.pure
 def test_bad_setups_get_one_line(tmp_path, text, message):
     setup = tmp_path / "setup.toml"
     setup.write_text(text)
@@ -60,6 +64,7 @@ def test_bad_setups_get_one_line(tmp_path, text, message):
     assert result.stderr.startswith("error:") and message in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.pure
 def test_profile_of_bad_stage_files_writes_nothing(tmp_path):
     bogus = tmp_path / "bogus.gguf"
     bogus.write_bytes(b"not a model")
@@ -74,6 +79,7 @@ def test_profile_of_bad_stage_files_writes_nothing(tmp_path):
     ("[1, 2", "not JSON"),
     ('{"kind": "something else"}', "not a profile"),
 ])
+@pytest.mark.pure
 def test_bad_profiles_get_one_line(tmp_path, content, message):
     profile = tmp_path / "profile.json"
     profile.write_text(content)

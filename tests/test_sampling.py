@@ -1,6 +1,9 @@
 import numpy as np
+import pytest
 
 from speculators.sampling import SamplingSettings, choose_token, token_probabilities
+
+pytestmark = pytest.mark.pure
 
 
 def test_greedy_is_argmax():

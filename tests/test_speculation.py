@@ -21,6 +21,8 @@ from speculators.model import ModelSpeculator
 from speculators.prompt_lookup import PromptLookupSpeculator
 from stages.settings import StageSettings
 
+pytestmark = pytest.mark.ray
+
 REWRITE = (
     "Repeat this sentence exactly: The old lighthouse keeper climbed the narrow stairs every night "
     "and lit the great lamp for the passing ships."

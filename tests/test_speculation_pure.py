@@ -10,6 +10,8 @@ from speculators.sampling import SamplingSettings, choose_token
 from speculators.prompt_lookup import PromptLookupSpeculator
 from speculators.verify import verify
 
+pytestmark = pytest.mark.pure
+
 
 def one_hot_logits(tokens, vocab=10):
     logits = np.zeros((len(tokens), vocab), dtype=np.float32)

@@ -10,6 +10,8 @@ from stages.gguf_file import read_model, stage_info
 
 from conftest import PROMPTS
 
+pytestmark = pytest.mark.model
+
 
 def chain_greedy(engines, prompt, max_tokens, is_end):
     """Plain greedy decoding through a chain of stage engines in this process."""

@@ -29,22 +29,26 @@ def bad_files(tmp_path_factory, smollm2):
     return {"text": text, "truncated": truncated}
 
 
+@pytest.mark.model
 def test_non_gguf_file(bad_files, tmp_path):
     result = orchestrate("split", bad_files["text"], tmp_path / "a.gguf", tmp_path / "b.gguf")
     assert_one_line_error(result, "not a GGUF file", "notes.gguf")
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.model
 def test_truncated_file(bad_files, tmp_path):
     result = orchestrate("split", bad_files["truncated"], tmp_path / "a.gguf", tmp_path / "b.gguf")
     assert_one_line_error(result, "truncated", "truncated.gguf")
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.pure
 def test_missing_file(tmp_path):
     assert_one_line_error(orchestrate("split", tmp_path / "nope.gguf", tmp_path / "a.gguf"), "no such file")
 
 
+@pytest.mark.model
 def test_bad_boundary(smollm2, tmp_path):
     result = orchestrate("split", smollm2, tmp_path / "a.gguf", tmp_path / "b.gguf", "--boundaries", "30")
     assert_one_line_error(result, "boundary 30", "empty")
@@ -53,12 +57,14 @@ def test_bad_boundary(smollm2, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.model
 def test_split_only_a_stage_that_does_not_exist(smollm2, tmp_path):
     result = orchestrate("split", smollm2, tmp_path / "a.gguf", tmp_path / "b.gguf", "--only", "2")
     assert_one_line_error(result, "no stage 2", "stages 0..1")
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.model
 def test_wrong_order_missing_stage_and_mixed_splits(smollm2, splits):
     three, two = splits[3], splits[2]
     assert_one_line_error(orchestrate("verify-split", smollm2, three[1], three[0], three[2]), "out of order")
@@ -66,6 +72,7 @@ def test_wrong_order_missing_stage_and_mixed_splits(smollm2, splits):
     assert_one_line_error(orchestrate("verify-split", smollm2, three[0], two[1]), "3-stage split", "2-stage split")
 
 
+@pytest.mark.model
 def test_stages_of_different_models(smollm2, splits, gemma3, tmp_path):
     from stages.split import split_model
 
@@ -75,11 +82,13 @@ def test_stages_of_different_models(smollm2, splits, gemma3, tmp_path):
     assert_one_line_error(result, "different models")
 
 
+@pytest.mark.model
 def test_unsplit_file_among_stages(smollm2, splits):
     with pytest.raises(ModelFileError, match="not a specpipe stage file"):
         validate_stage_set([stage_info(read_model(splits[2][0])), None], [splits[2][0], smollm2])
 
 
+@pytest.mark.model
 def test_first_shard_required(tmp_path, smollm2):
     shard = tmp_path / "model-00002-of-00002.gguf"
     shutil.copy(smollm2, shard)

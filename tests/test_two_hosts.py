@@ -14,6 +14,8 @@ import pytest
 from conftest import PROMPTS
 from network_hosts import NamespacesUnavailable, RayAcrossHosts, TwoHosts
 
+pytestmark = pytest.mark.hosts
+
 MAX_TOKENS = 24
 
 

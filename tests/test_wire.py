@@ -66,6 +66,8 @@ EXAMPLES = [
 ]
 """At least one of every message class, every field set away from its default somewhere."""
 
+pytestmark = pytest.mark.pure
+
 
 def example_name(message: Message) -> str:
     return type(message).__name__
