@@ -303,3 +303,34 @@ def test_bench_draft_statistics_count_first_and_later_tokens_apart():
     assert stats.acceptance_later == 4 / 5  # 4 later acceptances, 1 later rejection
     assert stats.draft_availability == 4 / 5
     assert stats.draft_continuation == 6 / 7  # 6 tokens after a first one, 1 stop after a token
+
+
+@pytest.mark.parametrize("arguments", [["--help"], ["plan", "--help"],
+                                       ["plan", "benchmarks/setups/llama-405b-two-machines.toml", "--draft-max", "4"]])
+def test_orchestrate_plan_and_help_load_neither_ray_nor_llama_cpp(arguments):
+    """The command line imports what each command uses: planning needs neither."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys; from orchestrator.cli import main\n"
+        "try:\n    main(sys.argv[1:])\nexcept SystemExit as end:\n    assert not end.code, end.code\n"
+        "print('LOADED', 'ray' in sys.modules, 'llama_cpp' in sys.modules)"
+    )
+    output = subprocess.run([sys.executable, "-c", code, *arguments], capture_output=True, text=True, check=True,
+                            cwd=Path(__file__).parent.parent).stdout
+    assert output.splitlines()[-1] == "LOADED False False"
+
+
+def test_pure_packages_import_nothing_from_orchestrator_and_orchestrator_nothing_from_benchmarks():
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    upward = [str(path) for package in ("speculators", "stages") for path in (root / package).rglob("*.py")
+              if re.search(r"^\s*(from|import) orchestrator", path.read_text(), re.M)]
+    assert upward == []
+    benchmark_imports = [str(path.relative_to(root)) for path in (root / "orchestrator").rglob("*.py")
+                         if re.search(r"^\s*(from|import) benchmarks", path.read_text(), re.M)]
+    assert benchmark_imports == ["orchestrator/cli.py"]  # the bench command's own entry
