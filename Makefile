@@ -59,9 +59,10 @@ test: install
 test-fast: install
 	$(BIN)/python -m pytest -m pure -q
 
+# Every mode side by side on every scenario (benchmarks/scenarios), into
+# benchmarks/results: results.json, results.md (README's tables), chart.png.
 bench: install
-	$(BIN)/python -m benchmarks.pipeline_vs_whole
-	$(BIN)/python -m benchmarks.speculation
+	$(BIN)/orchestrate bench --out benchmarks/results
 
 # Planner against measurement (README "Planning a cluster"): profile this
 # machine, run the bench suite, and put the simulation's predictions beside it.

@@ -80,14 +80,10 @@ def truth_target(truths: list[list[int]]) -> InstantTarget:
     return InstantTarget(vocab, lambda sequence, position: truths[sequence][position], stage_count=2)
 
 
-class InstantDrafter:
-    """A speculator called in this process: it drafts up to draft_max tokens at
-    collect (or until it stops by itself), as if it had drafted all along."""
+class _InPlaceDrafter:
+    """A drafter that drafts at collect, in this process, as if it had drafted all along."""
 
-    def __init__(self, speculator, draft_max: int):
-        self.speculator = speculator
-        self.draft_max = draft_max
-        self.context: list[int] | None = None
+    context: list[int] | None = None
 
     def speculate(self, context: list[int]) -> None:
         self.context = list(context)
@@ -96,6 +92,20 @@ class InstantDrafter:
         if self.context is None:
             return []
         context, self.context = self.context, None
+        return self.draft(context)
+
+    def draft(self, context: list[int]) -> list[int]:
+        raise NotImplementedError
+
+
+class InstantDrafter(_InPlaceDrafter):
+    """A speculator called in this process: up to draft_max tokens, or until it stops by itself."""
+
+    def __init__(self, speculator, draft_max: int):
+        self.speculator = speculator
+        self.draft_max = draft_max
+
+    def draft(self, context: list[int]) -> list[int]:
         tokens: list[int] = []
         while len(tokens) < self.draft_max:
             token = self.speculator.extend(context + tokens)
@@ -105,23 +115,16 @@ class InstantDrafter:
         return tokens
 
 
-class TraceDrafter:
-    """Proposes what a planner trace (DraftTrace) says, instantly: the right token,
-    a wrong one (WRONG), or nothing; after a wrong token, only wrong ones."""
+class TraceDrafter(_InPlaceDrafter):
+    """Proposes what a planner trace (DraftTrace) says: the right token, a wrong
+    one (WRONG), or nothing; after a wrong token, only wrong ones."""
 
     WRONG = 1
 
     def __init__(self, truth: list[int], prompt_length: int, trace: DraftTrace, draft_max: int):
         self.truth, self.prompt_length, self.trace, self.draft_max = truth, prompt_length, trace, draft_max
-        self.context: list[int] | None = None
 
-    def speculate(self, context: list[int]) -> None:
-        self.context = list(context)
-
-    def collect(self, wait: bool = False) -> list[int]:
-        if self.context is None:
-            return []
-        context, self.context = self.context, None
+    def draft(self, context: list[int]) -> list[int]:
         right = context == self.truth[: len(context)]
         tokens: list[int] = []
         while len(tokens) < self.draft_max:

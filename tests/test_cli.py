@@ -1,8 +1,6 @@
 """`orchestrate` end to end, as a user runs it (each run starts its own local Ray)."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ def test_split_then_run_json_equals_llama(smollm2, reference, tmp_path):
     result = orchestrate("split", smollm2, *outputs, "--boundaries", "12")
     assert result.returncode == 0, result.stderr
     assert "blocks [0, 12)" in result.stdout and "blocks [12, 30)" in result.stdout
-    assert not list(tmp_path.glob("*.partial"))
+    assert not list(tmp_path.glob("*.partial*"))
 
     verified = orchestrate("verify-split", smollm2, *outputs)
     assert verified.returncode == 0 and "largest logit difference 0" in verified.stdout
@@ -71,22 +69,6 @@ def test_usage_errors_are_one_line():
     assert result.returncode != 0 and "Traceback" not in result.stderr
     result = orchestrate("run", "--max-tokens", "0")
     assert result.returncode != 0 and "Traceback" not in result.stderr
-
-
-@pytest.mark.ray
-def test_benchmark_runs_and_its_modes_agree(tmp_path):
-    """A smoke run of the benchmark: its figures exist and both modes give the same tokens.
-    (Speed is judged by running the benchmark itself, never by a test.)"""
-    out = tmp_path / "figures.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.pipeline_vs_whole", "--repetitions", "1", "--max-tokens", "8", "--json-out", out],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert result.returncode == 0, result.stderr
-    figures = json.loads(out.read_text())
-    assert figures["outputs_identical"] is True
-    assert figures["runs_per_mode"] == 2
-    assert figures["ratio_pipeline_to_whole"]["median"] > 0 and figures["hop_microseconds"] > 0
 
 
 @pytest.mark.ray
