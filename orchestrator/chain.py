@@ -35,6 +35,7 @@ class _Timing:
     pass_id: int
     started: float
     overlapped: bool
+    release: bool = False  # a sequence's release: its (empty) result is not handed out
 
 
 class SocketChain:
@@ -76,16 +77,27 @@ class SocketChain:
         connection.settimeout(None)
         return wire.tune(connection)
 
-    def send(self, positions: np.ndarray, tokens: np.ndarray, keep: int, logit_rows: np.ndarray) -> int:
-        """Start a pass of tokens int32[n] at positions int32[n]; each stage first
-        drops cached positions >= keep; the last returns the logits of
-        logit_rows int32[rows]. Returns its id; results come back in order."""
-        self._pass_id += 1
+    def send(self, positions: np.ndarray, tokens: np.ndarray, keep: int, logit_rows: np.ndarray,
+             sequence: int = 0) -> int:
+        """Start a pass of one KV sequence's tokens int32[n] at positions
+        int32[n]; each stage first drops the sequence's cached positions >=
+        keep; the last returns the logits of logit_rows int32[rows]. Returns
+        its id; results come back in order."""
+        return self._send(StageBatch(self._pass_id + 1, keep, positions, logit_rows, tokens=tokens, sequence=sequence))
+
+    def release(self, sequence: int) -> None:
+        """Every stage drops all of a KV sequence's cache (in order with the
+        passes before and after it); no result is handed out for it."""
+        empty = np.empty(0, np.int32)
+        self._send(StageBatch(self._pass_id + 1, 0, empty, empty, tokens=empty, sequence=sequence), release=True)
+
+    def _send(self, batch: StageBatch, release: bool = False) -> int:
+        self._pass_id = batch.pass_id
         overlapping = bool(self._in_flight)
         for entry in self._in_flight:
             entry.overlapped = True
-        self._in_flight.append(_Timing(self._pass_id, time.perf_counter(), overlapping))
-        wire.send_message(self._to_first, StageBatch(self._pass_id, keep, positions, logit_rows, tokens=tokens))
+        self._in_flight.append(_Timing(self._pass_id, time.perf_counter(), overlapping, release))
+        wire.send_message(self._to_first, batch)
         return self._pass_id
 
     def await_boundary(self, stage_index: int) -> int:
@@ -98,7 +110,13 @@ class SocketChain:
         return notice.pass_id
 
     def receive(self) -> PassResult:
-        """The logits of the oldest pass in flight."""
+        """The logits of the oldest pass in flight (releases before it are passed over)."""
+        while True:
+            reply = self._receive_oldest()
+            if reply is not None:
+                return reply
+
+    def _receive_oldest(self) -> PassResult | None:
         entry = self._in_flight.popleft()
         for stage_index in range(len(self._boundaries)):
             while self._boundary_seen[stage_index] < entry.pass_id:
@@ -108,10 +126,17 @@ class SocketChain:
             raise PipelineError(f"stage {reply.stage_index} failed: {reply.message}")
         if not isinstance(reply, PassResult) or reply.pass_id != entry.pass_id:
             raise PipelineError(f"unexpected reply {type(reply).__name__} to pass {entry.pass_id}")
+        if entry.release:
+            return None
         if not entry.overlapped:  # wall time minus compute is transport only for a pass that ran alone
             self.transport_seconds += time.perf_counter() - entry.started - sum(reply.stage_seconds)
             self.passes_alone += 1
         return reply
+
+    @property
+    def in_flight(self) -> int:
+        """Passes (and releases) sent whose results have not been received."""
+        return len(self._in_flight)
 
     @property
     def hop_seconds(self) -> float:

@@ -196,6 +196,58 @@ def run(files, model_split, prompt, prompt_file, chat, max_tokens, temperature, 
 
 
 @main.command()
+@click.argument("files", nargs=-1, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--model-split", "model_split", is_flag=True,
+              help="FILES are the stage files in order (one unsplit file serves the whole model as one stage).")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0: every interface; then set an API key).")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--api-key", envvar="SPECPIPE_API_KEY", show_envvar=True,
+              help="Require 'Authorization: Bearer KEY' on every /v1 request.")
+@click.option("--model-name", help="The model's name in the API (default: the GGUF file's name without .gguf).")
+@click.option("--max-sequences", type=click.IntRange(1, 256),
+              help=f"Requests decoded at once, each holding a KV sequence in every stage (default: what fits in "
+                   f"{defaults.SERVE_KV_MEMORY_SHARE:.0%} of free memory, at most {defaults.SERVE_MAX_SEQUENCES}).")
+@click.option("--queue", "queue_limit", default=defaults.SERVE_QUEUE, show_default=True, type=click.IntRange(0),
+              help="Requests that may wait for a free sequence; more get 429.")
+@click.option("--n-ctx", default=defaults.SERVE_CONTEXT, show_default=True, type=click.IntRange(16),
+              help="Context of each sequence (prompt + reply).")
+@click.option("--speculator", type=click.Choice(["none", "ngram"]), default="none", show_default=True,
+              help="Drafts per request: prompt lookup (ngram), verified in the same pass (sync).")
+@click.option("--draft-max", default=defaults.DRAFT_MAX, show_default=True, type=click.IntRange(1, 64),
+              help="Most draft tokens per target pass.")
+@click.option("--address", help="Ray cluster to use ('auto' honours RAY_ADDRESS); default: start a local Ray.")
+@click.option("--place", help="Stage placement, e.g. '0=10.0.0.1,1=10.0.0.2' (node address or id).")
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(1), help="Threads per stage.")
+@click.option("--n-gpu-layers", default=0, show_default=True, type=click.IntRange(0))
+@click.option("--wire-dtype", type=click.Choice(["f32", "f16"]), default="f32", show_default=True,
+              help="Activations between stages; f16 halves traffic but is LOSSY (output may differ from the whole model).")
+@click.option("--dashboard/--no-dashboard", default=True, show_default=True,
+              help="Start the Ray dashboard with a local Ray (its Serve page shows the service).")
+@one_line_errors
+def serve(files, model_split, host, port, api_key, model_name, max_sequences, queue_limit, n_ctx, speculator,
+          draft_max, address, place, threads, n_gpu_layers, wire_dtype, dashboard) -> None:
+    """Serve the model (default: SmolLM2-135M split in two) with the OpenAI API until Ctrl-C or SIGTERM."""
+    from orchestrator.defaults import default_stage_paths
+    from orchestrator.placement import parse_place
+    from orchestrator.serving import ServeSettings, serve_until_stopped
+    from stages.settings import StageSettings
+
+    if model_split and not files:
+        raise click.UsageError("--model-split needs the stage files, e.g. --model-split a.gguf b.gguf")
+    stage_paths = [str(path) for path in files] or default_stage_paths(progress=_progress_bar("splitting default model"))
+    settings = ServeSettings(
+        stage_paths=stage_paths,
+        stage=StageSettings(n_ctx=n_ctx, threads=threads, n_gpu_layers=n_gpu_layers, sequences=max_sequences or 0),
+        queue_limit=queue_limit,
+        model_name=model_name,
+        speculator=speculator, draft_max=draft_max, host=host, port=port, api_key=api_key or None,
+        address=address, place=parse_place(place) if place else None, wire_dtype=wire_dtype, dashboard=dashboard,
+    )
+    serve_until_stopped(settings, on_status=lambda line: click.echo(line, err=True))
+
+
+@main.command()
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Folder for results.json, results.md and chart.png.")
 @click.option("--quick", is_flag=True, help="A small subset (scenarios marked quick, 1 prompt, 1 repetition).")

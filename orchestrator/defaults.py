@@ -41,6 +41,21 @@ CONNECT_SECONDS = 30.0
 # Seconds the coordinator waits for Shutdown to travel the chain when closing.
 SHUTDOWN_SECONDS = 10.0
 
+# -- orchestrate serve ----------------------------------------------------------
+# Requests decoded at once when --max-sequences is not given: as many KV
+# sequences as fit in this share of the memory available on the coordinator's
+# machine (each stage holds its blocks' share of every sequence's cache), at
+# most this many (8 fill a 2- to 4-stage pipeline with room to spare).
+SERVE_MAX_SEQUENCES = 8
+SERVE_KV_MEMORY_SHARE = 0.25
+# Requests that wait for a free sequence before new ones get 429.
+SERVE_QUEUE = 16
+# Context (positions) of each served sequence: prompt + reply + a window of drafts.
+SERVE_CONTEXT = 2048
+# Seconds requests in flight may take to finish when the service stops (SIGTERM);
+# past them they end with an error.
+SERVE_DRAIN_SECONDS = 30.0
+
 # -- orchestrate profile --------------------------------------------------------
 # Tokens of context before every timed batch (a pass's cost grows with the
 # positions it attends to; 128 is a short chat's), and timings per batch size

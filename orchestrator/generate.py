@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 
 from orchestrator.interfaces import Drafter, Target
-from orchestrator.schedule import Schedule, Scheduler, SequenceState, SpeculationStats, TargetPass, Window, relay
+from orchestrator.schedule import Schedule, Scheduler, SequenceState, SpeculationStats, relay
 from speculators.sampling import SamplingSettings
 from speculators.verify import verify
 
@@ -105,7 +105,7 @@ def generate(
 class _Decoding:
     """The I/O side of one sequence: its request, its generation, its clock."""
 
-    def __init__(self, index: int, request: Request):
+    def __init__(self, index: int, request: Request, prompt_chunk: int):
         self.request = request
         self.result = Generation(list(request.prompt_tokens))
         self.started = time.perf_counter()
@@ -115,6 +115,7 @@ class _Decoding:
             index, list(request.prompt_tokens), len(request.prompt_tokens), request.max_tokens,
             drafting.schedule if drafting is not None else Schedule.PLAIN,
             drafting.draft_max if drafting is not None else 1,
+            prompt_from=0, prompt_chunk=prompt_chunk,
         )
         self.result.speculation = self.state.stats
 
@@ -134,9 +135,7 @@ def generate_many(target: Target, requests: list[Request], is_end: Callable[[int
     """Decode several sequences at once through ``target``, each as ``generate`` would."""
     if any(not request.prompt_tokens for request in requests):
         raise ValueError("the prompt is empty")
-    decodings = [_Decoding(index, request) for index, request in enumerate(requests)]
-    for decoding in decodings:
-        _prefill(target, decoding)
+    decodings = [_Decoding(index, request, target.n_batch) for index, request in enumerate(requests)]
     scheduler = Scheduler(decoding.state for decoding in decodings)
     while not scheduler.done:
         for state in scheduler.drafting_first():
@@ -151,6 +150,9 @@ def generate_many(target: Target, requests: list[Request], is_end: Callable[[int
             decoding.result.account(reply.stage_seconds)
             if rows is None:
                 continue
+            if not state.gives_token(window):  # an earlier chunk of the prompt: it only filled the cache
+                state.verified(window, [], is_end)
+                continue
             logits = reply.logits[rows]
             new_tokens = verify(window.drafts, logits, window.first + window.logit_rows[0] + 1, decoding.request.sampling)
             decoding.committed(state.verified(window, new_tokens, is_end))
@@ -161,19 +163,6 @@ def generate_many(target: Target, requests: list[Request], is_end: Callable[[int
         decoding.result.stopped_by = decoding.state.stopped_by
         decoding.result.passes = decoding.state.passes
     return [decoding.result for decoding in decodings]
-
-
-def _prefill(target: Target, decoding: _Decoding) -> None:
-    """The prompt in chunks the stages take in one batch, but the last: that one
-    is the sequence's first scheduled window (its pass already lets the drafters
-    speculate past the prompt)."""
-    prompt = decoding.request.prompt_tokens
-    last_chunk = (len(prompt) - 1) // target.n_batch * target.n_batch
-    for first in range(0, last_chunk, target.n_batch):
-        chunk = tuple(prompt[first : first + target.n_batch])
-        target.submit(TargetPass((Window(decoding.state.sequence, first, chunk, prompt=True),)))
-        decoding.result.account(target.receive().stage_seconds)
-    decoding.state.prompt_from = last_chunk
 
 
 def _receive_relaying(target: Target, scheduler: Scheduler, decodings: list[_Decoding]):

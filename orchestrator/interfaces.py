@@ -1,7 +1,8 @@
 """What the decoding loop (orchestrator.generate) assumes of a target and of a drafter.
 
 The loop never knows who computes or who drafts: a ``Pipeline`` of Ray
-actors, or a stand-in (``InstantTarget`` below; tests/fakes.py has more).
+actors, or a stand-in (``InstantTarget`` below; tests/fakes.py has more); drafter
+actors, or a speculator called in this process (``InstantDrafter`` below).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ class Target(Protocol):
     def await_boundary(self, stage_index: int) -> int:
         """Block until the next pass has left stage ``stage_index``; its pass id."""
 
+    def release(self, sequence: int) -> None:
+        """Free a KV sequence in every stage, after the passes submitted before."""
+
 
 class Drafter(Protocol):
     """The drafter beside one stage: drafts in the background, best effort, never raises."""
@@ -57,6 +61,7 @@ class InstantTarget:
         self.stage_count = stage_count
         self.pending: deque[np.ndarray] = deque()
         self.submitted: list[TargetPass] = []
+        self.released: list[int] = []
 
     def submit(self, target_pass: TargetPass) -> None:
         self.submitted.append(target_pass)
@@ -72,3 +77,43 @@ class InstantTarget:
 
     def await_boundary(self, stage_index: int) -> int:
         return 0
+
+    def release(self, sequence: int) -> None:
+        self.released.append(sequence)
+
+
+class InPlaceDrafter:
+    """A drafter that drafts at collect, in this process, as if it had drafted all along."""
+
+    context: list[int] | None = None
+
+    def speculate(self, context: list[int]) -> None:
+        self.context = list(context)
+
+    def collect(self, wait: bool = False) -> list[int]:
+        if self.context is None:
+            return []
+        context, self.context = self.context, None
+        return self.draft(context)
+
+    def draft(self, context: list[int]) -> list[int]:
+        raise NotImplementedError
+
+
+class InstantDrafter(InPlaceDrafter):
+    """A speculator called in this process: up to draft_max tokens, or until it
+    stops by itself. Prompt lookup costs microseconds a token, so the service
+    drafts with it in the coordinator, one per request."""
+
+    def __init__(self, speculator, draft_max: int):
+        self.speculator = speculator
+        self.draft_max = draft_max
+
+    def draft(self, context: list[int]) -> list[int]:
+        tokens: list[int] = []
+        while len(tokens) < self.draft_max:
+            token = self.speculator.extend(context + tokens)
+            if token is None:
+                break
+            tokens.append(token)
+        return tokens

@@ -41,8 +41,11 @@ class StageBatch:
     """One decode pass down the pipeline.
 
     pass_id: increasing number of the pass, echoed in its result.
-    keep: every stage first drops its cached positions >= keep (rollback).
-    positions: int32[n_tokens], absolute positions of the batch's tokens.
+    sequence: the KV sequence (request) the batch belongs to.
+    keep: every stage first drops the sequence's cached positions >= keep (rollback).
+    positions: int32[n_tokens], absolute positions of the batch's tokens; no
+    tokens at all releases the sequence from keep on (keep 0: all of it) and
+    its result has no logit rows.
     tokens: int32[n_tokens] token ids; set for the first stage only.
     hidden: float32[n_tokens, n_embd] (or float16 on a lossy wire); set from stage 1 on.
     logit_rows: int32[n_rows], batch rows whose logits the last stage returns.
@@ -60,10 +63,12 @@ class StageBatch:
     tokens: np.ndarray | None = None
     hidden: np.ndarray | None = None
     stage_seconds: tuple[float, ...] = ()
+    sequence: int = 0
 
     def to_wire(self) -> tuple[WireHeader, np.ndarray | None]:
         header = {
             "pass": self.pass_id,
+            "sequence": self.sequence,
             "keep": self.keep,
             "positions": _int32_bytes(self.positions),
             "rows": _int32_bytes(self.logit_rows),
@@ -76,6 +81,7 @@ class StageBatch:
     def from_wire(cls, header: WireHeader, array: np.ndarray | None) -> StageBatch:
         return cls(
             pass_id=header["pass"],
+            sequence=header["sequence"],
             keep=header["keep"],
             positions=_int32_array(header["positions"]),  # type: ignore[arg-type]
             logit_rows=_int32_array(header["rows"]),  # type: ignore[arg-type]

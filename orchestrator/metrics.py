@@ -25,10 +25,13 @@ class StageMetrics:
             boundaries=PASS_SECONDS_BOUNDARIES, tag_keys=("stage",),
         )
         self.kv_cells = Gauge("specpipe_kv_cells_used", description="KV cache positions held by a stage.", tag_keys=("stage",))
+        self.sequences = Gauge("specpipe_stage_sequences_held", description="KV sequences (requests) a stage holds.",
+                               tag_keys=("stage",))
 
-    def record(self, seconds: float, kv_cells: int) -> None:
+    def record(self, seconds: float, kv_cells: int, sequences: int) -> None:
         self.pass_seconds.observe(seconds, tags=self.tags)
         self.kv_cells.set(kv_cells, tags=self.tags)
+        self.sequences.set(sequences, tags=self.tags)
 
 
 class GenerationMetrics:
@@ -64,3 +67,36 @@ class GenerationMetrics:
         if generation.seconds > 0:
             for drafter in drafters:
                 self.drafter_busy.set(drafter.busy_seconds / generation.seconds, tags={"drafter": str(drafter.index)})
+
+
+TOKEN_SECONDS_BOUNDARIES = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0]
+
+
+class ServiceMetrics:
+    """Recorded by the service (orchestrator.service.ServiceObserver) in the Serve replica."""
+
+    def __init__(self):
+        from ray.util.metrics import Gauge, Histogram
+
+        self.decoding = Gauge("specpipe_requests_decoding", description="Requests holding a KV sequence.")
+        self.queued = Gauge("specpipe_requests_queued", description="Requests waiting for a free KV sequence.")
+        self.first_token_seconds = Histogram(
+            "specpipe_time_to_first_token_seconds", description="From a request's arrival to its first token.",
+            boundaries=TOKEN_SECONDS_BOUNDARIES,
+        )
+        self.inter_token_seconds = Histogram(
+            "specpipe_inter_token_seconds", description="Between a request's successive tokens (a window's "
+            "tokens arrive together: each counts the window's time over its tokens).",
+            boundaries=TOKEN_SECONDS_BOUNDARIES,
+        )
+
+    def first_token(self, seconds: float) -> None:
+        self.first_token_seconds.observe(seconds)
+
+    def tokens(self, seconds: float, count: int) -> None:
+        for _ in range(count):
+            self.inter_token_seconds.observe(seconds / count)
+
+    def load(self, active: int, queued: int) -> None:
+        self.decoding.set(active)
+        self.queued.set(queued)

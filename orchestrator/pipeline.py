@@ -13,6 +13,7 @@ validated from those readings (stages.stage_files).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -26,7 +27,7 @@ from stages.gguf_file import StageFileInfo
 from stages.settings import StageSettings
 from stages.stage_files import NodeStageFile, check_stage_files_on_nodes, read_stage_file
 
-__all__ = ["Pipeline", "PipelineError", "StageReport"]
+__all__ = ["Pipeline", "PipelineError", "StageLoad", "StageReport"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,15 @@ class StageReport:
     host: str
     busy_seconds: float
     passes: int
+
+
+class StageLoad(NamedTuple):
+    """What a stage holds now: KV cells and sequences after its last pass, and
+    its process's resident memory in MiB."""
+
+    kv_cells: int
+    sequences: int
+    rss_mb: float
 
 
 def _stage_file_reader():
@@ -78,6 +88,12 @@ def _stage_actor_class():
 
         def stats(self) -> tuple[float, int]:
             return self.server.busy_seconds, self.server.passes
+
+        def load(self) -> StageLoad:
+            import psutil
+
+            return StageLoad(self.server.kv_cells, self.server.kv_sequences,
+                             psutil.Process().memory_info().rss / 1024**2)
 
         def peak_rss_mb(self) -> float:
             return peak_rss_mb()
@@ -175,29 +191,36 @@ class Pipeline:
 
     # -- the hot path -------------------------------------------------------
     def forward(
-        self, positions: np.ndarray, tokens: np.ndarray, keep: int, logit_rows: np.ndarray | None = None
+        self, positions: np.ndarray, tokens: np.ndarray, keep: int, logit_rows: np.ndarray | None = None,
+        sequence: int = 0,
     ) -> PassResult:
-        """Run tokens int32[n] at positions int32[n] through every stage.
+        """Run one KV sequence's tokens int32[n] at positions int32[n] through every stage.
 
-        keep: each stage first drops cached positions >= keep.
+        keep: each stage first drops the sequence's cached positions >= keep.
         Returns the logits float32[len(logit_rows), n_vocab] (default: last row).
         """
         if logit_rows is None:
             logit_rows = np.array([len(tokens) - 1], dtype=np.int32)
-        self.chain.send(positions, tokens, keep, logit_rows)
+        self.chain.send(positions, tokens, keep, logit_rows, sequence)
         return self.chain.receive()
 
     def submit(self, target_pass: TargetPass) -> None:
-        """Start a pass of one sequence's window; results come back in
-        submission order through receive(). Passes may overlap: the stages run
-        them in order. (Several sequences per pass need KV sequence ids on the
-        wire, which the stages do not take yet.)"""
+        """Start a pass of one sequence's window (its ``sequence`` is the KV
+        sequence in every stage); results come back in submission order
+        through receive(). Passes may overlap: the stages run them in order.
+        A pass carries one window: a stage decodes one sequence per llama.cpp
+        call (stages.engine), and separate passes let the stages work on
+        different sequences at once (README, "Serving")."""
         if len(target_pass.windows) != 1:
             raise PipelineError(f"a pass of {len(target_pass.windows)} sequences; this pipeline carries one per pass")
         window = target_pass.windows[0]
         positions = np.arange(window.first, window.first + len(window.inputs), dtype=np.int32)
         self.chain.send(positions, np.asarray(window.inputs, np.int32), window.first,
-                        np.asarray(window.logit_rows, np.int32))
+                        np.asarray(window.logit_rows, np.int32), window.sequence)
+
+    def release(self, sequence: int) -> None:
+        """Free a KV sequence in every stage, in order with the passes around it."""
+        self.chain.release(sequence)
 
     def receive(self) -> PassResult:
         """The logits of the oldest pass in flight."""
@@ -222,6 +245,10 @@ class Pipeline:
             StageReport(stage.stage_index, stage.first_block, stage.end_block, stage.node_id, stage.host, busy, passes)
             for stage, (busy, passes) in zip(self.stages, stats)
         ]
+
+    def load_calls(self) -> list:
+        """Ray object refs of each stage's StageLoad (ray.get or await them)."""
+        return [actor.load.remote() for actor in self.actors]
 
     def peak_rss_mb(self) -> list[float]:
         """Peak resident memory of each stage's process, in MiB."""

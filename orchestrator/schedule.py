@@ -184,8 +184,9 @@ class SequenceState:
     """One sequence being decoded: its text, its windows in flight, its draft length.
 
     committed: the prompt and the tokens generated so far (prompt_length of them the prompt).
-    prompt_from: the position of the prompt's last chunk, until it is submitted
-    (None from the start for a sequence that begins after its prompt's pass).
+    prompt_from: the position of the prompt's next chunk, until the last is
+    submitted (None from the start for a sequence that begins after its
+    prompt's pass); prompt_chunk: the most tokens of a chunk (0: no limit).
     """
 
     sequence: int
@@ -195,6 +196,7 @@ class SequenceState:
     schedule: Schedule = Schedule.PLAIN
     draft_max: int = 1
     prompt_from: int | None = None
+    prompt_chunk: int = 0
     speculation: list[int] = field(default_factory=list)
     in_flight: deque[Window] = field(default_factory=deque)
     discards_pending: int = 0  # windows found invalid in flight, whose results are still to come
@@ -252,8 +254,9 @@ class SequenceState:
     def first_window(self) -> Window:
         """The window of its next pass (it must be ``ready``)."""
         if self.prompt_from is not None:
-            window = Window(self.sequence, self.prompt_from, tuple(self.committed[self.prompt_from:]), prompt=True)
-            self.prompt_from = None
+            end = min(self.prompt_from + self.prompt_chunk, self.prompt_length) if self.prompt_chunk else None
+            window = Window(self.sequence, self.prompt_from, tuple(self.committed[self.prompt_from:end]), prompt=True)
+            self.prompt_from = end if end is not None and end < self.prompt_length else None
         else:
             limit = min(self.draft_limit, self.room) if self.schedule.speculative else 0
             window = Window(self.sequence, len(self.committed) - 1, (self.committed[-1], *self.speculation[:limit]))
@@ -274,6 +277,24 @@ class SequenceState:
         window = Window(self.sequence, first, tuple(text[first : first + 1 + limit]))
         self.in_flight.append(window)
         return window
+
+    def gives_token(self, window: Window) -> bool:
+        """Its logits are verified: a decoding window, or the prompt's last chunk
+        (an earlier chunk only fills the cache)."""
+        return not window.prompt or window.first + len(window.inputs) >= self.prompt_length
+
+    def cancel(self) -> None:
+        """Stop now (the client went away, or a stop string matched): the windows
+        in flight become discards; nothing more is submitted."""
+        if not self.finished:
+            self.finished, self.stopped_by = True, "cancelled"
+        self.discards_pending += len(self.in_flight)
+        self.in_flight.clear()
+
+    @property
+    def settled(self) -> bool:
+        """Finished, with no result of it still to come: its KV may be freed."""
+        return self.finished and not self.in_flight and not self.discards_pending
 
     def is_head(self, window: Window) -> bool:
         """The window is its oldest valid one in flight (the next to verify)."""
@@ -356,13 +377,33 @@ class Scheduler:
     The loop around it asks, in turn: which sequences must be drafted for
     first (``drafting_first``), which passes to submit now (``next_passes``:
     one with every ready sequence's first window, one with the windows started
-    ahead), which sequences relay their drafters while the oldest pass runs
-    (``relaying``), and hands the oldest pass's result back (``received``).
+    ahead; or, with ``window_per_pass``, a pass for each window), which
+    sequences relay their drafters while the oldest pass runs (``relaying``),
+    and hands the oldest pass's result back (``received``). A long-lived loop
+    (orchestrator.service) also ``add``s sequences as they arrive and
+    ``remove``s them once settled.
+
+    window_per_pass: a pass carries one window, so a pipeline's stages work on
+    different sequences at once (README, "Serving", says why this CPU does not
+    batch sequences together).
     """
 
-    def __init__(self, sequences: Iterable[SequenceState]):
+    def __init__(self, sequences: Iterable[SequenceState] = (), *, window_per_pass: bool = False):
         self.sequences = {state.sequence: state for state in sequences}
         self.in_flight: deque[TargetPass] = deque()
+        self.window_per_pass = window_per_pass
+
+    def add(self, state: SequenceState) -> None:
+        if state.sequence in self.sequences:
+            raise ValueError(f"sequence {state.sequence} is already scheduled")
+        self.sequences[state.sequence] = state
+
+    def remove(self, sequence: int) -> SequenceState:
+        """Forget a settled sequence (its id may then be reused)."""
+        state = self.sequences[sequence]
+        if not state.settled:
+            raise ValueError(f"sequence {sequence} still has windows in flight")
+        return self.sequences.pop(sequence)
 
     @property
     def done(self) -> bool:
@@ -374,11 +415,12 @@ class Scheduler:
     def next_passes(self) -> list[TargetPass]:
         passes = []
         firsts = tuple(state.first_window() for state in self.sequences.values() if state.ready)
-        if firsts:
-            passes.append(TargetPass(firsts))
         ahead = tuple(window for state in self.sequences.values() if (window := state.window_ahead()) is not None)
-        if ahead:
-            passes.append(TargetPass(ahead))
+        for windows in (firsts, ahead):
+            if self.window_per_pass:
+                passes.extend(TargetPass((window,)) for window in windows)
+            elif windows:
+                passes.append(TargetPass(windows))
         self.in_flight.extend(passes)
         return passes
 

@@ -48,12 +48,14 @@ class StageServer:
 
     def __init__(self, path: str, settings: StageSettings, host: str, node_id: str, wire_dtype: str = "f32"):
         self.engine = StageEngine(path, settings)
-        # called after each pass with (compute seconds, KV positions held); the Ray shell records metrics
+        # called after each pass with (compute seconds, KV cells held, sequences held); the Ray shell records metrics
         self.on_pass: Callable[[float, int], None] | None = None
         self.wire_dtype = WIRE_DTYPES[wire_dtype]
         self.listener = wire.listen(host)
         self.busy_seconds = 0.0
         self.passes = 0
+        self.kv_cells = 0  # KV cells and sequences held after the last pass
+        self.kv_sequences = 0
         self._downstream: socket.socket | None = None
         self._notify: socket.socket | None = None  # the coordinator, told of each boundary
         self._thread: threading.Thread | None = None
@@ -105,20 +107,26 @@ class StageServer:
             self.engine.close()
 
     def run_pass(self, batch: StageBatch) -> StageBatch | PassResult | StageFailure:
-        """Decode one batch; return what goes downstream."""
+        """Decode one batch (or release its sequence); return what goes downstream."""
         engine = self.engine
         started = time.perf_counter()
         try:
-            engine.remove(batch.keep)
-            hidden = None if batch.hidden is None else batch.hidden.astype(np.float32, copy=False)
-            output = engine.decode(batch.positions, tokens=batch.tokens, hidden=hidden, logit_rows=batch.logit_rows)
+            engine.remove(batch.keep, batch.sequence)
+            if len(batch.positions) == 0:  # a release: nothing to decode
+                output = np.empty((0, engine.n_vocab if engine.is_last else engine.n_embd), np.float32)
+            else:
+                hidden = None if batch.hidden is None else batch.hidden.astype(np.float32, copy=False)
+                output = engine.decode(batch.positions, tokens=batch.tokens, hidden=hidden,
+                                       sequence=batch.sequence, logit_rows=batch.logit_rows)
         except StageError as error:
             return StageFailure(batch.pass_id, engine.stage_index, str(error))
         seconds = time.perf_counter() - started
         self.busy_seconds += seconds
         self.passes += 1
+        # read here, in the serving thread: llama.cpp's cache must not be read while it decodes
+        self.kv_cells, self.kv_sequences = engine.cells_held(), engine.sequences_held()
         if self.on_pass is not None:
-            self.on_pass(seconds, engine.cached_positions())
+            self.on_pass(seconds, self.kv_cells, self.kv_sequences)
         stage_seconds = batch.stage_seconds + (seconds,)
         if engine.is_last:
             return PassResult(batch.pass_id, output, stage_seconds)
@@ -129,4 +137,5 @@ class StageServer:
             logit_rows=batch.logit_rows,
             hidden=output.astype(self.wire_dtype, copy=False),
             stage_seconds=stage_seconds,
+            sequence=batch.sequence,
         )

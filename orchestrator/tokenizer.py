@@ -43,6 +43,12 @@ class Tokenizer:
 
     def chat_prompt(self, user_text: str) -> list[int]:
         """Token ids of a one-message chat, formatted with the model's own template."""
+        return self.chat_tokens([{"role": "user", "content": user_text}])
+
+    def chat_tokens(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a chat ({role, content} messages), formatted with the
+        model's own template (the GGUF's tokenizer.chat_template), ready for the
+        assistant's reply."""
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         if not self.chat_template:
@@ -51,7 +57,7 @@ class Tokenizer:
             self.chat_template, eos_token=self.piece(self.eos).decode(errors="replace"),
             bos_token=self.piece(self.bos).decode(errors="replace"), add_generation_prompt=True,
         )
-        prompt = formatter(messages=[{"role": "user", "content": user_text}]).prompt
+        prompt = formatter(messages=messages).prompt
         return self.tokenize(prompt, special=True)
 
     def vocabulary_digest(self) -> str:
@@ -64,6 +70,10 @@ class Tokenizer:
             length = llama_cpp.llama_token_to_piece(self._vocab, token, buffer, len(buffer), 0, True)
             digest.update(buffer.raw[: max(length, 0)] + b"\0")
         return digest.hexdigest()
+
+    @property
+    def n_vocab(self) -> int:
+        return llama_cpp.llama_vocab_n_tokens(self._vocab)
 
     @property
     def bos(self) -> int:

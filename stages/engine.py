@@ -15,6 +15,12 @@ stage). Measured technique: ``../shared/design/stage-split.md``.
   ``batch.embd`` carries float32[n_tokens, n_embd] instead of token ids.
 * KV cache: each stage keeps its own blocks' cache; ``remove`` drops positions
   so every stage can apply the same rollback before its next batch.
+* Several sequences (requests served at once): each gets its own KV stream
+  (``kv_unified`` off), so its positions sit in the same cells, in the same
+  order, as when it runs alone. In one unified cache a sequence's cells land
+  after other sequences' and attention sums them in another order: measured
+  here, logits then differ from a lone run by up to 1.04, which would change
+  greedy tokens. Each decode carries the rows of one sequence.
 
 Context settings follow llama-cpp-python's ``Llama`` defaults (flash attention
 off, n_batch = n_ubatch = 512), because ``Llama`` on the whole model is the
@@ -109,13 +115,13 @@ class StageEngine:
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
 
         context_params = llama_cpp.llama_context_default_params()
-        context_params.n_ctx = settings.n_ctx
+        context_params.n_ctx = settings.n_ctx * settings.sequences  # n_ctx cells for each sequence's stream
         context_params.n_batch = settings.n_batch
         context_params.n_ubatch = settings.n_batch
         context_params.n_threads = settings.threads
         context_params.n_threads_batch = settings.threads
         context_params.n_seq_max = settings.sequences
-        context_params.kv_unified = True
+        context_params.kv_unified = False  # a stream per sequence: exact beside others (module docstring)
         context_params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         context_params.no_perf = True
         self._capture: np.ndarray | None = None
@@ -129,10 +135,11 @@ class StageEngine:
         if not self._context:
             llama_cpp.llama_model_free(self._model)
             raise StageError(f"{path}: llama.cpp could not create a context (n_ctx {settings.n_ctx})")
-        self.n_ctx = llama_cpp.llama_n_ctx(self._context)
+        self.sequences = settings.sequences
+        self.n_ctx = llama_cpp.llama_n_ctx_seq(self._context)  # positions per sequence
         self._memory = llama_cpp.llama_get_memory(self._context)
-        self._token_batch = llama_cpp.llama_batch_init(settings.n_batch, 0, settings.sequences)
-        self._embd_batch = llama_cpp.llama_batch_init(settings.n_batch, self.n_embd, settings.sequences)
+        self._token_batch = llama_cpp.llama_batch_init(settings.n_batch, 0, 1)
+        self._embd_batch = llama_cpp.llama_batch_init(settings.n_batch, self.n_embd, 1)
 
     # -- graph callback ---------------------------------------------------
     def _on_graph_node(self, tensor: int, ask: bool, user_data: int) -> bool:  # noqa: ARG002
@@ -153,15 +160,15 @@ class StageEngine:
         *,
         tokens: np.ndarray | None = None,
         hidden: np.ndarray | None = None,
-        seq_ids: list[list[int]] | None = None,
+        sequence: int = 0,
         logit_rows: np.ndarray | None = None,
     ) -> np.ndarray:
-        """Decode one batch.
+        """Decode one batch of one sequence.
 
         positions: int32[n_tokens]; tokens: int32[n_tokens] (first stage) or
-        hidden: float32[n_tokens, n_embd] (later stages); seq_ids: the sequence
-        ids of each token (default: all in sequence 0); logit_rows: batch rows
-        whose logits the last stage returns (default: the last row).
+        hidden: float32[n_tokens, n_embd] (later stages); sequence: its KV
+        sequence (0 .. sequences - 1); logit_rows: batch rows whose logits the
+        last stage returns (default: the last row).
 
         Returns float32[n_tokens, n_embd] hidden states from a non-last stage,
         or float32[len(logit_rows), n_vocab] logits from the last stage.
@@ -177,6 +184,8 @@ class StageEngine:
             raise StageError("the first stage takes token ids, not hidden states")
         if hidden is not None and hidden.shape != (n_tokens, self.n_embd):
             raise StageError(f"hidden states of shape {hidden.shape}, expected {(n_tokens, self.n_embd)}")
+        if not 0 <= sequence < self.sequences:
+            raise StageError(f"sequence {sequence} is not one of the stage's {self.sequences}")
         if int(positions[-1]) >= self.n_ctx:
             raise StageError(f"position {int(positions[-1])} is beyond the context of {self.n_ctx} tokens")
         if logit_rows is None:
@@ -197,10 +206,8 @@ class StageEngine:
             wants_output[:] = 1  # every row must reach the last block
         ctypes.memmove(batch.logits, wants_output.ctypes.data, n_tokens)
         for row in range(n_tokens):
-            ids = seq_ids[row] if seq_ids is not None else (0,)
-            batch.n_seq_id[row] = len(ids)
-            for slot, seq_id in enumerate(ids):
-                batch.seq_id[row][slot] = seq_id
+            batch.n_seq_id[row] = 1
+            batch.seq_id[row][0] = sequence
 
         self._capture = None
         status = llama_cpp.llama_decode(self._context, batch)
@@ -221,13 +228,23 @@ class StageEngine:
         return logits
 
     # -- KV cache ---------------------------------------------------------
-    def remove(self, first_position: int, seq_id: int = -1) -> None:
-        """Drop cached positions >= first_position (of seq_id; -1: all sequences)."""
-        llama_cpp.llama_memory_seq_rm(self._memory, seq_id, first_position, -1)
+    def remove(self, first_position: int, sequence: int = -1) -> None:
+        """Drop cached positions >= first_position (of one sequence; -1: of all)."""
+        if not -1 <= sequence < self.sequences:
+            raise StageError(f"sequence {sequence} is not one of the stage's {self.sequences}")
+        llama_cpp.llama_memory_seq_rm(self._memory, sequence, first_position, -1)
 
-    def cached_positions(self, seq_id: int = 0) -> int:
-        """Number of positions cached for seq_id (largest position + 1)."""
-        return int(llama_cpp.llama_memory_seq_pos_max(self._memory, seq_id)) + 1
+    def cached_positions(self, sequence: int = 0) -> int:
+        """Number of positions cached for a sequence (largest position + 1)."""
+        return int(llama_cpp.llama_memory_seq_pos_max(self._memory, sequence)) + 1
+
+    def sequences_held(self) -> int:
+        """Sequences with at least one cached position."""
+        return sum(self.cached_positions(sequence) > 0 for sequence in range(self.sequences))
+
+    def cells_held(self) -> int:
+        """Cached positions over every sequence."""
+        return sum(self.cached_positions(sequence) for sequence in range(self.sequences))
 
     def close(self) -> None:
         if getattr(self, "_context", None):

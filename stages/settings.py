@@ -9,17 +9,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DEFAULT_CONTEXT = 4096  # KV cache positions per stage
+DEFAULT_CONTEXT = 4096  # KV cache positions per sequence
 DEFAULT_BATCH = 512  # tokens per llama_decode call, as Llama's default
 
 
 @dataclass(frozen=True)
 class StageSettings:
-    """n_ctx: KV cache cells (positions) per stage.
+    """n_ctx: KV cache cells (positions) per sequence.
     threads: CPU threads for decoding (single tokens and batches alike).
     n_gpu_layers: blocks offloaded to a GPU backend, when llama.cpp has one.
     n_batch: most tokens decoded in one llama_decode call.
-    sequences: KV sequences (1 for a chain; more for token trees).
+    sequences: KV sequences the stage holds at once (one per request being
+    served; each has its own n_ctx cells, so a stage holds n_ctx * sequences).
     """
 
     n_ctx: int = DEFAULT_CONTEXT

@@ -3,9 +3,9 @@
 * Speculators that misbehave on purpose, for fault and rollback tests (Ray
   pickles them by value, see test_speculation.py, so drafter actors need not
   import this module).
-* Drafters for the decoding loop without a drafter process: ``InstantDrafter``
-  (a speculator called in this process) and ``TraceDrafter`` (replays a
-  planner trace).
+* Drafters for the decoding loop without a drafter process: ``TraceDrafter``
+  (replays a planner trace); a speculator called in this process is
+  ``orchestrator.interfaces.InstantDrafter`` (the service drafts with it).
 * Targets without Ray: ``orchestrator.interfaces.InstantTarget`` (shared with
   ``orchestrate profile``, re-exported here), ``truth_target``, and
   ``EngineChain``, the real stage engines one after another in this process.
@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from orchestrator.interfaces import InstantTarget
+from orchestrator.interfaces import InPlaceDrafter, InstantTarget
 from orchestrator.messages import PassResult
 from orchestrator.planning.simulation import DraftTrace
 from orchestrator.schedule import TargetPass
@@ -80,42 +80,7 @@ def truth_target(truths: list[list[int]]) -> InstantTarget:
     return InstantTarget(vocab, lambda sequence, position: truths[sequence][position], stage_count=2)
 
 
-class _InPlaceDrafter:
-    """A drafter that drafts at collect, in this process, as if it had drafted all along."""
-
-    context: list[int] | None = None
-
-    def speculate(self, context: list[int]) -> None:
-        self.context = list(context)
-
-    def collect(self, wait: bool = False) -> list[int]:
-        if self.context is None:
-            return []
-        context, self.context = self.context, None
-        return self.draft(context)
-
-    def draft(self, context: list[int]) -> list[int]:
-        raise NotImplementedError
-
-
-class InstantDrafter(_InPlaceDrafter):
-    """A speculator called in this process: up to draft_max tokens, or until it stops by itself."""
-
-    def __init__(self, speculator, draft_max: int):
-        self.speculator = speculator
-        self.draft_max = draft_max
-
-    def draft(self, context: list[int]) -> list[int]:
-        tokens: list[int] = []
-        while len(tokens) < self.draft_max:
-            token = self.speculator.extend(context + tokens)
-            if token is None:
-                break
-            tokens.append(token)
-        return tokens
-
-
-class TraceDrafter(_InPlaceDrafter):
+class TraceDrafter(InPlaceDrafter):
     """Proposes what a planner trace (DraftTrace) says: the right token, a wrong
     one (WRONG), or nothing; after a wrong token, only wrong ones."""
 
@@ -156,11 +121,12 @@ class EngineChain:
         rows = np.asarray(window.logit_rows, dtype=np.int32)
         hidden = None
         for engine in self.engines:
-            engine.remove(window.first)
+            engine.remove(window.first, window.sequence)
             if engine.is_first:
-                hidden = engine.decode(positions, tokens=np.asarray(window.inputs, np.int32), logit_rows=rows)
+                hidden = engine.decode(positions, tokens=np.asarray(window.inputs, np.int32),
+                                       sequence=window.sequence, logit_rows=rows)
             else:
-                hidden = engine.decode(positions, hidden=hidden, logit_rows=rows)
+                hidden = engine.decode(positions, hidden=hidden, sequence=window.sequence, logit_rows=rows)
         self.pending.append(PassResult(0, hidden, (0.0,) * len(self.engines)))
 
     def receive(self) -> PassResult:
@@ -168,6 +134,10 @@ class EngineChain:
 
     def await_boundary(self, stage_index: int) -> int:
         return 0
+
+    def release(self, sequence: int) -> None:
+        for engine in self.engines:
+            engine.remove(0, sequence)
 
     def close(self) -> None:
         for engine in self.engines:

@@ -4,7 +4,8 @@ Every schedule gives the whole model's tokens, greedy and sampled alike."""
 
 import pytest
 
-from fakes import EngineChain, InstantDrafter
+from fakes import EngineChain
+from orchestrator.interfaces import InstantDrafter
 from orchestrator.generate import Drafting, generate
 from orchestrator.schedule import Schedule
 from speculators.prompt_lookup import PromptLookupSpeculator

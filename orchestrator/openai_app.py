@@ -1,0 +1,201 @@
+"""The OpenAI-compatible HTTP API over a ``Service``: a FastAPI app.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET
+/v1/models``, ``GET /health``. The requests are checked by the pure
+orchestrator.openai_protocol; this module only does HTTP: the API key, the
+event stream, the client going away. Ray Serve runs the app as the ingress of
+the deployment (orchestrator.serving), but nothing here needs Ray.
+
+Each request's tokens come from the service's thread; its sink hands them to
+this event loop (``call_soon_threadsafe``), never blocking the service. A
+client that disconnects cancels its request (``finally``): the service frees
+its KV sequence within one pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import secrets
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from orchestrator.openai_protocol import FINISH_REASONS, ApiError, Reply, TextAssembler, decode_body, parse_request, sse
+from orchestrator.service import Progress, QueueFull, RequestTooLong, Service, ServiceError, ServiceRequest, ShuttingDown
+
+RETRY_AFTER_SECONDS = 1  # told to a client refused with 429: a sequence frees within a few passes
+
+
+class TokenizerLike(Protocol):
+    n_vocab: int
+
+    def tokenize(self, text: str, *, special: bool = False) -> list[int]: ...
+
+    def chat_tokens(self, messages: list[dict[str, str]]) -> list[int]: ...
+
+    def piece(self, token: int) -> bytes: ...
+
+
+@dataclass
+class Backend:
+    """What the app serves: the service, the tokenizer, the model's name, one
+    sequence's context, the drafts a window may add, and how to read each
+    stage's load (an async function returning a pipeline.StageLoad per stage)."""
+
+    service: Service
+    tokenizer: TokenizerLike
+    model_name: str
+    context: int
+    draft_room: int
+    stage_load: Any = None
+    api_key: str | None = None
+
+
+class GenerationFailed(Exception):
+    """The service ended a request with an error (a stage failed, or shutdown)."""
+
+
+def build_app(backend: Backend) -> FastAPI:
+    app = FastAPI(title="specpipe", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError):  # noqa: ARG001
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    def authorize(request: Request) -> None:
+        if backend.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, key = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), backend.api_key.encode()):
+            raise ApiError(401, "a valid API key is needed: Authorization: Bearer KEY", code="invalid_api_key")
+
+    @app.get("/health")
+    async def health():
+        active, queued = backend.service.counts()
+        stages = [] if backend.stage_load is None else await backend.stage_load()
+        body = {
+            "status": "failed" if backend.service.failure else "ok",
+            "error": backend.service.failure or None,
+            "requests_decoding": active,
+            "requests_queued": queued,
+            "stages": [{"kv_cells": stage.kv_cells, "sequences": stage.sequences, "rss_mb": round(stage.rss_mb, 1)}
+                       for stage in stages],
+        }
+        return JSONResponse(body, status_code=503 if backend.service.failure else 200)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authorize(request)
+        return {"object": "list", "data": [
+            {"id": backend.model_name, "object": "model", "created": 0, "owned_by": "specpipe"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await complete(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await complete(request, chat=True)
+
+    async def complete(request: Request, chat: bool):
+        authorize(request)
+        parsed = parse_request(decode_body(await request.body()), chat=chat)
+        if parsed.model != backend.model_name:
+            raise ApiError(404, f"model {parsed.model!r} is not served here; this server serves "
+                           f"{backend.model_name!r}", param="model", code="model_not_found")
+        tokens = prompt_tokens(backend, parsed)
+        room = backend.context - len(tokens) - backend.draft_room
+        max_tokens = parsed.max_tokens if parsed.max_tokens is not None else room
+        if room < 1 or max_tokens > room:
+            raise ApiError(400, f"the prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) exceed the context "
+                           f"of {backend.context - backend.draft_room} tokens", param="max_tokens",
+                           code="context_length_exceeded")
+        loop = asyncio.get_running_loop()
+        progress: asyncio.Queue[Progress] = asyncio.Queue()
+        try:
+            number = backend.service.submit(
+                ServiceRequest(tokens, max_tokens, parsed.sampling),
+                lambda event: loop.call_soon_threadsafe(progress.put_nowait, event),
+            )
+        except QueueFull as error:
+            raise ApiError(429, f"the server is busy: {error}", kind="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+        except ShuttingDown as error:
+            raise ApiError(503, str(error), kind="server_error", code="unavailable") from None
+        except RequestTooLong as error:
+            raise ApiError(400, str(error), param="max_tokens", code="context_length_exceeded") from None
+        except ServiceError as error:
+            raise ApiError(400, str(error)) from None
+        reply = Reply(("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), backend.model_name, chat, len(tokens))
+        assembler = TextAssembler(backend.tokenizer.piece, parsed.stop)
+        texts = follow(backend.service, number, progress, assembler, reply)
+        if parsed.stream:
+            return StreamingResponse(stream(texts, reply, parsed.include_usage, backend.service, number),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            async for text in texts:
+                reply.text += text
+        except GenerationFailed as error:
+            raise ApiError(503, f"the request failed: {error}", kind="server_error", code="generation_failed") from None
+        finally:
+            backend.service.cancel(number)  # no-op once ended; frees the sequence if the client went away
+        return reply.response()
+
+    return app
+
+
+def prompt_tokens(backend: Backend, parsed) -> list[int]:
+    tokenizer = backend.tokenizer
+    if parsed.messages is not None:
+        return tokenizer.chat_tokens(parsed.messages)
+    if parsed.prompt_tokens is not None:
+        if max(parsed.prompt_tokens) >= tokenizer.n_vocab:
+            raise ApiError(400, f"prompt: token id {max(parsed.prompt_tokens)} is beyond the vocabulary of "
+                           f"{tokenizer.n_vocab}", param="prompt")
+        return parsed.prompt_tokens
+    return tokenizer.tokenize(parsed.prompt)
+
+
+async def follow(service: Service, number: int, progress: asyncio.Queue, assembler: TextAssembler, reply: Reply):
+    """The request's text as it is committed; sets reply's finish reason and token count."""
+    while True:
+        event: Progress = await progress.get()
+        if event.tokens:
+            reply.completion_tokens += len(event.tokens)
+            text = assembler.push(event.tokens)
+            if text:
+                yield text
+            if assembler.stopped:
+                service.cancel(number)
+                reply.finish_reason = "stop"
+                return
+        if event.finished is not None:
+            if event.finished == "error":
+                raise GenerationFailed(event.error)
+            tail = assembler.finish()
+            if tail:
+                yield tail
+            reply.finish_reason = FINISH_REASONS[event.finished]
+            return
+
+
+async def stream(texts, reply: Reply, include_usage: bool, service: Service, number: int):
+    """Server-sent events: chunks of text, the end, usage if asked, [DONE]."""
+    try:
+        first = reply.chat
+        if first:
+            yield sse(reply.chunk("", first=True))
+        async for text in texts:
+            yield sse(reply.chunk(text))
+        yield sse(reply.chunk("", finish_reason=reply.finish_reason))
+        if include_usage:
+            yield sse(reply.usage_chunk())
+        yield sse("[DONE]")
+    except GenerationFailed as error:
+        yield sse(ApiError(503, f"the request failed: {error}", kind="server_error", code="generation_failed").body())
+    finally:  # also when the client went away mid-stream (the generator is closed)
+        service.cancel(number)

@@ -1,0 +1,313 @@
+"""Many requests through one target: the decoding loop of ``orchestrate serve``.
+
+A plain class, no Ray and no HTTP: the service (orchestrator.serving) builds
+one over a ``Pipeline``, the tests over the stage engines in this process.
+Requests arrive from any thread (``submit``); one thread runs the loop:
+
+    admit queued requests while a KV sequence is free
+    -> submit every ready sequence's next window, one pass each
+    -> receive the oldest pass, verify it, hand the committed tokens to the
+       request's sink -> free the KV of every request that ended -> again
+
+Each admitted request holds its own KV sequence (0 .. max_sequences - 1) in
+every stage; its windows carry that id, so every stage keeps its positions
+apart (stages.engine), and a request's tokens are what it would get alone.
+A pass carries one window, so while stage 1 computes request A's pass, stage 0
+computes request B's (README, "Serving", says why passes do not batch several
+requests on this CPU). A request ends by an end token, by its token limit, or
+cancelled (client gone, stop string); its KV is then released in every stage,
+in order with the passes around it, and its id goes back to the free list.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from orchestrator.interfaces import InstantDrafter, Target
+from orchestrator.schedule import Schedule, Scheduler, SequenceState
+from speculators.sampling import SamplingSettings
+from speculators.verify import verify
+from stages.errors import SpecpipeError
+
+
+class ServiceError(SpecpipeError):
+    """A request the service cannot take; the message is one line."""
+
+
+class QueueFull(ServiceError):
+    """Every KV sequence is busy and the queue is full: try again later."""
+
+
+class ShuttingDown(ServiceError):
+    """The service is stopping (or has failed) and takes no more requests."""
+
+
+class RequestTooLong(ServiceError):
+    """Prompt + tokens asked for do not fit one sequence's context."""
+
+
+@dataclass(frozen=True)
+class ServiceRequest:
+    """prompt_tokens: the whole prompt (chat template applied); max_tokens: the
+    most tokens to generate; sampling: how each token is chosen."""
+
+    prompt_tokens: list[int]
+    max_tokens: int
+    sampling: SamplingSettings
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What a request's sink receives, in order: the tokens each verified
+    window committed, then once the end: ``finished`` is "end" (an end token),
+    "length" (max_tokens), "cancelled", or "error" (with ``error``, one line)."""
+
+    tokens: tuple[int, ...] = ()
+    finished: str | None = None
+    error: str = ""
+
+
+Sink = Callable[[Progress], None]
+"""Called from the loop's thread; must not block (the HTTP layer hands events to its own event loop)."""
+
+
+@dataclass(frozen=True)
+class ServiceSettings:
+    """max_sequences: requests decoded at once (each holds a KV sequence in every stage).
+    queue_limit: requests waiting for a free sequence before new ones are refused.
+    context: positions of one sequence (prompt + generated + a window of drafts).
+    speculator: builds one speculator per request (prompt lookup), or None: no drafting.
+    draft_max: the most drafts a window carries."""
+
+    max_sequences: int
+    queue_limit: int
+    context: int
+    speculator: Callable[[], object] | None = None
+    draft_max: int = 8
+
+
+class ServiceObserver:
+    """What the service reports as it goes (orchestrator.metrics.ServiceMetrics
+    records it as Ray metrics); these defaults record nothing."""
+
+    def first_token(self, seconds: float) -> None:
+        """A request's first token, seconds after it was submitted."""
+
+    def tokens(self, seconds: float, count: int) -> None:
+        """count tokens of a request delivered together, seconds after its previous ones."""
+
+    def load(self, active: int, queued: int) -> None:
+        """Requests decoding and waiting, after every change."""
+
+
+@dataclass
+class _Ticket:
+    """A request in the service: queued (state None), then decoding."""
+
+    number: int
+    request: ServiceRequest
+    sink: Sink
+    submitted: float = field(default_factory=time.perf_counter)
+    state: SequenceState | None = None
+    drafter: InstantDrafter | None = None
+    last_delivery: float | None = None
+    error: str = ""
+
+
+class Service:
+    """Decodes many requests at once through ``target`` (which must ``release`` KV sequences)."""
+
+    def __init__(self, target: Target, is_end: Callable[[int], bool], settings: ServiceSettings,
+                 observer: ServiceObserver | None = None):
+        if settings.max_sequences < 1 or settings.queue_limit < 0:
+            raise ValueError("max_sequences must be at least 1 and queue_limit at least 0")
+        self.target = target
+        self.is_end = is_end
+        self.settings = settings
+        self.observer = observer or ServiceObserver()
+        self.schedule = Schedule.SYNC if settings.speculator is not None else Schedule.PLAIN
+        self.scheduler = Scheduler(window_per_pass=True)
+        self._free = collections.deque(range(settings.max_sequences))  # KV sequence ids
+        self._queue: collections.deque[_Ticket] = collections.deque()
+        self._active: dict[int, _Ticket] = {}  # by KV sequence id
+        self._tickets: dict[int, _Ticket] = {}  # by ticket number, queued or active
+        self._cancelled: set[int] = set()
+        self._numbers = itertools.count(1)
+        self._wake = threading.Condition()
+        self._closing = False
+        self._deadline: float | None = None  # shutdown: active requests get an error after it
+        self.failure = ""  # set when the target failed: the service takes nothing more
+        self._thread = threading.Thread(target=self._run, name="specpipe-service", daemon=True)
+        self._thread.start()
+
+    # -- any thread -----------------------------------------------------------
+    def submit(self, request: ServiceRequest, sink: Sink) -> int:
+        """Queue a request; returns its ticket number (for ``cancel``)."""
+        needed = len(request.prompt_tokens) + request.max_tokens + (self.settings.draft_max if self.settings.speculator else 0)
+        if not request.prompt_tokens:
+            raise ServiceError("the prompt is empty")
+        if request.max_tokens < 1:
+            raise ServiceError("max_tokens must be at least 1")
+        if needed > self.settings.context:
+            raise RequestTooLong(
+                f"the prompt ({len(request.prompt_tokens)} tokens) + max_tokens ({request.max_tokens})"
+                f"{' + a window of drafts' if self.settings.speculator else ''} exceed the context of "
+                f"{self.settings.context} tokens"
+            )
+        with self._wake:
+            if self._closing or self.failure:
+                raise ShuttingDown(self.failure or "the server is shutting down")
+            if len(self._queue) >= self.settings.queue_limit + len(self._free):  # the free ones take the first
+                raise QueueFull(f"all {self.settings.max_sequences} sequences are busy and "
+                                f"{len(self._queue) - len(self._free)} requests are waiting")
+            ticket = _Ticket(next(self._numbers), request, sink)
+            self._queue.append(ticket)
+            self._tickets[ticket.number] = ticket
+            self._wake.notify()
+            return ticket.number
+
+    def cancel(self, number: int) -> None:
+        """Stop a request (its client went away, or a stop string matched); its
+        KV is freed within one pass. Unknown or ended tickets are ignored."""
+        with self._wake:
+            if number in self._tickets:
+                self._cancelled.add(number)
+                self._wake.notify()
+
+    def counts(self) -> tuple[int, int]:
+        """(requests decoding, requests queued)."""
+        with self._wake:
+            return len(self._active), len(self._queue)
+
+    def close(self, drain_seconds: float) -> None:
+        """Take no more requests; queued ones get an error at once, decoding
+        ones may finish for drain_seconds and then get an error; returns when
+        the loop has stopped (the target's KV is then all released)."""
+        with self._wake:
+            self._closing = True
+            self._deadline = time.perf_counter() + drain_seconds
+            self._wake.notify()
+        self._thread.join()
+
+    # -- the loop's thread ------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while self._step():
+                pass
+        except Exception as error:  # the target failed (a stage died): every request ends with it
+            self._fail(f"{type(error).__name__}: {error}" if not isinstance(error, SpecpipeError) else str(error))
+
+    def _step(self) -> bool:
+        """One turn of the loop; False once closed and drained."""
+        self._take_orders()
+        self._settle()
+        if self._closing and not self._active and not self._queue:
+            return False
+        for state in self.scheduler.drafting_first():
+            ticket = self._active[state.sequence]
+            ticket.drafter.speculate(state.committed)  # type: ignore[union-attr]
+            state.drafted_first(ticket.drafter.collect(wait=True))  # type: ignore[union-attr]
+        for target_pass in self.scheduler.next_passes():
+            self.target.submit(target_pass)
+        if not self.scheduler.in_flight:
+            with self._wake:
+                if not (self._queue and self._free) and not self._cancelled and not self._closing:
+                    self._wake.wait(timeout=1.0)
+            return True
+        reply = self.target.receive()
+        for state, window, rows in self.scheduler.received():
+            if rows is None:
+                continue
+            if not state.gives_token(window):  # an earlier chunk of the prompt: it only filled the cache
+                state.verified(window, [], self.is_end)
+                continue
+            ticket = self._active[state.sequence]
+            new_tokens = verify(window.drafts, reply.logits[rows], window.first + window.logit_rows[0] + 1,
+                                ticket.request.sampling)
+            committed = state.verified(window, new_tokens, self.is_end)
+            if committed:
+                self._deliver(ticket, committed)
+        return True
+
+    def _take_orders(self) -> None:
+        """Cancellations, the shutdown deadline, and admissions, under the lock."""
+        with self._wake:
+            cancelled, self._cancelled = self._cancelled, set()
+            for number in cancelled:
+                ticket = self._tickets.get(number)
+                if ticket is None:
+                    continue
+                if ticket.state is None:
+                    self._queue.remove(ticket)
+                    self._end(ticket, "cancelled")
+                else:
+                    ticket.state.cancel()
+            if self._closing:
+                while self._queue:
+                    self._end(self._queue.popleft(), "error", "the server is shutting down")
+                if self._deadline is not None and time.perf_counter() > self._deadline:
+                    for ticket in self._active.values():
+                        ticket.error = ticket.error or "the server shut down before the request finished"
+                        ticket.state.cancel()  # type: ignore[union-attr]
+            while self._queue and self._free:
+                self._admit(self._queue.popleft(), self._free.popleft())
+            self.observer.load(len(self._active), len(self._queue))
+
+    def _admit(self, ticket: _Ticket, sequence: int) -> None:
+        request = ticket.request
+        ticket.state = SequenceState(
+            sequence, list(request.prompt_tokens), len(request.prompt_tokens), request.max_tokens,
+            self.schedule, self.settings.draft_max, prompt_from=0, prompt_chunk=self.target.n_batch,
+        )
+        if self.settings.speculator is not None:
+            ticket.drafter = InstantDrafter(self.settings.speculator(), self.settings.draft_max)
+        self._active[sequence] = ticket
+        self.scheduler.add(ticket.state)
+
+    def _settle(self) -> None:
+        """Free the KV of every request that ended and tell its client."""
+        for sequence, ticket in list(self._active.items()):
+            state = ticket.state
+            if state is None or not state.settled:
+                continue
+            self.scheduler.remove(sequence)
+            self.target.release(sequence)  # in order: the sequence's next user's passes come after it
+            with self._wake:
+                del self._active[sequence]
+                self._free.append(sequence)
+                self._end(ticket, "error" if ticket.error else state.stopped_by, ticket.error)
+
+    def _deliver(self, ticket: _Ticket, tokens: list[int]) -> None:
+        now = time.perf_counter()
+        if ticket.last_delivery is None:
+            self.observer.first_token(now - ticket.submitted)
+        else:
+            self.observer.tokens(now - ticket.last_delivery, len(tokens))
+        ticket.last_delivery = now
+        self._sink(ticket, Progress(tuple(tokens)))
+
+    def _end(self, ticket: _Ticket, finished: str, error: str = "") -> None:
+        """Called under the lock."""
+        self._tickets.pop(ticket.number, None)
+        self._sink(ticket, Progress(finished=finished, error=error))
+
+    def _sink(self, ticket: _Ticket, progress: Progress) -> None:
+        try:
+            ticket.sink(progress)
+        except Exception:  # a sink that fails (its client's loop closed) must not stop the others
+            pass
+
+    def _fail(self, reason: str) -> None:
+        """The target failed: every request ends with the reason, nothing more is taken."""
+        with self._wake:
+            self.failure = reason or "the pipeline failed"
+            for ticket in [*self._queue, *self._active.values()]:
+                self._end(ticket, "error", self.failure)
+            self._queue.clear()
+            self._active.clear()
+            self.observer.load(0, 0)

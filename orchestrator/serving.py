@@ -1,0 +1,259 @@
+"""``orchestrate serve``: the split model as a long-lived OpenAI-compatible service on Ray Serve.
+
+The coordinator is one Ray Serve deployment (``specpipe``) whose ingress is the
+FastAPI app of orchestrator.openai_app; it appears on the Ray dashboard's
+Serve page, with Serve's request metrics, and ``serve status`` describes it.
+Its replica owns what ``orchestrate run`` starts for one prompt, started once:
+the stage actors and their socket chain (``Pipeline``), and the ``Service``
+loop that keeps them busy with many requests. The replica's ``__del__`` (Serve
+calls it when the application is deleted) drains the service and closes the
+pipeline; stage actors and the placement group are owned by the replica, so
+Ray also frees them if it dies. The replica's health check fails once the
+pipeline has failed, so Serve replaces it (a fresh pipeline): a lost stage
+costs the requests in flight an error and the service a restart.
+
+The deployment class is built inside a function (``_deployment``) because
+importing Ray Serve takes seconds and ``orchestrate --help`` must not.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from orchestrator.defaults import (
+    SERVE_DRAIN_SECONDS,
+    SERVE_KV_MEMORY_SHARE,
+    SERVE_MAX_SEQUENCES,
+)
+from stages.errors import SpecpipeError
+from stages.settings import StageSettings
+
+APPLICATION = "specpipe"
+
+
+class ServeError(SpecpipeError):
+    """The service could not start as asked; the message is one line."""
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """Everything ``orchestrate serve`` was asked to do. stage.sequences is max_sequences."""
+
+    stage_paths: list[str]
+    stage: StageSettings
+    queue_limit: int
+    model_name: str | None = None  # None: the GGUF file's name (model_name_of)
+    speculator: str = "none"
+    draft_max: int = 8
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    address: str | None = None
+    place: dict[int, str] | None = None
+    wire_dtype: str = "f32"
+    dashboard: bool = True
+    drain_seconds: float = SERVE_DRAIN_SECONDS
+
+
+def kv_bytes_per_sequence(path: str, context: int) -> int:
+    """KV cache bytes one sequence of ``context`` positions takes in the stage file at path."""
+    from orchestrator.planning.setup_file import model_shape_of_gguf
+
+    shape = model_shape_of_gguf(path)
+    return shape.blocks * shape.kv_bytes_per_token * context
+
+
+def default_max_sequences(kv_bytes: int, available_bytes: int) -> int:
+    """Sequences (requests at once) whose KV cache fits SERVE_KV_MEMORY_SHARE of
+    the available memory, at most SERVE_MAX_SEQUENCES, at least 1."""
+    fitting = int(available_bytes * SERVE_KV_MEMORY_SHARE) // max(kv_bytes, 1)
+    return max(1, min(SERVE_MAX_SEQUENCES, fitting))
+
+
+def available_memory_bytes() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def model_name_of(path: str) -> str:
+    """The name the API serves the model under: the unsplit file's name without .gguf."""
+    from stages.gguf_file import stage_info_of
+
+    info = stage_info_of(path)
+    name = info.source_name if info is not None else path
+    return Path(name).name.removesuffix(".gguf")
+
+
+class Coordinator:
+    """What the Serve replica holds: tokenizer, pipeline, service, and the app over them."""
+
+    def __init__(self, settings: ServeSettings):
+        from orchestrator.metrics import ServiceMetrics
+        from orchestrator.openai_app import Backend
+        from orchestrator.pipeline import Pipeline
+        from orchestrator.service import Service, ServiceSettings
+        from orchestrator.session import check_same_model, vocabulary_file
+        from orchestrator.tokenizer import Tokenizer
+        from speculators.prompt_lookup import PromptLookupSpeculator
+
+        self.settings = settings
+        tokenizer = Tokenizer(vocabulary_file(settings.stage_paths))
+        self.pipeline = Pipeline(settings.stage_paths, settings.stage, wire_dtype=settings.wire_dtype,
+                                 place=settings.place)
+        try:
+            check_same_model(vocabulary_file(settings.stage_paths), self.pipeline.stage_files)
+            draft_room = settings.draft_max if settings.speculator == "ngram" else 0
+            self.service = Service(
+                self.pipeline, tokenizer.is_end,
+                ServiceSettings(
+                    max_sequences=settings.stage.sequences, queue_limit=settings.queue_limit,
+                    context=settings.stage.n_ctx,
+                    speculator=PromptLookupSpeculator if settings.speculator == "ngram" else None,
+                    draft_max=settings.draft_max,
+                ),
+                observer=ServiceMetrics(),
+            )
+        except BaseException:
+            self.pipeline.close()
+            raise
+        self.backend = Backend(self.service, tokenizer, settings.model_name, settings.stage.n_ctx, draft_room,
+                               stage_load=self.stage_load, api_key=settings.api_key)
+        self._closed = False
+
+    async def stage_load(self):
+        """Each stage's StageLoad (KV cells, sequences, resident MiB)."""
+        import asyncio
+
+        return list(await asyncio.gather(*self.pipeline.load_calls()))
+
+    def app(self):
+        from orchestrator.openai_app import build_app
+
+        return build_app(self.backend)
+
+    def check_health(self) -> None:
+        if self.service.failure:
+            raise RuntimeError(f"the pipeline failed: {self.service.failure}")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.service.close(self.settings.drain_seconds)
+        self.pipeline.close()
+
+
+def _deployment(settings: ServeSettings):
+    from ray import serve
+
+    @serve.deployment(
+        name=APPLICATION,
+        num_replicas=1,
+        # the service queues and refuses (429) by itself: Serve must let every request through to it
+        max_ongoing_requests=settings.stage.sequences + settings.queue_limit + 64,
+        ray_actor_options={"num_cpus": 0},  # the stages hold the CPUs; the coordinator mostly waits
+        graceful_shutdown_timeout_s=settings.drain_seconds + 10,
+        health_check_period_s=5,
+    )
+    @serve.ingress()
+    class SpecpipeDeployment:
+        def __init__(self, settings: ServeSettings):
+            self.coordinator = Coordinator(settings)
+
+        def __serve_build_asgi_app__(self):
+            return self.coordinator.app()
+
+        def check_health(self) -> None:
+            self.coordinator.check_health()
+
+        def __del__(self):
+            if hasattr(self, "coordinator"):
+                self.coordinator.close()
+
+    return SpecpipeDeployment
+
+
+def prepare(settings: ServeSettings) -> ServeSettings:
+    """Check the request before anything starts (files), and fill in the defaults
+    that depend on the model: its name, and how many sequences fit in memory."""
+    from orchestrator.session import vocabulary_file
+    from stages.stage_files import check_stage_files
+
+    if settings.address is None:  # a local run: bad files fail before Ray starts
+        check_stage_files(settings.stage_paths)
+    vocabulary_path = vocabulary_file(settings.stage_paths)
+    if settings.model_name is None:
+        settings = replace(settings, model_name=model_name_of(vocabulary_path))
+    if settings.stage.sequences < 1:  # not given: what fits in memory
+        kv_bytes = kv_bytes_per_sequence(vocabulary_path, settings.stage.n_ctx)
+        settings = replace(settings, stage=replace(settings.stage, sequences=default_max_sequences(
+            kv_bytes, available_memory_bytes())))
+    return settings
+
+
+def serve_until_stopped(settings: ServeSettings, on_status: Callable[[str], None]) -> None:
+    """Start Ray (or join --address), run the deployment, serve until SIGINT or
+    SIGTERM, then delete it (in-flight requests drain) and stop Serve."""
+    from orchestrator.cluster import ray_session
+
+    settings = prepare(settings)
+    stop = threading.Event()
+    with ray_session(settings.address, dashboard=settings.dashboard) as where:
+        # after ray.init, which installs its own SIGTERM handler (it prints a stack and exits)
+        previous = {number: signal.signal(number, lambda *_: stop.set()) for number in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            if where:
+                on_status(f"[{where}]")
+            _run_application(settings, on_status, stop)
+        finally:
+            for number, handler in previous.items():
+                signal.signal(number, handler)
+
+
+def _run_application(settings: ServeSettings, on_status: Callable[[str], None], stop: threading.Event) -> None:
+    from ray import serve
+
+    on_status(f"starting {len(settings.stage_paths)} stages and the service "
+              f"({settings.stage.sequences} sequences of {settings.stage.n_ctx} tokens)...")
+    try:
+        serve.start(http_options={"host": settings.host, "port": settings.port})
+        # returns once the replica has started (the stages loaded) or failed
+        serve.run(_deployment(settings).bind(settings), name=APPLICATION, route_prefix="/", blocking=False)
+    except Exception as error:  # Serve reports a replica that failed to start as a RuntimeError with its traceback
+        _shutdown_serve()
+        raise ServeError(f"the service did not start: {_last_line(error)}") from None
+    key = " (API key required)" if settings.api_key else ""
+    on_status(f"serving {settings.model_name!r} on http://{settings.host}:{settings.port}/v1{key}; "
+              "Ctrl-C or SIGTERM stops it")
+    try:
+        stop.wait()
+    finally:
+        on_status("stopping: requests in flight may finish...")
+        _shutdown_serve()
+        on_status("stopped")
+
+
+def _shutdown_serve() -> None:
+    from ray import serve
+
+    try:
+        serve.delete(APPLICATION)
+    except Exception:  # never started
+        pass
+    serve.shutdown()
+
+
+def _last_line(error: BaseException) -> str:
+    from orchestrator.cluster import one_line
+
+    return one_line(error)
+
+
+def environment_api_key() -> str | None:
+    return os.environ.get("SPECPIPE_API_KEY") or None
