@@ -166,7 +166,7 @@ def _prompt(body: dict) -> tuple[str | None, list[int] | None]:
     if isinstance(prompt, list) and prompt and all(isinstance(token, int) and not isinstance(token, bool)
                                                    and token >= 0 for token in prompt):
         return None, list(prompt)
-    if isinstance(prompt, list) and len(prompt) > 1:
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(item, (str, list)) for item in prompt):
         raise bad("one prompt per request: a list of prompts is not supported", "prompt")
     raise bad("prompt must be a non-empty string or a list of token ids", "prompt")
 

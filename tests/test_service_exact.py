@@ -1,0 +1,98 @@
+"""Many requests at once through the real model (stage engines in this process,
+tests/fakes.py EngineChain, 8 KV sequences): each request's greedy tokens are
+llama-cpp-python's on the whole model, and a seeded sampled request gets the
+same tokens alone as beside seven others."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from fakes import EngineChain
+from orchestrator.service import Progress, Service, ServiceRequest, ServiceSettings
+from speculators.prompt_lookup import PromptLookupSpeculator
+from speculators.sampling import SamplingSettings
+from stages.settings import StageSettings
+
+from conftest import PROMPTS
+
+pytestmark = pytest.mark.model
+
+COPY = "Repeat this sentence exactly: the old keeper climbed the stairs every night and lit the lamp. " * 2
+LONG = "The harbour log, day by day: the ships came in, the nets were mended, the lamps were lit. " * 30
+WORK = [  # (prompt, max_tokens): different lengths, one prompt longer than a batch (n_batch 128 here)
+    (PROMPTS[0], 12), (PROMPTS[1], 40), (PROMPTS[2], 25), (COPY, 30),
+    ("Q: What is 2 + 2?\nA:", 8), (LONG, 16), ("List three colours:", 33), ("import numpy as np\n", 20),
+]
+
+
+@pytest.fixture(scope="module")
+def chain(splits):
+    engines = EngineChain(splits[2], StageSettings(n_ctx=1024, n_batch=128, sequences=8))
+    yield engines
+    engines.close()
+
+
+@pytest.fixture(scope="module")
+def is_end(reference):
+    import llama_cpp
+
+    return lambda token: bool(llama_cpp.llama_vocab_is_eog(reference.llama._model.vocab, token))
+
+
+def run_all(service: Service, requests: list[ServiceRequest]) -> list[list[int]]:
+    """Submit every request at once; each one's tokens when all have ended."""
+    results: list[list[int]] = [[] for _ in requests]
+    ended = [threading.Event() for _ in requests]
+
+    def sink(index: int):
+        def collect(progress: Progress) -> None:
+            results[index].extend(progress.tokens)
+            if progress.finished is not None:
+                assert progress.finished in ("end", "length"), progress
+                ended[index].set()
+        return collect
+
+    for index, request in enumerate(requests):
+        service.submit(request, sink(index))
+    for event in ended:
+        assert event.wait(timeout=300)
+    return results
+
+
+@pytest.fixture(scope="module")
+def greedy_work(reference) -> list[tuple[ServiceRequest, list[int]]]:
+    """WORK's requests (greedy) and the whole model's tokens for each."""
+    requests = [ServiceRequest(reference.tokenize(prompt), max_tokens, SamplingSettings()) for prompt, max_tokens in WORK]
+    return [(request, reference.greedy(request.prompt_tokens, request.max_tokens).tokens) for request in requests]
+
+
+@pytest.mark.parametrize("speculator", [None, PromptLookupSpeculator], ids=["plain", "ngram"])
+def test_eight_requests_at_once_each_get_the_whole_models_tokens(chain, greedy_work, is_end, speculator):
+    requests = [request for request, _ in greedy_work]
+    assert len(requests[5].prompt_tokens) > 2 * chain.n_batch  # the long prompt comes in three chunks
+    service = Service(chain, is_end, ServiceSettings(max_sequences=8, queue_limit=0, context=1024,
+                                                     speculator=speculator, draft_max=6))
+    try:
+        got = run_all(service, requests)
+    finally:
+        service.close(drain_seconds=5)
+    assert got == [expected for _, expected in greedy_work]
+    assert all(engine.cells_held() == 0 for engine in chain.engines)  # every sequence released
+
+
+def test_a_seeded_request_samples_the_same_tokens_alone_and_beside_others(chain, reference, is_end):
+    sampling = SamplingSettings(temperature=0.8, top_p=0.95, seed=3)
+    sampled = ServiceRequest(reference.tokenize(COPY), 32, sampling)
+    others = [ServiceRequest(reference.tokenize(prompt), max_tokens, SamplingSettings(temperature=1.0, seed=index))
+              for index, (prompt, max_tokens) in enumerate(WORK[:7])]
+    settings = ServiceSettings(max_sequences=8, queue_limit=0, context=1024)
+    service = Service(chain, lambda token: False, settings)
+    try:
+        (alone,) = run_all(service, [sampled])
+        beside = run_all(service, [*others[:3], sampled, *others[3:]])[3]
+    finally:
+        service.close(drain_seconds=5)
+    assert beside == alone
+    assert alone != reference.greedy(sampled.prompt_tokens, 32).tokens  # the temperature really changed the draw
