@@ -24,7 +24,7 @@ WHEEL_CACHE   ?= $(HOME)/.cache/specpipe/wheels
 LLAMA_WHEELS  := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_VERSION)-noamx-nollamafile
 LLAMA_BUILT   := $(LLAMA_WHEELS)/.complete
 
-.PHONY: install run test test-fast bench calibrate clean
+.PHONY: install run serve test test-fast bench bench-serve calibrate clean
 
 install: $(STAMP)
 
@@ -51,6 +51,11 @@ $(STAMP): pyproject.toml $(LLAMA_BUILT)
 run: install
 	$(BIN)/orchestrate run
 
+# The default model as an OpenAI-compatible service on http://127.0.0.1:8000/v1
+# (Ray Serve; Ctrl-C stops it). README "Serving" shows curl and the openai client.
+serve: install
+	$(BIN)/orchestrate serve
+
 test: install
 	$(BIN)/python -m pytest
 
@@ -63,6 +68,11 @@ test-fast: install
 # benchmarks/results: results.json, results.md (README's tables), chart.png.
 bench: install
 	$(BIN)/orchestrate bench --out benchmarks/results
+
+# Servers under concurrent load (README "Serving"): this server with 2 stages
+# and whole, and llama-cpp-python's own server; serve.json, serve.md, serve.png.
+bench-serve: install
+	$(BIN)/orchestrate bench --serve --out benchmarks/results
 
 # Planner against measurement (README "Planning a cluster"): profile this
 # machine, run the bench suite, and put the simulation's predictions beside it.

@@ -212,10 +212,14 @@ def run(files, model_split, prompt, prompt_file, chat, max_tokens, temperature, 
               help="Requests that may wait for a free sequence; more get 429.")
 @click.option("--n-ctx", default=defaults.SERVE_CONTEXT, show_default=True, type=click.IntRange(16),
               help="Context of each sequence (prompt + reply).")
-@click.option("--speculator", type=click.Choice(["none", "ngram"]), default="none", show_default=True,
-              help="Drafts per request: prompt lookup (ngram), verified in the same pass (sync).")
+@click.option("--speculator", type=click.Choice(["none", "ngram", "model"]), default="none", show_default=True,
+              help="Drafts per request, verified in the next pass (sync): prompt lookup (ngram) or a draft model "
+                   "(model, with --draft; it runs beside the coordinator, a KV sequence per request).")
+@click.option("--draft", "draft_path", type=click.Path(dir_okay=False), help="Draft model (whole GGUF, same vocabulary).")
 @click.option("--draft-max", default=defaults.DRAFT_MAX, show_default=True, type=click.IntRange(1, 64),
               help="Most draft tokens per target pass.")
+@click.option("--draft-p-min", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0),
+              help="A draft model stops drafting below this probability.")
 @click.option("--address", help="Ray cluster to use ('auto' honours RAY_ADDRESS); default: start a local Ray.")
 @click.option("--place", help="Stage placement, e.g. '0=10.0.0.1,1=10.0.0.2' (node address or id).")
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(1), help="Threads per stage.")
@@ -226,7 +230,7 @@ def run(files, model_split, prompt, prompt_file, chat, max_tokens, temperature, 
               help="Start the Ray dashboard with a local Ray (its Serve page shows the service).")
 @one_line_errors
 def serve(files, model_split, host, port, api_key, model_name, max_sequences, queue_limit, n_ctx, speculator,
-          draft_max, address, place, threads, n_gpu_layers, wire_dtype, dashboard) -> None:
+          draft_path, draft_max, draft_p_min, address, place, threads, n_gpu_layers, wire_dtype, dashboard) -> None:
     """Serve the model (default: SmolLM2-135M split in two) with the OpenAI API until Ctrl-C or SIGTERM."""
     from orchestrator.defaults import default_stage_paths
     from orchestrator.placement import parse_place
@@ -241,7 +245,8 @@ def serve(files, model_split, host, port, api_key, model_name, max_sequences, qu
         stage=StageSettings(n_ctx=n_ctx, threads=threads, n_gpu_layers=n_gpu_layers, sequences=max_sequences or 0),
         queue_limit=queue_limit,
         model_name=model_name,
-        speculator=speculator, draft_max=draft_max, host=host, port=port, api_key=api_key or None,
+        speculator=speculator, draft_path=draft_path, draft_p_min=draft_p_min, draft_max=draft_max,
+        host=host, port=port, api_key=api_key or None,
         address=address, place=parse_place(place) if place else None, wire_dtype=wire_dtype, dashboard=dashboard,
     )
     serve_until_stopped(settings, on_status=lambda line: click.echo(line, err=True))
@@ -255,8 +260,12 @@ def serve(files, model_split, host, port, api_key, model_name, max_sequences, qu
 @click.option("--scenarios", "folder", type=click.Path(file_okay=False, exists=True, path_type=Path),
               help="Folder of scenario files (default: benchmarks/scenarios).")
 @click.option("--address", help="Ray cluster to use; default: start a local Ray.")
+@click.option("--serve", "serving", is_flag=True,
+              help="Instead: servers under concurrent load (this server with 2 stages and whole, and "
+                   "llama-cpp-python's server), into serve.json, serve.md and serve.png.")
 @one_line_errors
-def bench(out_dir: Path, quick: bool, names: tuple[str, ...], folder: Path | None, address: str | None) -> None:
+def bench(out_dir: Path, quick: bool, names: tuple[str, ...], folder: Path | None, address: str | None,
+          serving: bool) -> None:
     """Run the benchmark scenarios, every mode side by side; exit 1 if any mode's output differs."""
     import platform
     import tempfile
@@ -264,6 +273,10 @@ def bench(out_dir: Path, quick: bool, names: tuple[str, ...], folder: Path | Non
     from benchmarks.report import write_results
     from benchmarks.suite import SCENARIO_DIR, load_scenarios, run_scenario
     from orchestrator.cluster import ray_session
+
+    if serving:
+        _bench_serve(out_dir, quick)
+        return
 
     scenarios = load_scenarios(folder or SCENARIO_DIR, quick=quick, only=list(names) or None)
     results: dict = {
@@ -284,6 +297,27 @@ def bench(out_dir: Path, quick: bool, names: tuple[str, ...], folder: Path | Non
                  for row in scenario["modes"] if not row["identical"]]
     if different:
         click.echo(f"error: output differs from the whole model in {', '.join(different)}", err=True)
+        sys.exit(1)
+
+
+def _bench_serve(out_dir: Path, quick: bool) -> None:
+    """orchestrate bench --serve (benchmarks.serve_bench) on the default model."""
+    import tempfile
+
+    from benchmarks.serve_bench import run_serve_bench, write_serve_results
+    from orchestrator.defaults import default_model_path, default_stage_paths
+
+    stage_paths = default_stage_paths(progress=_progress_bar("splitting default model"))
+    shape = dict(concurrencies=(1, 2), repetitions=1, max_tokens=8) if quick else {}
+    with tempfile.TemporaryDirectory() as workdir:
+        results = run_serve_bench(stage_paths, str(default_model_path()), workdir=Path(workdir),
+                                  progress=_progress_bar("serve bench"), **shape)
+    results["command"] = "orchestrate bench " + " ".join(sys.argv[2:])
+    for path in write_serve_results(results, out_dir):
+        click.echo(str(path))
+    different = sorted({row["server"] for row in results["rows"] if not row["matches_solo"]})
+    if different:
+        click.echo(f"error: under load, output differs from the solo run in {', '.join(different)}", err=True)
         sys.exit(1)
 
 

@@ -12,6 +12,11 @@ from stages.errors import SpecpipeError
 
 # Ray otherwise tries to report usage over the network, which these machines lack.
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# A local Ray started here runs its workers (the stages) at nice 0, not Ray's
+# default 15: the stages are the work, and at nice 15 any other process on the
+# machine (a load generator, a build) takes their CPU first. cluster.yaml sets
+# the same for `ray start`.
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 
 class ClusterError(SpecpipeError):

@@ -81,13 +81,14 @@ class ServiceSettings:
     """max_sequences: requests decoded at once (each holds a KV sequence in every stage).
     queue_limit: requests waiting for a free sequence before new ones are refused.
     context: positions of one sequence (prompt + generated + a window of drafts).
-    speculator: builds one speculator per request (prompt lookup), or None: no drafting.
+    speculator: builds the speculator of a request from its KV sequence id (a
+    draft model drafts in that sequence of its own cache), or None: no drafting.
     draft_max: the most drafts a window carries."""
 
     max_sequences: int
     queue_limit: int
     context: int
-    speculator: Callable[[], object] | None = None
+    speculator: Callable[[int], object] | None = None
     draft_max: int = 8
 
 
@@ -265,7 +266,7 @@ class Service:
             self.schedule, self.settings.draft_max, prompt_from=0, prompt_chunk=self.target.n_batch,
         )
         if self.settings.speculator is not None:
-            ticket.drafter = InstantDrafter(self.settings.speculator(), self.settings.draft_max)
+            ticket.drafter = InstantDrafter(self.settings.speculator(sequence), self.settings.draft_max)
         self._active[sequence] = ticket
         self.scheduler.add(ticket.state)
 

@@ -48,7 +48,9 @@ class ServeSettings:
     stage: StageSettings
     queue_limit: int
     model_name: str | None = None  # None: the GGUF file's name (model_name_of)
-    speculator: str = "none"
+    speculator: str = "none"  # none, ngram, or model (draft_path)
+    draft_path: str | None = None
+    draft_p_min: float = 0.0
     draft_max: int = 8
     host: str = "127.0.0.1"
     port: int = 8000
@@ -100,31 +102,47 @@ class Coordinator:
         from orchestrator.service import Service, ServiceSettings
         from orchestrator.session import check_same_model, vocabulary_file
         from orchestrator.tokenizer import Tokenizer
-        from speculators.prompt_lookup import PromptLookupSpeculator
 
         self.settings = settings
         tokenizer = Tokenizer(vocabulary_file(settings.stage_paths))
+        self.draft_engine = None
         self.pipeline = Pipeline(settings.stage_paths, settings.stage, wire_dtype=settings.wire_dtype,
                                  place=settings.place)
         try:
             check_same_model(vocabulary_file(settings.stage_paths), self.pipeline.stage_files)
-            draft_room = settings.draft_max if settings.speculator == "ngram" else 0
+            draft_room = settings.draft_max if settings.speculator != "none" else 0
             self.service = Service(
                 self.pipeline, tokenizer.is_end,
                 ServiceSettings(
                     max_sequences=settings.stage.sequences, queue_limit=settings.queue_limit,
-                    context=settings.stage.n_ctx,
-                    speculator=PromptLookupSpeculator if settings.speculator == "ngram" else None,
-                    draft_max=settings.draft_max,
+                    context=settings.stage.n_ctx, speculator=self._speculator(), draft_max=settings.draft_max,
                 ),
                 observer=ServiceMetrics(),
             )
         except BaseException:
             self.pipeline.close()
+            if self.draft_engine is not None:
+                self.draft_engine.close()
             raise
         self.backend = Backend(self.service, tokenizer, settings.model_name, settings.stage.n_ctx, draft_room,
                                stage_load=self.stage_load, api_key=settings.api_key)
         self._closed = False
+
+    def _speculator(self):
+        """Builds a request's speculator from its KV sequence id, or None (no drafting).
+        A draft model is loaded here once, with a KV sequence per request."""
+        from speculators.model import ModelSpeculator, load_draft_engine
+        from speculators.prompt_lookup import PromptLookupSpeculator
+
+        settings = self.settings
+        if settings.speculator == "ngram":
+            return lambda sequence: PromptLookupSpeculator()
+        if settings.speculator == "model":
+            self.draft_engine = load_draft_engine(settings.draft_path, n_ctx=settings.stage.n_ctx + settings.draft_max,
+                                                  threads=settings.stage.threads, sequences=settings.stage.sequences)
+            engine, p_min = self.draft_engine, settings.draft_p_min
+            return lambda sequence: ModelSpeculator.on(engine, sequence, p_min)
+        return None
 
     async def stage_load(self):
         """Each stage's StageLoad (KV cells, sequences, resident MiB)."""
@@ -147,17 +165,24 @@ class Coordinator:
         self._closed = True
         self.service.close(self.settings.drain_seconds)
         self.pipeline.close()
+        if self.draft_engine is not None:
+            self.draft_engine.close()
 
 
 def _deployment(settings: ServeSettings):
+    import ray
     from ray import serve
+
+    # The replica runs on this node: it reads the vocabulary from a stage file
+    # here (session.vocabulary_file), which another node may not hold.
+    here = {f"node:{ray.util.get_node_ip_address()}": 0.001}
 
     @serve.deployment(
         name=APPLICATION,
         num_replicas=1,
         # the service queues and refuses (429) by itself: Serve must let every request through to it
         max_ongoing_requests=settings.stage.sequences + settings.queue_limit + 64,
-        ray_actor_options={"num_cpus": 0},  # the stages hold the CPUs; the coordinator mostly waits
+        ray_actor_options={"num_cpus": 0, "resources": here},  # the stages hold the CPUs; the coordinator mostly waits
         graceful_shutdown_timeout_s=settings.drain_seconds + 10,
         health_check_period_s=5,
     )
@@ -190,6 +215,13 @@ def prepare(settings: ServeSettings) -> ServeSettings:
     vocabulary_path = vocabulary_file(settings.stage_paths)
     if settings.model_name is None:
         settings = replace(settings, model_name=model_name_of(vocabulary_path))
+    if settings.speculator == "model":  # checked here: a bad draft fails before Ray starts
+        from orchestrator.session import check_draft_model
+        from orchestrator.tokenizer import Tokenizer
+
+        if not settings.draft_path:
+            raise ServeError("--speculator model needs --draft DRAFT.gguf")
+        check_draft_model(settings.draft_path, Tokenizer(vocabulary_path))
     if settings.stage.sequences < 1:  # not given: what fits in memory
         kv_bytes = kv_bytes_per_sequence(vocabulary_path, settings.stage.n_ctx)
         settings = replace(settings, stage=replace(settings.stage, sequences=default_max_sequences(

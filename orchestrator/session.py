@@ -149,18 +149,21 @@ def speculator_factory(settings: SpeculationSettings, tokenizer: Tokenizer, stag
     if settings.speculator == "model":
         if not settings.draft_path:
             raise ValueError("--speculator model needs --draft DRAFT.gguf")
-        info = check_stage_files([settings.draft_path])[0]
-        if info is not None:
-            raise ModelFileError(f"{settings.draft_path}: a draft model must be a whole model, not a stage file")
-        if Tokenizer(settings.draft_path).vocabulary_digest() != tokenizer.vocabulary_digest():
-            raise StageError(
-                f"{settings.draft_path}: the draft model's vocabulary differs from the target's; "
-                "draft tokens would mean different text"
-            )
+        check_draft_model(settings.draft_path, tokenizer)
         return functools.partial(
             ModelSpeculator, settings.draft_path, p_min=settings.draft_p_min, n_ctx=stage.n_ctx, threads=stage.threads
         )
     return None
+
+
+def check_draft_model(path: str, tokenizer: Tokenizer) -> None:
+    """A draft model must be a whole model with the target's vocabulary, token for token."""
+    info = check_stage_files([path])[0]
+    if info is not None:
+        raise ModelFileError(f"{path}: a draft model must be a whole model, not a stage file")
+    if Tokenizer(path).vocabulary_digest() != tokenizer.vocabulary_digest():
+        raise StageError(f"{path}: the draft model's vocabulary differs from the target's; "
+                         "draft tokens would mean different text")
 
 
 def vocabulary_file(stage_paths: list[str]) -> str:

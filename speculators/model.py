@@ -16,32 +16,52 @@ def common_prefix_length(first: Sequence[int], second: Sequence[int]) -> int:
     return length
 
 
+def load_draft_engine(path: str, *, n_ctx: int = 4096, threads: int = 1, sequences: int = 1):
+    """A draft model's engine, with ``sequences`` KV sequences (one per request it drafts for)."""
+    from stages.engine import StageEngine, StageError
+    from stages.settings import StageSettings
+
+    engine = StageEngine(path, StageSettings(n_ctx=n_ctx, threads=threads, sequences=sequences))
+    if engine.stage_count != 1:
+        engine.close()
+        raise StageError(f"{path}: a draft model must be a whole model, not a stage file")
+    return engine
+
+
 class ModelSpeculator:
     """Drafts the draft model's argmax, while its probability is at least p_min.
 
     The draft model keeps its own KV cache of the tokens it has seen; a new
     context rolls it back to the common prefix and decodes only what is new.
+    ``ModelSpeculator(path)`` loads its own draft model; ``on(engine, sequence)``
+    drafts in one KV sequence of a draft model shared by several requests.
     """
 
     def __init__(self, path: str, *, p_min: float = 0.0, n_ctx: int = 4096, threads: int = 1):
-        from stages.engine import StageEngine, StageError
-        from stages.settings import StageSettings
+        self._use(load_draft_engine(path, n_ctx=n_ctx, threads=threads), 0, p_min)
 
-        self.engine = StageEngine(path, StageSettings(n_ctx=n_ctx, threads=threads))
-        if self.engine.stage_count != 1:
-            raise StageError(f"{path}: a draft model must be a whole model, not a stage file")
+    @classmethod
+    def on(cls, engine, sequence: int, p_min: float = 0.0) -> ModelSpeculator:
+        speculator = cls.__new__(cls)
+        speculator._use(engine, sequence, p_min)
+        return speculator
+
+    def _use(self, engine, sequence: int, p_min: float) -> None:
+        self.engine = engine
+        self.sequence = sequence
         self.p_min = p_min
-        self.cached: list[int] = []  # tokens at positions 0..len-1 of the draft's KV cache
+        self.cached: list[int] = []  # tokens at positions 0..len-1 of the draft's KV sequence
 
     def extend(self, context: Sequence[int]) -> int | None:
         keep = min(common_prefix_length(self.cached, context), len(context) - 1)  # always decode the last token
-        self.engine.remove(keep)
+        self.engine.remove(keep, self.sequence)
         del self.cached[keep:]
         batch = self.engine.settings.n_batch
         logits = None
         for first in range(keep, len(context), batch):
             chunk = np.asarray(context[first : first + batch], dtype=np.int32)
-            logits = self.engine.decode(np.arange(first, first + len(chunk), dtype=np.int32), tokens=chunk)[-1]
+            positions = np.arange(first, first + len(chunk), dtype=np.int32)
+            logits = self.engine.decode(positions, tokens=chunk, sequence=self.sequence)[-1]
         self.cached = list(context)
         token = int(np.argmax(logits))
         if self.p_min > 0.0:

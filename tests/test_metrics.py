@@ -79,3 +79,42 @@ def test_custom_metrics_appear_at_the_metrics_endpoint_during_a_run(ray_cluster,
     assert value(text, "ray_specpipe_tokens_per_second") > 0
     assert value(text, "ray_specpipe_kv_cells_used", stage="1") >= len(prompt)
     assert re.search(r'ray_specpipe_stage_pass_seconds_bucket\{[^}]*stage="0"', text)
+
+
+def test_service_metrics_appear_while_requests_are_served(ray_cluster, splits):
+    """What `orchestrate serve` records (requests decoding and queued, time to
+    first token, inter-token latency, sequences each stage holds) reaches the endpoint."""
+    import threading
+
+    from orchestrator.metrics import ServiceMetrics
+    from orchestrator.service import Service, ServiceRequest, ServiceSettings
+
+    tokenizer = Tokenizer(splits[2][0])
+    ended = threading.Semaphore(0)
+    with Pipeline(splits[2], StageSettings(n_ctx=256, sequences=2)) as pipeline:
+        service = Service(pipeline, tokenizer.is_end, ServiceSettings(max_sequences=2, queue_limit=4, context=256),
+                          observer=ServiceMetrics())
+        for prompt in ("One, two,", "Red, green,", "Monday, Tuesday,"):
+            service.submit(ServiceRequest(tokenizer.tokenize(prompt), 12, SamplingSettings()),
+                           lambda progress: progress.finished and ended.release())
+        for _ in range(3):
+            assert ended.acquire(timeout=120)
+        wanted = {
+            "requests decoding": ("ray_specpipe_requests_decoding", {}),
+            "requests queued": ("ray_specpipe_requests_queued", {}),
+            "time to first token": ("ray_specpipe_time_to_first_token_seconds_count", {}),
+            "inter-token latency": ("ray_specpipe_inter_token_seconds_count", {}),
+            "stage 0 sequences": ("ray_specpipe_stage_sequences_held", {"stage": "0"}),
+        }
+        deadline = time.monotonic() + 60
+        while True:
+            text = scrape(ray_cluster.metrics_ports)
+            missing = [label for label, (name, tags) in wanted.items() if value(text, name, **tags) is None]
+            if (not missing and value(text, "ray_specpipe_time_to_first_token_seconds_count") >= 3) \
+                    or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        service.close(drain_seconds=5)
+    assert not missing, f"never exported: {missing}"
+    assert value(text, "ray_specpipe_time_to_first_token_seconds_count") >= 3
+    assert value(text, "ray_specpipe_inter_token_seconds_count") >= 3 * 11

@@ -15,7 +15,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 
 import httpx
@@ -30,7 +29,6 @@ KEY = "test-key-0123"
 MAX_SEQUENCES = 8
 QUEUE = 8
 CONTEXT = 512
-START_SECONDS = 240
 
 
 class Server:
@@ -60,20 +58,14 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(splits, tmp_path_factory):
+    from benchmarks.serve_bench import start_specpipe_server
+
     port = free_port()
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
-    command = [sys.executable, "-m", "orchestrator.cli", "serve", "--model-split", *splits[2], "--port", str(port),
-               "--api-key", KEY, "--max-sequences", str(MAX_SEQUENCES), "--queue", str(QUEUE),
-               "--n-ctx", str(CONTEXT), "--no-dashboard"]
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    arguments = ["--model-split", *splits[2], "--max-sequences", str(MAX_SEQUENCES), "--queue", str(QUEUE),
+                 "--n-ctx", str(CONTEXT)]
+    process = start_specpipe_server(arguments, port, log_path, api_key=KEY)
     running = Server(process, port, log_path)
-    deadline = time.monotonic() + START_SECONDS
-    while "serving" not in running.log():
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"the server did not start:\n{running.log()}")
-        time.sleep(0.5)
     yield running
     if process.poll() is None:
         process.kill()
@@ -146,6 +138,23 @@ def test_eight_requests_at_once_equal_the_whole_model(server, model_name, refere
     health = server.settled()
     assert health["status"] == "ok" and health["requests_decoding"] == 0
     assert [stage["kv_cells"] for stage in health["stages"]] == [0, 0]
+
+
+def test_a_seeded_sampled_request_gets_the_same_text_alone_and_under_load(server, model_name):
+    sampled = dict(chat=True, stream=True, prompt="Tell me a story about a lamp.", max_tokens=24,
+                   temperature=0.9, top_p=0.95, seed=11)
+
+    async def main():
+        client = server.client()
+        alone = await ask(client, model_name, **sampled)
+        others = [ask(client, model_name, chat=False, stream=index % 2 == 0, prompt=prompt, max_tokens=20,
+                      temperature=1.0, seed=index) for index, prompt in enumerate(PROMPTS * 2)]
+        beside = (await asyncio.gather(ask(client, model_name, **sampled), *others))[0]
+        greedy = await ask(client, model_name, **{**sampled, "temperature": 0})
+        return alone, beside, greedy
+
+    alone, beside, greedy = asyncio.run(main())
+    assert beside == alone and alone[0] != greedy[0]  # and the temperature really changed the draw
 
 
 def test_a_stop_string_cuts_the_text_exactly(server, model_name, reference, tokenizer):

@@ -140,7 +140,7 @@ def test_each_request_gets_what_it_gets_alone(drafting):
     (a mixed-up sequence id, a lost prompt chunk or a missed rollback changes them)."""
     model = CountingModel()
     service = Service(model, lambda token: token == END, settings(
-        speculator=PromptLookupSpeculator if drafting else None, draft_max=4))
+        speculator=(lambda sequence: PromptLookupSpeculator()) if drafting else None, draft_max=4))
     work = random_requests(12)
     collectors = [Collector() for _ in work]
     for (prompt, max_tokens), collector in zip(work, collectors):

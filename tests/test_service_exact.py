@@ -11,6 +11,7 @@ import pytest
 
 from fakes import EngineChain
 from orchestrator.service import Progress, Service, ServiceRequest, ServiceSettings
+from speculators.model import ModelSpeculator, load_draft_engine
 from speculators.prompt_lookup import PromptLookupSpeculator
 from speculators.sampling import SamplingSettings
 from stages.settings import StageSettings
@@ -68,9 +69,14 @@ def greedy_work(reference) -> list[tuple[ServiceRequest, list[int]]]:
     return [(request, reference.greedy(request.prompt_tokens, request.max_tokens).tokens) for request in requests]
 
 
-@pytest.mark.parametrize("speculator", [None, PromptLookupSpeculator], ids=["plain", "ngram"])
-def test_eight_requests_at_once_each_get_the_whole_models_tokens(chain, greedy_work, is_end, speculator):
+@pytest.mark.parametrize("drafting", ["plain", "ngram", "model"])
+def test_eight_requests_at_once_each_get_the_whole_models_tokens(chain, greedy_work, is_end, smollm2, drafting):
+    """A draft model drafts for each request in its own KV sequence of one shared
+    draft engine (SmolLM2 drafting for itself: exact, not fast)."""
     requests = [request for request, _ in greedy_work]
+    draft_engine = load_draft_engine(smollm2, n_ctx=1024, sequences=8) if drafting == "model" else None
+    speculator = {"plain": None, "ngram": lambda sequence: PromptLookupSpeculator(),
+                  "model": lambda sequence: ModelSpeculator.on(draft_engine, sequence)}[drafting]
     assert len(requests[5].prompt_tokens) > 2 * chain.n_batch  # the long prompt comes in three chunks
     service = Service(chain, is_end, ServiceSettings(max_sequences=8, queue_limit=0, context=1024,
                                                      speculator=speculator, draft_max=6))
@@ -78,6 +84,8 @@ def test_eight_requests_at_once_each_get_the_whole_models_tokens(chain, greedy_w
         got = run_all(service, requests)
     finally:
         service.close(drain_seconds=5)
+        if draft_engine is not None:
+            draft_engine.close()
     assert got == [expected for _, expected in greedy_work]
     assert all(engine.cells_held() == 0 for engine in chain.engines)  # every sequence released
 

@@ -1,0 +1,298 @@
+"""`orchestrate bench --serve`: servers under concurrent load, side by side in one run.
+
+Three OpenAI-compatible servers on this machine, one at a time, the same
+prompts, the same total threads:
+
+* ``specpipe-2-stages``: ``orchestrate serve`` over the model split in two,
+  one thread per stage;
+* ``specpipe-whole``: ``orchestrate serve`` over the unsplit model as one
+  stage with both threads;
+* ``specpipe-2-stages-no-http``: the same pipeline and service loop
+  (orchestrator.service) driven in this process, without HTTP, Serve or the
+  client: what the pipeline itself gives, and so what the serving layers on
+  the same two cores take from it;
+* ``llama-cpp-server``: llama-cpp-python's own server (``python -m
+  llama_cpp.server``, the unsplit model, both threads). It serves one request
+  at a time; its default (``interrupt_requests``) ends a running stream early
+  whenever another request waits, so it runs with ``--interrupt_requests
+  False`` (it queues instead).
+
+For each server, each repetition and each concurrency level, the load
+generator (benchmarks.serve_load, the official ``openai`` async client) sends
+every prompt once, at most ``concurrency`` at a time, greedy and streamed, and
+records aggregate tokens/s, time to first token and inter-token latency. Each
+output is compared with the same server's at concurrency 1 (its solo run) and
+with llama-cpp-server's. Results: medians and ranges over the repetitions, and
+ratios: concurrency c over concurrency 1, and each server over
+llama-cpp-server at the same concurrency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from benchmarks.serve_load import DEFAULT_PROMPTS, LoadResult, run_load, start_llama_cpp_server, stop_server
+from stages.errors import SpecpipeError
+
+SERVERS = ("specpipe-2-stages", "specpipe-whole", "llama-cpp-server")
+IN_PROCESS = "specpipe-2-stages-no-http"
+START_SECONDS = 300.0
+CONTEXT = 1024
+
+
+class ServeBenchError(SpecpipeError):
+    """A server of the benchmark did not start or answer; the message is one line."""
+
+
+def start_specpipe_server(arguments: list[str], port: int, log_path: Path, *, api_key: str | None = None,
+                          deadline_seconds: float = START_SECONDS) -> subprocess.Popen:
+    """``orchestrate serve ARGUMENTS`` on 127.0.0.1:port (its own local Ray, no
+    dashboard), once it says it is serving; its output goes to log_path."""
+    command = [sys.executable, "-m", "orchestrator.cli", "serve", *arguments, "--port", str(port), "--no-dashboard"]
+    if api_key:
+        command += ["--api-key", api_key]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + deadline_seconds
+    while "serving" not in log_path.read_text(errors="replace"):
+        if process.poll() is not None or time.monotonic() > deadline:
+            stop_server(process)
+            tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
+            raise ServeBenchError(f"orchestrate serve did not start: {tail[0]}")
+        time.sleep(0.5)
+    return process
+
+
+def _model_name(port: int) -> str:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as reply:
+        return json.load(reply)["data"][0]["id"]
+
+
+def _start(server: str, stage_paths: list[str], whole_path: str, threads: int, port: int, workdir: Path):
+    if server == "specpipe-2-stages":
+        return start_specpipe_server(["--model-split", *stage_paths, "--threads", str(max(1, threads // 2)),
+                                      "--n-ctx", str(CONTEXT), "--max-sequences", "8"], port, workdir / f"{server}.log")
+    if server == "specpipe-whole":
+        return start_specpipe_server(["--model-split", whole_path, "--threads", str(threads), "--n-ctx", str(CONTEXT),
+                                      "--max-sequences", "8"], port, workdir / f"{server}.log")
+    try:
+        return start_llama_cpp_server(whole_path, port, threads, n_ctx=CONTEXT * 8,
+                                      extra_args=["--interrupt_requests", "False"], deadline_s=START_SECONDS)
+    except RuntimeError as error:
+        raise ServeBenchError(f"llama_cpp.server did not start: {str(error).splitlines()[0]}") from None
+
+
+def _summary(runs: list[LoadResult]) -> dict:
+    def spread(values: list[float]) -> dict:
+        return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+    return {
+        "tokens_per_second": spread([run.tokens_per_s for run in runs]),
+        "ttft_p50": spread([run.ttft_p50 for run in runs]), "ttft_p95": spread([run.ttft_p95 for run in runs]),
+        "itl_p50": spread([run.itl_p50 for run in runs]), "itl_p95": spread([run.itl_p95 for run in runs]),
+        "errors": sum(run.error_count for run in runs),
+        "truncated": sum(run.truncated_count for run in runs),
+        "tokens": sum(run.completion_tokens for run in runs),
+    }
+
+
+def run_serve_bench(stage_paths: list[str], whole_path: str, *, threads: int = 2,
+                    concurrencies: tuple[int, ...] = (1, 2, 4, 8), repetitions: int = 3, max_tokens: int = 64,
+                    prompts: list[str] | None = None, workdir: Path,
+                    progress: Callable[[int, int], None] | None = None) -> dict:
+    """Every server under every concurrency level; see the module docstring."""
+    prompts = list(prompts or DEFAULT_PROMPTS)
+    total = (len(SERVERS) + 1) * repetitions * len(concurrencies)
+    done = 0
+    runs: dict[str, dict[int, list[LoadResult]]] = {server: {level: [] for level in concurrencies} for server in SERVERS}
+
+    def step() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total)
+
+    runs[IN_PROCESS] = _in_process(stage_paths, prompts, concurrencies, repetitions, max_tokens, step)
+    for server in SERVERS:
+        port = _free_port()
+        process = _start(server, stage_paths, whole_path, threads, port, workdir)
+        try:
+            base_url, model = f"http://127.0.0.1:{port}/v1", _model_name(port)
+            # llama_cpp.server penalises repeats by default (1.1): greedy without it is the whole model's output
+            extra = {"repeat_penalty": 1.0} if server == "llama-cpp-server" else None
+            asyncio.run(run_load(base_url, model, prompts[:2], 2, 4, extra_body=extra))  # warm-up
+            for _ in range(repetitions):
+                for level in concurrencies:
+                    runs[server][level].append(
+                        asyncio.run(run_load(base_url, model, prompts, level, max_tokens, extra_body=extra)))
+                    step()
+        finally:
+            stop_server(process, timeout=60)
+    return _results(runs, concurrencies, repetitions, max_tokens, threads, prompts)
+
+
+def _in_process(stage_paths: list[str], prompts: list[str], concurrencies: tuple[int, ...], repetitions: int,
+                max_tokens: int, step: Callable[[], None]) -> dict[int, list[LoadResult]]:
+    """The service loop over the 2-stage pipeline in this process (a local Ray):
+    at most ``level`` requests submitted at a time, as the HTTP load generator does."""
+    import threading
+
+    from benchmarks.serve_load import RequestOutcome
+    from orchestrator.cluster import ray_session
+    from orchestrator.pipeline import Pipeline
+    from orchestrator.service import Progress, Service, ServiceRequest, ServiceSettings
+    from orchestrator.tokenizer import Tokenizer
+    from speculators.sampling import SamplingSettings
+    from stages.settings import StageSettings
+
+    tokenizer = Tokenizer(stage_paths[0])
+    runs: dict[int, list[LoadResult]] = {level: [] for level in concurrencies}
+    with ray_session(None), Pipeline(stage_paths, StageSettings(n_ctx=CONTEXT, sequences=max(concurrencies))) as pipeline:
+        for _ in range(repetitions):
+            for level in concurrencies:
+                service = Service(pipeline, tokenizer.is_end,
+                                  ServiceSettings(max_sequences=level, queue_limit=len(prompts), context=CONTEXT))
+                outcomes = [RequestOutcome(index, usage_received=True) for index in range(len(prompts))]
+                tokens: list[list[int]] = [[] for _ in prompts]
+                last = [0.0] * len(prompts)
+                ended = threading.Semaphore(0)
+
+                def sink(index: int, sent: float):
+                    def receive(progress: Progress) -> None:
+                        now = time.perf_counter()
+                        if progress.tokens:
+                            if not tokens[index]:
+                                outcomes[index].ttft_s = now - sent
+                            else:
+                                outcomes[index].itl_s.append(now - last[index])
+                            last[index] = now
+                            tokens[index].extend(progress.tokens)
+                        if progress.finished is not None:
+                            outcomes[index].total_s = now - sent
+                            outcomes[index].finish_reason = progress.finished
+                            outcomes[index].error = progress.error
+                            ended.release()
+                    return receive
+
+                def submit(index: int) -> None:
+                    request = ServiceRequest(tokenizer.tokenize(prompts[index]), max_tokens, SamplingSettings())
+                    service.submit(request, sink(index, time.perf_counter()))
+
+                started = time.perf_counter()
+                for index in range(min(level, len(prompts))):  # at most `level` at a time, as the HTTP client
+                    submit(index)
+                for index in range(len(prompts)):
+                    ended.acquire()
+                    if index + level < len(prompts):
+                        submit(index + level)
+                wall = time.perf_counter() - started
+                service.close(drain_seconds=1)
+                for outcome, produced in zip(outcomes, tokens):
+                    outcome.completion_tokens = len(produced)
+                    outcome.text = b"".join(tokenizer.piece(token) for token in produced).decode("utf-8", "replace")
+                runs[level].append(LoadResult(outcomes, wall, level))
+                step()
+    return runs
+
+
+def _results(runs: dict[str, dict[int, list[LoadResult]]], concurrencies: tuple[int, ...], repetitions: int,
+             max_tokens: int, threads: int, prompts: list[str]) -> dict:
+    baseline = "llama-cpp-server"
+    solo = {server: [outcome.text for outcome in levels[concurrencies[0]][0].outcomes] for server, levels in runs.items()}
+    rows = []
+    for server in (IN_PROCESS, *SERVERS):
+        levels = runs[server]
+        for level, level_runs in levels.items():
+            texts = [[outcome.text for outcome in run.outcomes] for run in level_runs]
+            rates = [run.tokens_per_s for run in level_runs]
+            first_rates = [run.tokens_per_s for run in levels[concurrencies[0]]]
+            baseline_rates = [run.tokens_per_s for run in runs[baseline][level]]
+            rows.append({
+                "server": server, "concurrency": level, **_summary(level_runs),
+                # the same repetition's runs paired: ratios within a repetition, then their median
+                "over_concurrency_1": statistics.median(rate / first for rate, first in zip(rates, first_rates)),
+                "over_llama_cpp_server": statistics.median(rate / other for rate, other in zip(rates, baseline_rates)),
+                "matches_solo": all(text == solo[server] for text in texts),
+                "matches_llama_cpp_server": all(text == solo[baseline] for text in texts),
+            })
+    return {"servers": [IN_PROCESS, *SERVERS], "concurrencies": list(concurrencies), "repetitions": repetitions,
+            "max_tokens": max_tokens, "threads": threads, "prompts": len(prompts), "rows": rows}
+
+
+def write_serve_results(results: dict, out_dir: Path) -> list[Path]:
+    """serve.json, serve.md (the table) and serve.png (tokens/s by concurrency), each written whole."""
+    import json
+
+    from orchestrator.output import write_whole
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / "serve.json", out_dir / "serve.md", out_dir / "serve.png"]
+    write_whole(paths[0], lambda path: path.write_text(json.dumps(results, indent=2)))
+    write_whole(paths[1], lambda path: path.write_text(serve_table(results)))
+    write_whole(paths[2], lambda path: _chart(results, path))
+    return paths
+
+
+def serve_table(results: dict) -> str:
+    lines = [
+        f"Command: `{results.get('command', 'orchestrate bench --serve')}`; {results['prompts']} prompts per run, "
+        f"max_tokens {results['max_tokens']}, greedy, streamed; {results['threads']} threads in all per server; "
+        f"median [min–max] over {results['repetitions']} repetitions.",
+        "",
+        "| server | concurrency | tokens/s | × concurrency 1 | × llama-cpp-server | TTFT p50 / p95 (s) "
+        "| ITL p50 / p95 (ms) | errors | same as solo | same as llama-cpp-server |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for row in results["rows"]:
+        rate = row["tokens_per_second"]
+        lines.append(
+            f"| {row['server']} | {row['concurrency']} | {rate['median']:.1f} [{rate['min']:.1f}–{rate['max']:.1f}] "
+            f"| {row['over_concurrency_1']:.2f} | {row['over_llama_cpp_server']:.2f} "
+            f"| {row['ttft_p50']['median']:.3f} / {row['ttft_p95']['median']:.3f} "
+            f"| {row['itl_p50']['median'] * 1e3:.1f} / {row['itl_p95']['median'] * 1e3:.1f} "
+            f"| {row['errors']} | {'yes' if row['matches_solo'] else 'NO'} "
+            f"| {'yes' if row['matches_llama_cpp_server'] else 'NO'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _chart(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for server in results["servers"]:
+        rows = [row for row in results["rows"] if row["server"] == server]
+        levels = [row["concurrency"] for row in rows]
+        medians = [row["tokens_per_second"]["median"] for row in rows]
+        lows = [row["tokens_per_second"]["median"] - row["tokens_per_second"]["min"] for row in rows]
+        highs = [row["tokens_per_second"]["max"] - row["tokens_per_second"]["median"] for row in rows]
+        axes.errorbar(levels, medians, yerr=[lows, highs], marker="o", capsize=3, label=server)
+    axes.set_xscale("log", base=2)
+    axes.set_xticks(results["concurrencies"], [str(level) for level in results["concurrencies"]])
+    axes.set_xlabel("concurrent requests")
+    axes.set_ylabel("aggregate generated tokens/s")
+    axes.set_title("orchestrate bench --serve (median, min–max)")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, format="png")
+    plt.close(figure)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

@@ -1,0 +1,339 @@
+"""What Ray Serve's HTTP proxy and streaming cost per streamed token.
+
+One FastAPI app, with no model work at all, served two ways side by side:
+
+* plain: uvicorn in a subprocess on 127.0.0.1 (the client runs alone in this
+  process, as it would against a real server, so the two share no GIL);
+* serve: a Ray Serve deployment with the same app as ingress
+  (``@serve.deployment`` + ``@serve.ingress``), behind Serve's HTTP proxy, on a
+  local ``ray.init(num_cpus=2)``.
+
+``POST /stream`` sends N server-sent events (``data: {"i": k, "t": ...}``, then
+``data: [DONE]``) from an async generator. ``t`` is the server's
+``time.perf_counter()`` when it yields the event (CLOCK_MONOTONIC, one clock
+for every process on a Linux machine), so the client also gets each event's
+delivery latency: arrival minus yield. Two pacings:
+
+* fast: ``await asyncio.sleep(0)`` between events, as fast as possible. Serve's
+  replica hands the proxy whatever ASGI messages have queued up in one batch,
+  so here it ships many events per hop: throughput, not per-token latency.
+* paced: ``await asyncio.sleep(pace)`` between events (``--pace-ms``, like a
+  model emitting a token every few ms): every event makes its own trip through
+  the proxy, and the extra delivery latency is Serve's cost per token.
+
+A stdlib ``http.client`` client on one keep-alive connection per mode reads
+the streams; the modes alternate within every repetition so drift hits both
+alike. Per mode and pacing, over the repetitions: median and range (min-max)
+of the mean time per event (whole stream / N), of the time to the first event,
+and of the median delivery latency per event; the server side's CPU time per
+event (the uvicorn process; for Serve every Ray process this run started:
+GCS, raylet, agents, controller, proxy, replica; the client excluded; from
+/proc/PID/task/TID/schedstat, so other load on the machine does not count),
+net of what those processes use when idle (measured for 3 s first);
+serve minus plain per event; plus the median round-trip of a non-streaming
+``POST /ping``. Linux only (/proc).
+
+    python -m benchmarks.serve_overhead [--tokens 200] [--repetitions 5] [--pace-ms 5] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import multiprocessing
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import click
+
+MODES = ("plain", "serve")
+PINGS = 50
+IDLE_S = 3.0  # how long the server side's idle CPU use is measured
+APP_NAME = "serve_overhead"
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+def build_app():
+    """The one FastAPI app both modes serve."""
+    import asyncio
+
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    app = FastAPI()
+
+    @app.post("/stream")
+    async def stream(body: dict) -> StreamingResponse:
+        tokens = int(body.get("tokens", 200))
+        pace = float(body.get("pace_ms", 0.0)) / 1e3
+
+        async def events():
+            for k in range(tokens):
+                yield f'data: {{"i": {k}, "t": {time.perf_counter()!r}}}\n\n'
+                await asyncio.sleep(pace)
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/ping")
+    async def ping() -> dict:
+        return {"ok": True}
+
+    return app
+
+
+def _serve_plain(port: int) -> None:
+    import uvicorn
+
+    uvicorn.run(build_app(), host="127.0.0.1", port=port, access_log=False, log_level="warning")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_ready(port: int, timeout: float) -> None:
+    """Poll ``/ping`` until it answers 200."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            connection.request("POST", "/ping", body=b"{}", headers=JSON_HEADERS)
+            status = connection.getresponse().status
+            connection.close()
+            if status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing answered on port {port} within {timeout} s")
+
+
+def _descendants(root: int) -> set[int]:
+    """Every live process below ``root`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _cpu_seconds(pids: set[int]) -> float:
+    """CPU time the live threads of ``pids`` have run (/proc/PID/task/TID/schedstat, in ns)."""
+    total = 0
+    for pid in pids:
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as schedstat:
+                    total += int(schedstat.read().split()[0])
+        except OSError:
+            continue
+    return total / 1e9
+
+
+def read_stream(connection: http.client.HTTPConnection, tokens: int, pace_ms: float) -> dict:
+    """Read one stream; its timings in seconds."""
+    body = json.dumps({"tokens": tokens, "pace_ms": pace_ms}).encode()
+    started = time.perf_counter()
+    connection.request("POST", "/stream", body=body, headers=JSON_HEADERS)
+    response = connection.getresponse()
+    if response.status != 200:
+        raise RuntimeError(f"/stream answered {response.status}: {response.read()[:200]!r}")
+    arrivals, sent = [], []
+    while True:
+        line = response.readline()
+        if not line:
+            raise RuntimeError("stream ended before [DONE]")
+        if line.startswith(b"data: "):
+            now = time.perf_counter()
+            if line.startswith(b"data: [DONE]"):
+                break
+            arrivals.append(now)
+            sent.append(json.loads(line[6:])["t"])
+    response.read()  # the chunked terminator, so the connection can be reused
+    if len(arrivals) != tokens:
+        raise RuntimeError(f"expected {tokens} events, got {len(arrivals)}")
+    return {
+        "per_event": (arrivals[-1] - started) / tokens,
+        "first_event": arrivals[0] - started,
+        "delivery": statistics.median(a - s for a, s in zip(arrivals, sent)),
+    }
+
+
+def ping_round_trip(connection: http.client.HTTPConnection) -> float:
+    started = time.perf_counter()
+    connection.request("POST", "/ping", body=b"{}", headers=JSON_HEADERS)
+    response = connection.getresponse()
+    response.read()
+    if response.status != 200:
+        raise RuntimeError(f"/ping answered {response.status}")
+    return time.perf_counter() - started
+
+
+def _summary(values: list[float]) -> dict:
+    """Median, min and max, in milliseconds."""
+    return {
+        "median_ms": statistics.median(values) * 1e3,
+        "min_ms": min(values) * 1e3,
+        "max_ms": max(values) * 1e3,
+    }
+
+
+def start_serve(port: int) -> float:
+    """Start Ray, Serve's proxy on ``port`` and the app; the seconds serve.run took."""
+    import ray
+    from ray import serve
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+
+    @serve.deployment
+    @serve.ingress(build_app())
+    class StreamIngress:
+        pass
+
+    started = time.perf_counter()
+    serve.run(StreamIngress.bind(), name=APP_NAME, route_prefix="/")
+    return time.perf_counter() - started
+
+
+def stop_serve() -> None:
+    import ray
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def measure(ports: dict[str, int], server_pids: dict[str, set[int]], tokens: int, repetitions: int,
+            pacings: dict[str, float]) -> dict:
+    connections = {mode: http.client.HTTPConnection("127.0.0.1", port, timeout=60) for mode, port in ports.items()}
+    for mode in MODES:  # warm-up
+        read_stream(connections[mode], tokens, 0.0)
+        for _ in range(5):
+            ping_round_trip(connections[mode])
+    idle_before = {mode: _cpu_seconds(server_pids[mode]) for mode in MODES}
+    time.sleep(IDLE_S)
+    idle_cores = {mode: (_cpu_seconds(server_pids[mode]) - idle_before[mode]) / IDLE_S for mode in MODES}
+    results = {"idle_cores": idle_cores}
+    for pacing, pace_ms in pacings.items():
+        runs = {mode: [] for mode in MODES}
+        busy = dict.fromkeys(MODES, 0.0)
+        for repetition in range(repetitions):
+            for mode in MODES if repetition % 2 == 0 else MODES[::-1]:
+                cpu_before, wall_before = _cpu_seconds(server_pids[mode]), time.perf_counter()
+                runs[mode].append(read_stream(connections[mode], tokens, pace_ms))
+                wall = time.perf_counter() - wall_before
+                busy[mode] += _cpu_seconds(server_pids[mode]) - cpu_before - idle_cores[mode] * wall
+        results[pacing] = {"pace_ms": pace_ms}
+        for mode in MODES:
+            results[pacing][mode] = {key: _summary([run[key] for run in runs[mode]]) for key in runs[mode][0]}
+            results[pacing][mode]["cpu_per_event_ms"] = busy[mode] / (tokens * repetitions) * 1e3
+        results[pacing]["serve_minus_plain_ms"] = {
+            key: statistics.median(s[key] - p[key] for s, p in zip(runs["serve"], runs["plain"])) * 1e3
+            for key in runs["serve"][0]
+        }
+        results[pacing]["serve_minus_plain_ms"]["cpu_per_event"] = (
+            results[pacing]["serve"]["cpu_per_event_ms"] - results[pacing]["plain"]["cpu_per_event_ms"])
+    pings = {mode: [] for mode in MODES}
+    for _ in range(PINGS):
+        for mode in MODES:
+            pings[mode].append(ping_round_trip(connections[mode]))
+    results["ping"] = {mode: _summary(pings[mode]) for mode in MODES}
+    results["ping"]["serve_minus_plain_ms"] = results["ping"]["serve"]["median_ms"] - results["ping"]["plain"]["median_ms"]
+    for connection in connections.values():
+        connection.close()
+    return results
+
+
+def table(results: dict, pacings: dict[str, float]) -> str:
+    def cell(summary: dict) -> str:
+        return f"{summary['median_ms']:.3f} ({summary['min_ms']:.3f}–{summary['max_ms']:.3f})"
+
+    lines = [
+        "| pacing | mode | ms per event (total / N) | first event ms | delivery latency ms | server CPU ms per event |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for pacing, pace_ms in pacings.items():
+        label = f"{pacing} ({pace_ms:g} ms)"
+        for mode in MODES:
+            r = results[pacing][mode]
+            lines.append(f"| {label} | {mode} | {cell(r['per_event'])} | {cell(r['first_event'])} "
+                         f"| {cell(r['delivery'])} | {r['cpu_per_event_ms']:.3f} |")
+        d = results[pacing]["serve_minus_plain_ms"]
+        lines.append(f"| {label} | serve − plain | {d['per_event']:+.3f} | {d['first_event']:+.3f} "
+                     f"| {d['delivery']:+.3f} | {d['cpu_per_event']:+.3f} |")
+    ping = results["ping"]
+    idle = results["idle_cores"]
+    lines += [
+        "",
+        f"Server CPU per event is net of idle use: plain {idle['plain'] * 100:.1f} % of a core, "
+        f"serve (all Ray processes) {idle['serve'] * 100:.1f} % of a core.",
+        "",
+        "| non-streaming POST /ping | plain | serve | serve − plain |",
+        "| --- | --- | --- | --- |",
+        f"| round-trip ms | {cell(ping['plain'])} | {cell(ping['serve'])} | {ping['serve_minus_plain_ms']:+.3f} |",
+    ]
+    return "\n".join(lines)
+
+
+@click.command()
+@click.option("--tokens", default=200, show_default=True, type=click.IntRange(1), help="Events per stream.")
+@click.option("--repetitions", default=5, show_default=True, type=click.IntRange(1))
+@click.option("--pace-ms", default=5.0, show_default=True, type=click.FloatRange(0),
+              help="Gap between events in the paced run, like a model's time per token.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Also write the numbers here.")
+def main(tokens: int, repetitions: int, pace_ms: float, json_path: Path | None) -> None:
+    pacings = {"fast": 0.0, "paced": pace_ms}
+    ports = {"plain": _free_port(), "serve": _free_port()}
+    plain = multiprocessing.get_context("spawn").Process(target=_serve_plain, args=(ports["plain"],), daemon=True)
+    plain.start()
+    ray_started = False
+    try:
+        _wait_ready(ports["plain"], timeout=30)
+        ray_started = True
+        serve_run_s = start_serve(ports["serve"])
+        _wait_ready(ports["serve"], timeout=60)
+        plain_pids = {plain.pid} | _descendants(plain.pid)
+        server_pids = {"plain": plain_pids, "serve": _descendants(os.getpid()) - plain_pids}
+        results = measure(ports, server_pids, tokens, repetitions, pacings)
+    finally:
+        if ray_started:
+            stop_serve()
+        plain.terminate()
+        plain.join(timeout=10)
+    results["config"] = {
+        "tokens": tokens,
+        "repetitions": repetitions,
+        "pace_ms": pace_ms,
+        "pings": PINGS,
+        "serve_run_s": serve_run_s,
+        "python": sys.version.split()[0],
+    }
+    click.echo(f"{tokens} events per stream, {repetitions} repetitions, {PINGS} pings; "
+               f"median (min–max) over repetitions; serve.run took {serve_run_s:.1f} s")
+    click.echo(table(results, pacings))
+    if json_path:
+        json_path.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
