@@ -249,7 +249,13 @@ def serve_until_stopped(settings: ServeSettings, on_status: Callable[[str], None
 
 
 def _run_application(settings: ServeSettings, on_status: Callable[[str], None], stop: threading.Event) -> None:
+    import logging
+
     from ray import serve
+
+    # Serve logs every step at INFO on the console; this command prints its own
+    # (Serve's own logs stay in /tmp/ray/session_latest/logs/serve/).
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
 
     on_status(f"starting {len(settings.stage_paths)} stages and the service "
               f"({settings.stage.sequences} sequences of {settings.stage.n_ctx} tokens)...")
