@@ -103,7 +103,10 @@ class SocketChain:
     def await_boundary(self, stage_index: int) -> int:
         """Block until the next pass has left stage ``stage_index``; return its id
         (needs boundary notices). receive() consumes notices not awaited."""
-        notice = wire.receive_message(self._boundaries[stage_index])
+        try:
+            notice = wire.receive_message(self._boundaries[stage_index])
+        except wire.ProtocolError as error:
+            raise PipelineError(f"stage {stage_index} sent a bad boundary notice: {error}") from None
         if not isinstance(notice, Boundary) or notice.pass_id != self._boundary_seen[stage_index] + 1:
             raise PipelineError(f"stage {stage_index} reported {notice} after pass {self._boundary_seen[stage_index]}")
         self._boundary_seen[stage_index] = notice.pass_id
@@ -121,7 +124,10 @@ class SocketChain:
         for stage_index in range(len(self._boundaries)):
             while self._boundary_seen[stage_index] < entry.pass_id:
                 self.await_boundary(stage_index)
-        reply = wire.receive_message(self._from_last)
+        try:
+            reply = wire.receive_message(self._from_last)
+        except wire.ProtocolError as error:
+            raise PipelineError(f"the last stage (stage {self.stage_count - 1}) sent a bad frame: {error}") from None
         if isinstance(reply, StageFailure):
             raise PipelineError(f"stage {reply.stage_index} failed: {reply.message}")
         if not isinstance(reply, PassResult) or reply.pass_id != entry.pass_id:

@@ -77,7 +77,7 @@ class DrafterServer:
             while True:
                 try:
                     message = wire.receive_message(connection)
-                except (wire.ConnectionClosed, OSError):
+                except (wire.ConnectionClosed, wire.ProtocolError, OSError):  # a bad frame: the peer is out of step
                     return
                 if isinstance(message, SpeculateFrom):
                     self._start(message)

@@ -105,7 +105,7 @@ class DrafterClient:
             self._sock.settimeout(DRAFTER_REPLY_SECONDS)
             reply = wire.receive_message(self._sock)
             self._sock.settimeout(None)
-        except (OSError, wire.ConnectionClosed) as error:
+        except (OSError, wire.ConnectionClosed, wire.ProtocolError) as error:
             self._lose(f"no reply: {error or type(error).__name__}")
             return []
         if not isinstance(reply, DraftReply) or reply.epoch != self._epoch:

@@ -12,7 +12,9 @@ Every message declares its own wire form, so adding one touches only this file:
 array)`` builds it back from them. Small int32 arrays ride inside the header as
 bytes; the large array (hidden states, logits, a drafting context) is framed
 raw by ``orchestrator.wire``. ``MESSAGE_TYPES`` lists every message class; the
-wire decodes by it.
+wire decodes by it. ``from_wire`` checks every field's type, and the lengths
+and shapes that must agree, before building a message: a violation is one
+``ProtocolError`` naming the field.
 """
 
 from __future__ import annotations
@@ -22,8 +24,15 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from stages.errors import SpecpipeError
+
 WireHeader = dict[str, Any]
 """A message's msgpack header entries, without the ``kind`` and ``array`` entries of the frame."""
+
+
+class ProtocolError(SpecpipeError):
+    """A frame or message that breaks the protocol: the message names the field.
+    Nothing on the network is trusted: every received field is checked before use."""
 
 
 def _int32_bytes(array: np.ndarray | None) -> bytes | None:
@@ -31,9 +40,59 @@ def _int32_bytes(array: np.ndarray | None) -> bytes | None:
     return None if array is None else np.ascontiguousarray(array, dtype=np.int32).tobytes()
 
 
-def _int32_array(data: bytes | None) -> np.ndarray | None:
-    """Header bytes back as a (read-only) int32 array (None stays None)."""
-    return None if data is None else np.frombuffer(data, dtype=np.int32)
+def _int32_array(header: WireHeader, name: str, *, optional: bool = False) -> np.ndarray | None:
+    """Header bytes back as a (read-only) int32 array (None stays None where optional)."""
+    data = header.get(name)
+    if data is None and optional:
+        return None
+    if not isinstance(data, bytes) or len(data) % 4:
+        raise ProtocolError(f"{name}: expected int32 bytes, got {type(data).__name__}"
+                            + (f" of {len(data)} bytes" if isinstance(data, bytes) else ""))
+    return np.frombuffer(data, dtype="<i4")
+
+
+def _integer(header: WireHeader, name: str, low: int = 0) -> int:
+    value = header.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ProtocolError(f"{name}: expected an integer >= {low}, got {value!r:.40}")
+    return value
+
+
+def _number(header: WireHeader, name: str) -> float:
+    value = header.get(name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) or value < 0:
+        raise ProtocolError(f"{name}: expected seconds (a finite number >= 0), got {value!r:.40}")
+    return float(value)
+
+
+def _text(header: WireHeader, name: str) -> str:
+    value = header.get(name)
+    if not isinstance(value, str):
+        raise ProtocolError(f"{name}: expected text, got {type(value).__name__}")
+    return value
+
+
+def _flag(header: WireHeader, name: str) -> bool:
+    value = header.get(name)
+    if not isinstance(value, bool):
+        raise ProtocolError(f"{name}: expected true or false, got {value!r:.40}")
+    return value
+
+
+def _seconds(header: WireHeader, name: str) -> tuple[float, ...]:
+    values = header.get(name)
+    if not isinstance(values, list) or len(values) > 4096:
+        raise ProtocolError(f"{name}: expected a list of seconds, got {type(values).__name__}")
+    return tuple(_number({name: value}, name) for value in values)
+
+
+def _array(array: np.ndarray | None, name: str, rank: int, dtypes: tuple[str, ...], optional: bool = False):
+    if array is None and optional:
+        return None
+    if array is None or array.ndim != rank or array.dtype.str not in dtypes:
+        described = "none" if array is None else f"{array.dtype.str}{list(array.shape)}"
+        raise ProtocolError(f"{name}: expected a rank-{rank} array of {'/'.join(dtypes)}, got {described}")
+    return array
 
 
 @dataclass(frozen=True)
@@ -79,15 +138,30 @@ class StageBatch:
 
     @classmethod
     def from_wire(cls, header: WireHeader, array: np.ndarray | None) -> StageBatch:
+        positions = _int32_array(header, "positions")
+        rows = _int32_array(header, "rows")
+        tokens = _int32_array(header, "tokens", optional=True)
+        hidden = _array(array, "hidden", 2, ("<f4", "<f2"), optional=True)
+        count = len(positions)  # type: ignore[arg-type]
+        if tokens is not None and len(tokens) != count:
+            raise ProtocolError(f"tokens: {len(tokens)} for {count} positions")
+        if hidden is not None and hidden.shape[0] != count:
+            raise ProtocolError(f"hidden: {hidden.shape[0]} rows for {count} positions")
+        if (tokens is None) == (hidden is None):
+            raise ProtocolError("a batch carries exactly one of tokens and hidden")
+        if len(rows) and (rows.min() < 0 or rows.max() >= count):  # type: ignore[union-attr]
+            raise ProtocolError(f"rows: outside the batch's {count} rows")
+        if count and (positions.min() < 0):  # type: ignore[union-attr]
+            raise ProtocolError("positions: negative")
         return cls(
-            pass_id=header["pass"],
-            sequence=header["sequence"],
-            keep=header["keep"],
-            positions=_int32_array(header["positions"]),  # type: ignore[arg-type]
-            logit_rows=_int32_array(header["rows"]),  # type: ignore[arg-type]
-            tokens=_int32_array(header["tokens"]),
-            hidden=array,
-            stage_seconds=tuple(header["seconds"]),
+            pass_id=_integer(header, "pass"),
+            sequence=_integer(header, "sequence"),
+            keep=_integer(header, "keep"),
+            positions=positions,  # type: ignore[arg-type]
+            logit_rows=rows,  # type: ignore[arg-type]
+            tokens=tokens,
+            hidden=hidden,
+            stage_seconds=_seconds(header, "seconds"),
         )
 
 
@@ -112,7 +186,8 @@ class PassResult:
 
     @classmethod
     def from_wire(cls, header: WireHeader, array: np.ndarray | None) -> PassResult:
-        return cls(pass_id=header["pass"], logits=array, stage_seconds=tuple(header["seconds"]))  # type: ignore[arg-type]
+        logits = _array(array, "logits", 2, ("<f4",))
+        return cls(pass_id=_integer(header, "pass"), logits=logits, stage_seconds=_seconds(header, "seconds"))
 
 
 @dataclass(frozen=True)
@@ -130,7 +205,8 @@ class StageFailure:
 
     @classmethod
     def from_wire(cls, header: WireHeader, array: np.ndarray | None) -> StageFailure:
-        return cls(pass_id=header["pass"], stage_index=header["stage"], message=header["message"])
+        return cls(pass_id=_integer(header, "pass"), stage_index=_integer(header, "stage"),
+                   message=_text(header, "message")[:2000])
 
 
 @dataclass(frozen=True)
@@ -162,7 +238,7 @@ class Boundary:
 
     @classmethod
     def from_wire(cls, header: WireHeader, array: np.ndarray | None) -> Boundary:
-        return cls(pass_id=header["pass"], stage_index=header["stage"])
+        return cls(pass_id=_integer(header, "pass"), stage_index=_integer(header, "stage"))
 
 
 @dataclass(frozen=True)
@@ -186,7 +262,7 @@ class SpeculateFrom:
 
     @classmethod
     def from_wire(cls, header: WireHeader, array: np.ndarray | None) -> SpeculateFrom:
-        return cls(epoch=header["epoch"], context=array)  # type: ignore[arg-type]
+        return cls(epoch=_integer(header, "epoch"), context=_array(array, "context", 1, ("<i4",)))
 
 
 @dataclass(frozen=True)
@@ -206,7 +282,7 @@ class CollectDraft:
 
     @classmethod
     def from_wire(cls, header: WireHeader, array: np.ndarray | None) -> CollectDraft:
-        return cls(epoch=header["epoch"], wait=header["wait"])
+        return cls(epoch=_integer(header, "epoch"), wait=_flag(header, "wait"))
 
 
 @dataclass(frozen=True)
@@ -231,10 +307,10 @@ class DraftReply:
     @classmethod
     def from_wire(cls, header: WireHeader, array: np.ndarray | None) -> DraftReply:
         return cls(
-            epoch=header["epoch"],
-            tokens=_int32_array(header["tokens"]),  # type: ignore[arg-type]
-            busy_seconds=header["busy"],
-            error=header["error"],
+            epoch=_integer(header, "epoch"),
+            tokens=_int32_array(header, "tokens"),  # type: ignore[arg-type]
+            busy_seconds=_number(header, "busy"),
+            error=_text(header, "error")[:2000],
         )
 
 

@@ -91,8 +91,15 @@ class StageServer:
                     message = wire.receive_message(upstream)
                 except wire.ConnectionClosed:
                     return
+                except wire.ProtocolError as error:  # out of step with upstream: report it and stop
+                    wire.send_message(downstream, StageFailure(0, self.engine.stage_index,
+                                                               f"a bad frame from upstream: {error}"))
+                    return
                 if isinstance(message, StageBatch):
                     message = self.run_pass(message)
+                elif not isinstance(message, (Shutdown, StageFailure)):
+                    message = StageFailure(0, self.engine.stage_index,
+                                           f"upstream sent {type(message).__name__}, not a batch")
                 wire.send_message(downstream, message)
                 if isinstance(message, Shutdown):
                     return
@@ -120,6 +127,8 @@ class StageServer:
                                        sequence=batch.sequence, logit_rows=batch.logit_rows)
         except StageError as error:
             return StageFailure(batch.pass_id, engine.stage_index, str(error))
+        except Exception as error:  # never a silent thread death: the coordinator hears why
+            return StageFailure(batch.pass_id, engine.stage_index, f"{type(error).__name__}: {error}")
         seconds = time.perf_counter() - started
         self.busy_seconds += seconds
         self.passes += 1

@@ -11,7 +11,10 @@ entry ``[dtype, shape]``, written with one ``sendmsg`` from the array's own
 memory and read with ``recv_into`` straight into a new array: no copy through
 Python objects. Measured on these machines: a msgpack header plus a raw frame
 costs microseconds whatever the size, while packing ``tobytes()`` into msgpack
-swings up to milliseconds (shared/design/ray.md).
+swings up to milliseconds (shared/design/ray.md). Nothing received is
+trusted: the header's size, the array's dtype, rank and size are checked
+before anything is allocated, and every message's fields by its ``from_wire``
+(``ProtocolError``).
 """
 
 from __future__ import annotations
@@ -22,9 +25,17 @@ import struct
 import msgpack
 import numpy as np
 
-from orchestrator.messages import MESSAGE_TYPES, Message
+from orchestrator.messages import MESSAGE_TYPES, Message, ProtocolError
 
 _LENGTH = struct.Struct("!I")
+
+# What a received frame may be; anything else is a ProtocolError before any
+# allocation it asks for. The largest header is a StageBatch of n_batch (512)
+# tokens: three int32 arrays, about 6 KiB. The largest array is a batch's
+# hidden states, n_batch x n_embd float32: 32 MiB for a 405B model's 16384.
+MAX_HEADER_BYTES = 64 * 1024
+MAX_ARRAY_BYTES = 256 * 1024 * 1024
+ARRAY_DTYPES = ("<f4", "<f2", "<i4")  # little-endian float32, float16, int32: never object or structured
 
 MESSAGE_CLASS_BY_KIND: dict[str, type[Message]] = {message_class.KIND: message_class for message_class in MESSAGE_TYPES}
 """Which class a received header's ``kind`` names."""
@@ -72,24 +83,49 @@ def _receive_exactly(sock: socket.socket, buffer: memoryview) -> None:
 
 
 def receive_message(sock: socket.socket) -> Message:
+    """The next message; a frame that breaks the protocol raises ProtocolError
+    (the connection is then out of step: close it), a closed one ConnectionClosed."""
     length_bytes = bytearray(_LENGTH.size)
     _receive_exactly(sock, memoryview(length_bytes))
     (length,) = _LENGTH.unpack(length_bytes)
+    if length > MAX_HEADER_BYTES:
+        raise ProtocolError(f"a header of {length} bytes (at most {MAX_HEADER_BYTES})")
     packed = bytearray(length)
     _receive_exactly(sock, memoryview(packed))
-    header = msgpack.unpackb(packed, raw=False)
+    try:
+        header = msgpack.unpackb(packed, raw=False, strict_map_key=True)
+    except Exception as error:  # msgpack raises several types for malformed input
+        raise ProtocolError(f"a header that is not msgpack ({type(error).__name__})") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(f"a header that is a {type(header).__name__}, not a map")
     kind = header.pop("kind", None)
-    array_description = header.pop("array", None)
-    array: np.ndarray | None = None
-    if array_description is not None:
-        dtype, shape = array_description
-        array = np.empty(shape, dtype=np.dtype(dtype))
-        if array.nbytes:
-            _receive_exactly(sock, memoryview(array).cast("B"))
-    message_class = MESSAGE_CLASS_BY_KIND.get(kind)
+    message_class = MESSAGE_CLASS_BY_KIND.get(kind) if isinstance(kind, str) else None
     if message_class is None:
-        raise ValueError(f"unknown message kind {kind!r} (known kinds: {', '.join(MESSAGE_CLASS_BY_KIND)})")
-    return message_class.from_wire(header, array)
+        raise ProtocolError(f"unknown message kind {kind!r:.40} (known kinds: {', '.join(MESSAGE_CLASS_BY_KIND)})")
+    array = _receive_array(sock, header.pop("array", None))
+    try:
+        return message_class.from_wire(header, array)
+    except ProtocolError as error:
+        raise ProtocolError(f"{kind}: {error}") from None
+    except (KeyError, TypeError, ValueError, OverflowError) as error:  # a check from_wire missed: still one error
+        raise ProtocolError(f"{kind}: malformed ({type(error).__name__}: {error})") from None
+
+
+def _receive_array(sock: socket.socket, description) -> np.ndarray | None:
+    """The frame's raw array, after checking its description [dtype, shape]."""
+    if description is None:
+        return None
+    if not (isinstance(description, list) and len(description) == 2 and description[0] in ARRAY_DTYPES
+            and isinstance(description[1], list) and 1 <= len(description[1]) <= 2
+            and all(isinstance(size, int) and not isinstance(size, bool) and size >= 0 for size in description[1])):
+        raise ProtocolError(f"array: expected [dtype in {ARRAY_DTYPES}, a shape of rank 1 or 2], got {description!r:.80}")
+    dtype, shape = np.dtype(description[0]), description[1]
+    if dtype.itemsize * int(np.prod(shape, dtype=object)) > MAX_ARRAY_BYTES:
+        raise ProtocolError(f"array: {shape} of {dtype.str} is more than {MAX_ARRAY_BYTES} bytes")
+    array = np.empty(shape, dtype=dtype)
+    if array.nbytes:
+        _receive_exactly(sock, memoryview(array).cast("B"))
+    return array
 
 
 def listen(host: str) -> socket.socket:

@@ -186,6 +186,10 @@ class StageEngine:
             raise StageError(f"hidden states of shape {hidden.shape}, expected {(n_tokens, self.n_embd)}")
         if not 0 <= sequence < self.sequences:
             raise StageError(f"sequence {sequence} is not one of the stage's {self.sequences}")
+        if tokens is not None and (int(np.min(tokens)) < 0 or int(np.max(tokens)) >= self.n_vocab):
+            raise StageError(f"a token id outside the vocabulary of {self.n_vocab}")
+        if int(np.min(positions)) < 0:
+            raise StageError("a negative position")
         if int(positions[-1]) >= self.n_ctx:
             raise StageError(f"position {int(positions[-1])} is beyond the context of {self.n_ctx} tokens")
         if logit_rows is None:
@@ -224,6 +228,8 @@ class StageEngine:
         logits = np.empty((len(logit_rows), self.n_vocab), dtype=np.float32)
         for out_row, batch_row in enumerate(logit_rows):
             pointer = llama_cpp.llama_get_logits_ith(self._context, int(batch_row))
+            if not pointer:
+                raise StageError(f"stage {self.stage_index}: no logits for row {int(batch_row)}")
             ctypes.memmove(logits[out_row].ctypes.data, pointer, 4 * self.n_vocab)
         return logits
 

@@ -7,6 +7,8 @@ import struct
 import threading
 import typing
 
+import hypothesis
+import hypothesis.strategies as st
 import msgpack
 import numpy as np
 import pytest
@@ -174,7 +176,7 @@ def test_unknown_kind_is_refused_by_name():
     with sending, receiving:
         header = msgpack.packb({"kind": "gossip", "pass": 1}, use_bin_type=True)
         sending.sendall(struct.pack("!I", len(header)) + header)
-        with pytest.raises(ValueError, match="unknown message kind 'gossip'"):
+        with pytest.raises(wire.ProtocolError, match="unknown message kind 'gossip'"):
             wire.receive_message(receiving)
 
 
@@ -183,3 +185,110 @@ def test_only_messages_can_be_sent():
     with sending, receiving:
         with pytest.raises(TypeError, match="cannot send dict"):
             wire.send_message(sending, {"kind": "shutdown"})  # type: ignore[arg-type]
+
+
+def frame(header, payload: bytes = b"") -> bytes:
+    packed = msgpack.packb(header, use_bin_type=True) if not isinstance(header, bytes) else header
+    return struct.pack("!I", len(packed)) + packed + payload
+
+
+def receive_raw(data: bytes):
+    """What receive_message makes of these bytes, then the peer closing."""
+    sending, receiving = socket_pair()
+    with sending, receiving:
+        sender = threading.Thread(target=lambda: (sending.sendall(data), sending.shutdown(socket.SHUT_WR)))
+        sender.start()
+        try:
+            return wire.receive_message(receiving)
+        finally:
+            sender.join()
+
+
+def int32(*values) -> bytes:
+    return np.array(values, np.int32).tobytes()
+
+
+BATCH = {"kind": "batch", "pass": 1, "sequence": 0, "keep": 0, "positions": int32(0, 1), "rows": int32(1),
+         "tokens": int32(5, 6), "seconds": []}
+
+
+@pytest.mark.parametrize("data, message", [
+    (struct.pack("!I", 2**32 - 1), "a header of 4294967295 bytes"),
+    (frame(b"\xc1\xc1"), "not msgpack"),
+    (frame([1, 2]), "a header that is a list, not a map"),
+    (frame({"kind": 7}), "unknown message kind 7"),
+    (frame({"kind": "result", "pass": 1, "seconds": [], "array": ["|O", [2]]}), "array: expected [dtype"),
+    (frame({"kind": "result", "pass": 1, "seconds": [], "array": ["<f4", [1, 2, 3]]}), "array: expected [dtype"),
+    (frame({"kind": "result", "pass": 1, "seconds": [], "array": ["<f4", [-1]]}), "array: expected [dtype"),
+    (frame({"kind": "result", "pass": 1, "seconds": [], "array": ["<f4", [2**31, 2**31]]}), "is more than"),
+    (frame({"kind": "result", "pass": 1, "seconds": [], "array": [">f4", [1, 1]]}, b"\0" * 4), "array: expected"),
+    (frame({"kind": "result", "pass": "one", "seconds": [], "array": ["<f4", [1, 1]]}, b"\0" * 4),
+     "result: pass: expected an integer"),
+    (frame({"kind": "result", "pass": 1, "seconds": [], "array": ["<f4", [4]]}, b"\0" * 16),
+     "logits: expected a rank-2 array"),
+    (frame({"kind": "result", "pass": 1, "seconds": [float("nan")], "array": ["<f4", [1, 1]]}, b"\0" * 4),
+     "seconds: expected seconds"),
+    (frame({**BATCH, "tokens": int32(5)}), "tokens: 1 for 2 positions"),
+    (frame({**BATCH, "rows": int32(2)}), "rows: outside the batch's 2 rows"),
+    (frame({**BATCH, "positions": b"\0\0\0"}), "positions: expected int32 bytes"),
+    (frame({**BATCH, "tokens": None}), "exactly one of tokens and hidden"),
+    (frame({**BATCH, "keep": -1}), "keep: expected an integer >= 0"),
+    (frame({**BATCH, "array": ["<f4", [3, 4]]}, b"\0" * 48), "hidden: 3 rows for 2 positions"),
+    (frame({k: v for k, v in BATCH.items() if k != "sequence"}), "sequence: expected an integer"),
+    (frame({"kind": "collect", "epoch": 1, "wait": "yes"}), "wait: expected true or false"),
+    (frame({"kind": "speculate", "epoch": 1, "array": ["<f4", [3]]}, b"\0" * 12), "context: expected"),
+    (frame({"kind": "failure", "pass": 1, "stage": 0, "message": b"bytes"}), "message: expected text"),
+])
+def test_a_frame_that_breaks_the_protocol_is_one_protocol_error_naming_the_field(data, message):
+    with pytest.raises(wire.ProtocolError) as caught:
+        receive_raw(data)
+    assert message in str(caught.value)
+
+
+def encoded(message: Message) -> bytes:
+    """The bytes send_message writes for a message."""
+    sending, receiving = socket_pair()
+    chunks = []
+    with sending, receiving:
+        reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: receiving.recv(1 << 20), b"")))
+        reader.start()
+        wire.send_message(sending, message)
+        sending.shutdown(socket.SHUT_WR)
+        reader.join()
+    return b"".join(chunks)
+
+
+VALID_FRAMES = [encoded(example) for example in EXAMPLES if not isinstance(example, PassResult)] + [
+    encoded(PassResult(1, np.ones((2, 8), np.float32), (0.5,)))]
+
+
+@hypothesis.settings(max_examples=2000, deadline=None, suppress_health_check=[hypothesis.HealthCheck.too_slow])
+@hypothesis.given(st.data())
+def test_fuzzed_frames_end_in_one_of_two_errors(data):
+    """Valid frames of every kind, bytes flipped, cut, spliced or appended:
+    each decodes, or ends in ProtocolError or ConnectionClosed: nothing else."""
+    frame_bytes = bytearray(data.draw(st.sampled_from(VALID_FRAMES)))
+    for _ in range(data.draw(st.integers(1, 4))):
+        operation = data.draw(st.sampled_from(["flip", "cut", "splice", "append"]))
+        at = data.draw(st.integers(0, max(0, len(frame_bytes) - 1)))
+        if operation == "flip" and frame_bytes:
+            frame_bytes[at] = data.draw(st.integers(0, 255))
+        elif operation == "cut":
+            del frame_bytes[at:]
+        elif operation == "splice":
+            frame_bytes[at:at] = data.draw(st.binary(min_size=1, max_size=16))
+        else:
+            frame_bytes += data.draw(st.binary(max_size=64))
+    try:
+        receive_raw(bytes(frame_bytes))
+    except (wire.ProtocolError, wire.ConnectionClosed):
+        pass
+
+
+@hypothesis.settings(max_examples=500, deadline=None)
+@hypothesis.given(st.binary(max_size=256))
+def test_random_bytes_end_in_one_of_two_errors(data):
+    try:
+        receive_raw(data)
+    except (wire.ProtocolError, wire.ConnectionClosed):
+        pass

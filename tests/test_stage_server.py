@@ -1,0 +1,89 @@
+"""A live stage server (the real first stage of SmolLM2, no Ray) fed frames it
+must refuse: each refusal reaches downstream as one StageFailure naming why,
+never a crash or a silent thread death."""
+
+from __future__ import annotations
+
+import struct
+
+import msgpack
+import numpy as np
+import pytest
+
+from orchestrator import wire
+from orchestrator.messages import StageBatch, StageFailure
+from orchestrator.stage_server import StageServer
+from stages.settings import StageSettings
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture
+def stage(splits):
+    """(server, upstream socket to it, downstream socket from it)."""
+    server = StageServer(splits[2][0], StageSettings(n_ctx=64, n_batch=16), "127.0.0.1", "node")
+    listener = wire.listen("127.0.0.1")
+    listener.settimeout(30)
+    server.connect_downstream(*listener.getsockname())
+    downstream, _ = listener.accept()
+    downstream.settimeout(30)
+    upstream = wire.connect("127.0.0.1", server.description.port)
+    yield server, upstream, downstream
+    upstream.close()
+    downstream.close()
+    listener.close()
+    server._thread.join(timeout=30)
+
+
+def encoded(message) -> bytes:
+    fields, _ = message.to_wire()
+    header = msgpack.packb({"kind": message.KIND, **fields}, use_bin_type=True)
+    return struct.pack("!I", len(header)) + header
+
+
+def batch(tokens, positions=None, sequence=0) -> StageBatch:
+    tokens = np.asarray(tokens, np.int32)
+    positions = np.arange(len(tokens), dtype=np.int32) if positions is None else np.asarray(positions, np.int32)
+    return StageBatch(1, 0, positions, np.array([len(tokens) - 1], np.int32), tokens=tokens, sequence=sequence)
+
+
+@pytest.mark.parametrize("bad, reason", [
+    (batch([1, 2, 10**6]), "a token id outside the vocabulary"),
+    (batch([1, 2], sequence=3), "sequence 3 is not one of the stage's 1"),
+    (batch(list(range(1, 20))), "batch of 19 tokens (allowed 1..16)"),
+    (batch([1, 2], positions=[5000, 5001]), "position 5001 is beyond the context of"),
+])
+def test_a_batch_the_stage_cannot_run_fails_that_pass_and_the_stage_goes_on(stage, bad, reason):
+    server, upstream, downstream = stage
+    wire.send_message(upstream, bad)
+    failure = wire.receive_message(downstream)
+    assert isinstance(failure, StageFailure) and reason in failure.message and failure.stage_index == 0
+    wire.send_message(upstream, batch([1, 2, 3]))  # and it still serves
+    hidden = wire.receive_message(downstream)
+    assert isinstance(hidden, StageBatch) and hidden.hidden.shape == (3, 576)
+
+
+@pytest.mark.parametrize("raw, reason", [
+    (b"\x00\x00\x00\x02\xc1\xc1", "not msgpack"),
+    (struct.pack("!I", 2**31), "a header of 2147483648 bytes"),
+    (None, "exactly one of tokens and hidden"),
+    ("negative", "positions: negative"),
+])
+def test_a_bad_frame_is_reported_downstream_and_the_stage_stops(stage, raw, reason):
+    server, upstream, downstream = stage
+    if raw == "negative":
+        raw = encoded(batch([1, 2], positions=[-3, -2]))
+    if raw is None:  # a well-formed frame whose fields disagree
+        header = msgpack.packb({"kind": "batch", "pass": 1, "sequence": 0, "keep": 0, "positions": b"",
+                                "rows": b"", "tokens": None, "seconds": []}, use_bin_type=True)
+        raw = struct.pack("!I", len(header)) + header
+    upstream.sendall(raw)
+    failure = wire.receive_message(downstream)
+    assert isinstance(failure, StageFailure) and "a bad frame from upstream" in failure.message
+    assert reason in failure.message
+    server._thread.join(timeout=30)
+    assert not server._thread.is_alive()
+    with pytest.raises((wire.ConnectionClosed, OSError)):
+        downstream.settimeout(5)
+        if downstream.recv(1) == b"":
+            raise wire.ConnectionClosed("closed")
