@@ -96,7 +96,8 @@ def split(model: Path, outputs: tuple[Path, ...], boundaries: str | None, only: 
 @main.command("verify-split")
 @click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
 @click.argument("stage_files", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--threads", default=1, show_default=True, help="Threads per stage.")
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(1, defaults.MAX_THREADS),
+              help="Threads per stage.")
 @one_line_errors
 def verify_split(model: Path, stage_files: tuple[Path, ...], threads: int) -> None:
     """Run a probe prompt through MODEL and through STAGE_FILES; exit 1 unless the logits are identical."""
@@ -126,8 +127,10 @@ def verify_split(model: Path, stage_files: tuple[Path, ...], threads: int) -> No
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--address", help="Ray cluster to use ('auto' honours RAY_ADDRESS); default: start a local Ray.")
 @click.option("--place", help="Stage placement, e.g. '0=10.0.0.1,1=10.0.0.2' (node address or id).")
-@click.option("--threads", default=1, show_default=True, type=click.IntRange(1), help="Threads per stage.")
-@click.option("--n-ctx", default=DEFAULT_CONTEXT, show_default=True, type=click.IntRange(16), help="Context per stage.")
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(1, defaults.MAX_THREADS),
+              help="Threads per stage.")
+@click.option("--n-ctx", default=DEFAULT_CONTEXT, show_default=True, type=click.IntRange(16, defaults.MAX_CONTEXT),
+              help="Context per stage.")
 @click.option("--n-gpu-layers", default=0, show_default=True, type=click.IntRange(0))
 @click.option("--wire-dtype", type=click.Choice(["f32", "f16"]), default="f32", show_default=True,
               help="Activations between stages; f16 halves traffic but is LOSSY (output may differ from the whole model).")
@@ -156,12 +159,19 @@ def run(files, model_split, prompt, prompt_file, chat, max_tokens, temperature, 
 
     if speculator == "model" and not draft_path:
         raise click.UsageError("--speculator model needs --draft DRAFT.gguf")
+    if draft_path and speculator != "model":
+        raise click.UsageError("--draft is only used with --speculator model")
     if model_split and not files:
         raise click.UsageError("--model-split needs the stage files, e.g. --model-split a.gguf b.gguf")
     if prompt is not None and prompt_file is not None:
         raise click.UsageError("give --prompt or --prompt-file, not both")
     if prompt_file is not None:
-        prompt = prompt_file.read_text()
+        try:
+            prompt = prompt_file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as error:
+            raise click.UsageError(f"{prompt_file} is not UTF-8 text (byte {error.start})") from None
+    if prompt is not None and not prompt.strip():
+        raise click.UsageError("the prompt is empty")
     if prompt is None:
         prompt, chat = DEFAULT_PROMPT, True
     stage_paths = [str(path) for path in files] or default_stage_paths(progress=_progress_bar("splitting default model"))
@@ -210,8 +220,8 @@ def run(files, model_split, prompt, prompt_file, chat, max_tokens, temperature, 
                    f"{defaults.SERVE_KV_MEMORY_SHARE:.0%} of free memory, at most {defaults.SERVE_MAX_SEQUENCES}).")
 @click.option("--queue", "queue_limit", default=defaults.SERVE_QUEUE, show_default=True, type=click.IntRange(0),
               help="Requests that may wait for a free sequence; more get 429.")
-@click.option("--n-ctx", default=defaults.SERVE_CONTEXT, show_default=True, type=click.IntRange(16),
-              help="Context of each sequence (prompt + reply).")
+@click.option("--n-ctx", default=defaults.SERVE_CONTEXT, show_default=True,
+              type=click.IntRange(16, defaults.MAX_CONTEXT), help="Context of each sequence (prompt + reply).")
 @click.option("--speculator", type=click.Choice(["none", "ngram", "model"]), default="none", show_default=True,
               help="Drafts per request, verified in the next pass (sync): prompt lookup (ngram) or a draft model "
                    "(model, with --draft; it runs beside the coordinator, a KV sequence per request).")
@@ -222,7 +232,8 @@ def run(files, model_split, prompt, prompt_file, chat, max_tokens, temperature, 
               help="A draft model stops drafting below this probability.")
 @click.option("--address", help="Ray cluster to use ('auto' honours RAY_ADDRESS); default: start a local Ray.")
 @click.option("--place", help="Stage placement, e.g. '0=10.0.0.1,1=10.0.0.2' (node address or id).")
-@click.option("--threads", default=1, show_default=True, type=click.IntRange(1), help="Threads per stage.")
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(1, defaults.MAX_THREADS),
+              help="Threads per stage.")
 @click.option("--n-gpu-layers", default=0, show_default=True, type=click.IntRange(0))
 @click.option("--wire-dtype", type=click.Choice(["f32", "f16"]), default="f32", show_default=True,
               help="Activations between stages; f16 halves traffic but is LOSSY (output may differ from the whole model).")
@@ -239,6 +250,13 @@ def serve(files, model_split, host, port, api_key, model_name, max_sequences, qu
 
     if model_split and not files:
         raise click.UsageError("--model-split needs the stage files, e.g. --model-split a.gguf b.gguf")
+    if speculator == "model" and not draft_path:
+        raise click.UsageError("--speculator model needs --draft DRAFT.gguf")
+    if draft_path and speculator != "model":
+        raise click.UsageError("--draft is only used with --speculator model")
+    if max_sequences and n_ctx * max_sequences > defaults.MAX_CONTEXT:
+        raise click.UsageError(f"--n-ctx {n_ctx} x --max-sequences {max_sequences} exceeds {defaults.MAX_CONTEXT} "
+                               "KV cells per stage")
     stage_paths = [str(path) for path in files] or default_stage_paths(progress=_progress_bar("splitting default model"))
     settings = ServeSettings(
         stage_paths=stage_paths,
@@ -329,7 +347,8 @@ def _bench_serve(out_dir: Path, quick: bool) -> None:
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Profile JSON to write.")
 @click.option("--repetitions", default=defaults.PROFILE_REPETITIONS, show_default=True, type=click.IntRange(1),
               help="Timings per batch size (median).")
-@click.option("--threads", default=1, show_default=True, type=click.IntRange(1), help="Threads per stage.")
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(1, defaults.MAX_THREADS),
+              help="Threads per stage.")
 @one_line_errors
 def profile(stage_files, whole_path, draft_path, out_path, repetitions, threads) -> None:
     """Measure this machine for `orchestrate plan`: stage time per batch of 1..64 tokens, drafter, hop."""

@@ -41,6 +41,13 @@ CONNECT_SECONDS = 30.0
 # Seconds the coordinator waits for Shutdown to travel the chain when closing.
 SHUTDOWN_SECONDS = 10.0
 
+# -- bounds of the stage options -------------------------------------------------
+# llama.cpp takes the context as uint32 and threads as int32 through ctypes,
+# which silently truncates larger numbers (2**32 + 16 would become 16); these
+# bounds are far beyond any machine here and far inside those types.
+MAX_CONTEXT = 1 << 24  # KV cells of one stage (16 Mi positions)
+MAX_THREADS = 1024
+
 # -- orchestrate serve ----------------------------------------------------------
 # Requests decoded at once when --max-sequences is not given: as many KV
 # sequences as fit in this share of the memory available on the coordinator's

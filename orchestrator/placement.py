@@ -67,6 +67,8 @@ def parse_place(text: str) -> dict[int, str]:
         stage, separator, node = item.partition("=")
         if not separator or not stage.strip().isdigit() or not node.strip():
             raise PlacementError(f"--place entry {item!r} is not STAGE=NODE (e.g. 0=10.0.0.1)")
+        if int(stage) in mapping:
+            raise PlacementError(f"--place names stage {int(stage)} twice")
         mapping[int(stage)] = node.strip()
     return mapping
 

@@ -201,9 +201,13 @@ def run_generation(
     vocabulary_path = vocabulary_file(settings.stage_paths)
     tokenizer = Tokenizer(vocabulary_path)
     tokens = prompt_tokens(tokenizer, settings.prompt, settings.chat)
-    if len(tokens) + settings.max_tokens + settings.speculation.draft_max > settings.stage.n_ctx:
+    if not tokens:
+        raise RunError("the prompt is empty")
+    drafts = settings.speculation.draft_max if settings.speculation.speculator != "none" else 0
+    if len(tokens) + settings.max_tokens + drafts > settings.stage.n_ctx:
         raise RunError(
-            f"prompt ({len(tokens)} tokens) + --max-tokens {settings.max_tokens} (+ drafts) exceed the context of "
+            f"prompt ({len(tokens)} tokens) + --max-tokens {settings.max_tokens}"
+            f"{f' + --draft-max {drafts}' if drafts else ''} exceed the context of "
             f"{settings.stage.n_ctx} tokens; raise --n-ctx or lower --max-tokens"
         )
     make_speculator = speculator_factory(settings.speculation, tokenizer, settings.stage)

@@ -35,8 +35,9 @@ def position_uniform(seed: int, position: int) -> float:
 
 def token_probabilities(logits: np.ndarray, settings: SamplingSettings) -> np.ndarray:
     """float64[n_vocab] probabilities after temperature and top-p (zeros outside the nucleus)."""
-    scaled = logits.astype(np.float64) / settings.temperature
-    scaled -= scaled.max()
+    # The maximum first, then the temperature: however small the temperature,
+    # nothing overflows (a tiny one puts all the mass on the argmax, as greedy).
+    scaled = (logits.astype(np.float64) - float(logits.max())) / settings.temperature
     probabilities = np.exp(scaled)
     probabilities /= probabilities.sum()
     if settings.top_p < 1.0:

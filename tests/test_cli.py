@@ -103,3 +103,34 @@ def test_draft_with_another_vocabulary_is_refused(splits, gemma3):
     assert "vocabulary differs" in result.stderr
     missing = orchestrate("run", "--model-split", *splits[2], "--prompt", "hi", "--speculator", "model")
     assert missing.returncode != 0 and "--draft" in missing.stderr
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("arguments, message", [
+    (["run", "--prompt", "  "], "the prompt is empty"),
+    (["run", "--prompt-file", "NOT_UTF8"], "is not UTF-8 text (byte 2)"),
+    (["run", "--prompt", "hi", "--place", "0=10.0.0.1,0=10.0.0.2"], "--place names stage 0 twice"),
+    (["run", "--prompt", "hi", "--draft", "small.gguf"], "--draft is only used with --speculator model"),
+    (["run", "--prompt", "hi", "--n-ctx", str(2**32 + 16)], "--n-ctx"),
+    (["run", "--prompt", "hi", "--threads", str(2**31)], "--threads"),
+    (["serve", "--draft", "small.gguf"], "--draft is only used with --speculator model"),
+    (["serve", "--speculator", "model"], "--speculator model needs --draft"),
+    (["serve", "--n-ctx", str(2**20), "--max-sequences", "64"], "exceeds 16777216 KV cells per stage"),
+])
+def test_bad_options_are_refused_in_one_line_before_anything_starts(arguments, message, tmp_path):
+    """ctypes would silently truncate a context of 2**32 + 16 to 16: such numbers are refused."""
+    not_utf8 = tmp_path / "prompt.txt"
+    not_utf8.write_bytes(b"hi\xff\xfe")
+    result = orchestrate(*[str(not_utf8) if argument == "NOT_UTF8" else argument for argument in arguments])
+    assert result.returncode == 2 or result.returncode == 1, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.model
+def test_the_context_check_counts_drafts_only_when_speculating(smollm2):
+    common = ["run", "--model-split", smollm2, "--prompt", "Hello", "--n-ctx", "40", "--max-tokens", "36"]
+    speculating = orchestrate(*common, "--speculator", "ngram")
+    assert speculating.returncode == 1 and "+ --draft-max 8 exceed the context of 40 tokens" in speculating.stderr
+    too_long = orchestrate(*common[:-1], "40")
+    assert too_long.returncode == 1 and "exceed the context of 40 tokens" in too_long.stderr
+    assert "--draft-max" not in too_long.stderr

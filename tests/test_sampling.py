@@ -36,3 +36,12 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert np.isclose(probabilities[:2].sum(), 1.0)
     settings = SamplingSettings(temperature=1.0, top_p=0.75, seed=0)
     assert {choose_token(logits, position, settings) for position in range(300)} == {0, 1}
+
+
+def test_a_tiny_temperature_is_greedy_not_nan():
+    """The maximum is subtracted before dividing: no overflow however small the temperature."""
+    logits = np.array([1.0, 3.0, 2.9, -5.0], np.float32)
+    settings = SamplingSettings(temperature=1e-300, seed=1)
+    probabilities = token_probabilities(logits, settings)
+    assert np.all(np.isfinite(probabilities)) and probabilities.tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert all(choose_token(logits, position, settings) == 1 for position in range(20))
