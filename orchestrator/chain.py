@@ -18,13 +18,23 @@ from dataclasses import dataclass
 import numpy as np
 
 from orchestrator import wire
-from orchestrator.defaults import CONNECT_SECONDS, SHUTDOWN_SECONDS
+from orchestrator.defaults import (
+    CONNECT_SECONDS,
+    PASS_DEADLINE_FACTOR,
+    PASS_DEADLINE_MINIMUM_SECONDS,
+    SHUTDOWN_SECONDS,
+)
 from orchestrator.messages import Boundary, PassResult, Shutdown, StageBatch, StageFailure
 from stages.errors import SpecpipeError
 
 
 class PipelineError(SpecpipeError):
     """A pipeline could not start or run; the message is one line."""
+
+
+class PassLate(PipelineError):
+    """No result within the pass deadline, or the chain broke: the Pipeline asks
+    Ray which stage is dead or hung and names it."""
 
 
 @dataclass
@@ -58,6 +68,8 @@ class SocketChain:
         # of all stage_count + 1 hops, over the passes that ran alone.
         self.transport_seconds = 0.0
         self.passes_alone = 0
+        self.slowest_pass_seconds = 0.0  # wall time of the slowest pass received (sets the deadline)
+        self.deadline_minimum = PASS_DEADLINE_MINIMUM_SECONDS
 
     def connect_first(self, host: str, port: int) -> None:
         self._to_first = wire.connect(host, port, timeout=CONNECT_SECONDS)
@@ -97,14 +109,36 @@ class SocketChain:
         for entry in self._in_flight:
             entry.overlapped = True
         self._in_flight.append(_Timing(self._pass_id, time.perf_counter(), overlapping, release))
-        wire.send_message(self._to_first, batch)
+        try:
+            wire.send_message(self._to_first, batch)
+        except OSError as error:
+            raise PassLate(f"the chain broke while sending pass {batch.pass_id} ({error})") from None
         return self._pass_id
+
+    @property
+    def deadline_seconds(self) -> float:
+        """How long the oldest pass's result may take (defaults.PASS_DEADLINE_*)."""
+        return max(self.deadline_minimum, PASS_DEADLINE_FACTOR * self.slowest_pass_seconds)
+
+    def _receive_within_deadline(self, sock: socket.socket, what: str):
+        sock.settimeout(self.deadline_seconds)
+        try:
+            return wire.receive_message(sock)
+        except TimeoutError:
+            raise PassLate(f"no {what} within the deadline of {self.deadline_seconds:.0f} s") from None
+        except (wire.ConnectionClosed, OSError) as error:
+            raise PassLate(f"the chain broke while waiting for the {what} ({error or type(error).__name__})") from None
+        finally:
+            try:
+                sock.settimeout(None)
+            except OSError:
+                pass
 
     def await_boundary(self, stage_index: int) -> int:
         """Block until the next pass has left stage ``stage_index``; return its id
         (needs boundary notices). receive() consumes notices not awaited."""
         try:
-            notice = wire.receive_message(self._boundaries[stage_index])
+            notice = self._receive_within_deadline(self._boundaries[stage_index], f"notice from stage {stage_index}")
         except wire.ProtocolError as error:
             raise PipelineError(f"stage {stage_index} sent a bad boundary notice: {error}") from None
         if not isinstance(notice, Boundary) or notice.pass_id != self._boundary_seen[stage_index] + 1:
@@ -125,7 +159,7 @@ class SocketChain:
             while self._boundary_seen[stage_index] < entry.pass_id:
                 self.await_boundary(stage_index)
         try:
-            reply = wire.receive_message(self._from_last)
+            reply = self._receive_within_deadline(self._from_last, f"result of pass {entry.pass_id}")
         except wire.ProtocolError as error:
             raise PipelineError(f"the last stage (stage {self.stage_count - 1}) sent a bad frame: {error}") from None
         if isinstance(reply, StageFailure):
@@ -134,6 +168,7 @@ class SocketChain:
             raise PipelineError(f"unexpected reply {type(reply).__name__} to pass {entry.pass_id}")
         if entry.release:
             return None
+        self.slowest_pass_seconds = max(self.slowest_pass_seconds, time.perf_counter() - entry.started)
         if not entry.overlapped:  # wall time minus compute is transport only for a pass that ran alone
             self.transport_seconds += time.perf_counter() - entry.started - sum(reply.stage_seconds)
             self.passes_alone += 1

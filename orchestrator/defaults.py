@@ -40,6 +40,19 @@ PLACEMENT_SECONDS = 60.0
 CONNECT_SECONDS = 30.0
 # Seconds the coordinator waits for Shutdown to travel the chain when closing.
 SHUTDOWN_SECONDS = 10.0
+# The deadline of one pass's result: this many times the slowest pass seen so
+# far, and never under the minimum (a first pass of a long prompt, a slow
+# disk paging weights in). Past it the coordinator asks Ray which stage is
+# dead or hung and fails with its name, instead of waiting forever.
+PASS_DEADLINE_FACTOR = 20.0
+PASS_DEADLINE_MINIMUM_SECONDS = 120.0
+# Seconds a stage actor has to answer that question before it counts as hung.
+STAGE_ANSWER_SECONDS = 10.0
+# TCP keepalive on every chain socket: a peer silent this long is probed, and
+# dropped after the probes go unanswered (a partitioned node).
+KEEPALIVE_IDLE_SECONDS = 10
+KEEPALIVE_INTERVAL_SECONDS = 5
+KEEPALIVE_PROBES = 3
 
 # -- bounds of the stage options -------------------------------------------------
 # llama.cpp takes the context as uint32 and threads as int32 through ctypes,

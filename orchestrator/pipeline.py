@@ -17,9 +17,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from orchestrator.chain import PipelineError, SocketChain
+from orchestrator.chain import PassLate, PipelineError, SocketChain
 from orchestrator.cluster import Reservation, one_line, peak_rss_mb
-from orchestrator.defaults import ACTOR_START_SECONDS
+from orchestrator.defaults import ACTOR_START_SECONDS, STAGE_ANSWER_SECONDS
 from orchestrator.messages import PassResult
 from orchestrator.schedule import TargetPass
 from orchestrator.stage_server import StageDescription, StageServer
@@ -118,9 +118,12 @@ class Pipeline:
         wire_dtype: str = "f32",
         place: dict[int, str] | None = None,
         notify_boundaries: bool = False,
+        pass_deadline_minimum: float | None = None,
     ):
         """notify_boundaries: non-last stages report each pass leaving them
-        (await_boundary); asynchronous speculation needs it."""
+        (await_boundary); asynchronous speculation needs it.
+        pass_deadline_minimum: the least seconds a pass's result may take
+        (default defaults.PASS_DEADLINE_MINIMUM_SECONDS; the chain's deadline)."""
         self.stage_paths = list(stage_paths)
         self.n_batch = settings.n_batch
         self.actors: list = []
@@ -130,6 +133,8 @@ class Pipeline:
             self.stage_files = self._check_stage_files_on_their_nodes()
             self.stages = self._start_stages(settings, wire_dtype)
             self.chain = self._wire(notify_boundaries)
+            if pass_deadline_minimum is not None:
+                self.chain.deadline_minimum = pass_deadline_minimum
         except BaseException:
             self.close()
             raise
@@ -201,8 +206,11 @@ class Pipeline:
         """
         if logit_rows is None:
             logit_rows = np.array([len(tokens) - 1], dtype=np.int32)
-        self.chain.send(positions, tokens, keep, logit_rows, sequence)
-        return self.chain.receive()
+        try:
+            self.chain.send(positions, tokens, keep, logit_rows, sequence)
+        except PassLate as late:
+            raise self._name_the_stage(late) from None
+        return self.receive()
 
     def submit(self, target_pass: TargetPass) -> None:
         """Start a pass of one sequence's window (its ``sequence`` is the KV
@@ -215,21 +223,51 @@ class Pipeline:
             raise PipelineError(f"a pass of {len(target_pass.windows)} sequences; this pipeline carries one per pass")
         window = target_pass.windows[0]
         positions = np.arange(window.first, window.first + len(window.inputs), dtype=np.int32)
-        self.chain.send(positions, np.asarray(window.inputs, np.int32), window.first,
-                        np.asarray(window.logit_rows, np.int32), window.sequence)
+        try:
+            self.chain.send(positions, np.asarray(window.inputs, np.int32), window.first,
+                            np.asarray(window.logit_rows, np.int32), window.sequence)
+        except PassLate as late:
+            raise self._name_the_stage(late) from None
 
     def release(self, sequence: int) -> None:
         """Free a KV sequence in every stage, in order with the passes around it."""
-        self.chain.release(sequence)
+        try:
+            self.chain.release(sequence)
+        except PassLate as late:
+            raise self._name_the_stage(late) from None
 
     def receive(self) -> PassResult:
-        """The logits of the oldest pass in flight."""
-        return self.chain.receive()
+        """The logits of the oldest pass in flight. Past the chain's deadline, or
+        if the chain breaks, the error names the stage that is dead or hung."""
+        try:
+            return self.chain.receive()
+        except PassLate as late:
+            raise self._name_the_stage(late) from None
 
     def await_boundary(self, stage_index: int) -> int:
         """Block until the next pass has left stage ``stage_index``; return its id
         (needs notify_boundaries)."""
-        return self.chain.await_boundary(stage_index)
+        try:
+            return self.chain.await_boundary(stage_index)
+        except PassLate as late:
+            raise self._name_the_stage(late) from None
+
+    def _name_the_stage(self, late: PassLate) -> PipelineError:
+        """Ask each stage actor through Ray (its own thread answers while its
+        stage decodes): one that died, or that does not answer, is named."""
+        import ray
+
+        calls = [actor.describe.remote() for actor in self.actors]
+        for stage, call in zip(self.stages, calls):
+            where = f"stage {stage.stage_index} on node {stage.node_id[:8]} ({stage.host}, process {stage.process_id})"
+            try:
+                ray.get(call, timeout=STAGE_ANSWER_SECONDS)
+            except ray.exceptions.GetTimeoutError:
+                return PipelineError(f"{late}: {where} does not answer within {STAGE_ANSWER_SECONDS:.0f} s "
+                                     "(hung or stopped)")
+            except ray.exceptions.RayError as error:
+                return PipelineError(f"{late}: {where} died ({one_line(error)})")
+        return PipelineError(f"{late}; every stage still answers (one may be stuck inside llama.cpp)")
 
     @property
     def hop_seconds(self) -> float:

@@ -9,6 +9,7 @@ the last stage).
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -31,6 +32,7 @@ class StageDescription:
 
     first_block, end_block: the stage's blocks [first_block, end_block) of the whole model.
     host, port: its listening socket for the upstream peer.
+    process_id: the stage's process on its node (to name it, or to stop it in tests).
     """
 
     stage_index: int
@@ -41,6 +43,7 @@ class StageDescription:
     host: str
     port: int
     n_vocab: int
+    process_id: int = 0
 
 
 class StageServer:
@@ -68,6 +71,7 @@ class StageServer:
             host=host,
             port=self.listener.getsockname()[1],
             n_vocab=self.engine.n_vocab,
+            process_id=os.getpid(),
         )
 
     def connect_notify(self, host: str, port: int) -> None:

@@ -138,8 +138,16 @@ def listen(host: str) -> socket.socket:
 
 
 def tune(sock: socket.socket) -> socket.socket:
-    """Small messages must leave at once: no Nagle delay."""
+    """Small messages must leave at once: no Nagle delay. A peer gone silent
+    (a partitioned node) is found by TCP keepalive probes."""
+    from orchestrator.defaults import KEEPALIVE_IDLE_SECONDS, KEEPALIVE_INTERVAL_SECONDS, KEEPALIVE_PROBES
+
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if hasattr(socket, "TCP_KEEPIDLE"):  # Linux
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_SECONDS)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_SECONDS)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
     return sock
 
 

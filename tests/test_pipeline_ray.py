@@ -1,5 +1,11 @@
 """The pipeline on a real three-node Ray cluster (three raylets on this machine)."""
 
+import os
+import re
+import signal
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -135,3 +141,40 @@ def test_run_on_a_cluster_names_the_node_of_a_missing_file(ray_cluster, splits, 
     addresses = {node["NodeManagerAddress"] for node in alive_nodes_in_order()}
     assert len(lines) == 1 and lines[0].startswith(f"error: stage 1 file {missing} not found on node "), result.stderr
     assert lines[0].split(" not found on node ")[1].split(" ")[0] in addresses
+
+
+def test_a_stopped_stage_is_named_within_the_deadline(ray_cluster, splits):
+    """SIGSTOP stage 1: the pass's deadline expires and the error names the stage that does not answer."""
+    with Pipeline(splits[2], StageSettings(n_ctx=64), pass_deadline_minimum=3) as pipeline:
+        tokens, positions = np.array([1, 2, 3], np.int32), np.arange(3, dtype=np.int32)
+        pipeline.forward(positions, tokens, 0)
+        stopped = pipeline.stages[1]
+        os.kill(stopped.process_id, signal.SIGSTOP)
+        outcome: list[BaseException] = []
+
+        def forward() -> None:
+            try:
+                pipeline.forward(positions, tokens, 0)
+            except BaseException as error:
+                outcome.append(error)
+
+        waiting = threading.Thread(target=forward, daemon=True)
+        try:
+            waiting.start()
+            waiting.join(timeout=120)  # liveness: without a deadline this would wait forever
+            assert not waiting.is_alive(), "the pass waited past its deadline"
+        finally:
+            os.kill(stopped.process_id, signal.SIGCONT)
+        assert len(outcome) == 1 and isinstance(outcome[0], PipelineError)
+        assert re.fullmatch(r"no result of pass 2 within the deadline of 3 s: stage 1 on node \S+ \(.*process "
+                            rf"{stopped.process_id}\) does not answer within 10 s \(hung or stopped\)", str(outcome[0]))
+
+
+def test_a_killed_stage_is_named(ray_cluster, splits):
+    with Pipeline(splits[2], StageSettings(n_ctx=64)) as pipeline:
+        tokens, positions = np.array([1, 2, 3], np.int32), np.arange(3, dtype=np.int32)
+        pipeline.forward(positions, tokens, 0)
+        os.kill(pipeline.stages[0].process_id, signal.SIGKILL)
+        time.sleep(1)  # let the socket see it
+        with pytest.raises(PipelineError, match=r"the chain broke .*: stage 0 on node .* died"):
+            pipeline.forward(positions, tokens, 0)
