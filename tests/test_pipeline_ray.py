@@ -178,3 +178,22 @@ def test_a_killed_stage_is_named(ray_cluster, splits):
         time.sleep(1)  # let the socket see it
         with pytest.raises(PipelineError, match=r"the chain broke .*: stage 0 on node .* died"):
             pipeline.forward(positions, tokens, 0)
+
+
+def test_a_setup_that_fails_leaves_no_actor_or_reservation_behind(ray_cluster, splits):
+    """The stages fail to start (a KV cache of 2**24 positions does not fit in
+    memory): every actor and the placement group are released, so a
+    long-lived driver (the server, the bench) loses nothing."""
+    import ray
+
+    def free_cpus() -> float:
+        return ray.available_resources().get("CPU", 0.0)
+
+    total = ray.cluster_resources()["CPU"]
+    with pytest.raises(PipelineError, match="a stage failed to start: .*could not create a context"):
+        Pipeline(splits[2], StageSettings(n_ctx=1 << 24))
+    deadline = time.monotonic() + 30
+    while free_cpus() < total and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert free_cpus() == total
+    assert all(group["state"] != "CREATED" for group in ray.util.placement_group_table().values())
