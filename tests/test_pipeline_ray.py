@@ -181,8 +181,8 @@ def test_a_killed_stage_is_named(ray_cluster, splits):
 
 
 def test_a_setup_that_fails_leaves_no_actor_or_reservation_behind(ray_cluster, splits):
-    """The stages fail to start (a KV cache of 2**24 positions does not fit in
-    memory): every actor and the placement group are released, so a
+    """The stages fail to start (llama.cpp refuses 10 000 KV sequences, beyond
+    its maximum): every actor and the placement group are released, so a
     long-lived driver (the server, the bench) loses nothing."""
     import ray
 
@@ -191,7 +191,7 @@ def test_a_setup_that_fails_leaves_no_actor_or_reservation_behind(ray_cluster, s
 
     total = ray.cluster_resources()["CPU"]
     with pytest.raises(PipelineError, match="a stage failed to start: .*could not create a context"):
-        Pipeline(splits[2], StageSettings(n_ctx=1 << 24))
+        Pipeline(splits[2], StageSettings(n_ctx=64, sequences=10_000))
     deadline = time.monotonic() + 30
     while free_cpus() < total and time.monotonic() < deadline:
         time.sleep(0.2)
