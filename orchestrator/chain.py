@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from orchestrator import wire
+from orchestrator.handshake import RESULT_ROLE, HandshakeError, accept_peer, boundary_role, connect_peer, upstream_role
 from orchestrator.defaults import (
     CONNECT_SECONDS,
     PASS_DEADLINE_FACTOR,
@@ -52,8 +53,10 @@ class SocketChain:
     """The coordinator's ends of the chain: one socket to stage 0, one from the
     last stage, and one from each non-last stage for boundary notices."""
 
-    def __init__(self, host: str):
-        """Listen on ``host`` (this machine's address) for the last stage and the notices."""
+    def __init__(self, host: str, secret: bytes):
+        """Listen on ``host`` (this machine's address) for the last stage and the
+        notices; every connection proves it holds the pipeline's ``secret``."""
+        self.secret = secret
         self.listener = wire.listen(host)
         self.listener.settimeout(CONNECT_SECONDS)
         self.address = (host, self.listener.getsockname()[1])
@@ -72,22 +75,27 @@ class SocketChain:
         self.deadline_minimum = PASS_DEADLINE_MINIMUM_SECONDS
 
     def connect_first(self, host: str, port: int) -> None:
-        self._to_first = wire.connect(host, port, timeout=CONNECT_SECONDS)
+        self._to_first = self._handshake(connect_peer, host, port, upstream_role(0))
 
     def accept_last(self, stage_count: int) -> None:
         """The last stage has been told to connect here."""
         self.stage_count = stage_count
-        self._from_last = self._accept()
+        self._from_last = self._handshake(accept_peer, RESULT_ROLE)
 
     def accept_boundary(self) -> None:
         """The next non-last stage (in stage order) has been told to connect here for its notices."""
-        self._boundaries.append(self._accept())
+        self._boundaries.append(self._handshake(accept_peer, boundary_role(len(self._boundaries))))
         self._boundary_seen.append(0)
 
-    def _accept(self) -> socket.socket:
-        connection, _ = self.listener.accept()
-        connection.settimeout(None)
-        return wire.tune(connection)
+    def _handshake(self, how, *arguments) -> socket.socket:
+        try:
+            if how is connect_peer:
+                host, port, role = arguments
+                return connect_peer(host, port, self.secret, role, CONNECT_SECONDS)
+            (role,) = arguments
+            return accept_peer(self.listener, self.secret, role, CONNECT_SECONDS)
+        except (HandshakeError, OSError) as error:
+            raise PipelineError(f"the chain could not be set up: {error}") from None
 
     def send(self, positions: np.ndarray, tokens: np.ndarray, keep: int, logit_rows: np.ndarray,
              sequence: int = 0) -> int:

@@ -24,7 +24,8 @@ from typing import Protocol
 import numpy as np
 
 from orchestrator import wire
-from orchestrator.defaults import DRAFTER_WAIT_SECONDS
+from orchestrator.handshake import DRAFTER_ROLE, HandshakeError, accept_peer
+from orchestrator.defaults import CONNECT_SECONDS, DRAFTER_WAIT_SECONDS
 from orchestrator.messages import CollectDraft, DraftReply, Shutdown, SpeculateFrom
 
 
@@ -42,7 +43,10 @@ class DrafterServer:
         draft_max: int,
         overlap: bool = False,
         wait_seconds: float = DRAFTER_WAIT_SECONDS,
+        secret: bytes,
     ):
+        """secret: the pipeline's; the coordinator's connection must prove it holds it."""
+        self.secret = secret
         self.speculator = make_speculator()
         self.draft_max = draft_max
         self.overlap = overlap
@@ -71,8 +75,12 @@ class DrafterServer:
 
     # -- the socket -------------------------------------------------------
     def _serve(self) -> None:
-        connection, _ = self.listener.accept()
-        wire.tune(connection)
+        try:
+            connection = accept_peer(self.listener, self.secret, DRAFTER_ROLE, CONNECT_SECONDS)
+        except HandshakeError:
+            with self._lock:
+                self._closed = True
+            return
         try:
             while True:
                 try:

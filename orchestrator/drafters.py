@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from orchestrator import wire
+from orchestrator.handshake import DRAFTER_ROLE, HandshakeError, connect_peer
 from orchestrator.defaults import ACTOR_START_SECONDS, CONNECT_SECONDS, DRAFT_MAX, DRAFTER_REPLY_SECONDS, DRAFTER_WAIT_SECONDS
 from orchestrator.drafter_server import DrafterServer, Speculator
 from orchestrator.messages import CollectDraft, DraftReply, Shutdown, SpeculateFrom
@@ -39,11 +40,13 @@ def _drafter_actor_class():
     class DrafterActor:
         """Thin Ray shell over a DrafterServer."""
 
-        def __init__(self, index: int, make_speculator: Callable[[], Speculator], settings: DrafterSettings):
+        def __init__(self, index: int, make_speculator: Callable[[], Speculator], settings: DrafterSettings,
+                     secret: bytes):
             self.index = index
             self.server = DrafterServer(
                 make_speculator, ray.util.get_node_ip_address(),
                 draft_max=settings.draft_max, overlap=settings.overlap, wait_seconds=settings.wait_seconds,
+                secret=secret,
             )
 
         def peak_rss_mb(self) -> float:
@@ -137,15 +140,17 @@ def start_drafters(pipeline, make_speculator: Callable[[], Speculator], settings
 
     actor_class = _drafter_actor_class()
     actors = [
-        actor_class.options(**pipeline.actor_options(index, num_cpus=0)).remote(index, make_speculator, settings)
+        actor_class.options(**pipeline.actor_options(index, num_cpus=0)).remote(index, make_speculator, settings,
+                                                                                 pipeline.secret)
         for index in range(len(pipeline.stages))
     ]
     clients = []
     for index, actor in enumerate(actors):
         try:
             host, port, node_id = ray.get(actor.address.remote(), timeout=ACTOR_START_SECONDS)
-            clients.append(DrafterClient(index, wire.connect(host, port, timeout=CONNECT_SECONDS), node_id, actor))
-        except (ray.exceptions.RayError, OSError) as error:
+            sock = connect_peer(host, port, pipeline.secret, DRAFTER_ROLE, CONNECT_SECONDS)
+            clients.append(DrafterClient(index, sock, node_id, actor))
+        except (ray.exceptions.RayError, OSError, HandshakeError) as error:
             client = DrafterClient(index, None, actor=actor)
             client.lost_reason = f"did not start: {one_line(error)}"
             clients.append(client)

@@ -20,6 +20,7 @@ import numpy as np
 from orchestrator.chain import PassLate, PipelineError, SocketChain
 from orchestrator.cluster import Reservation, one_line, peak_rss_mb
 from orchestrator.defaults import ACTOR_START_SECONDS, STAGE_ANSWER_SECONDS
+from orchestrator.handshake import new_secret
 from orchestrator.messages import PassResult
 from orchestrator.schedule import TargetPass
 from orchestrator.stage_server import StageDescription, StageServer
@@ -70,11 +71,12 @@ def _stage_actor_class():
     class StageActor:
         """Thin Ray shell over a StageServer (see orchestrator.stage_server)."""
 
-        def __init__(self, path: str, settings: StageSettings, wire_dtype: str):
+        def __init__(self, path: str, settings: StageSettings, wire_dtype: str, secret: bytes):
             from orchestrator.metrics import StageMetrics
 
             context = ray.get_runtime_context()
-            self.server = StageServer(path, settings, ray.util.get_node_ip_address(), context.get_node_id(), wire_dtype)
+            self.server = StageServer(path, settings, ray.util.get_node_ip_address(), context.get_node_id(), wire_dtype,
+                                      secret=secret)
             self.server.on_pass = StageMetrics(self.server.description.stage_index).record
 
         def describe(self) -> StageDescription:
@@ -128,6 +130,9 @@ class Pipeline:
         self.n_batch = settings.n_batch
         self.actors: list = []
         self.chain: SocketChain | None = None
+        # The data plane's secret: it reaches the actors only through Ray's
+        # authenticated calls, and every chain connection proves it holds it.
+        self.secret = new_secret()
         self.reservation = Reservation(len(stage_paths), place)
         try:
             self.stage_files = self._check_stage_files_on_their_nodes()
@@ -163,7 +168,7 @@ class Pipeline:
         actor_class = _stage_actor_class()
         for index, path in enumerate(self.stage_paths):
             options = self.actor_options(index, num_cpus=1)
-            self.actors.append(actor_class.options(**options).remote(path, settings, wire_dtype))
+            self.actors.append(actor_class.options(**options).remote(path, settings, wire_dtype, self.secret))
         try:
             return ray.get([actor.describe.remote() for actor in self.actors], timeout=ACTOR_START_SECONDS)
         except ray.exceptions.GetTimeoutError:
@@ -175,16 +180,27 @@ class Pipeline:
         """Each stage connects to the next, the last to us; then we connect to the first."""
         import ray
 
-        chain = SocketChain(ray.util.get_node_ip_address())
+        from concurrent.futures import ThreadPoolExecutor
+
+        chain = SocketChain(ray.util.get_node_ip_address(), self.secret)
         try:
-            downstream = [(stage.host, stage.port) for stage in self.stages[1:]] + [chain.address]
-            ray.get([actor.connect_downstream.remote(*address) for actor, address in zip(self.actors, downstream)])
-            chain.connect_first(self.stages[0].host, self.stages[0].port)
-            chain.accept_last(len(self.stages))
-            if notify_boundaries:
-                for actor in self.actors[:-1]:  # one at a time, so accept() order is stage order
-                    ray.get(actor.connect_notify.remote(*chain.address))
-                    chain.accept_boundary()
+            # Every connection is proved by a handshake, so each acceptor must be
+            # listening while its peer connects: ours run in a thread meanwhile.
+            with ThreadPoolExecutor(1) as accepting:
+                last = accepting.submit(chain.accept_last, len(self.stages))
+                downstream = [(stage.host, stage.port) for stage in self.stages[1:]] + [chain.address]
+                ray.get([actor.connect_downstream.remote(*address) for actor, address in zip(self.actors, downstream)],
+                        timeout=ACTOR_START_SECONDS)
+                last.result()
+                chain.connect_first(self.stages[0].host, self.stages[0].port)
+                if notify_boundaries:
+                    for actor in self.actors[:-1]:  # one at a time, in stage order
+                        boundary = accepting.submit(chain.accept_boundary)
+                        ray.get(actor.connect_notify.remote(*chain.address), timeout=ACTOR_START_SECONDS)
+                        boundary.result()
+        except ray.exceptions.RayError as error:
+            chain.close()
+            raise PipelineError(f"the chain could not be set up: {one_line(error)}") from None
         except BaseException:
             chain.close()
             raise

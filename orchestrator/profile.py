@@ -193,13 +193,13 @@ def measure_verification(vocab: int) -> float:
     return _median_seconds(lambda: verify(drafts, logits, 0, SamplingSettings()), 20) / 9
 
 
-def _serve_prompt_lookup(connection) -> None:
+def _serve_prompt_lookup(connection, secret: bytes) -> None:
     """In a child process: a prompt-lookup drafter server until told to stop."""
     from orchestrator.defaults import DRAFT_MAX
     from orchestrator.drafter_server import DrafterServer
     from speculators.prompt_lookup import PromptLookupSpeculator
 
-    server = DrafterServer(PromptLookupSpeculator, "127.0.0.1", draft_max=DRAFT_MAX)
+    server = DrafterServer(PromptLookupSpeculator, "127.0.0.1", draft_max=DRAFT_MAX, secret=secret)
     connection.send(server.port)
     connection.recv()
 
@@ -214,15 +214,19 @@ def measure_drafter_call(context_length: int, calls: int = 200) -> float:
     from orchestrator.chain import PipelineError
     from orchestrator.messages import CollectDraft, Shutdown, SpeculateFrom
 
+    from orchestrator.defaults import CONNECT_SECONDS
+    from orchestrator.handshake import DRAFTER_ROLE, connect_peer, new_secret
+
+    secret = new_secret()
     spawn = multiprocessing.get_context("spawn")
     ours, theirs = spawn.Pipe()
-    process = spawn.Process(target=_serve_prompt_lookup, args=(theirs,), daemon=True)
+    process = spawn.Process(target=_serve_prompt_lookup, args=(theirs, secret), daemon=True)
     process.start()
     theirs.close()  # so that a child that dies before answering ends the wait
     try:
         if not ours.poll(60):
             raise PipelineError("the drafter process did not start within 60 s")
-        connection = wire.connect("127.0.0.1", ours.recv())
+        connection = connect_peer("127.0.0.1", ours.recv(), secret, DRAFTER_ROLE, CONNECT_SECONDS)
         context = np.arange(context_length, dtype=np.int32)  # no n-gram recurs
 
         def request(epoch: int) -> None:

@@ -19,11 +19,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from orchestrator import wire
+from orchestrator.defaults import CONNECT_SECONDS
+from orchestrator.handshake import RESULT_ROLE, HandshakeError, accept_peer, boundary_role, connect_peer, upstream_role
 from orchestrator.messages import Boundary, PassResult, Shutdown, StageBatch, StageFailure
 from stages.engine import StageEngine, StageError
 from stages.settings import StageSettings
 
 WIRE_DTYPES = {"f32": np.float32, "f16": np.float16}
+
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,10 @@ class StageDescription:
 class StageServer:
     """One loaded stage behind a socket."""
 
-    def __init__(self, path: str, settings: StageSettings, host: str, node_id: str, wire_dtype: str = "f32"):
+    def __init__(self, path: str, settings: StageSettings, host: str, node_id: str, wire_dtype: str = "f32", *,
+                 secret: bytes):
+        """secret: the pipeline's, for the handshake of every connection (orchestrator.handshake)."""
+        self.secret = secret
         self.engine = StageEngine(path, settings)
         # called after each pass with (compute seconds, KV cells held, sequences held); the Ray shell records metrics
         self.on_pass: Callable[[float, int], None] | None = None
@@ -62,6 +68,7 @@ class StageServer:
         self._downstream: socket.socket | None = None
         self._notify: socket.socket | None = None  # the coordinator, told of each boundary
         self._thread: threading.Thread | None = None
+        self._downstream_ready = threading.Event()
         self.description = StageDescription(
             stage_index=self.engine.stage_index,
             stage_count=self.engine.stage_count,
@@ -76,18 +83,33 @@ class StageServer:
 
     def connect_notify(self, host: str, port: int) -> None:
         """Tell the coordinator each time a pass leaves this stage (speculation uses the moment)."""
-        self._notify = wire.connect(host, port)
+        self._notify = connect_peer(host, port, self.secret, boundary_role(self.engine.stage_index), CONNECT_SECONDS)
 
     def connect_downstream(self, host: str, port: int) -> None:
-        """Connect to the next peer, then serve the upstream peer in a thread."""
-        self._downstream = wire.connect(host, port)
+        """Start serving the upstream peer in a thread (it first waits for it to
+        connect and prove itself), then connect to the next peer (the next
+        stage, or the coordinator after the last). Every stage connects at
+        once, so each must already accept while it connects on."""
         self._thread = threading.Thread(target=self.serve, name=f"stage-{self.engine.stage_index}", daemon=True)
         self._thread.start()
+        role = RESULT_ROLE if self.engine.is_last else upstream_role(self.engine.stage_index + 1)
+        try:
+            self._downstream = connect_peer(host, port, self.secret, role, CONNECT_SECONDS)
+        finally:
+            self._downstream_ready.set()
 
     def serve(self) -> None:
-        upstream, _ = self.listener.accept()
-        wire.tune(upstream)
+        try:
+            upstream = accept_peer(self.listener, self.secret, upstream_role(self.engine.stage_index), CONNECT_SECONDS)
+        except HandshakeError:
+            upstream = None
+        self._downstream_ready.wait(CONNECT_SECONDS)
         downstream = self._downstream
+        if upstream is None or downstream is None:
+            for connection in (upstream, downstream, self.listener):
+                if connection is not None:
+                    connection.close()
+            return
         assert downstream is not None
         try:
             while True:

@@ -133,7 +133,7 @@ def listen(host: str) -> socket.socket:
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind((host, 0))
-    listener.listen(1)
+    listener.listen(16)  # strangers waiting in the queue must not keep the real peer out
     return listener
 
 

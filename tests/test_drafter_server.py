@@ -9,6 +9,7 @@ import fakes
 from orchestrator import wire
 from orchestrator.drafter_server import DrafterServer
 from orchestrator.drafters import DrafterClient
+from orchestrator.handshake import DRAFTER_ROLE, connect_peer
 from speculators.prompt_lookup import PromptLookupSpeculator
 
 pytestmark = pytest.mark.pure
@@ -24,9 +25,12 @@ def wait_until(condition, what: str) -> None:
         time.sleep(0.01)
 
 
+SECRET = b"s" * 32
+
+
 def serve(make, **settings):
-    server = DrafterServer(make, "127.0.0.1", **settings)
-    return server, DrafterClient(0, wire.connect("127.0.0.1", server.port))
+    server = DrafterServer(make, "127.0.0.1", secret=SECRET, **settings)
+    return server, DrafterClient(0, connect_peer("127.0.0.1", server.port, SECRET, DRAFTER_ROLE, 10))
 
 
 def test_synchronous_collect_waits_for_a_full_draft():

@@ -197,3 +197,37 @@ def test_a_setup_that_fails_leaves_no_actor_or_reservation_behind(ray_cluster, s
         time.sleep(0.2)
     assert free_cpus() == total
     assert all(group["state"] != "CREATED" for group in ray.util.placement_group_table().values())
+
+
+def test_strangers_at_every_stage_port_neither_hijack_nor_block_the_run(ray_cluster, splits, reference, monkeypatch):
+    """Before the chain is wired, strangers connect to every stage's port first:
+    one silent, one sending garbage, one a well-formed batch of its own tokens.
+    Each is dropped; the output is the whole model's."""
+    import socket
+
+    from orchestrator.messages import StageBatch
+
+    forged = StageBatch(1, 0, np.arange(3, dtype=np.int32), np.array([2], np.int32), tokens=np.array([7, 7, 7], np.int32))
+    intruders = []
+    wire_for_real = Pipeline._wire
+
+    def strangers_first(self, notify_boundaries):
+        from orchestrator import wire
+
+        for stage in self.stages:
+            silent = socket.create_connection((stage.host, stage.port))
+            garbage = socket.create_connection((stage.host, stage.port))
+            garbage.sendall(b"\x00\xff" * 100)
+            frame = socket.create_connection((stage.host, stage.port))
+            wire.send_message(frame, forged)
+            intruders.extend([silent, garbage, frame])
+        return wire_for_real(self, notify_boundaries)
+
+    monkeypatch.setattr(Pipeline, "_wire", strangers_first)
+    tokens = reference.tokenize(PROMPTS[0])
+    with Pipeline(splits[2], StageSettings(n_ctx=256), notify_boundaries=True) as pipeline:
+        result = generate(pipeline, tokens, 16, SamplingSettings(), lambda token: False)
+    for intruder in intruders:
+        intruder.close()
+    assert len(intruders) == 6
+    assert result.tokens == reference.greedy(tokens, 16).tokens

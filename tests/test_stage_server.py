@@ -5,29 +5,33 @@ never a crash or a silent thread death."""
 from __future__ import annotations
 
 import struct
+from concurrent.futures import ThreadPoolExecutor
 
 import msgpack
 import numpy as np
 import pytest
 
 from orchestrator import wire
+from orchestrator.handshake import accept_peer, connect_peer, upstream_role
 from orchestrator.messages import StageBatch, StageFailure
 from orchestrator.stage_server import StageServer
 from stages.settings import StageSettings
 
 pytestmark = pytest.mark.model
 
+SECRET = b"k" * 32
+
 
 @pytest.fixture
 def stage(splits):
     """(server, upstream socket to it, downstream socket from it)."""
-    server = StageServer(splits[2][0], StageSettings(n_ctx=64, n_batch=16), "127.0.0.1", "node")
+    server = StageServer(splits[2][0], StageSettings(n_ctx=64, n_batch=16), "127.0.0.1", "node", secret=SECRET)
     listener = wire.listen("127.0.0.1")
-    listener.settimeout(30)
+    accepting = ThreadPoolExecutor(1).submit(accept_peer, listener, SECRET, upstream_role(1), 30)
     server.connect_downstream(*listener.getsockname())
-    downstream, _ = listener.accept()
+    downstream = accepting.result(timeout=30)
     downstream.settimeout(30)
-    upstream = wire.connect("127.0.0.1", server.description.port)
+    upstream = connect_peer("127.0.0.1", server.description.port, SECRET, upstream_role(0), 30)
     yield server, upstream, downstream
     upstream.close()
     downstream.close()
