@@ -174,7 +174,21 @@ class Pipeline:
         except ray.exceptions.GetTimeoutError:
             raise PipelineError(f"stages did not start within {ACTOR_START_SECONDS:.0f} s") from None
         except ray.exceptions.RayError as error:
-            raise PipelineError(f"a stage failed to start: {one_line(error)}") from None
+            raise PipelineError(f"a stage failed to start: {self._why_not_started(error)}") from None
+
+    def _why_not_started(self, first: Exception) -> str:
+        """The most telling start-up error: Ray may report a stage as cancelled
+        before it ran when another stage's failure came first; ask each."""
+        import ray
+
+        reasons = []
+        for actor in self.actors:
+            try:
+                ray.get(actor.describe.remote(), timeout=STAGE_ANSWER_SECONDS)
+            except ray.exceptions.RayError as error:  # GetTimeoutError included: a stage still loading
+                reasons.append(one_line(error))
+        telling = [reason for reason in reasons if "never ran" not in reason and "did not finish" not in reason]
+        return (telling or reasons or [one_line(first)])[0]
 
     def _wire(self, notify_boundaries: bool) -> SocketChain:
         """Each stage connects to the next, the last to us; then we connect to the first."""
