@@ -11,8 +11,10 @@ model (orchestrator.wire frames the messages).
 from __future__ import annotations
 
 import collections
+import contextlib
 import socket
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +33,15 @@ from stages.errors import SpecpipeError
 
 class PipelineError(SpecpipeError):
     """A pipeline could not start or run; the message is one line."""
+
+
+@contextlib.contextmanager
+def _setting_up() -> Iterator[None]:
+    """A connection of the chain that cannot be made (or proved) is one PipelineError."""
+    try:
+        yield
+    except (HandshakeError, OSError) as error:
+        raise PipelineError(f"the chain could not be set up: {error}") from None
 
 
 class PassLate(PipelineError):
@@ -75,27 +86,22 @@ class SocketChain:
         self.deadline_minimum = PASS_DEADLINE_MINIMUM_SECONDS
 
     def connect_first(self, host: str, port: int) -> None:
-        self._to_first = self._handshake(connect_peer, host, port, upstream_role(0))
+        with _setting_up():
+            self._to_first = connect_peer(host, port, self.secret, upstream_role(0), CONNECT_SECONDS)
 
     def accept_last(self, stage_count: int) -> None:
         """The last stage has been told to connect here."""
         self.stage_count = stage_count
-        self._from_last = self._handshake(accept_peer, RESULT_ROLE)
+        self._from_last = self._accept(RESULT_ROLE)
 
     def accept_boundary(self) -> None:
         """The next non-last stage (in stage order) has been told to connect here for its notices."""
-        self._boundaries.append(self._handshake(accept_peer, boundary_role(len(self._boundaries))))
+        self._boundaries.append(self._accept(boundary_role(len(self._boundaries))))
         self._boundary_seen.append(0)
 
-    def _handshake(self, how, *arguments) -> socket.socket:
-        try:
-            if how is connect_peer:
-                host, port, role = arguments
-                return connect_peer(host, port, self.secret, role, CONNECT_SECONDS)
-            (role,) = arguments
+    def _accept(self, role: str) -> socket.socket:
+        with _setting_up():
             return accept_peer(self.listener, self.secret, role, CONNECT_SECONDS)
-        except (HandshakeError, OSError) as error:
-            raise PipelineError(f"the chain could not be set up: {error}") from None
 
     def send(self, positions: np.ndarray, tokens: np.ndarray, keep: int, logit_rows: np.ndarray,
              sequence: int = 0) -> int:

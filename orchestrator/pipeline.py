@@ -12,6 +12,8 @@ validated from those readings (stages.stage_files).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -236,10 +238,8 @@ class Pipeline:
         """
         if logit_rows is None:
             logit_rows = np.array([len(tokens) - 1], dtype=np.int32)
-        try:
+        with self._naming_the_stage():
             self.chain.send(positions, tokens, keep, logit_rows, sequence)
-        except PassLate as late:
-            raise self._name_the_stage(late) from None
         return self.receive()
 
     def submit(self, target_pass: TargetPass) -> None:
@@ -253,32 +253,32 @@ class Pipeline:
             raise PipelineError(f"a pass of {len(target_pass.windows)} sequences; this pipeline carries one per pass")
         window = target_pass.windows[0]
         positions = np.arange(window.first, window.first + len(window.inputs), dtype=np.int32)
-        try:
+        with self._naming_the_stage():
             self.chain.send(positions, np.asarray(window.inputs, np.int32), window.first,
                             np.asarray(window.logit_rows, np.int32), window.sequence)
-        except PassLate as late:
-            raise self._name_the_stage(late) from None
 
     def release(self, sequence: int) -> None:
         """Free a KV sequence in every stage, in order with the passes around it."""
-        try:
+        with self._naming_the_stage():
             self.chain.release(sequence)
-        except PassLate as late:
-            raise self._name_the_stage(late) from None
 
     def receive(self) -> PassResult:
         """The logits of the oldest pass in flight. Past the chain's deadline, or
         if the chain breaks, the error names the stage that is dead or hung."""
-        try:
+        with self._naming_the_stage():
             return self.chain.receive()
-        except PassLate as late:
-            raise self._name_the_stage(late) from None
 
     def await_boundary(self, stage_index: int) -> int:
         """Block until the next pass has left stage ``stage_index``; return its id
         (needs notify_boundaries)."""
-        try:
+        with self._naming_the_stage():
             return self.chain.await_boundary(stage_index)
+
+    @contextlib.contextmanager
+    def _naming_the_stage(self) -> Iterator[None]:
+        """A late pass or a broken chain (PassLate) becomes an error naming the stage at fault."""
+        try:
+            yield
         except PassLate as late:
             raise self._name_the_stage(late) from None
 

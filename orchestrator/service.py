@@ -143,6 +143,7 @@ class Service:
         self._closing = False
         self._deadline: float | None = None  # shutdown: active requests get an error after it
         self.failure = ""  # set when the target failed: the service takes nothing more
+        self._reported_load: tuple[int, int] | None = None  # (decoding, queued) last told to the observer
         self._thread = threading.Thread(target=self._run, name="specpipe-service", daemon=True)
         self._thread.start()
 
@@ -257,7 +258,10 @@ class Service:
                         ticket.state.cancel()  # type: ignore[union-attr]
             while self._queue and self._free:
                 self._admit(self._queue.popleft(), self._free.popleft())
-            self.observer.load(len(self._active), len(self._queue))
+            load = (len(self._active), len(self._queue))
+            if load != self._reported_load:  # not every pass: the gauges change only with the load
+                self.observer.load(*load)
+                self._reported_load = load
 
     def _admit(self, ticket: _Ticket, sequence: int) -> None:
         request = ticket.request

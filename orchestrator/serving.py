@@ -18,7 +18,6 @@ importing Ray Serve takes seconds and ``orchestrate --help`` must not.
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 from collections.abc import Callable
@@ -253,6 +252,8 @@ def _run_application(settings: ServeSettings, on_status: Callable[[str], None], 
 
     from ray import serve
 
+    from orchestrator.cluster import one_line
+
     # Serve logs every step at INFO on the console; this command prints its own
     # (Serve's own logs stay in /tmp/ray/session_latest/logs/serve/).
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
@@ -265,7 +266,7 @@ def _run_application(settings: ServeSettings, on_status: Callable[[str], None], 
         serve.run(_deployment(settings).bind(settings), name=APPLICATION, route_prefix="/", blocking=False)
     except Exception as error:  # Serve reports a replica that failed to start as a RuntimeError with its traceback
         _shutdown_serve()
-        raise ServeError(f"the service did not start: {_last_line(error)}") from None
+        raise ServeError(f"the service did not start: {one_line(error)}") from None
     key = " (API key required)" if settings.api_key else ""
     on_status(f"serving {settings.model_name!r} on http://{settings.host}:{settings.port}/v1{key}; "
               "Ctrl-C or SIGTERM stops it")
@@ -285,13 +286,3 @@ def _shutdown_serve() -> None:
     except Exception:  # never started
         pass
     serve.shutdown()
-
-
-def _last_line(error: BaseException) -> str:
-    from orchestrator.cluster import one_line
-
-    return one_line(error)
-
-
-def environment_api_key() -> str | None:
-    return os.environ.get("SPECPIPE_API_KEY") or None
