@@ -17,7 +17,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import numpy as np
 
 from orchestrator import wire
 from orchestrator.handshake import RESULT_ROLE, HandshakeError, accept_peer, boundary_role, connect_peer, upstream_role
@@ -28,6 +27,7 @@ from orchestrator.defaults import (
     SHUTDOWN_SECONDS,
 )
 from orchestrator.messages import Boundary, PassResult, Shutdown, StageBatch, StageFailure
+from orchestrator.replay import KvLedger, PassRecord
 from stages.errors import SpecpipeError
 
 
@@ -50,24 +50,30 @@ class PassLate(PipelineError):
 
 
 @dataclass
-class _Timing:
-    """A pass in flight: its id, when it was sent, and whether another pass was
+class _InFlight:
+    """A pass in flight: its id, what was sent (kept until its result comes back:
+    a lost chain's passes are sent again), when, and whether another pass was
     in flight at the same time (then wall time minus compute is not transport)."""
 
     pass_id: int
+    record: PassRecord
     started: float
     overlapped: bool
-    release: bool = False  # a sequence's release: its (empty) result is not handed out
 
 
 class SocketChain:
     """The coordinator's ends of the chain: one socket to stage 0, one from the
     last stage, and one from each non-last stage for boundary notices."""
 
-    def __init__(self, host: str, secret: bytes):
+    def __init__(self, host: str, secret: bytes, n_vocab: int, ledger: KvLedger | None = None):
         """Listen on ``host`` (this machine's address) for the last stage and the
-        notices; every connection proves it holds the pipeline's ``secret``."""
+        notices; every connection proves it holds the pipeline's ``secret``.
+        n_vocab: the width of every result's logits (checked on receipt).
+        ledger: settles each pass whose result came back (what the stages
+        cache, for a replay; a new chain after a lost stage takes the old one's)."""
         self.secret = secret
+        self.n_vocab = n_vocab
+        self.ledger = ledger if ledger is not None else KvLedger()
         self.listener = wire.listen(host)
         self.listener.settimeout(CONNECT_SECONDS)
         self.address = (host, self.listener.getsockname()[1])
@@ -76,7 +82,7 @@ class SocketChain:
         self._boundaries: list[socket.socket] = []
         self._boundary_seen: list[int] = []  # last pass id each stage reported
         self._pass_id = 0
-        self._in_flight: collections.deque[_Timing] = collections.deque()
+        self._in_flight: collections.deque[_InFlight] = collections.deque()
         self.stage_count = 0
         # Wall time of passes minus the stages' own compute: the transport cost
         # of all stage_count + 1 hops, over the passes that ran alone.
@@ -84,6 +90,13 @@ class SocketChain:
         self.passes_alone = 0
         self.slowest_pass_seconds = 0.0  # wall time of the slowest pass received (sets the deadline)
         self.deadline_minimum = PASS_DEADLINE_MINIMUM_SECONDS
+
+    def take_timing_from(self, old: SocketChain) -> None:
+        """Go on from a lost chain's figures: its deadline and its hop times."""
+        self.deadline_minimum = old.deadline_minimum
+        self.slowest_pass_seconds = old.slowest_pass_seconds
+        self.transport_seconds = old.transport_seconds
+        self.passes_alone = old.passes_alone
 
     def connect_first(self, host: str, port: int) -> None:
         with _setting_up():
@@ -103,31 +116,30 @@ class SocketChain:
         with _setting_up():
             return accept_peer(self.listener, self.secret, role, CONNECT_SECONDS)
 
-    def send(self, positions: np.ndarray, tokens: np.ndarray, keep: int, logit_rows: np.ndarray,
-             sequence: int = 0) -> int:
-        """Start a pass of one KV sequence's tokens int32[n] at positions
-        int32[n]; each stage first drops the sequence's cached positions >=
-        keep; the last returns the logits of logit_rows int32[rows]. Returns
-        its id; results come back in order."""
-        return self._send(StageBatch(self._pass_id + 1, keep, positions, logit_rows, tokens=tokens, sequence=sequence))
-
-    def release(self, sequence: int) -> None:
-        """Every stage drops all of a KV sequence's cache (in order with the
-        passes before and after it); no result is handed out for it."""
-        empty = np.empty(0, np.int32)
-        self._send(StageBatch(self._pass_id + 1, 0, empty, empty, tokens=empty, sequence=sequence), release=True)
-
-    def _send(self, batch: StageBatch, release: bool = False) -> int:
-        self._pass_id = batch.pass_id
+    def send(self, record: PassRecord) -> int:
+        """Start a pass (replay.PassRecord: one KV sequence's tokens at their
+        positions, after each stage drops the sequence's cache from keep on;
+        the last stage returns the logits of its logit rows), or a release (no
+        positions: every stage drops the sequence, in order with the passes
+        around it; no result is handed out for it). Returns its id; results
+        come back in order. If the chain is broken the pass stays in flight
+        (``unanswered``) and PassLate is raised."""
+        self._pass_id += 1
+        batch = StageBatch(self._pass_id, record.keep, record.positions, record.logit_rows, tokens=record.tokens,
+                           sequence=record.sequence)
         overlapping = bool(self._in_flight)
         for entry in self._in_flight:
             entry.overlapped = True
-        self._in_flight.append(_Timing(self._pass_id, time.perf_counter(), overlapping, release))
+        self._in_flight.append(_InFlight(self._pass_id, record, time.perf_counter(), overlapping))
         try:
             wire.send_message(self._to_first, batch)
         except OSError as error:
             raise PassLate(f"the chain broke while sending pass {batch.pass_id} ({error})") from None
         return self._pass_id
+
+    def release(self, sequence: int) -> None:
+        """Every stage drops all of a KV sequence's cache (in order with the passes around it)."""
+        self.send(PassRecord.release(sequence))
 
     @property
     def deadline_seconds(self) -> float:
@@ -168,19 +180,29 @@ class SocketChain:
                 return reply
 
     def _receive_oldest(self) -> PassResult | None:
-        entry = self._in_flight.popleft()
+        entry = self._in_flight[0]  # stays in flight until its result is in: a broken chain sends it again
         for stage_index in range(len(self._boundaries)):
             while self._boundary_seen[stage_index] < entry.pass_id:
                 self.await_boundary(stage_index)
+        last = f"the last stage (stage {self.stage_count - 1})"
         try:
             reply = self._receive_within_deadline(self._from_last, f"result of pass {entry.pass_id}")
         except wire.ProtocolError as error:
-            raise PipelineError(f"the last stage (stage {self.stage_count - 1}) sent a bad frame: {error}") from None
+            raise PipelineError(f"{last} sent a bad frame: {error}") from None
         if isinstance(reply, StageFailure):
+            self._in_flight.popleft()
+            self.ledger.settle(entry.record, decoded=False)
             raise PipelineError(f"stage {reply.stage_index} failed: {reply.message}")
         if not isinstance(reply, PassResult) or reply.pass_id != entry.pass_id:
-            raise PipelineError(f"unexpected reply {type(reply).__name__} to pass {entry.pass_id}")
-        if entry.release:
+            raise PipelineError(f"{last} sent {type(reply).__name__} {getattr(reply, 'pass_id', '')} "
+                                f"in reply to pass {entry.pass_id}")
+        expected = (len(entry.record.logit_rows), self.n_vocab)
+        if reply.logits.shape != expected or len(reply.stage_seconds) != self.stage_count:
+            raise PipelineError(f"{last} sent logits of shape {reply.logits.shape} and {len(reply.stage_seconds)} "
+                                f"stage times for pass {entry.pass_id}; expected {expected} and {self.stage_count}")
+        self._in_flight.popleft()
+        self.ledger.settle(entry.record, decoded=True)
+        if entry.record.is_release:
             return None
         self.slowest_pass_seconds = max(self.slowest_pass_seconds, time.perf_counter() - entry.started)
         if not entry.overlapped:  # wall time minus compute is transport only for a pass that ran alone
@@ -193,15 +215,31 @@ class SocketChain:
         """Passes (and releases) sent whose results have not been received."""
         return len(self._in_flight)
 
+    def unanswered(self) -> list[PassRecord]:
+        """What was sent and has no result yet, oldest first (a new chain sends it again)."""
+        return [entry.record for entry in self._in_flight]
+
+    def notices_taken_in_flight(self) -> list[int]:
+        """For each non-last stage: how many of the unanswered passes' boundary
+        notices were already awaited (a new chain consumes that many of their
+        notices again before handing any out)."""
+        if not self._in_flight:
+            return [0] * len(self._boundaries)
+        first = self._in_flight[0].pass_id
+        return [max(0, seen - first + 1) for seen in self._boundary_seen]
+
     @property
     def hop_seconds(self) -> float:
         """Mean transport time of one hop, over the passes that ran alone so far."""
         hops = self.passes_alone * (self.stage_count + 1)
         return self.transport_seconds / hops if hops else 0.0
 
-    def close(self) -> None:
-        """Send Shutdown down the chain (each stage closes in turn), then close our ends."""
-        if self._to_first is not None and self._from_last is not None:
+    def close(self, shutdown: bool = True) -> None:
+        """Send Shutdown down the chain (each stage closes in turn), then close
+        our ends. Without ``shutdown`` (a broken chain being replaced) the
+        sockets are just closed: each surviving stage sees its chain end and
+        waits to be wired again."""
+        if shutdown and self._to_first is not None and self._from_last is not None:
             try:
                 wire.send_message(self._to_first, Shutdown())
                 self._from_last.settimeout(SHUTDOWN_SECONDS)

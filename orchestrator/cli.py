@@ -147,10 +147,12 @@ def verify_split(model: Path, stage_files: tuple[Path, ...], threads: int) -> No
 @click.option("--draft-overlap", is_flag=True, help="Let drafters run while their own stage computes too.")
 @click.option("--dashboard", is_flag=True, help="Start the Ray dashboard with the local Ray instance.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
+@click.option("--max-restarts", default=defaults.MAX_RESTARTS, show_default=True, type=click.IntRange(0, 100),
+              help="Restarts of each stage (and drafter) that dies; a restarted stage is rebuilt by replay.")
 @one_line_errors
 def run(files, model_split, prompt, prompt_file, chat, max_tokens, temperature, top_p, seed, address, place,
         threads, n_ctx, n_gpu_layers, wire_dtype, speculator, draft_path, draft_max, draft_p_min, schedule,
-        draft_overlap, dashboard, as_json) -> None:
+        draft_overlap, dashboard, as_json, max_restarts) -> None:
     """Generate text through a pipeline of stages (default: SmolLM2-135M split in two)."""
     from orchestrator.defaults import DEFAULT_PROMPT, default_stage_paths
     from orchestrator.placement import parse_place
@@ -190,6 +192,7 @@ def run(files, model_split, prompt, prompt_file, chat, max_tokens, temperature, 
         place=parse_place(place) if place else None,
         wire_dtype=wire_dtype,
         dashboard=dashboard,
+        max_restarts=max_restarts,
     )
     if as_json:
         outcome = run_generation(settings)
@@ -239,9 +242,12 @@ def run(files, model_split, prompt, prompt_file, chat, max_tokens, temperature, 
               help="Activations between stages; f16 halves traffic but is LOSSY (output may differ from the whole model).")
 @click.option("--dashboard/--no-dashboard", default=True, show_default=True,
               help="Start the Ray dashboard with a local Ray (its Serve page shows the service).")
+@click.option("--max-restarts", default=defaults.MAX_RESTARTS, show_default=True, type=click.IntRange(0, 100),
+              help="Restarts of each stage (and drafter) that dies; a restarted stage is rebuilt by replay.")
 @one_line_errors
 def serve(files, model_split, host, port, api_key, model_name, max_sequences, queue_limit, n_ctx, speculator,
-          draft_path, draft_max, draft_p_min, address, place, threads, n_gpu_layers, wire_dtype, dashboard) -> None:
+          draft_path, draft_max, draft_p_min, address, place, threads, n_gpu_layers, wire_dtype, dashboard,
+          max_restarts) -> None:
     """Serve the model (default: SmolLM2-135M split in two) with the OpenAI API until Ctrl-C or SIGTERM."""
     from orchestrator.defaults import default_stage_paths
     from orchestrator.placement import parse_place
@@ -266,6 +272,7 @@ def serve(files, model_split, host, port, api_key, model_name, max_sequences, qu
         speculator=speculator, draft_path=draft_path, draft_p_min=draft_p_min, draft_max=draft_max,
         host=host, port=port, api_key=api_key or None,
         address=address, place=parse_place(place) if place else None, wire_dtype=wire_dtype, dashboard=dashboard,
+        max_restarts=max_restarts,
     )
     serve_until_stopped(settings, on_status=lambda line: click.echo(line, err=True))
 

@@ -48,6 +48,11 @@ PASS_DEADLINE_FACTOR = 20.0
 PASS_DEADLINE_MINIMUM_SECONDS = 120.0
 # Seconds a stage actor has to answer that question before it counts as hung.
 STAGE_ANSWER_SECONDS = 10.0
+# Restarts of one lost stage (or drafter) per pipeline (--max-restarts): each
+# reloads the stage and replays every live sequence through the new chain;
+# a stage lost more often than this is failing for a reason a restart will
+# not mend (a node out of memory, a broken disk).
+MAX_RESTARTS = 3
 # TCP keepalive on every chain socket: a peer silent this long is probed, and
 # dropped after the probes go unanswered (a partitioned node).
 KEEPALIVE_IDLE_SECONDS = 10

@@ -2,14 +2,17 @@
 
 One drafter per machine, placed on its stage's node (in the same placement
 bundle). Every failure of a drafter (it raises, hangs, its actor dies, its
-socket closes) is absorbed here: the client answers with an empty draft, marks
-the drafter lost, and the pipeline goes on without it. A lost drafter is not
-restarted during a generation.
+socket closes, it sends tokens outside the vocabulary) is absorbed here: the
+client answers with an empty draft, marks the drafter lost, and the pipeline
+goes on without it. A lost drafter is restarted in the background (at most
+max_restarts times) and rejoins at the next request once it is up; drafts
+only ever change the speed, never the output.
 """
 
 from __future__ import annotations
 
 import socket
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,7 +20,14 @@ import numpy as np
 
 from orchestrator import wire
 from orchestrator.handshake import DRAFTER_ROLE, HandshakeError, connect_peer
-from orchestrator.defaults import ACTOR_START_SECONDS, CONNECT_SECONDS, DRAFT_MAX, DRAFTER_REPLY_SECONDS, DRAFTER_WAIT_SECONDS
+from orchestrator.defaults import (
+    ACTOR_START_SECONDS,
+    CONNECT_SECONDS,
+    DRAFT_MAX,
+    DRAFTER_REPLY_SECONDS,
+    DRAFTER_WAIT_SECONDS,
+    MAX_RESTARTS,
+)
 from orchestrator.drafter_server import DrafterServer, Speculator
 from orchestrator.messages import CollectDraft, DraftReply, Shutdown, SpeculateFrom
 
@@ -26,11 +36,13 @@ from orchestrator.messages import CollectDraft, DraftReply, Shutdown, SpeculateF
 class DrafterSettings:
     """draft_max: most tokens drafted per request (--draft-max).
     overlap: keep drafting while the machine's own stage runs (--draft-overlap).
-    wait_seconds: how long a synchronous request may wait for the draft to finish."""
+    wait_seconds: how long a synchronous request may wait for the draft to finish.
+    max_restarts: how often a lost drafter is restarted (--max-restarts)."""
 
     draft_max: int = DRAFT_MAX
     overlap: bool = False
     wait_seconds: float = DRAFTER_WAIT_SECONDS
+    max_restarts: int = MAX_RESTARTS
 
 
 def _drafter_actor_class():
@@ -41,10 +53,12 @@ def _drafter_actor_class():
         """Thin Ray shell over a DrafterServer."""
 
         def __init__(self, index: int, make_speculator: Callable[[], Speculator], settings: DrafterSettings,
-                     secret: bytes):
+                     secret: bytes, loopback: bool):
+            """loopback: the coordinator is on this machine; listen on 127.0.0.1 only."""
             self.index = index
+            self.host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
             self.server = DrafterServer(
-                make_speculator, ray.util.get_node_ip_address(),
+                make_speculator, self.host,
                 draft_max=settings.draft_max, overlap=settings.overlap, wait_seconds=settings.wait_seconds,
                 secret=secret,
             )
@@ -54,8 +68,13 @@ def _drafter_actor_class():
 
             return peak_rss_mb()
 
+        def process_id(self) -> int:
+            import os
+
+            return os.getpid()
+
         def address(self) -> tuple[str, int, str]:
-            return ray.util.get_node_ip_address(), self.server.port, ray.get_runtime_context().get_node_id()
+            return self.host, self.server.port, ray.get_runtime_context().get_node_id()
 
         def __repr__(self) -> str:  # the name shown on the Ray dashboard
             return f"drafter-{self.index}"
@@ -63,19 +82,43 @@ def _drafter_actor_class():
     return DrafterActor
 
 
+Launch = Callable[[], tuple[object, socket.socket, str]]
+"""Starts a drafter actor and connects to it: (actor, proved socket, node id); raises if it cannot."""
+
+
 class DrafterClient:
     """The coordinator's handle on one drafter; never raises."""
 
-    def __init__(self, index: int, sock: socket.socket | None, node_id: str = "", actor=None):
+    def __init__(self, index: int, sock: socket.socket | None, node_id: str = "", actor=None, *,
+                 n_vocab: int | None = None, draft_max: int | None = None, relaunch: Launch | None = None,
+                 max_restarts: int = 0, on_restart: Callable[[int], None] | None = None):
+        """n_vocab, draft_max: what a reply's tokens must stay within (None: unchecked).
+        relaunch: starts a replacement after a loss, at most max_restarts times;
+        on_restart: told the index each time a replacement rejoins."""
         self.index = index
         self.node_id = node_id
         self.actor = actor
+        self.n_vocab = n_vocab
+        self.draft_max = draft_max
         self._sock = sock
         self._epoch = 0
         self._speculating = False
+        self._busy_earlier = 0.0  # drafting seconds of the drafters this one replaced
         self.busy_seconds = 0.0
         self.last_error = ""
         self.lost_reason = "" if sock is not None else "did not start"
+        self._relaunch = relaunch
+        self._max_restarts = max_restarts
+        self._on_restart = on_restart
+        self.restarts_started = 0
+        self.restarts = 0  # replacements that rejoined
+        self._lock = threading.Lock()
+        self._replacement: tuple[object, socket.socket, str] | None = None
+        self._closed = False
+        # set while a restarted drafter waits to rejoin (tests wait on it, not on the clock)
+        self.replacement_ready = threading.Event()
+        if sock is None:
+            self._restart_in_background()
 
     @property
     def alive(self) -> bool:
@@ -86,9 +129,51 @@ class DrafterClient:
         if self._sock is not None:
             self._sock.close()
         self._sock = None
+        self._speculating = False
+        self._restart_in_background()
+
+    def _restart_in_background(self) -> None:
+        if self._relaunch is None or self.restarts_started >= self._max_restarts or self._closed:
+            return
+        self.restarts_started += 1
+        threading.Thread(target=self._restart, args=(self.actor,), name=f"drafter-{self.index}-restart",
+                         daemon=True).start()
+
+    def _restart(self, old_actor) -> None:
+        import ray
+
+        if old_actor is not None:
+            ray.kill(old_actor)  # dead already, or hung: it must not hold its node's memory beside the new one
+        try:
+            launched = self._relaunch()  # type: ignore[misc]
+        except Exception as error:  # noqa: BLE001 - any failure to start leaves the drafter lost, never the run
+            from orchestrator.cluster import one_line
+
+            self.lost_reason = f"{self.lost_reason}; the restart failed: {one_line(error)}"
+            return
+        with self._lock:
+            if self._closed:  # stopped meanwhile: the replacement must not outlive the run
+                launched[1].close()
+                ray.kill(launched[0])
+                return
+            self._replacement = launched
+        self.replacement_ready.set()
+
+    def _rejoin(self) -> None:
+        """Adopt a restarted drafter once it is up (in the loop's thread, between requests)."""
+        if self._replacement is None:
+            return
+        with self._lock:
+            (self.actor, self._sock, self.node_id), self._replacement = self._replacement, None
+        self.replacement_ready.clear()
+        self._busy_earlier = self.busy_seconds
+        self.restarts += 1
+        if self._on_restart is not None:
+            self._on_restart(self.index)
 
     def speculate(self, context: list[int]) -> None:
         """Ask the drafter to extend context (committed text + speculation) from now on."""
+        self._rejoin()
         if self._sock is None:
             return
         self._epoch += 1
@@ -112,14 +197,26 @@ class DrafterClient:
             self._lose(f"no reply: {error or type(error).__name__}")
             return []
         if not isinstance(reply, DraftReply) or reply.epoch != self._epoch:
-            self._lose(f"unexpected reply {reply!r}")
+            self._lose(f"unexpected reply {reply!r:.100}")
             return []
-        self.busy_seconds = reply.busy_seconds
+        tokens = reply.tokens
+        if self.draft_max is not None and len(tokens) > self.draft_max:
+            self._lose(f"sent {len(tokens)} draft tokens (at most {self.draft_max})")
+            return []
+        if self.n_vocab is not None and len(tokens) and (tokens.min() < 0 or tokens.max() >= self.n_vocab):
+            self._lose(f"sent token ids outside the vocabulary of {self.n_vocab}")
+            return []
+        self.busy_seconds = self._busy_earlier + reply.busy_seconds
         if reply.error:
             self.last_error = reply.error
-        return reply.tokens.tolist()
+        return tokens.tolist()
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            replacement, self._replacement = self._replacement, None
+        if replacement is not None:
+            self.actor, self._sock = replacement[0], replacement[1]
         if self._sock is not None:
             try:
                 wire.send_message(self._sock, Shutdown())
@@ -129,29 +226,41 @@ class DrafterClient:
             self._sock = None
 
 
-def start_drafters(pipeline, make_speculator: Callable[[], Speculator], settings: DrafterSettings) -> list[DrafterClient]:
+def start_drafters(pipeline, make_speculator: Callable[[], Speculator], settings: DrafterSettings,
+                   on_restart: Callable[[int], None] | None = None) -> list[DrafterClient]:
     """One drafter actor beside each stage of ``pipeline``, connected to this process.
 
-    A drafter that fails to start is reported as lost; generation goes on without it.
+    A drafter that fails to start, or is lost later, is restarted in the
+    background (settings.max_restarts); generation goes on without it meanwhile.
     """
     import ray
 
     from orchestrator.cluster import one_line
 
     actor_class = _drafter_actor_class()
-    actors = [
-        actor_class.options(**pipeline.actor_options(index, num_cpus=0)).remote(index, make_speculator, settings,
-                                                                                 pipeline.secret)
-        for index in range(len(pipeline.stages))
-    ]
-    clients = []
-    for index, actor in enumerate(actors):
+
+    def start(index: int):
+        return actor_class.options(**pipeline.actor_options(index, num_cpus=0)).remote(
+            index, make_speculator, settings, pipeline.secret, pipeline.loopback)
+
+    def connect(actor) -> tuple[object, socket.socket, str]:
         try:
             host, port, node_id = ray.get(actor.address.remote(), timeout=ACTOR_START_SECONDS)
-            sock = connect_peer(host, port, pipeline.secret, DRAFTER_ROLE, CONNECT_SECONDS)
-            clients.append(DrafterClient(index, sock, node_id, actor))
+            return actor, connect_peer(host, port, pipeline.secret, DRAFTER_ROLE, CONNECT_SECONDS), node_id
+        except BaseException:
+            ray.kill(actor)
+            raise
+
+    actors = [start(index) for index in range(len(pipeline.stages))]  # they load at once, side by side
+    clients = []
+    for index, actor in enumerate(actors):
+        checks = dict(n_vocab=pipeline.n_vocab, draft_max=settings.draft_max, max_restarts=settings.max_restarts,
+                      relaunch=lambda index=index: connect(start(index)), on_restart=on_restart)
+        try:
+            _, sock, node_id = connect(actor)
+            clients.append(DrafterClient(index, sock, node_id, actor, **checks))
         except (ray.exceptions.RayError, OSError, HandshakeError) as error:
-            client = DrafterClient(index, None, actor=actor)
+            client = DrafterClient(index, None, **checks)
             client.lost_reason = f"did not start: {one_line(error)}"
             clients.append(client)
     return clients

@@ -100,3 +100,17 @@ class ServiceMetrics:
     def load(self, active: int, queued: int) -> None:
         self.decoding.set(active)
         self.queued.set(queued)
+
+
+class RestartMetrics:
+    """Recorded by the coordinator each time it restarts a lost stage or drafter."""
+
+    def __init__(self):
+        from ray.util.metrics import Counter
+
+        self.restarts = Counter("specpipe_restarts", description="Stage and drafter actors restarted after a loss.",
+                                tag_keys=("role", "index"))
+
+    def record(self, role: str, index: int) -> None:
+        """role: "stage" or "drafter"; index: its stage's index."""
+        self.restarts.inc(tags={"role": role, "index": str(index)})

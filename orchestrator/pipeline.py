@@ -8,12 +8,20 @@ control calls (describe, connect, stats); the tokens do not go through Ray.
 Before any stage loads, each stage file's header is read on the node that is
 to run it (the driver may not hold the other machines' files), and the set is
 validated from those readings (stages.stage_files).
+
+A stage actor that dies (its process killed, out of memory) is restarted on
+its node (its placement bundle), the chain is wired anew through it and the
+surviving stages, every live sequence's cache is rebuilt by replaying its
+tokens (orchestrator.replay), and the passes that were in flight are sent
+again: the caller sees a late result, never a wrong one (``_recover``). A
+stage that hangs is named and the pipeline fails: it may still hold its
+node's memory, and a second copy beside it could not load.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -21,16 +29,18 @@ import numpy as np
 
 from orchestrator.chain import PassLate, PipelineError, SocketChain
 from orchestrator.cluster import Reservation, one_line, peak_rss_mb
-from orchestrator.defaults import ACTOR_START_SECONDS, STAGE_ANSWER_SECONDS
+from orchestrator.defaults import ACTOR_START_SECONDS, MAX_RESTARTS, STAGE_ANSWER_SECONDS
 from orchestrator.handshake import new_secret
 from orchestrator.messages import PassResult
+from orchestrator.replay import KvLedger, PassRecord
 from orchestrator.schedule import TargetPass
 from orchestrator.stage_server import StageDescription, StageServer
-from stages.gguf_file import StageFileInfo
 from stages.settings import StageSettings
-from stages.stage_files import NodeStageFile, check_stage_files_on_nodes, read_stage_file
+from stages.stage_files import NOT_FOUND, NodeStageFile, check_stage_files_on_nodes, read_stage_file
 
-__all__ = ["Pipeline", "PipelineError", "StageLoad", "StageReport"]
+__all__ = ["Pipeline", "PipelineError", "StageLoad", "StageReport", "StageRestart"]
+
+LOOPBACK = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,19 @@ class StageReport:
     host: str
     busy_seconds: float
     passes: int
+
+
+@dataclass(frozen=True)
+class StageRestart:
+    """A lost stage brought back: which, why it was lost (one line), the nodes
+    before and after, and the seconds from noticing the loss to the chain
+    carrying passes again (reload, rewiring and replay)."""
+
+    stage_index: int
+    reason: str
+    old_node_id: str
+    node_id: str
+    seconds: float
 
 
 class StageLoad(NamedTuple):
@@ -73,12 +96,13 @@ def _stage_actor_class():
     class StageActor:
         """Thin Ray shell over a StageServer (see orchestrator.stage_server)."""
 
-        def __init__(self, path: str, settings: StageSettings, wire_dtype: str, secret: bytes):
+        def __init__(self, path: str, settings: StageSettings, wire_dtype: str, secret: bytes, loopback: bool):
+            """loopback: every peer is on this machine; listen on 127.0.0.1 only."""
             from orchestrator.metrics import StageMetrics
 
             context = ray.get_runtime_context()
-            self.server = StageServer(path, settings, ray.util.get_node_ip_address(), context.get_node_id(), wire_dtype,
-                                      secret=secret)
+            host = LOOPBACK if loopback else ray.util.get_node_ip_address()
+            self.server = StageServer(path, settings, host, context.get_node_id(), wire_dtype, secret=secret)
             self.server.on_pass = StageMetrics(self.server.description.stage_index).record
 
         def describe(self) -> StageDescription:
@@ -123,54 +147,72 @@ class Pipeline:
         place: dict[int, str] | None = None,
         notify_boundaries: bool = False,
         pass_deadline_minimum: float | None = None,
+        max_restarts: int = MAX_RESTARTS,
+        on_restart: Callable[[StageRestart], None] | None = None,
     ):
         """notify_boundaries: non-last stages report each pass leaving them
         (await_boundary); asynchronous speculation needs it.
         pass_deadline_minimum: the least seconds a pass's result may take
-        (default defaults.PASS_DEADLINE_MINIMUM_SECONDS; the chain's deadline)."""
+        (default defaults.PASS_DEADLINE_MINIMUM_SECONDS; the chain's deadline).
+        max_restarts: how often each stage may be restarted after it died;
+        on_restart: told of each restart (the metrics)."""
+        import ray
+
         self.stage_paths = list(stage_paths)
+        self.settings = settings
+        self.wire_dtype = wire_dtype
+        self.notify_boundaries = notify_boundaries
         self.n_batch = settings.n_batch
+        self.max_restarts = max_restarts
+        self.on_restart = on_restart
+        self.restarts: list[StageRestart] = []
         self.actors: list = []
         self.chain: SocketChain | None = None
+        self.ledger = KvLedger()  # what every stage caches, for a replay after a loss
         # The data plane's secret: it reaches the actors only through Ray's
         # authenticated calls, and every chain connection proves it holds it.
         self.secret = new_secret()
         self.reservation = Reservation(len(stage_paths), place)
         try:
-            self.stage_files = self._check_stage_files_on_their_nodes()
-            self.stages = self._start_stages(settings, wire_dtype)
-            self.chain = self._wire(notify_boundaries)
+            found = self._read_stage_files(range(len(self.stage_paths)))
+            self.stage_files = check_stage_files_on_nodes(self.stage_paths, found)
+            # Every stage on this machine: no listener needs to be reachable from another.
+            self.loopback = all(file.node_address == ray.util.get_node_ip_address() for file in found)
+            self.stages = self._start_stages()
+            self.n_vocab = self.stages[-1].n_vocab
+            self.chain = self._wire()
             if pass_deadline_minimum is not None:
                 self.chain.deadline_minimum = pass_deadline_minimum
         except BaseException:
             self.close()
             raise
-        self.n_vocab = self.stages[-1].n_vocab
 
-    def _check_stage_files_on_their_nodes(self) -> list[StageFileInfo | None]:
-        """Each file is read on the node that will load it (the driver may not hold it)."""
+    def _read_stage_files(self, indices) -> list[NodeStageFile]:
+        """Each stage file of ``indices`` read on the node that will load it (the driver may not hold it)."""
         import ray
 
         reader = _stage_file_reader()
         readings = [
-            reader.options(scheduling_strategy=self.reservation.scheduling_strategy(index)).remote(path)
-            for index, path in enumerate(self.stage_paths)
+            reader.options(scheduling_strategy=self.reservation.scheduling_strategy(index)).remote(self.stage_paths[index])
+            for index in indices
         ]
         try:
-            found = ray.get(readings, timeout=ACTOR_START_SECONDS)
+            return ray.get(readings, timeout=ACTOR_START_SECONDS)
         except ray.exceptions.GetTimeoutError:
             raise PipelineError(f"stage files were not read on their nodes within {ACTOR_START_SECONDS:.0f} s") from None
         except ray.exceptions.RayError as error:
             raise PipelineError(f"could not read the stage files on their nodes: {one_line(error)}") from None
-        return check_stage_files_on_nodes(self.stage_paths, found)
 
-    def _start_stages(self, settings: StageSettings, wire_dtype: str) -> list[StageDescription]:
+    def _start_stage(self, index: int):
+        """A new stage actor for stage ``index`` on its node (it loads in the background)."""
+        return _stage_actor_class().options(**self.actor_options(index, num_cpus=1)).remote(
+            self.stage_paths[index], self.settings, self.wire_dtype, self.secret, self.loopback)
+
+    def _start_stages(self) -> list[StageDescription]:
         import ray
 
-        actor_class = _stage_actor_class()
-        for index, path in enumerate(self.stage_paths):
-            options = self.actor_options(index, num_cpus=1)
-            self.actors.append(actor_class.options(**options).remote(path, settings, wire_dtype, self.secret))
+        for index in range(len(self.stage_paths)):
+            self.actors.append(self._start_stage(index))
         try:
             return ray.get([actor.describe.remote() for actor in self.actors], timeout=ACTOR_START_SECONDS)
         except ray.exceptions.GetTimeoutError:
@@ -192,13 +234,14 @@ class Pipeline:
         telling = [reason for reason in reasons if "never ran" not in reason and "did not finish" not in reason]
         return (telling or reasons or [one_line(first)])[0]
 
-    def _wire(self, notify_boundaries: bool) -> SocketChain:
+    def _wire(self) -> SocketChain:
         """Each stage connects to the next, the last to us; then we connect to the first."""
         import ray
 
         from concurrent.futures import ThreadPoolExecutor
 
-        chain = SocketChain(ray.util.get_node_ip_address(), self.secret)
+        host = LOOPBACK if self.loopback else ray.util.get_node_ip_address()
+        chain = SocketChain(host, self.secret, self.n_vocab, self.ledger)
         try:
             # Every connection is proved by a handshake, so each acceptor must be
             # listening while its peer connects: ours run in a thread meanwhile.
@@ -209,7 +252,7 @@ class Pipeline:
                         timeout=ACTOR_START_SECONDS)
                 last.result()
                 chain.connect_first(self.stages[0].host, self.stages[0].port)
-                if notify_boundaries:
+                if self.notify_boundaries:
                     for actor in self.actors[:-1]:  # one at a time, in stage order
                         boundary = accepting.submit(chain.accept_boundary)
                         ray.get(actor.connect_notify.remote(*chain.address), timeout=ACTOR_START_SECONDS)
@@ -238,8 +281,8 @@ class Pipeline:
         """
         if logit_rows is None:
             logit_rows = np.array([len(tokens) - 1], dtype=np.int32)
-        with self._naming_the_stage():
-            self.chain.send(positions, tokens, keep, logit_rows, sequence)
+        self._send(PassRecord(sequence, keep, np.asarray(positions, np.int32), np.asarray(tokens, np.int32),
+                              np.asarray(logit_rows, np.int32)))
         return self.receive()
 
     def submit(self, target_pass: TargetPass) -> None:
@@ -253,51 +296,129 @@ class Pipeline:
             raise PipelineError(f"a pass of {len(target_pass.windows)} sequences; this pipeline carries one per pass")
         window = target_pass.windows[0]
         positions = np.arange(window.first, window.first + len(window.inputs), dtype=np.int32)
-        with self._naming_the_stage():
-            self.chain.send(positions, np.asarray(window.inputs, np.int32), window.first,
-                            np.asarray(window.logit_rows, np.int32), window.sequence)
+        self._send(PassRecord(window.sequence, window.first, positions, np.asarray(window.inputs, np.int32),
+                              np.asarray(window.logit_rows, np.int32)))
 
     def release(self, sequence: int) -> None:
         """Free a KV sequence in every stage, in order with the passes around it."""
-        with self._naming_the_stage():
-            self.chain.release(sequence)
+        self._send(PassRecord.release(sequence))
 
     def receive(self) -> PassResult:
         """The logits of the oldest pass in flight. Past the chain's deadline, or
-        if the chain breaks, the error names the stage that is dead or hung."""
-        with self._naming_the_stage():
-            return self.chain.receive()
+        if the chain breaks, a dead stage is restarted and the pass comes late;
+        a hung stage (or one out of restarts) is named in a PipelineError."""
+        while True:
+            try:
+                return self.chain.receive()
+            except PassLate as late:
+                self._recover(late)
 
     def await_boundary(self, stage_index: int) -> int:
         """Block until the next pass has left stage ``stage_index``; return its id
         (needs notify_boundaries)."""
-        with self._naming_the_stage():
-            return self.chain.await_boundary(stage_index)
+        while True:
+            try:
+                return self.chain.await_boundary(stage_index)
+            except PassLate as late:
+                self._recover(late)
 
-    @contextlib.contextmanager
-    def _naming_the_stage(self) -> Iterator[None]:
-        """A late pass or a broken chain (PassLate) becomes an error naming the stage at fault."""
+    def _send(self, record: PassRecord) -> None:
         try:
-            yield
-        except PassLate as late:
-            raise self._name_the_stage(late) from None
+            self.chain.send(record)
+        except PassLate as late:  # the record stays in flight: the new chain sends it again
+            self._recover(late)
 
-    def _name_the_stage(self, late: PassLate) -> PipelineError:
-        """Ask each stage actor through Ray (its own thread answers while its
-        stage decodes): one that died, or that does not answer, is named."""
+    # -- a lost stage -------------------------------------------------------
+    def _recover(self, late: PassLate) -> None:
+        """Restart every stage that died, wire a new chain, rebuild every
+        sequence's cache and send the unanswered passes again; or raise the
+        PipelineError that names the stage at fault."""
+        noticed = time.perf_counter()
+        unanswered, notices = self.chain.unanswered(), self.chain.notices_taken_in_flight()
+        restarted: list[tuple[int, str, str]] = []  # (index, why, old node)
+        while True:
+            dead = self._dead_stages(late, restarted)
+            old_chain = self.chain
+            old_chain.close(shutdown=False)
+            for index, reason in dead:
+                restarted.append((index, reason, self.stages[index].node_id))
+                self._restart_stage(index)
+            self.chain = self._wire()
+            self.chain.take_timing_from(old_chain)
+            try:
+                self._replay(unanswered, notices)
+                break
+            except PassLate as again:  # lost again while replaying: the ledger still holds only settled passes
+                late = again
+        seconds = time.perf_counter() - noticed
+        for index, reason, old_node in restarted:
+            restart = StageRestart(index, reason, old_node, self.stages[index].node_id, seconds)
+            self.restarts.append(restart)
+            if self.on_restart is not None:
+                self.on_restart(restart)
+
+    def _dead_stages(self, late: PassLate, restarting: list[tuple[int, str, str]]) -> list[tuple[int, str]]:
+        """(index, why) of each stage actor that died; a PipelineError naming
+        the stage if one does not answer, if none died (one may be stuck inside
+        llama.cpp), or if one died more often than max_restarts."""
         import ray
 
         calls = [actor.describe.remote() for actor in self.actors]
+        dead = []
         for stage, call in zip(self.stages, calls):
             where = f"stage {stage.stage_index} on node {stage.node_id[:8]} ({stage.host}, process {stage.process_id})"
             try:
                 ray.get(call, timeout=STAGE_ANSWER_SECONDS)
             except ray.exceptions.GetTimeoutError:
-                return PipelineError(f"{late}: {where} does not answer within {STAGE_ANSWER_SECONDS:.0f} s "
-                                     "(hung or stopped)")
+                raise PipelineError(f"{late}: {where} does not answer within {STAGE_ANSWER_SECONDS:.0f} s "
+                                    "(hung or stopped)") from None
             except ray.exceptions.RayError as error:
-                return PipelineError(f"{late}: {where} died ({one_line(error)})")
-        return PipelineError(f"{late}; every stage still answers (one may be stuck inside llama.cpp)")
+                reason = one_line(error)
+                used = sum(restart.stage_index == stage.stage_index for restart in self.restarts) + sum(
+                    index == stage.stage_index for index, _, _ in restarting)
+                if used >= self.max_restarts:
+                    raise PipelineError(f"{late}: {where} died ({reason}); restarted {used} times already "
+                                        f"(--max-restarts {self.max_restarts})") from None
+                dead.append((stage.stage_index, reason))
+        if not dead:
+            raise PipelineError(f"{late}; every stage still answers (one may be stuck inside llama.cpp)")
+        return dead
+
+    def _restart_stage(self, index: int) -> None:
+        """A new actor for stage ``index`` in its placement (the same node while
+        it lives), once its file there is the one the stage ran."""
+        import ray
+
+        ray.kill(self.actors[index])
+        [file] = self._read_stage_files([index])
+        if file.problem or file.info != self.stage_files[index]:
+            problem = "the file is not there" if file.problem == NOT_FOUND else file.problem or "the file there differs"
+            raise PipelineError(f"stage {index} cannot be restarted on node {file.node_address} "
+                                f"({file.node_id[:8]}): {problem}")
+        self.actors[index] = self._start_stage(index)
+        try:
+            self.stages[index] = ray.get(self.actors[index].describe.remote(), timeout=ACTOR_START_SECONDS)
+        except ray.exceptions.GetTimeoutError:
+            raise PipelineError(f"stage {index} did not restart within {ACTOR_START_SECONDS:.0f} s") from None
+        except ray.exceptions.RayError as error:
+            raise PipelineError(f"stage {index} could not be restarted: {one_line(error)}") from None
+
+    def _replay(self, unanswered: list[PassRecord], notices: list[int]) -> None:
+        """Rebuild every sequence's cache in the new chain (at most one pass per
+        stage in flight, so results never pile up unread), then send the
+        unanswered passes again and take the boundary notices of theirs the
+        caller already awaited."""
+        for record in self.ledger.rebuild(self.n_batch):
+            if self.chain.in_flight >= len(self.stages):
+                self.chain.receive()
+            self.chain.send(record)
+        while self.chain.in_flight:
+            self.chain.receive()
+        for record in unanswered:
+            self.chain.send(record)
+        for stage_index, count in enumerate(notices):
+            for _ in range(count):
+                self.chain.await_boundary(stage_index)
 
     @property
     def hop_seconds(self) -> float:

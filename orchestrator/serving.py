@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from orchestrator.defaults import (
+    MAX_RESTARTS,
     SERVE_DRAIN_SECONDS,
     SERVE_KV_MEMORY_SHARE,
     SERVE_MAX_SEQUENCES,
@@ -59,6 +60,7 @@ class ServeSettings:
     wire_dtype: str = "f32"
     dashboard: bool = True
     drain_seconds: float = SERVE_DRAIN_SECONDS
+    max_restarts: int = MAX_RESTARTS  # of each stage that dies (orchestrator.pipeline)
 
 
 def kv_bytes_per_sequence(path: str, context: int) -> int:
@@ -105,8 +107,12 @@ class Coordinator:
         self.settings = settings
         tokenizer = Tokenizer(vocabulary_file(settings.stage_paths))
         self.draft_engine = None
+        from orchestrator.metrics import RestartMetrics
+
+        restart_metrics = RestartMetrics()
         self.pipeline = Pipeline(settings.stage_paths, settings.stage, wire_dtype=settings.wire_dtype,
-                                 place=settings.place)
+                                 place=settings.place, max_restarts=settings.max_restarts,
+                                 on_restart=lambda restart: restart_metrics.record("stage", restart.stage_index))
         try:
             check_same_model(vocabulary_file(settings.stage_paths), self.pipeline.stage_files)
             draft_room = settings.draft_max if settings.speculator != "none" else 0

@@ -8,11 +8,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from orchestrator.cluster import ray_session
-from orchestrator.defaults import DRAFT_MAX
+from orchestrator.defaults import DRAFT_MAX, MAX_RESTARTS
 from orchestrator.drafters import DrafterClient, DrafterSettings, start_drafters, stop_drafters
 from orchestrator.generate import Drafting, Generation, generate
-from orchestrator.metrics import GenerationMetrics
-from orchestrator.pipeline import Pipeline, StageReport
+from orchestrator.metrics import GenerationMetrics, RestartMetrics
+from orchestrator.pipeline import Pipeline, StageReport, StageRestart
 from orchestrator.schedule import Schedule
 from orchestrator.tokenizer import Tokenizer
 from speculators.sampling import SamplingSettings
@@ -59,14 +59,18 @@ class RunSettings:
     place: dict[int, str] | None = None
     wire_dtype: str = "f32"
     dashboard: bool = False
+    max_restarts: int = MAX_RESTARTS  # of each stage (and drafter) that dies
 
 
 @dataclass(frozen=True)
 class SpeculatorReport:
+    """lost: why the drafter was last lost ("" if never); restarts: replacements that rejoined."""
+
     index: int
     node_id: str
     busy_seconds: float
     lost: str
+    restarts: int = 0
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,7 @@ class RunOutcome:
     stages: list[StageReport]
     speculators: list[SpeculatorReport]
     hop_seconds: float
+    restarts: list[StageRestart]
 
     def as_json(self) -> dict:
         generation = self.generation
@@ -105,8 +110,14 @@ class RunOutcome:
                 for stage in self.stages
             ],
             "speculators": [
-                {"index": report.index, "node": report.node_id, "busy_seconds": report.busy_seconds, "lost": report.lost}
+                {"index": report.index, "node": report.node_id, "busy_seconds": report.busy_seconds, "lost": report.lost,
+                 "restarts": report.restarts}
                 for report in self.speculators
+            ],
+            "restarts": [
+                {"stage": restart.stage_index, "reason": restart.reason, "old_node": restart.old_node_id,
+                 "node": restart.node_id, "seconds": restart.seconds}
+                for restart in self.restarts
             ],
         }
 
@@ -124,9 +135,13 @@ class RunOutcome:
                 f", {generation.passes} target passes, acceptance {stats.acceptance_rate:.0%}"
                 f" ({stats.accepted_tokens}/{stats.drafted_tokens} drafts)"
             )
+        restarts = "".join(
+            f"; stage {restart.stage_index} restarted after it died ({restart.reason}) in {restart.seconds:.1f} s"
+            for restart in self.restarts
+        )
         return (
             f"[{len(generation.tokens)} tokens, {generation.tokens_per_second:.1f} tokens/s{speculation}, "
-            f"{len(self.stages)} stages: {placed}; hop {self.hop_seconds * 1e6:.0f} us]"
+            f"{len(self.stages)} stages: {placed}; hop {self.hop_seconds * 1e6:.0f} us{restarts}]"
         )
 
 
@@ -225,9 +240,17 @@ def run_generation(
     with ray_session(settings.address, dashboard=settings.dashboard) as where:
         if where and on_status is not None:
             on_status(f"[{where}]")
+        restart_metrics = RestartMetrics()
+
+        def stage_restarted(restart: StageRestart) -> None:
+            restart_metrics.record("stage", restart.stage_index)
+            if on_status is not None:
+                on_status(f"[stage {restart.stage_index} died ({restart.reason}); restarted and replayed "
+                          f"in {restart.seconds:.1f} s]")
+
         with Pipeline(
             settings.stage_paths, settings.stage, wire_dtype=settings.wire_dtype, place=settings.place,
-            notify_boundaries=asynchronous,
+            notify_boundaries=asynchronous, max_restarts=settings.max_restarts, on_restart=stage_restarted,
         ) as pipeline:
             check_same_model(vocabulary_path, pipeline.stage_files)
             drafters: list[DrafterClient] = []
@@ -235,7 +258,9 @@ def run_generation(
             if make_speculator is not None:
                 drafters = start_drafters(
                     pipeline, make_speculator,
-                    DrafterSettings(draft_max=speculation_settings.draft_max, overlap=speculation_settings.overlap),
+                    DrafterSettings(draft_max=speculation_settings.draft_max, overlap=speculation_settings.overlap,
+                                    max_restarts=settings.max_restarts),
+                    on_restart=lambda index: restart_metrics.record("drafter", index),
                 )
                 drafting = Drafting(drafters, speculation_settings.schedule, speculation_settings.draft_max)
             live = GenerationMetrics()
@@ -247,14 +272,16 @@ def run_generation(
                 )
             finally:
                 speculator_reports = [
-                    SpeculatorReport(client.index, client.node_id, client.busy_seconds, client.lost_reason)
+                    SpeculatorReport(client.index, client.node_id, client.busy_seconds,
+                                     client.lost_reason, client.restarts)
                     for client in drafters
                 ]
                 stop_drafters(drafters)
             reports = pipeline.reports()
             hop_seconds = pipeline.hop_seconds
+            restarts = list(pipeline.restarts)
     tail = stream.finish()
     pieces.append(tail)
     if on_text is not None and tail:
         on_text(tail)
-    return RunOutcome("".join(pieces), generation, reports, speculator_reports, hop_seconds)
+    return RunOutcome("".join(pieces), generation, reports, speculator_reports, hop_seconds, restarts)

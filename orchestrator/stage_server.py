@@ -67,6 +67,7 @@ class StageServer:
         self.kv_sequences = 0
         self._downstream: socket.socket | None = None
         self._notify: socket.socket | None = None  # the coordinator, told of each boundary
+        self._connections: list[socket.socket] = []  # of the chain being served
         self._thread: threading.Thread | None = None
         self._downstream_ready = threading.Event()
         self.description = StageDescription(
@@ -84,60 +85,91 @@ class StageServer:
     def connect_notify(self, host: str, port: int) -> None:
         """Tell the coordinator each time a pass leaves this stage (speculation uses the moment)."""
         self._notify = connect_peer(host, port, self.secret, boundary_role(self.engine.stage_index), CONNECT_SECONDS)
+        self._connections.append(self._notify)
 
     def connect_downstream(self, host: str, port: int) -> None:
         """Start serving the upstream peer in a thread (it first waits for it to
         connect and prove itself), then connect to the next peer (the next
         stage, or the coordinator after the last). Every stage connects at
-        once, so each must already accept while it connects on."""
+        once, so each must already accept while it connects on.
+
+        Called again after the chain broke (another stage was lost), it ends
+        what is left of the old chain first and keeps the loaded model and
+        the listening socket: the coordinator wires a new chain through it."""
+        self._end_chain()
+        self._downstream_ready.clear()
+        self._notify = None
+        self._downstream = None
         self._thread = threading.Thread(target=self.serve, name=f"stage-{self.engine.stage_index}", daemon=True)
         self._thread.start()
         role = RESULT_ROLE if self.engine.is_last else upstream_role(self.engine.stage_index + 1)
         try:
             self._downstream = connect_peer(host, port, self.secret, role, CONNECT_SECONDS)
+            self._connections.append(self._downstream)
         finally:
             self._downstream_ready.set()
 
+    def _end_chain(self) -> None:
+        """Close the connections of the chain being served and wait for its thread."""
+        for connection in self._connections:
+            try:
+                connection.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked on it
+            except OSError:
+                pass
+            connection.close()
+        self._connections = []
+        if self._thread is not None:
+            self._thread.join(CONNECT_SECONDS)
+            self._thread = None
+
     def serve(self) -> None:
+        """Serve one chain: pass by pass until Shutdown (then the stage closes)
+        or until the chain breaks (then it waits to be wired again)."""
         try:
             upstream = accept_peer(self.listener, self.secret, upstream_role(self.engine.stage_index), CONNECT_SECONDS)
-        except HandshakeError:
+            self._connections.append(upstream)
+        except (HandshakeError, OSError):
             upstream = None
         self._downstream_ready.wait(CONNECT_SECONDS)
         downstream = self._downstream
         if upstream is None or downstream is None:
-            for connection in (upstream, downstream, self.listener):
-                if connection is not None:
-                    connection.close()
             return
-        assert downstream is not None
         try:
-            while True:
-                try:
-                    message = wire.receive_message(upstream)
-                except wire.ConnectionClosed:
-                    return
-                except wire.ProtocolError as error:  # out of step with upstream: report it and stop
-                    wire.send_message(downstream, StageFailure(0, self.engine.stage_index,
-                                                               f"a bad frame from upstream: {error}"))
-                    return
-                if isinstance(message, StageBatch):
-                    message = self.run_pass(message)
-                elif not isinstance(message, (Shutdown, StageFailure)):
-                    message = StageFailure(0, self.engine.stage_index,
-                                           f"upstream sent {type(message).__name__}, not a batch")
-                wire.send_message(downstream, message)
-                if isinstance(message, Shutdown):
-                    return
-                if self._notify is not None:
-                    wire.send_message(self._notify, Boundary(message.pass_id, self.engine.stage_index))
+            self._serve_chain(upstream, downstream)
+        except OSError:  # a neighbour or the coordinator is gone: the chain is broken
+            pass
         finally:
             upstream.close()
             downstream.close()
             if self._notify is not None:
                 self._notify.close()
-            self.listener.close()
-            self.engine.close()
+
+    def _serve_chain(self, upstream: socket.socket, downstream: socket.socket) -> None:
+        while True:
+            try:
+                message = wire.receive_message(upstream)
+            except wire.ConnectionClosed:
+                return
+            except wire.ProtocolError as error:  # out of step with upstream: report it and stop
+                wire.send_message(downstream, StageFailure(0, self.engine.stage_index,
+                                                           f"a bad frame from upstream: {error}"))
+                return
+            if isinstance(message, StageBatch):
+                message = self.run_pass(message)
+            elif not isinstance(message, (Shutdown, StageFailure)):
+                message = StageFailure(0, self.engine.stage_index,
+                                       f"upstream sent {type(message).__name__}, not a batch")
+            wire.send_message(downstream, message)
+            if isinstance(message, Shutdown):
+                self.close()
+                return
+            if self._notify is not None:
+                wire.send_message(self._notify, Boundary(message.pass_id, self.engine.stage_index))
+
+    def close(self) -> None:
+        """The stage is done: stop listening and free the model."""
+        self.listener.close()
+        self.engine.close()
 
     def run_pass(self, batch: StageBatch) -> StageBatch | PassResult | StageFailure:
         """Decode one batch (or release its sequence); return what goes downstream."""

@@ -170,14 +170,75 @@ def test_a_stopped_stage_is_named_within_the_deadline(ray_cluster, splits):
                             rf"{stopped.process_id}\) does not answer within 10 s \(hung or stopped\)", str(outcome[0]))
 
 
-def test_a_killed_stage_is_named(ray_cluster, splits):
-    with Pipeline(splits[2], StageSettings(n_ctx=64)) as pipeline:
+def test_a_killed_stage_out_of_restarts_is_named(ray_cluster, splits):
+    with Pipeline(splits[2], StageSettings(n_ctx=64), max_restarts=0) as pipeline:
         tokens, positions = np.array([1, 2, 3], np.int32), np.arange(3, dtype=np.int32)
         pipeline.forward(positions, tokens, 0)
         os.kill(pipeline.stages[0].process_id, signal.SIGKILL)
         time.sleep(1)  # let the socket see it
-        with pytest.raises(PipelineError, match=r"the chain broke .*: stage 0 on node .* died"):
+        with pytest.raises(PipelineError, match=r"the chain broke .*: stage 0 on node .* died \(.*\); "
+                                                r"restarted 0 times already \(--max-restarts 0\)"):
             pipeline.forward(positions, tokens, 0)
+
+
+def killing_stage(pipeline, stage_index, after_tokens):
+    """An on_token callback that kills stage ``stage_index``'s process (SIGKILL,
+    by pid) once ``after_tokens`` tokens are out; .killed tells if it did."""
+    produced = []
+
+    def on_token(token):
+        produced.append(token)
+        if len(produced) == after_tokens:
+            os.kill(pipeline.stages[stage_index].process_id, signal.SIGKILL)
+            on_token.killed = True
+
+    on_token.killed = False
+    return on_token
+
+
+@pytest.mark.parametrize("stage_index", [0, 1])
+def test_a_killed_stage_is_restarted_and_replayed_and_the_output_is_unchanged(ray_cluster, splits, reference,
+                                                                              stage_index):
+    """SIGKILL a stage mid-generation: it is restarted on its node, the chain is
+    rewired, the caches are rebuilt by replay, and every token (greedy, and
+    seeded sampling) equals an uninterrupted run's."""
+    tokens = reference.tokenize(PROMPTS[2])
+    seeded = SamplingSettings(temperature=0.9, top_p=0.95, seed=5)
+    with Pipeline(splits[2], SETTINGS) as pipeline:
+        uninterrupted = run(pipeline, tokenizer := Tokenizer(splits[2][0]), tokens, 24, seeded).tokens
+        old = pipeline.stages[stage_index]
+        kill = killing_stage(pipeline, stage_index, after_tokens=10)
+        greedy = generate(pipeline, tokens, 24, SamplingSettings(), tokenizer.is_end, on_token=kill)
+        assert kill.killed and greedy.tokens == reference.greedy(tokens, 24).tokens
+        [restart] = pipeline.restarts
+        assert restart.stage_index == stage_index and restart.node_id == old.node_id  # its own node first
+        assert pipeline.stages[stage_index].process_id != old.process_id
+        kill = killing_stage(pipeline, 1 - stage_index, after_tokens=7)
+        assert generate(pipeline, tokens, 24, seeded, tokenizer.is_end, on_token=kill).tokens == uninterrupted
+        assert [restart.stage_index for restart in pipeline.restarts] == [stage_index, 1 - stage_index]
+
+
+def test_a_stage_killed_during_asynchronous_speculation_through_three_stages(ray_cluster, splits, reference):
+    """Passes in flight, boundary notices half taken, drafts relayed: a killed
+    middle stage still changes no token."""
+    from orchestrator.drafters import DrafterSettings, start_drafters, stop_drafters
+    from orchestrator.generate import Drafting
+    from orchestrator.schedule import Schedule
+    from speculators.prompt_lookup import PromptLookupSpeculator
+
+    tokens = reference.tokenize(PROMPTS[1]) * 2  # prompt lookup finds drafts in a repeated prompt
+    expected = reference.greedy(tokens, 40).tokens
+    with Pipeline(splits[3], SETTINGS, notify_boundaries=True) as pipeline:
+        drafters = start_drafters(pipeline, PromptLookupSpeculator, DrafterSettings(draft_max=4))
+        try:
+            kill = killing_stage(pipeline, 1, after_tokens=12)
+            result = generate(pipeline, tokens, 40, SamplingSettings(), lambda token: False, on_token=kill,
+                              drafting=Drafting(drafters, Schedule.ASYNC, 4))
+        finally:
+            stop_drafters(drafters)
+    assert kill.killed and [restart.stage_index for restart in pipeline.restarts] == [1]
+    assert result.tokens == expected
+    assert result.speculation.accepted_tokens > 0  # the drafts were used, before and after the loss
 
 
 def test_a_setup_that_fails_leaves_no_actor_or_reservation_behind(ray_cluster, splits):
@@ -211,7 +272,7 @@ def test_strangers_at_every_stage_port_neither_hijack_nor_block_the_run(ray_clus
     intruders = []
     wire_for_real = Pipeline._wire
 
-    def strangers_first(self, notify_boundaries):
+    def strangers_first(self):
         from orchestrator import wire
 
         for stage in self.stages:
@@ -221,7 +282,7 @@ def test_strangers_at_every_stage_port_neither_hijack_nor_block_the_run(ray_clus
             frame = socket.create_connection((stage.host, stage.port))
             wire.send_message(frame, forged)
             intruders.extend([silent, garbage, frame])
-        return wire_for_real(self, notify_boundaries)
+        return wire_for_real(self)
 
     monkeypatch.setattr(Pipeline, "_wire", strangers_first)
     tokens = reference.tokenize(PROMPTS[0])

@@ -6,6 +6,8 @@ a check of the machinery) and a copy cut to its first 6 blocks drafts badly
 positions or fail on purpose (tests/fakes.py)."""
 
 import functools
+import os
+import signal
 import threading
 
 import pytest
@@ -154,23 +156,28 @@ def test_a_failing_drafter_changes_nothing(pipelines, tokenizer, double, schedul
 
 
 @pytest.mark.parametrize("schedule", ["sync", "async"])
-def test_killing_a_drafter_mid_generation_changes_nothing(pipelines, tokenizer, schedule):
+def test_a_drafter_killed_mid_generation_is_restarted_rejoins_and_changes_nothing(pipelines, tokenizer, schedule):
+    """SIGKILL the first drafter's process (by pid; it drafts in both schedules)
+    mid-generation under prompt lookup: it is restarted in the background and
+    rejoins; the output is the plain run's throughout."""
     import ray
 
+    from speculators.prompt_lookup import PromptLookupSpeculator
+
     pipeline = pipelines[2]
-    prompt_tokens = tokenizer.chat_prompt(OPEN)
-    plain = decode(pipeline, tokenizer, OPEN, GREEDY).tokens
-    drafters = start_drafters(
-        pipeline, functools.partial(fakes.SlowSpeculator, prompt_tokens + plain, set()), DrafterSettings(draft_max=4)
-    )
+    prompt_tokens = tokenizer.chat_prompt(REWRITE)  # a copy task: prompt lookup drafts well
+    plain = generate(pipeline, prompt_tokens, MAX_TOKENS, GREEDY, tokenizer.is_end).tokens
+    drafters = start_drafters(pipeline, PromptLookupSpeculator, DrafterSettings(draft_max=4))
     killed = threading.Event()
 
     def kill_after_some_tokens(token):
-        if not killed.is_set() and len(produced) >= 8:
-            for drafter in drafters:
-                ray.kill(drafter.actor)
-            killed.set()
         produced.append(token)
+        if len(produced) == 8:
+            os.kill(ray.get(drafters[0].actor.process_id.remote()), signal.SIGKILL)
+            killed.set()
+        elif killed.is_set() and not drafters[0].alive and drafters[0].restarts == 0:
+            # the loss shows at the drafter's next request; wait for its restart (on the state, not the clock)
+            assert drafters[0].replacement_ready.wait(120), drafters[0].lost_reason
 
     produced: list[int] = []
     try:
@@ -179,8 +186,11 @@ def test_killing_a_drafter_mid_generation_changes_nothing(pipelines, tokenizer, 
             pipeline, prompt_tokens, MAX_TOKENS, GREEDY, tokenizer.is_end, drafting=drafting,
             on_token=kill_after_some_tokens,
         )
+        back = drafters[0].alive
     finally:
         stop_drafters(drafters)
     assert killed.is_set()
     assert result.tokens == plain
-    assert all(not drafter.alive for drafter in drafters)
+    assert [drafter.restarts for drafter in drafters] == [1, 0]
+    assert drafters[0].lost_reason and back  # the loss is reported, and the drafter is back
+    assert result.speculation.accepted_tokens > 0
