@@ -65,13 +65,15 @@ class SocketChain:
     """The coordinator's ends of the chain: one socket to stage 0, one from the
     last stage, and one from each non-last stage for boundary notices."""
 
-    def __init__(self, host: str, secret: bytes, n_vocab: int, ledger: KvLedger | None = None):
+    def __init__(self, host: str, secret: bytes, n_vocab: int, ledger: KvLedger | None = None, certificate=None):
         """Listen on ``host`` (this machine's address) for the last stage and the
         notices; every connection proves it holds the pipeline's ``secret``.
         n_vocab: the width of every result's logits (checked on receipt).
         ledger: settles each pass whose result came back (what the stages
-        cache, for a replay; a new chain after a lost stage takes the old one's)."""
+        cache, for a replay; a new chain after a lost stage takes the old one's).
+        certificate: the pipeline's tls.ChainCertificate with --tls (every connection in TLS), else None."""
         self.secret = secret
+        self.certificate = certificate
         self.n_vocab = n_vocab
         self.ledger = ledger if ledger is not None else KvLedger()
         self.listener = wire.listen(host)
@@ -100,7 +102,7 @@ class SocketChain:
 
     def connect_first(self, host: str, port: int) -> None:
         with _setting_up():
-            self._to_first = connect_peer(host, port, self.secret, upstream_role(0), CONNECT_SECONDS)
+            self._to_first = connect_peer(host, port, self.secret, upstream_role(0), CONNECT_SECONDS, self.certificate)
 
     def accept_last(self, stage_count: int) -> None:
         """The last stage has been told to connect here."""
@@ -114,7 +116,7 @@ class SocketChain:
 
     def _accept(self, role: str) -> socket.socket:
         with _setting_up():
-            return accept_peer(self.listener, self.secret, role, CONNECT_SECONDS)
+            return accept_peer(self.listener, self.secret, role, CONNECT_SECONDS, self.certificate)
 
     def send(self, record: PassRecord) -> int:
         """Start a pass (replay.PassRecord: one KV sequence's tokens at their

@@ -149,10 +149,12 @@ def verify_split(model: Path, stage_files: tuple[Path, ...], threads: int) -> No
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @click.option("--max-restarts", default=defaults.MAX_RESTARTS, show_default=True, type=click.IntRange(0, 100),
               help="Restarts of each stage (and drafter) that dies; a restarted stage is rebuilt by replay.")
+@click.option("--tls", is_flag=True,
+              help="Encrypt the chain between stages (TLS 1.3, a certificate made for this run); README 'Security'.")
 @one_line_errors
 def run(files, model_split, prompt, prompt_file, chat, max_tokens, temperature, top_p, seed, address, place,
         threads, n_ctx, n_gpu_layers, wire_dtype, speculator, draft_path, draft_max, draft_p_min, schedule,
-        draft_overlap, dashboard, as_json, max_restarts) -> None:
+        draft_overlap, dashboard, as_json, max_restarts, tls) -> None:
     """Generate text through a pipeline of stages (default: SmolLM2-135M split in two)."""
     from orchestrator.defaults import DEFAULT_PROMPT, default_stage_paths
     from orchestrator.placement import parse_place
@@ -193,6 +195,7 @@ def run(files, model_split, prompt, prompt_file, chat, max_tokens, temperature, 
         wire_dtype=wire_dtype,
         dashboard=dashboard,
         max_restarts=max_restarts,
+        tls=tls,
     )
     if as_json:
         outcome = run_generation(settings)
@@ -244,10 +247,12 @@ def run(files, model_split, prompt, prompt_file, chat, max_tokens, temperature, 
               help="Start the Ray dashboard with a local Ray (its Serve page shows the service).")
 @click.option("--max-restarts", default=defaults.MAX_RESTARTS, show_default=True, type=click.IntRange(0, 100),
               help="Restarts of each stage (and drafter) that dies; a restarted stage is rebuilt by replay.")
+@click.option("--tls", is_flag=True,
+              help="Encrypt the chain between stages (TLS 1.3, a certificate made for this run); README 'Security'.")
 @one_line_errors
 def serve(files, model_split, host, port, api_key, model_name, max_sequences, queue_limit, n_ctx, speculator,
           draft_path, draft_max, draft_p_min, address, place, threads, n_gpu_layers, wire_dtype, dashboard,
-          max_restarts) -> None:
+          max_restarts, tls) -> None:
     """Serve the model (default: SmolLM2-135M split in two) with the OpenAI API until Ctrl-C or SIGTERM."""
     from orchestrator.defaults import default_stage_paths
     from orchestrator.placement import parse_place
@@ -273,6 +278,7 @@ def serve(files, model_split, host, port, api_key, model_name, max_sequences, qu
         host=host, port=port, api_key=api_key or None,
         address=address, place=parse_place(place) if place else None, wire_dtype=wire_dtype, dashboard=dashboard,
         max_restarts=max_restarts,
+        tls=tls,
     )
     serve_until_stopped(settings, on_status=lambda line: click.echo(line, err=True))
 

@@ -44,9 +44,12 @@ class DrafterServer:
         overlap: bool = False,
         wait_seconds: float = DRAFTER_WAIT_SECONDS,
         secret: bytes,
+        certificate=None,
     ):
-        """secret: the pipeline's; the coordinator's connection must prove it holds it."""
+        """secret: the pipeline's; the coordinator's connection must prove it holds it.
+        certificate: the pipeline's tls.ChainCertificate with --tls, else None."""
         self.secret = secret
+        self.certificate = certificate
         self.speculator = make_speculator()
         self.draft_max = draft_max
         self.overlap = overlap
@@ -76,7 +79,7 @@ class DrafterServer:
     # -- the socket -------------------------------------------------------
     def _serve(self) -> None:
         try:
-            connection = accept_peer(self.listener, self.secret, DRAFTER_ROLE, CONNECT_SECONDS)
+            connection = accept_peer(self.listener, self.secret, DRAFTER_ROLE, CONNECT_SECONDS, self.certificate)
         except HandshakeError:
             with self._lock:
                 self._closed = True

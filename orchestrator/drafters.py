@@ -53,14 +53,14 @@ def _drafter_actor_class():
         """Thin Ray shell over a DrafterServer."""
 
         def __init__(self, index: int, make_speculator: Callable[[], Speculator], settings: DrafterSettings,
-                     secret: bytes, loopback: bool):
+                     secret: bytes, loopback: bool, certificate=None):
             """loopback: the coordinator is on this machine; listen on 127.0.0.1 only."""
             self.index = index
             self.host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
             self.server = DrafterServer(
                 make_speculator, self.host,
                 draft_max=settings.draft_max, overlap=settings.overlap, wait_seconds=settings.wait_seconds,
-                secret=secret,
+                secret=secret, certificate=certificate,
             )
 
         def peak_rss_mb(self) -> float:
@@ -241,12 +241,13 @@ def start_drafters(pipeline, make_speculator: Callable[[], Speculator], settings
 
     def start(index: int):
         return actor_class.options(**pipeline.actor_options(index, num_cpus=0)).remote(
-            index, make_speculator, settings, pipeline.secret, pipeline.loopback)
+            index, make_speculator, settings, pipeline.secret, pipeline.loopback, pipeline.certificate)
 
     def connect(actor) -> tuple[object, socket.socket, str]:
         try:
             host, port, node_id = ray.get(actor.address.remote(), timeout=ACTOR_START_SECONDS)
-            return actor, connect_peer(host, port, pipeline.secret, DRAFTER_ROLE, CONNECT_SECONDS), node_id
+            sock = connect_peer(host, port, pipeline.secret, DRAFTER_ROLE, CONNECT_SECONDS, pipeline.certificate)
+            return actor, sock, node_id
         except BaseException:
             ray.kill(actor)
             raise

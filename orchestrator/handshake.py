@@ -24,9 +24,13 @@ import hmac
 import secrets
 import socket
 import time
+from typing import TYPE_CHECKING
 
 from orchestrator import wire
 from stages.errors import SpecpipeError
+
+if TYPE_CHECKING:
+    from orchestrator.tls import ChainCertificate
 
 MAGIC = b"specpipe-1"
 NONCE_BYTES = 32
@@ -111,8 +115,10 @@ def verify(sock: socket.socket, secret: bytes, role: str) -> None:
     sock.settimeout(None)
 
 
-def accept_peer(listener: socket.socket, secret: bytes, role: str, deadline_seconds: float) -> socket.socket:
-    """The first connection to ``listener`` that proves itself as ``role``; strangers are dropped."""
+def accept_peer(listener: socket.socket, secret: bytes, role: str, deadline_seconds: float,
+                certificate: ChainCertificate | None = None) -> socket.socket:
+    """The first connection to ``listener`` that proves itself as ``role``; strangers are dropped.
+    certificate: the pipeline's (``--tls``): the connection is TLS first, the handshake inside it."""
     end = time.monotonic() + deadline_seconds
     while True:
         remaining = end - time.monotonic()
@@ -124,17 +130,27 @@ def accept_peer(listener: socket.socket, secret: bytes, role: str, deadline_seco
         except TimeoutError:
             continue
         try:
+            if certificate is not None:
+                from orchestrator.tls import server_side
+
+                connection = server_side(wire.tune(connection), certificate)
             verify(connection, secret, role)
-        except HandshakeError:
+        except HandshakeError:  # a TLSError too
             connection.close()  # a stranger, or a peer of another pipeline: wait for ours
             continue
         return wire.tune(connection)
 
 
-def connect_peer(host: str, port: int, secret: bytes, role: str, timeout: float) -> socket.socket:
-    """Connect to the peer that accepts ``role`` at host:port, and prove both sides."""
+def connect_peer(host: str, port: int, secret: bytes, role: str, timeout: float,
+                 certificate: ChainCertificate | None = None) -> socket.socket:
+    """Connect to the peer that accepts ``role`` at host:port, and prove both sides
+    (in TLS first with the pipeline's ``certificate``, ``--tls``)."""
     sock = wire.connect(host, port, timeout=timeout)
     try:
+        if certificate is not None:
+            from orchestrator.tls import client_side
+
+            sock = client_side(sock, certificate, timeout)
         introduce(sock, secret, role, timeout)
     except HandshakeError as error:
         sock.close()

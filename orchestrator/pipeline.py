@@ -96,13 +96,16 @@ def _stage_actor_class():
     class StageActor:
         """Thin Ray shell over a StageServer (see orchestrator.stage_server)."""
 
-        def __init__(self, path: str, settings: StageSettings, wire_dtype: str, secret: bytes, loopback: bool):
-            """loopback: every peer is on this machine; listen on 127.0.0.1 only."""
+        def __init__(self, path: str, settings: StageSettings, wire_dtype: str, secret: bytes, loopback: bool,
+                     certificate):
+            """loopback: every peer is on this machine; listen on 127.0.0.1 only.
+            certificate: the pipeline's tls.ChainCertificate with --tls, else None."""
             from orchestrator.metrics import StageMetrics
 
             context = ray.get_runtime_context()
             host = LOOPBACK if loopback else ray.util.get_node_ip_address()
-            self.server = StageServer(path, settings, host, context.get_node_id(), wire_dtype, secret=secret)
+            self.server = StageServer(path, settings, host, context.get_node_id(), wire_dtype, secret=secret,
+                                      certificate=certificate)
             self.server.on_pass = StageMetrics(self.server.description.stage_index).record
 
         def describe(self) -> StageDescription:
@@ -149,13 +152,16 @@ class Pipeline:
         pass_deadline_minimum: float | None = None,
         max_restarts: int = MAX_RESTARTS,
         on_restart: Callable[[StageRestart], None] | None = None,
+        tls: bool = False,
     ):
         """notify_boundaries: non-last stages report each pass leaving them
         (await_boundary); asynchronous speculation needs it.
         pass_deadline_minimum: the least seconds a pass's result may take
         (default defaults.PASS_DEADLINE_MINIMUM_SECONDS; the chain's deadline).
         max_restarts: how often each stage may be restarted after it died;
-        on_restart: told of each restart (the metrics)."""
+        on_restart: told of each restart (the metrics).
+        tls: every chain and drafter connection in TLS, with a certificate made
+        for this pipeline (orchestrator.tls), handed to the actors through Ray."""
         import ray
 
         self.stage_paths = list(stage_paths)
@@ -172,6 +178,12 @@ class Pipeline:
         # The data plane's secret: it reaches the actors only through Ray's
         # authenticated calls, and every chain connection proves it holds it.
         self.secret = new_secret()
+        if tls:
+            from orchestrator.tls import new_chain_certificate
+
+            self.certificate = new_chain_certificate()
+        else:
+            self.certificate = None
         self.reservation = Reservation(len(stage_paths), place)
         try:
             found = self._read_stage_files(range(len(self.stage_paths)))
@@ -206,7 +218,7 @@ class Pipeline:
     def _start_stage(self, index: int):
         """A new stage actor for stage ``index`` on its node (it loads in the background)."""
         return _stage_actor_class().options(**self.actor_options(index, num_cpus=1)).remote(
-            self.stage_paths[index], self.settings, self.wire_dtype, self.secret, self.loopback)
+            self.stage_paths[index], self.settings, self.wire_dtype, self.secret, self.loopback, self.certificate)
 
     def _start_stages(self) -> list[StageDescription]:
         import ray
@@ -241,7 +253,7 @@ class Pipeline:
         from concurrent.futures import ThreadPoolExecutor
 
         host = LOOPBACK if self.loopback else ray.util.get_node_ip_address()
-        chain = SocketChain(host, self.secret, self.n_vocab, self.ledger)
+        chain = SocketChain(host, self.secret, self.n_vocab, self.ledger, self.certificate)
         try:
             # Every connection is proved by a handshake, so each acceptor must be
             # listening while its peer connects: ours run in a thread meanwhile.

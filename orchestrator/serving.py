@@ -61,6 +61,7 @@ class ServeSettings:
     dashboard: bool = True
     drain_seconds: float = SERVE_DRAIN_SECONDS
     max_restarts: int = MAX_RESTARTS  # of each stage that dies (orchestrator.pipeline)
+    tls: bool = False  # the chain in TLS (orchestrator.tls)
 
 
 def kv_bytes_per_sequence(path: str, context: int) -> int:
@@ -111,7 +112,7 @@ class Coordinator:
 
         restart_metrics = RestartMetrics()
         self.pipeline = Pipeline(settings.stage_paths, settings.stage, wire_dtype=settings.wire_dtype,
-                                 place=settings.place, max_restarts=settings.max_restarts,
+                                 place=settings.place, max_restarts=settings.max_restarts, tls=settings.tls,
                                  on_restart=lambda restart: restart_metrics.record("stage", restart.stage_index))
         try:
             check_same_model(vocabulary_file(settings.stage_paths), self.pipeline.stage_files)

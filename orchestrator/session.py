@@ -60,6 +60,7 @@ class RunSettings:
     wire_dtype: str = "f32"
     dashboard: bool = False
     max_restarts: int = MAX_RESTARTS  # of each stage (and drafter) that dies
+    tls: bool = False  # the chain and the drafters' sockets in TLS (orchestrator.tls)
 
 
 @dataclass(frozen=True)
@@ -251,6 +252,7 @@ def run_generation(
         with Pipeline(
             settings.stage_paths, settings.stage, wire_dtype=settings.wire_dtype, place=settings.place,
             notify_boundaries=asynchronous, max_restarts=settings.max_restarts, on_restart=stage_restarted,
+            tls=settings.tls,
         ) as pipeline:
             check_same_model(vocabulary_path, pipeline.stage_files)
             drafters: list[DrafterClient] = []

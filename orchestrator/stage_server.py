@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -24,6 +25,9 @@ from orchestrator.handshake import RESULT_ROLE, HandshakeError, accept_peer, bou
 from orchestrator.messages import Boundary, PassResult, Shutdown, StageBatch, StageFailure
 from stages.engine import StageEngine, StageError
 from stages.settings import StageSettings
+
+if TYPE_CHECKING:
+    from orchestrator.tls import ChainCertificate
 
 WIRE_DTYPES = {"f32": np.float32, "f16": np.float16}
 
@@ -53,9 +57,11 @@ class StageServer:
     """One loaded stage behind a socket."""
 
     def __init__(self, path: str, settings: StageSettings, host: str, node_id: str, wire_dtype: str = "f32", *,
-                 secret: bytes):
-        """secret: the pipeline's, for the handshake of every connection (orchestrator.handshake)."""
+                 secret: bytes, certificate: ChainCertificate | None = None):
+        """secret: the pipeline's, for the handshake of every connection (orchestrator.handshake);
+        certificate: the pipeline's with --tls (orchestrator.tls), else None."""
         self.secret = secret
+        self.certificate = certificate
         self.engine = StageEngine(path, settings)
         # called after each pass with (compute seconds, KV cells held, sequences held); the Ray shell records metrics
         self.on_pass: Callable[[float, int], None] | None = None
@@ -84,7 +90,8 @@ class StageServer:
 
     def connect_notify(self, host: str, port: int) -> None:
         """Tell the coordinator each time a pass leaves this stage (speculation uses the moment)."""
-        self._notify = connect_peer(host, port, self.secret, boundary_role(self.engine.stage_index), CONNECT_SECONDS)
+        self._notify = connect_peer(host, port, self.secret, boundary_role(self.engine.stage_index), CONNECT_SECONDS,
+                                    self.certificate)
         self._connections.append(self._notify)
 
     def connect_downstream(self, host: str, port: int) -> None:
@@ -104,7 +111,7 @@ class StageServer:
         self._thread.start()
         role = RESULT_ROLE if self.engine.is_last else upstream_role(self.engine.stage_index + 1)
         try:
-            self._downstream = connect_peer(host, port, self.secret, role, CONNECT_SECONDS)
+            self._downstream = connect_peer(host, port, self.secret, role, CONNECT_SECONDS, self.certificate)
             self._connections.append(self._downstream)
         finally:
             self._downstream_ready.set()
@@ -126,7 +133,8 @@ class StageServer:
         """Serve one chain: pass by pass until Shutdown (then the stage closes)
         or until the chain breaks (then it waits to be wired again)."""
         try:
-            upstream = accept_peer(self.listener, self.secret, upstream_role(self.engine.stage_index), CONNECT_SECONDS)
+            upstream = accept_peer(self.listener, self.secret, upstream_role(self.engine.stage_index), CONNECT_SECONDS,
+                                   self.certificate)
             self._connections.append(upstream)
         except (HandshakeError, OSError):
             upstream = None

@@ -9,7 +9,9 @@ the header as bytes; the one large array of a message (hidden states, logits,
 a drafting context) follows as a raw frame described by the header's ``array``
 entry ``[dtype, shape]``, written with one ``sendmsg`` from the array's own
 memory and read with ``recv_into`` straight into a new array: no copy through
-Python objects. Measured on these machines: a msgpack header plus a raw frame
+Python objects (a TLS socket, orchestrator.tls, has no ``sendmsg``: there a
+frame that fits one TLS record goes as one ``sendall``, a larger one header
+then array). Measured on these machines: a msgpack header plus a raw frame
 costs microseconds whatever the size, while packing ``tobytes()`` into msgpack
 swings up to milliseconds (shared/design/ray.md). Nothing received is
 trusted: the header's size, the array's dtype, rank and size are checked
@@ -20,6 +22,7 @@ before anything is allocated, and every message's fields by its ``from_wire``
 from __future__ import annotations
 
 import socket
+import ssl
 import struct
 
 import msgpack
@@ -36,6 +39,8 @@ _LENGTH = struct.Struct("!I")
 MAX_HEADER_BYTES = 64 * 1024
 MAX_ARRAY_BYTES = 256 * 1024 * 1024
 ARRAY_DTYPES = ("<f4", "<f2", "<i4")  # little-endian float32, float16, int32: never object or structured
+
+TLS_RECORD_BYTES = 16 * 1024  # the most plaintext one TLS record carries
 
 MESSAGE_CLASS_BY_KIND: dict[str, type[Message]] = {message_class.KIND: message_class for message_class in MESSAGE_TYPES}
 """Which class a received header's ``kind`` names."""
@@ -62,6 +67,13 @@ def send_message(sock: socket.socket, message: Message) -> None:
 
 
 def _send_all(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
+    if isinstance(sock, ssl.SSLSocket):  # orchestrator.tls; joined, a small frame is one record and one segment
+        if sum(len(part) for part in parts) <= TLS_RECORD_BYTES:
+            sock.sendall(b"".join(parts))
+        else:
+            for part in parts:
+                sock.sendall(part)
+        return
     views = [memoryview(part) for part in parts]
     while views:
         sent = sock.sendmsg(views)

@@ -292,3 +292,30 @@ def test_strangers_at_every_stage_port_neither_hijack_nor_block_the_run(ray_clus
         intruder.close()
     assert len(intruders) == 6
     assert result.tokens == reference.greedy(tokens, 16).tokens
+
+
+def test_a_tls_chain_with_drafters_equals_the_whole_model_and_survives_a_lost_stage(ray_cluster, splits, reference):
+    """--tls: every chain, boundary and drafter connection in TLS; output exact,
+    before and after a stage is killed and rewired (in TLS again)."""
+    import ssl
+
+    from orchestrator.drafters import DrafterSettings, start_drafters, stop_drafters
+    from orchestrator.generate import Drafting
+    from orchestrator.schedule import Schedule
+    from speculators.prompt_lookup import PromptLookupSpeculator
+
+    tokens = reference.tokenize(PROMPTS[1]) * 2
+    with Pipeline(splits[2], SETTINGS, notify_boundaries=True, tls=True) as pipeline:
+        assert isinstance(pipeline.chain._to_first, ssl.SSLSocket)
+        assert pipeline.chain._to_first.version() == "TLSv1.3"
+        drafters = start_drafters(pipeline, PromptLookupSpeculator, DrafterSettings(draft_max=4))
+        try:
+            assert all(isinstance(drafter._sock, ssl.SSLSocket) for drafter in drafters)
+            kill = killing_stage(pipeline, 0, after_tokens=10)
+            result = generate(pipeline, tokens, 30, SamplingSettings(), lambda token: False, on_token=kill,
+                              drafting=Drafting(drafters, Schedule.ASYNC, 4))
+        finally:
+            stop_drafters(drafters)
+        assert isinstance(pipeline.chain._to_first, ssl.SSLSocket)
+    assert kill.killed and len(pipeline.restarts) == 1
+    assert result.tokens == reference.greedy(tokens, 30).tokens
