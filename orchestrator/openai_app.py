@@ -43,7 +43,8 @@ class TokenizerLike(Protocol):
 class Backend:
     """What the app serves: the service, the tokenizer, the model's name, one
     sequence's context, the drafts a window may add, and how to read each
-    stage's load (an async function returning a pipeline.StageLoad per stage)."""
+    stage's load (an async function returning a pipeline.StageLoad per stage, None for one that
+    does not answer)."""
 
     service: Service
     tokenizer: TokenizerLike
@@ -82,7 +83,9 @@ def build_app(backend: Backend) -> FastAPI:
             "error": backend.service.failure or None,
             "requests_decoding": active,
             "requests_queued": queued,
-            "stages": [{"kv_cells": stage.kv_cells, "sequences": stage.sequences, "rss_mb": round(stage.rss_mb, 1)}
+            "stages": [{"answering": False} if stage is None else
+                       {"kv_cells": stage.kv_cells, "sequences": stage.sequences, "rss_mb": round(stage.rss_mb, 1),
+                        "process": stage.process_id, "restarts": stage.restarts}
                        for stage in stages],
         }
         return JSONResponse(body, status_code=503 if backend.service.failure else 200)

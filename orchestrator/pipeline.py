@@ -71,12 +71,15 @@ class StageRestart:
 
 
 class StageLoad(NamedTuple):
-    """What a stage holds now: KV cells and sequences after its last pass, and
-    its process's resident memory in MiB."""
+    """What a stage holds now: KV cells and sequences after its last pass, its
+    process's resident memory in MiB and id, and how often the stage was
+    restarted (filled in by the coordinator, which restarts it)."""
 
     kv_cells: int
     sequences: int
     rss_mb: float
+    process_id: int = 0
+    restarts: int = 0
 
 
 def _stage_file_reader():
@@ -123,8 +126,9 @@ def _stage_actor_class():
         def load(self) -> StageLoad:
             import psutil
 
-            return StageLoad(self.server.kv_cells, self.server.kv_sequences,
-                             psutil.Process().memory_info().rss / 1024**2)
+            process = psutil.Process()
+            return StageLoad(self.server.kv_cells, self.server.kv_sequences, process.memory_info().rss / 1024**2,
+                             process.pid)
 
         def peak_rss_mb(self) -> float:
             return peak_rss_mb()

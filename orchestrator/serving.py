@@ -151,10 +151,14 @@ class Coordinator:
         return None
 
     async def stage_load(self):
-        """Each stage's StageLoad (KV cells, sequences, resident MiB)."""
+        """Each stage's StageLoad (KV cells, sequences, resident MiB, process,
+        restarts), or None for a stage that does not answer (lost, or being restarted)."""
         import asyncio
 
-        return list(await asyncio.gather(*self.pipeline.load_calls()))
+        loads = await asyncio.gather(*self.pipeline.load_calls(), return_exceptions=True)
+        restarted = [restart.stage_index for restart in self.pipeline.restarts]
+        return [None if isinstance(load, BaseException) else load._replace(restarts=restarted.count(index))
+                for index, load in enumerate(loads)]
 
     def app(self):
         from orchestrator.openai_app import build_app

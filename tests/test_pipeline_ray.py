@@ -260,37 +260,80 @@ def test_a_setup_that_fails_leaves_no_actor_or_reservation_behind(ray_cluster, s
     assert all(group["state"] != "CREATED" for group in ray.util.placement_group_table().values())
 
 
-def test_strangers_at_every_stage_port_neither_hijack_nor_block_the_run(ray_cluster, splits, reference, monkeypatch):
-    """Before the chain is wired, strangers connect to every stage's port first:
-    one silent, one sending garbage, one a well-formed batch of its own tokens.
-    Each is dropped; the output is the whole model's."""
+def strangers_at(host, port, forged) -> list:
+    """Three strangers at host:port: one silent, one sending garbage, one a
+    well-formed batch of its own tokens."""
     import socket
 
+    from orchestrator import wire
+
+    silent = socket.create_connection((host, port))
+    garbage = socket.create_connection((host, port))
+    garbage.sendall(b"\x00\xff" * 100)
+    frame = socket.create_connection((host, port))
+    wire.send_message(frame, forged)
+    return [silent, garbage, frame]
+
+
+def test_strangers_at_every_port_neither_hijack_nor_block_the_run(ray_cluster, splits, reference, monkeypatch):
+    """Strangers reach every listening port first: each stage's, the
+    coordinator's (result and boundary notices) and each drafter's, before the
+    real peer; then again at every port during decoding, where they wait in
+    the backlog until a stage is killed and the chain is wired anew through
+    them. Each is dropped; the output is the whole model's."""
+    from orchestrator import chain as chain_module
+    from orchestrator import drafters as drafters_module
+    from orchestrator.drafters import DrafterSettings, start_drafters, stop_drafters
+    from orchestrator.generate import Drafting
     from orchestrator.messages import StageBatch
+    from orchestrator.schedule import Schedule
+    from speculators.prompt_lookup import PromptLookupSpeculator
 
     forged = StageBatch(1, 0, np.arange(3, dtype=np.int32), np.array([2], np.int32), tokens=np.array([7, 7, 7], np.int32))
-    intruders = []
-    wire_for_real = Pipeline._wire
+    intruders, ports = [], set()
+    wire_for_real, chain_for_real, connect_for_real = Pipeline._wire, chain_module.SocketChain.__init__, \
+        drafters_module.connect_peer
 
-    def strangers_first(self):
-        from orchestrator import wire
-
+    def stage_strangers_first(self):
         for stage in self.stages:
-            silent = socket.create_connection((stage.host, stage.port))
-            garbage = socket.create_connection((stage.host, stage.port))
-            garbage.sendall(b"\x00\xff" * 100)
-            frame = socket.create_connection((stage.host, stage.port))
-            wire.send_message(frame, forged)
-            intruders.extend([silent, garbage, frame])
+            intruders.extend(strangers_at(stage.host, stage.port, forged))
+            ports.add((stage.host, stage.port))
         return wire_for_real(self)
 
-    monkeypatch.setattr(Pipeline, "_wire", strangers_first)
-    tokens = reference.tokenize(PROMPTS[0])
+    def coordinator_strangers_first(self, *arguments, **options):
+        chain_for_real(self, *arguments, **options)
+        intruders.extend(strangers_at(*self.address, forged))
+        ports.add(self.address)
+
+    def drafter_strangers_first(host, port, *arguments):
+        intruders.extend(strangers_at(host, port, forged))
+        ports.add((host, port))
+        return connect_for_real(host, port, *arguments)
+
+    monkeypatch.setattr(Pipeline, "_wire", stage_strangers_first)
+    monkeypatch.setattr(chain_module.SocketChain, "__init__", coordinator_strangers_first)
+    monkeypatch.setattr(drafters_module, "connect_peer", drafter_strangers_first)
+    tokens = reference.tokenize(PROMPTS[0]) * 2
     with Pipeline(splits[2], StageSettings(n_ctx=256), notify_boundaries=True) as pipeline:
-        result = generate(pipeline, tokens, 16, SamplingSettings(), lambda token: False)
-    for intruder in intruders:
+        drafters = start_drafters(pipeline, PromptLookupSpeculator, DrafterSettings(draft_max=4))
+        assert len(ports) == 2 + 1 + 2 and len(intruders) == 3 * 5
+        kill = killing_stage(pipeline, 1, after_tokens=10)
+        during = []
+
+        def on_token(token):
+            if not during:  # decoding has begun: strangers at every port again
+                for host, port in sorted(ports):
+                    during.extend(strangers_at(host, port, forged))
+            kill(token)
+
+        try:
+            result = generate(pipeline, tokens, 16, SamplingSettings(), Tokenizer(splits[2][0]).is_end,
+                              on_token=on_token, drafting=Drafting(drafters, Schedule.ASYNC, 4))
+        finally:
+            stop_drafters(drafters)
+    for intruder in intruders + during:
         intruder.close()
-    assert len(intruders) == 6
+    assert kill.killed and len(pipeline.restarts) == 1 and len(during) == 3 * 5
     assert result.tokens == reference.greedy(tokens, 16).tokens
 
 

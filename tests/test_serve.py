@@ -310,6 +310,49 @@ def test_soak_hundreds_of_requests_with_random_disconnects(server, model_name):
     assert all(now <= then * 1.05 for then, now in zip(before, after)), (before, after)
 
 
+def test_a_stage_killed_while_four_requests_stream_loses_no_request_and_no_token(server, model_name, reference,
+                                                                               tokenizer):
+    """SIGKILL stage 1 once four streams are under way: the stage is restarted
+    and every request's cache replayed; each stream completes with the text it
+    gets alone (the whole model's), and /health reports the restart."""
+    work = [(chat, prompt, 40) for chat, _, prompt, _ in WORK[:4]]
+    expected = []
+    for chat, prompt, max_tokens in work:
+        tokens = tokenizer.chat_tokens([{"role": "user", "content": prompt}]) if chat else tokenizer.tokenize(prompt)
+        expected.append(whole_model_text(reference, tokens, max_tokens))
+    victim = server.health()["stages"][1]["process"]
+    chunks_seen = 0
+
+    async def stream(client, chat, prompt, max_tokens):
+        nonlocal chunks_seen
+        arguments = dict(model=model_name, max_tokens=max_tokens, temperature=0, stream=True)
+        if chat:
+            replies = await client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **arguments)
+        else:
+            replies = await client.completions.create(prompt=prompt, **arguments)
+        text = ""
+        async for chunk in replies:
+            for choice in chunk.choices:
+                text += (choice.delta.content or "") if chat else choice.text
+            chunks_seen += 1
+            if chunks_seen == 8:  # every stream has begun: kill the stage mid-generation
+                os.kill(victim, signal.SIGKILL)
+        return text
+
+    async def main():
+        client = server.client()
+        return await asyncio.gather(*(stream(client, *item) for item in work))
+
+    texts = asyncio.run(main())
+    assert chunks_seen > 8
+    assert texts == [text for text, _ in expected]
+    health = server.settled()
+    assert health["status"] == "ok", health
+    assert [stage["restarts"] for stage in health["stages"]] == [0, 1]
+    assert health["stages"][1]["process"] != victim
+    assert [stage["kv_cells"] for stage in health["stages"]] == [0, 0]
+
+
 def test_sigterm_lets_the_request_in_flight_finish_then_stops_cleanly(server, model_name):
     body = {"model": model_name, "prompt": PROMPTS[0], "max_tokens": 60, "stream": True, "temperature": 0}
     lines = []
