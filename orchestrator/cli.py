@@ -11,6 +11,7 @@ each command imports what it uses.
 from __future__ import annotations
 
 import functools
+import contextlib
 import json
 import os
 import sys
@@ -197,17 +198,22 @@ def run(files, model_split, prompt, prompt_file, chat, max_tokens, temperature, 
         max_restarts=max_restarts,
         tls=tls,
     )
+    # Ray prints its own notices (such as a worker that died, before its stage
+    # is restarted) to the driver's sys.stdout; stdout is kept for the text.
+    text_out = sys.stdout
     if as_json:
-        outcome = run_generation(settings)
-        click.echo(json.dumps(outcome.as_json()))
+        with contextlib.redirect_stdout(sys.stderr):
+            outcome = run_generation(settings)
+        click.echo(json.dumps(outcome.as_json()), file=text_out)
         return
 
     def show(text: str) -> None:
-        click.echo(text, nl=False)
-        sys.stdout.flush()
+        click.echo(text, nl=False, file=text_out)
+        text_out.flush()
 
-    outcome = run_generation(settings, on_text=show, on_status=lambda line: click.echo(line, err=True))
-    click.echo()
+    with contextlib.redirect_stdout(sys.stderr):
+        outcome = run_generation(settings, on_text=show, on_status=lambda line: click.echo(line, err=True))
+    click.echo(file=text_out)
     click.echo(outcome.summary_line(), err=True)
 
 

@@ -362,3 +362,40 @@ def test_a_tls_chain_with_drafters_equals_the_whole_model_and_survives_a_lost_st
         assert isinstance(pipeline.chain._to_first, ssl.SSLSocket)
     assert kill.killed and len(pipeline.restarts) == 1
     assert result.tokens == reference.greedy(tokens, 30).tokens
+
+
+def test_orchestrate_run_survives_a_killed_stage_and_reports_the_restart(ray_cluster, splits, reference):
+    """`orchestrate run` as a user runs it, on the cluster: once text streams,
+    one of its stage processes is killed (SIGKILL, found by its process title);
+    the text is the whole model's, and stderr says which stage was restarted."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    def stage_processes() -> set[int]:
+        return {process.pid for process in psutil.process_iter(["cmdline"])
+                if (process.info["cmdline"] or [""])[0].startswith("ray::StageActor")}
+
+    prompt = "Write a long story about a lighthouse keeper."
+    tokens = Tokenizer(splits[2][0]).chat_prompt(prompt)
+    expected = reference.llama.detokenize(reference.greedy(tokens, 64).tokens).decode("utf-8", errors="replace")
+    before = stage_processes()
+    command = [sys.executable, "-m", "orchestrator.cli", "run", "--address", ray_cluster.address,
+               "--model-split", *splits[2], "--prompt", prompt, "--chat", "--max-tokens", "64"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0)
+    try:
+        first = process.stdout.read(1)  # the generation has begun (unbuffered: communicate reads the rest)
+        ours = sorted(stage_processes() - before)
+        assert len(ours) == 2, ours
+        os.kill(ours[-1], signal.SIGKILL)
+        rest, errors = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    output, errors = (first + rest).decode(), errors.decode()
+    assert process.returncode == 0, errors
+    assert output == expected + "\n"  # the text, then the line's end
+    died = re.search(r"\[stage (\d) died \(.*\); restarted and replayed in [\d.]+ s\]", errors)
+    assert died, errors
+    assert f"; stage {died.group(1)} restarted after it died" in errors.splitlines()[-1], errors
