@@ -34,6 +34,10 @@ def test_greedy_pipeline_equals_llama_and_stages_land_on_distinct_nodes(ray_clus
     with Pipeline(splits[stage_count], SETTINGS) as pipeline:
         nodes = [stage.node_id for stage in pipeline.stages]
         assert len(set(nodes)) == stage_count
+        # every node of this test cluster is this machine: nothing listens beyond loopback
+        # (across real hosts the stages listen on their addresses: tests/test_two_hosts.py)
+        assert pipeline.loopback and pipeline.chain.address[0] == "127.0.0.1"
+        assert {stage.host for stage in pipeline.stages} == {"127.0.0.1"}
         assert [(stage.first_block, stage.end_block) for stage in pipeline.stages][0][0] == 0
         for prompt in PROMPTS:
             tokens = reference.tokenize(prompt)
