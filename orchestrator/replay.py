@@ -20,6 +20,7 @@ would have returned.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,21 +65,19 @@ class KvLedger:
         that refused cached it, the others did not even drop from keep on; all
         agree only below keep, so only that is held (the sequence's next pass
         drops the rest, as its keep is never above what the stages agree on)."""
-        positions, tokens = self._held.get(record.sequence, ([], []))
-        cut = int(np.searchsorted(np.asarray(positions, dtype=np.int64), record.keep))
-        positions, tokens = positions[:cut], tokens[:cut]
+        positions, tokens = self._held.setdefault(record.sequence, ([], []))
+        cut = bisect.bisect_left(positions, record.keep)  # in place: a pass costs its own length, not the context's
+        del positions[cut:], tokens[cut:]
         if decoded and not record.is_release:
             new_positions = record.positions.tolist()
             if positions and new_positions[0] <= positions[-1] or any(
                     later <= earlier for earlier, later in zip(new_positions, new_positions[1:])):
                 raise ValueError(f"sequence {record.sequence}: positions {new_positions[:4]}... do not follow "
                                  f"the cached ones (last {positions[-1] if positions else None})")
-            positions = positions + new_positions
-            tokens = tokens + record.tokens.tolist()
-        if positions:
-            self._held[record.sequence] = (positions, tokens)
-        else:
-            self._held.pop(record.sequence, None)
+            positions.extend(new_positions)
+            tokens.extend(record.tokens.tolist())
+        if not positions:
+            del self._held[record.sequence]
 
     def held(self, sequence: int) -> tuple[list[int], list[int]]:
         """(positions, tokens) cached for ``sequence``."""

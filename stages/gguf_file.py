@@ -8,6 +8,7 @@ names the file.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import re
 import struct
@@ -123,27 +124,64 @@ def shard_paths(path: Path) -> tuple[Path, ...]:
     return paths
 
 
-def _read_one(path: Path):
-    """Parse one GGUF file's header; raise ModelFileError for anything unreadable."""
+def _field_value(field) -> FieldValue:
+    from gguf import GGUFValueType
+
+    value_type = field.types[0]
+    sub_type = field.types[-1] if value_type == GGUFValueType.ARRAY else None
+    return FieldValue(field.contents(), int(value_type), int(sub_type) if sub_type is not None else None)
+
+
+@dataclass(frozen=True)
+class _ShardHeader:
+    """One file's header as the gguf package reads it; data_offset: where its tensor data begins."""
+
+    fields: dict[str, FieldValue]
+    tensors: list[TensorLocation]
+    alignment: int
+    data_offset: int
+
+
+def _read_one(path: Path) -> _ShardHeader:
+    """Parse one GGUF file's header; raise ModelFileError for anything unreadable.
+
+    The header is checked first (_scan_header), so the gguf package only reads
+    files whose lengths, counts, types and alignment are sound."""
     from gguf import GGUFReader  # imported here: the pure modules stay free of it
 
-    if not path.exists():
-        raise ModelFileError(f"{path}: no such file")
-    if path.is_dir():
-        raise ModelFileError(f"{path}: is a directory, not a GGUF file")
-    with open(path, "rb") as handle:
-        magic = handle.read(4)
-    if magic != b"GGUF":
-        raise ModelFileError(f"{path}: not a GGUF file (it does not start with the GGUF magic)")
+    _scan_header(path)
+    fields: dict[str, FieldValue] = {}
     try:
         reader = GGUFReader(path)
-    except Exception as error:  # the gguf reader raises many types for a damaged file
-        raise ModelFileError(f"{path}: truncated or corrupt GGUF file ({error})") from None
-    size = path.stat().st_size
-    end = max((tensor.data_offset + tensor.n_bytes for tensor in reader.tensors), default=0)
-    if end > size:
-        raise ModelFileError(f"{path}: truncated GGUF file ({size} bytes, tensor data needs {end})")
-    return reader
+        for key, field in reader.fields.items():
+            if key.startswith(SYNTHETIC_KEY_PREFIXES):
+                continue
+            try:
+                fields[key] = _field_value(field)
+            except UnicodeDecodeError:
+                raise ModelFileError(f"{path}: metadata key {_shown(key)} is not valid UTF-8") from None
+        tensors = [
+            TensorLocation(
+                name=tensor.name,
+                shape=tuple(int(dim) for dim in tensor.shape),
+                ggml_type=int(tensor.tensor_type),
+                n_bytes=int(tensor.n_bytes),
+                path=path,
+                offset=int(tensor.data_offset),
+            )
+            for tensor in reader.tensors
+        ]
+        shard = _ShardHeader(fields, tensors, int(reader.alignment), int(reader.data_offset))
+    except ModelFileError:
+        raise
+    # The one boundary with the third-party reader: for a file it cannot read it
+    # raises whatever its numpy code hits (ValueError, KeyError, IndexError,
+    # OverflowError, MemoryError, RecursionError...). The header was checked above,
+    # so this should not happen; if it does, it is still a bad file, not a bug here.
+    except Exception as error:
+        problem = " ".join(str(error).split()) or "no detail"  # one line, whatever the file's text held
+        raise ModelFileError(f"{path}: corrupt GGUF file ({type(error).__name__}: {problem[:200]})") from None
+    return shard
 
 
 def _header_digest(path: Path, data_offset: int) -> bytes:
@@ -153,134 +191,251 @@ def _header_digest(path: Path, data_offset: int) -> bytes:
 
 def read_model(path: str | os.PathLike[str]) -> ModelFile:
     """Parse a model's header (all shards); tensor data is not read."""
-    from gguf import GGUFValueType
-
     paths = shard_paths(Path(path))
     fields: dict[str, FieldValue] = {}
     tensors: list[TensorLocation] = []
     fingerprint = hashlib.sha256()
-    alignment = 32
+    alignment = DEFAULT_ALIGNMENT
     for index, shard in enumerate(paths):
-        reader = _read_one(shard)
+        header = _read_one(shard)
         if index == 0:
-            alignment = reader.alignment
-            for key, field in reader.fields.items():
-                if key.startswith(SYNTHETIC_KEY_PREFIXES):
-                    continue
-                value_type = field.types[0]
-                sub_type = field.types[-1] if value_type == GGUFValueType.ARRAY else None
-                try:
-                    value = field.contents()
-                except UnicodeDecodeError:
-                    raise ModelFileError(f"{shard}: metadata key {key} is not valid UTF-8") from None
-                fields[key] = FieldValue(value, int(value_type), int(sub_type) if sub_type is not None else None)
-        for tensor in reader.tensors:
-            tensors.append(
-                TensorLocation(
-                    name=tensor.name,
-                    shape=tuple(int(dim) for dim in tensor.shape),
-                    ggml_type=int(tensor.tensor_type),
-                    n_bytes=int(tensor.n_bytes),
-                    path=shard,
-                    offset=int(tensor.data_offset),
-                )
-            )
-        fingerprint.update(_header_digest(shard, reader.data_offset))
-        del reader
-    if "general.architecture" not in fields:
-        raise ModelFileError(f"{paths[0]}: GGUF file has no general.architecture")
-    model = ModelFile(paths, fields, tuple(tensors), alignment, fingerprint.hexdigest())
-    if f"{model.architecture}.block_count" not in fields:
-        raise ModelFileError(f"{paths[0]}: GGUF file has no {model.architecture}.block_count")
-    return model
+            fields, alignment = header.fields, header.alignment
+        tensors += header.tensors
+        fingerprint.update(_header_digest(shard, header.data_offset))
+    _check_model_keys(paths[0], fields, len(tensors))
+    return ModelFile(paths, fields, tuple(tensors), alignment, fingerprint.hexdigest())
+
+
+def _check_model_keys(path: Path, fields: dict[str, FieldValue], tensor_count: int) -> None:
+    """The keys every model needs (ModelFile.architecture and block_count): present and of their types."""
+    architecture = fields.get("general.architecture")
+    if architecture is None:
+        raise ModelFileError(f"{path}: GGUF file has no general.architecture")
+    if architecture.value_type != _STRING:
+        raise ModelFileError(f"{path}: general.architecture is a {_TYPE_NAMES[architecture.value_type]}, not a string")
+    key = f"{architecture.value}.block_count"
+    block_count = fields.get(key)
+    if block_count is None:
+        raise ModelFileError(f"{path}: GGUF file has no {_shown(key)}")
+    if block_count.value_type not in _INTEGER_TYPES:
+        raise ModelFileError(f"{path}: {_shown(key)} is a {_TYPE_NAMES[block_count.value_type]}, not an integer")
+    if not 0 <= block_count.value <= tensor_count:  # type: ignore[operator]
+        raise ModelFileError(
+            f"{path}: {_shown(key)} is {block_count.value}, not a block count (the file has {tensor_count} tensors)"
+        )
 
 
 # GGUF value types: struct format of fixed-size scalars; 8 is a string, 9 an array.
 _SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_STRING, _ARRAY = 8, 9
+_LAYOUTS = {fmt: struct.Struct("<" + fmt) for fmt in _SCALAR_FORMATS.values()}  # little-endian, as GGUF
+_INTEGER_TYPES = {0, 1, 2, 3, 4, 5, 10, 11}
+_UINT32, _STRING, _ARRAY = 4, 8, 9
+_TYPE_NAMES = {0: "uint8", 1: "int8", 2: "uint16", 3: "int16", 4: "uint32", 5: "int32", 6: "float32", 7: "bool",
+               8: "string", 9: "array", 10: "uint64", 11: "int64", 12: "float64"}
+# The versions the gguf package and llama.cpp read (version 1 had 32-bit lengths).
+GGUF_VERSIONS = (2, 3)
+DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4  # GGML_MAX_DIMS: llama.cpp refuses a tensor with more
+_INT64_MAX = 2**63 - 1  # ggml counts elements in int64
+# Fewest bytes a metadata entry (key length, type, a 1-byte value) and a tensor
+# description (name length, dimension count, type, offset) can take.
+_MIN_KEY_BYTES, _MIN_TENSOR_BYTES = 8 + 4 + 1, 8 + 4 + 4 + 8
+
+
+def _shown(text: str) -> str:
+    """Text from a file as it may appear in a one-line message: quoted if it is not plain."""
+    return text if text and text.isprintable() else repr(text)
+
+
+@dataclass(frozen=True)
+class _Header:
+    """What scanning a GGUF header found: its scalar and string values (arrays are
+    skipped), and where the last tensor's data ends (from the start of the file)."""
+
+    scalars: dict[str, object]
+    data_end: int
 
 
 class _HeaderScanner:
-    """Reads a GGUF header sequentially; arrays are skipped, not decoded."""
+    """Reads a GGUF header sequentially and checks it as llama.cpp does; arrays are skipped, not decoded.
 
-    def __init__(self, path: Path):
+    Every length and count is checked against the bytes left in the file before
+    anything is read or skipped, so a crafted one ends in ModelFileError at once,
+    never in a huge allocation or a loop over 2**64 items."""
+
+    def __init__(self, path: Path, handle):
         self.path = path
-        self.handle = open(path, "rb")
+        self.handle = handle
+        self.size = os.fstat(handle.fileno()).st_size
+        self.position = 0  # kept here: the handle's tell() is slow over 100 000 tokens
+
+    def corrupt(self, problem: str) -> ModelFileError:
+        return ModelFileError(f"{self.path}: corrupt GGUF file ({problem})")
+
+    def left(self) -> int:
+        return self.size - self.position
+
+    def ensure(self, count: int) -> None:
+        """Raise ModelFileError unless ``count`` more bytes are left."""
+        if count > self.left():
+            raise ModelFileError(
+                f"{self.path}: truncated GGUF file (the header needs {count} bytes at byte {self.position}, "
+                f"the file has {self.size})"
+            )
 
     def read(self, count: int) -> bytes:
+        self.ensure(count)
         data = self.handle.read(count)
-        if len(data) != count:
+        if len(data) != count:  # the file shrank while being read
             raise ModelFileError(f"{self.path}: truncated GGUF file (header ends early)")
+        self.position += count
         return data
 
+    def skip(self, count: int) -> None:
+        self.ensure(count)
+        self.handle.seek(count, os.SEEK_CUR)
+        self.position += count
+
     def unpack(self, fmt: str):
-        return struct.unpack("<" + fmt, self.read(struct.calcsize("<" + fmt)))[0]
+        layout = _LAYOUTS[fmt]
+        return layout.unpack(self.read(layout.size))[0]
 
-    def string(self) -> str:
-        return self.read(self.unpack("Q")).decode("utf-8", errors="replace")
+    def count(self, item_bytes: int, what: str) -> int:
+        """A uint64 count of items of at least ``item_bytes`` bytes each, checked to fit in the rest of the file."""
+        position = self.position
+        count = self.unpack("Q")
+        if count * item_bytes > self.left():
+            raise ModelFileError(
+                f"{self.path}: truncated GGUF file ({what} at byte {position} is {count}, "
+                f"more than the {self.left()} bytes left can hold)"
+            )
+        return count
 
-    def value(self, value_type: int) -> object:
+    def string(self, what: str) -> str:
+        return self.read(self.count(1, what)).decode("utf-8", errors="replace")
+
+    def name(self, what: str) -> str:
+        """A key or tensor name: UTF-8, as the gguf reader requires."""
+        position = self.position
+        try:
+            return self.read(self.count(1, f"{what} length")).decode("utf-8")
+        except UnicodeDecodeError:
+            raise self.corrupt(f"the {what} at byte {position} is not UTF-8") from None
+
+    def value(self, key: str, value_type: int) -> object:
         if value_type in _SCALAR_FORMATS:
             return self.unpack(_SCALAR_FORMATS[value_type])
         if value_type == _STRING:
-            return self.string()
+            return self.string(f"{_shown(key)} string length")
         if value_type == _ARRAY:
-            item_type, count = self.unpack("I"), self.unpack("Q")
-            if item_type in _SCALAR_FORMATS:
-                self.handle.seek(count * struct.calcsize(_SCALAR_FORMATS[item_type]), os.SEEK_CUR)
+            item_type = self.unpack("I")
+            if item_type == _ARRAY:
+                raise self.corrupt(f"key {_shown(key)} is an array of arrays, which GGUF readers do not support")
+            if item_type == _STRING:
+                for _ in range(self.count(8, f"{_shown(key)} array length")):
+                    self.skip(self.count(1, f"{_shown(key)} string length"))
+            elif item_type in _SCALAR_FORMATS:
+                item_bytes = _LAYOUTS[_SCALAR_FORMATS[item_type]].size
+                self.skip(self.count(item_bytes, f"{_shown(key)} array length") * item_bytes)
             else:
-                for _ in range(count):
-                    self.value(item_type)
+                raise self.corrupt(f"key {_shown(key)} is an array of unknown value type {item_type}")
             return None
-        raise ModelFileError(f"{self.path}: corrupt GGUF file (unknown value type {value_type})")
+        raise self.corrupt(f"key {_shown(key)} has unknown value type {value_type}")
+
+    def alignment(self, types: dict[str, int], scalars: dict[str, object]) -> int:
+        """general.alignment (a uint32, a power of two), else GGUF's default."""
+        if "general.alignment" not in types:
+            return DEFAULT_ALIGNMENT
+        value_type = types["general.alignment"]
+        if value_type != _UINT32:
+            raise self.corrupt(f"general.alignment is a {_TYPE_NAMES[value_type]}, not a uint32")
+        alignment = scalars["general.alignment"]
+        if alignment == 0 or alignment & (alignment - 1):  # type: ignore[operator]
+            raise self.corrupt(f"general.alignment {alignment} is not a power of two")
+        return alignment  # type: ignore[return-value]
+
+    def tensor_end(self, names: set[str], alignment: int) -> int:
+        """Read one tensor's description; the end of its data from the start of the data."""
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        name = self.name("tensor name")
+        if name in names:
+            raise self.corrupt(f"two tensors are named {_shown(name)}")
+        names.add(name)
+        dim_count = self.unpack("I")
+        if dim_count > MAX_DIMS:
+            raise self.corrupt(f"tensor {_shown(name)} has {dim_count} dimensions, more than {MAX_DIMS}")
+        dims = [self.unpack("Q") for _ in range(dim_count)]
+        ggml_type, offset = self.unpack("I"), self.unpack("Q")
+        try:
+            block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+        except ValueError:
+            raise self.corrupt(f"tensor {_shown(name)} has unknown tensor type {ggml_type}") from None
+        elements = 1
+        for dim in dims:
+            elements *= dim
+        if max(dims, default=0) > _INT64_MAX or elements > _INT64_MAX:
+            raise self.corrupt(f"tensor {_shown(name)} has dimensions {dims}: more elements than ggml can count")
+        row = dims[0] if dims else 1
+        if row % block_size:
+            raise self.corrupt(f"tensor {_shown(name)}: rows of {row} values are not whole blocks of {block_size} "
+                               f"({GGMLQuantizationType(ggml_type).name})")
+        if offset % alignment:
+            raise self.corrupt(f"tensor {_shown(name)} at offset {offset} is not aligned to {alignment} bytes")
+        return offset + elements // block_size * type_size
+
+    def header(self) -> _Header:
+        if self.size < 4 or self.read(4) != b"GGUF":
+            raise ModelFileError(f"{self.path}: not a GGUF file (it does not start with the GGUF magic)")
+        version = self.unpack("I")
+        if version not in GGUF_VERSIONS:
+            hint = " (a big-endian file?)" if version and not version & 0xFFFF else ""
+            raise ModelFileError(f"{self.path}: unsupported GGUF version {version}{hint}; "
+                                 f"versions {' and '.join(map(str, GGUF_VERSIONS))} can be read")
+        tensor_count = self.count(_MIN_TENSOR_BYTES, "tensor count")
+        key_count = self.count(_MIN_KEY_BYTES, "metadata key count")
+        scalars: dict[str, object] = {}
+        types: dict[str, int] = {}
+        for _ in range(key_count):
+            key = self.name("key")
+            if key in types:
+                raise self.corrupt(f"key {_shown(key)} appears twice")
+            types[key] = self.unpack("I")
+            value = self.value(key, types[key])
+            if value is not None:
+                scalars[key] = value
+        alignment = self.alignment(types, scalars)
+        names: set[str] = set()
+        data_end = max((self.tensor_end(names, alignment) for _ in range(tensor_count)), default=0)
+        data_start = -(-self.position // alignment) * alignment
+        return _Header(scalars, data_start + data_end)
+
+
+def _scan_header(path: Path) -> _Header:
+    """Check a GGUF file's header and that the file holds all its tensor data (ModelFileError if not)."""
+    if not path.exists():
+        raise ModelFileError(f"{path}: no such file")
+    if path.is_dir():
+        raise ModelFileError(f"{path}: is a directory, not a GGUF file")
+    if not path.is_file():
+        raise ModelFileError(f"{path}: is not a regular file")
+    with open(path, "rb") as handle:
+        scanner = _HeaderScanner(path, handle)
+        header = scanner.header()
+    if header.data_end > scanner.size:
+        raise ModelFileError(
+            f"{path}: truncated GGUF file ({scanner.size} bytes, tensor data needs {header.data_end})"
+        )
+    return header
 
 
 def read_scalars(path: str | os.PathLike[str]) -> dict[str, object]:
     """Scalar and string metadata of one GGUF file, fast (arrays are skipped).
 
-    Also checks the file holds all its tensor data: raises ModelFileError for a
-    file that is missing, not GGUF, or truncated.
+    Also checks the header and that the file holds all its tensor data: raises
+    ModelFileError for a file that is missing, not GGUF, corrupt or truncated.
     """
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    path = Path(path)
-    if not path.exists():
-        raise ModelFileError(f"{path}: no such file")
-    if path.is_dir():
-        raise ModelFileError(f"{path}: is a directory, not a GGUF file")
-    scanner = _HeaderScanner(path)
-    try:
-        if scanner.read(4) != b"GGUF":
-            raise ModelFileError(f"{path}: not a GGUF file (it does not start with the GGUF magic)")
-        scanner.unpack("I")  # version
-        tensor_count, key_count = scanner.unpack("Q"), scanner.unpack("Q")
-        scalars: dict[str, object] = {}
-        for _ in range(key_count):
-            key = scanner.string()
-            value = scanner.value(scanner.unpack("I"))
-            if value is not None:
-                scalars[key] = value
-        end = 0
-        for _ in range(tensor_count):
-            scanner.string()
-            dims = [scanner.unpack("Q") for _ in range(scanner.unpack("I"))]
-            ggml_type, offset = scanner.unpack("I"), scanner.unpack("Q")
-            try:
-                block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
-            except ValueError:
-                raise ModelFileError(f"{path}: corrupt GGUF file (unknown tensor type {ggml_type})") from None
-            elements = 1
-            for dim in dims:
-                elements *= dim
-            end = max(end, offset + elements * type_size // block_size)
-        alignment = int(scalars.get("general.alignment", 32))  # type: ignore[arg-type]
-        data_start = -(-scanner.handle.tell() // alignment) * alignment
-    finally:
-        scanner.handle.close()
-    size = path.stat().st_size
-    if data_start + end > size:
-        raise ModelFileError(f"{path}: truncated GGUF file ({size} bytes, tensor data needs {data_start + end})")
-    return scalars
+    return _scan_header(Path(path)).scalars
 
 
 def stage_info_of(path: str | os.PathLike[str]) -> StageFileInfo | None:
@@ -294,22 +449,37 @@ def stage_info(model: ModelFile) -> StageFileInfo | None:
     return _stage_info(model.paths[0], model.metadata)
 
 
+_STAGE_COUNTS = (KEY_STAGE_INDEX, KEY_STAGE_COUNT, KEY_FIRST_BLOCK, KEY_BLOCK_COUNT, KEY_TOTAL_BLOCKS)
+_STAGE_TEXTS = (KEY_SOURCE_FINGERPRINT, KEY_SOURCE_NAME)
+_FINGERPRINT = re.compile(r"[0-9a-f]{64}")  # hashlib's hexdigest of SHA-256
+
+
 def _stage_info(path: Path, value: dict[str, object]) -> StageFileInfo | None:
     if KEY_STAGE_INDEX not in value:
         return None
-    try:
-        return StageFileInfo(
-            path=path,
-            stage_index=int(value[KEY_STAGE_INDEX]),  # type: ignore[arg-type]
-            stage_count=int(value[KEY_STAGE_COUNT]),  # type: ignore[arg-type]
-            first_block=int(value[KEY_FIRST_BLOCK]),  # type: ignore[arg-type]
-            block_count=int(value[KEY_BLOCK_COUNT]),  # type: ignore[arg-type]
-            total_blocks=int(value[KEY_TOTAL_BLOCKS]),  # type: ignore[arg-type]
-            source_fingerprint=str(value[KEY_SOURCE_FINGERPRINT]),
-            source_name=str(value[KEY_SOURCE_NAME]),
-        )
-    except KeyError as missing:
-        raise ModelFileError(f"{path}: incomplete specpipe stage metadata (no {missing.args[0]})") from None
+    for key in _STAGE_COUNTS + _STAGE_TEXTS:
+        if key not in value:
+            raise ModelFileError(f"{path}: incomplete specpipe stage metadata (no {key})")
+    for key in _STAGE_COUNTS:  # as the splitter writes them: uint32
+        number = value[key]
+        if not isinstance(number, int) or isinstance(number, bool) or number < 0:
+            shown = number if isinstance(number, (int, float)) else f"a {type(number).__name__}"
+            raise ModelFileError(f"{path}: corrupt specpipe stage metadata ({key} is {shown}, not a count)")
+    fingerprint, source_name = value[KEY_SOURCE_FINGERPRINT], value[KEY_SOURCE_NAME]
+    if not isinstance(fingerprint, str) or not _FINGERPRINT.fullmatch(fingerprint):
+        raise ModelFileError(f"{path}: corrupt specpipe stage metadata ({KEY_SOURCE_FINGERPRINT} is not a SHA-256)")
+    if not isinstance(source_name, str) or not source_name.isprintable():  # it appears in messages
+        raise ModelFileError(f"{path}: corrupt specpipe stage metadata ({KEY_SOURCE_NAME} is not a file name)")
+    return StageFileInfo(
+        path=path,
+        stage_index=value[KEY_STAGE_INDEX],  # type: ignore[arg-type]
+        stage_count=value[KEY_STAGE_COUNT],  # type: ignore[arg-type]
+        first_block=value[KEY_FIRST_BLOCK],  # type: ignore[arg-type]
+        block_count=value[KEY_BLOCK_COUNT],  # type: ignore[arg-type]
+        total_blocks=value[KEY_TOTAL_BLOCKS],  # type: ignore[arg-type]
+        source_fingerprint=fingerprint,
+        source_name=source_name,
+    )
 
 
 def validate_stage_set(infos: list[StageFileInfo | None], paths: list[Path]) -> None:
@@ -348,11 +518,13 @@ def validate_stage_set(infos: list[StageFileInfo | None], paths: list[Path]) -> 
             raise ModelFileError(f"{info.path} and {seen[info.stage_index]} are both stage {info.stage_index + 1}")
         seen[info.stage_index] = info.path
     count = first.stage_count
-    missing = [index + 1 for index in range(count) if index not in seen]
-    if missing:
+    present = sum(1 for index in seen if index < count)
+    if present < count:  # count comes from the file: list a few missing stages, not 2**32
+        missing = itertools.islice((index + 1 for index in range(count) if index not in seen), 5)
+        more = ", ..." if count - present > 5 else ""
         names = ", ".join(str(path) for path in paths)
         raise ModelFileError(
-            f"stage {', '.join(map(str, missing))} of {count} missing: have only {names}"
+            f"stage {', '.join(map(str, missing))}{more} of {count} missing: have only {names}"
         )
     for position, info in enumerate(stages):
         if info.stage_index != position:
@@ -368,4 +540,5 @@ def validate_stage_set(infos: list[StageFileInfo | None], paths: list[Path]) -> 
             )
         expected_first = info.end_block
     if expected_first != first.total_blocks:
-        raise ModelFileError(f"stages cover blocks 0-{expected_first} of {first.total_blocks}: incomplete")
+        names = ", ".join(str(path) for path in paths)
+        raise ModelFileError(f"stages {names} cover blocks 0-{expected_first} of {first.total_blocks}: incomplete")

@@ -1,6 +1,7 @@
 """`orchestrate` end to end, as a user runs it (each run starts its own local Ray)."""
 
 import json
+import struct
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,43 @@ def test_bad_options_are_refused_in_one_line_before_anything_starts(arguments, m
     result = orchestrate(*[str(not_utf8) if argument == "NOT_UTF8" else argument for argument in arguments])
     assert result.returncode == 2 or result.returncode == 1, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+GGUF_START = b"GGUF" + struct.pack("<IQ", 3, 0)  # magic, version 3, no tensors
+
+
+def gguf_key(name: bytes, value_type: int, value: bytes) -> bytes:
+    return struct.pack("<Q", len(name)) + name + struct.pack("<I", value_type) + value
+
+
+CRAFTED_HEADERS = {
+    "key length 2**62": GGUF_START + struct.pack("<QQ", 1, 2**62),
+    "array count 2**60": GGUF_START + struct.pack("<Q", 1) + gguf_key(b"a", 9, struct.pack("<IQ", 0, 2**60)),
+    "alignment 0": GGUF_START + struct.pack("<Q", 1) + gguf_key(b"general.alignment", 4, struct.pack("<I", 0)),
+    "a key on two lines of unknown type": GGUF_START + struct.pack("<Q", 1) + gguf_key(b"a\nb", 99, b"\0" * 8),
+}
+
+
+COMMANDS_READING_A_FILE = {  # CRAFTED is replaced by the file, A and B by files in the test's folder
+    "run": ["run", "--model-split", "CRAFTED", "--prompt", "hi"],
+    "verify-split": ["verify-split", "whole.gguf", "CRAFTED"],
+    "split": ["split", "CRAFTED", "A", "B"],
+}
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("command", sorted(COMMANDS_READING_A_FILE))
+@pytest.mark.parametrize("header", sorted(CRAFTED_HEADERS))
+def test_a_crafted_gguf_header_gives_one_line_not_a_traceback(command, header, tmp_path):
+    """Each command checks the file's header before Ray or llama.cpp starts, or anything is written."""
+    crafted = tmp_path / "crafted.gguf"
+    crafted.write_bytes(CRAFTED_HEADERS[header])
+    put = {"CRAFTED": crafted, "A": tmp_path / "a.gguf", "B": tmp_path / "b.gguf"}
+    result = orchestrate(*[put.get(argument, argument) for argument in COMMANDS_READING_A_FILE[command]])
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {crafted}: "), result.stderr
+    assert result.stdout == "" and sorted(tmp_path.iterdir()) == [crafted]
 
 
 @pytest.mark.model
