@@ -60,14 +60,16 @@ class StageReport:
 @dataclass(frozen=True)
 class StageRestart:
     """A lost stage brought back: which, why it was lost (one line), the nodes
-    before and after, and the seconds from noticing the loss to the chain
-    carrying passes again (reload, rewiring and replay)."""
+    before and after, the seconds from noticing the loss to the chain carrying
+    passes again (reload, rewiring and replay), and of those the replay's
+    (rebuilding every live sequence's cache)."""
 
     stage_index: int
     reason: str
     old_node_id: str
     node_id: str
     seconds: float
+    replay_seconds: float
 
 
 class StageLoad(NamedTuple):
@@ -361,14 +363,15 @@ class Pipeline:
                 self._restart_stage(index)
             self.chain = self._wire()
             self.chain.take_timing_from(old_chain)
+            replaying = time.perf_counter()
             try:
                 self._replay(unanswered, notices)
                 break
             except PassLate as again:  # lost again while replaying: the ledger still holds only settled passes
                 late = again
-        seconds = time.perf_counter() - noticed
+        done = time.perf_counter()
         for index, reason, old_node in restarted:
-            restart = StageRestart(index, reason, old_node, self.stages[index].node_id, seconds)
+            restart = StageRestart(index, reason, old_node, self.stages[index].node_id, done - noticed, done - replaying)
             self.restarts.append(restart)
             if self.on_restart is not None:
                 self.on_restart(restart)

@@ -117,7 +117,7 @@ class RunOutcome:
             ],
             "restarts": [
                 {"stage": restart.stage_index, "reason": restart.reason, "old_node": restart.old_node_id,
-                 "node": restart.node_id, "seconds": restart.seconds}
+                 "node": restart.node_id, "seconds": restart.seconds, "replay_seconds": restart.replay_seconds}
                 for restart in self.restarts
             ],
         }
