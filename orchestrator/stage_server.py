@@ -146,6 +146,12 @@ class StageServer:
             self._serve_chain(upstream, downstream)
         except OSError:  # a neighbour or the coordinator is gone: the chain is broken
             pass
+        except Exception as error:  # never a silent thread death: the coordinator hears why, then the chain ends
+            try:
+                wire.send_message(downstream, StageFailure(0, self.engine.stage_index,
+                                                           f"the stage's loop failed: {type(error).__name__}: {error}"))
+            except OSError:
+                pass
         finally:
             upstream.close()
             downstream.close()

@@ -118,3 +118,28 @@ def test_service_metrics_appear_while_requests_are_served(ray_cluster, splits):
     assert not missing, f"never exported: {missing}"
     assert value(text, "ray_specpipe_time_to_first_token_seconds_count") >= 3
     assert value(text, "ray_specpipe_inter_token_seconds_count") >= 3 * 11
+
+
+def test_a_stage_restart_is_counted_at_the_metrics_endpoint(ray_cluster, splits):
+    """ray_specpipe_restarts_total{role="stage", index} counts restarts (as
+    orchestrate run and serve record them through Pipeline's on_restart)."""
+    import os
+    import signal
+
+    import numpy as np
+
+    from orchestrator.metrics import RestartMetrics
+
+    metrics = RestartMetrics()
+    with Pipeline(splits[2], StageSettings(n_ctx=64),
+                  on_restart=lambda restart: metrics.record("stage", restart.stage_index)) as pipeline:
+        tokens, positions = np.array([1, 2, 3], np.int32), np.arange(3, dtype=np.int32)
+        pipeline.forward(positions, tokens, 0)
+        os.kill(pipeline.stages[1].process_id, signal.SIGKILL)
+        pipeline.forward(positions, tokens, 0)
+        assert len(pipeline.restarts) == 1
+    deadline = time.monotonic() + 60
+    while (found := value(scrape(ray_cluster.metrics_ports), "ray_specpipe_restarts_total", role="stage",
+                          index="1")) is None and time.monotonic() < deadline:
+        time.sleep(1)
+    assert found is not None and found >= 1

@@ -91,3 +91,44 @@ def test_a_bad_frame_is_reported_downstream_and_the_stage_stops(stage, raw, reas
         downstream.settimeout(5)
         if downstream.recv(1) == b"":
             raise wire.ConnectionClosed("closed")
+
+
+def test_an_unexpected_error_in_the_loop_is_reported_downstream_not_a_silent_thread_death(stage):
+    server, upstream, downstream = stage
+
+    def broken_metrics(seconds, cells, sequences):
+        raise RuntimeError("the metrics broke")
+
+    server.on_pass = broken_metrics
+    wire.send_message(upstream, batch([1, 2, 3]))
+    failure = wire.receive_message(downstream)
+    assert isinstance(failure, StageFailure)
+    assert failure.message == "the stage's loop failed: RuntimeError: the metrics broke"
+
+
+def test_after_its_chain_breaks_a_stage_keeps_its_model_and_port_and_serves_a_new_chain(stage):
+    """What a surviving stage does when another stage is lost: its upstream
+    goes away, then it is wired again (same listening port, same loaded
+    model) and serves the new chain's passes, with its cache as it was."""
+    server, upstream, downstream = stage
+    wire.send_message(upstream, batch([1, 2, 3]))
+    first = wire.receive_message(downstream)
+    upstream.close()  # the old chain breaks
+    server._thread.join(timeout=30)
+    assert not server._thread.is_alive()
+    listener = wire.listen("127.0.0.1")
+    accepting = ThreadPoolExecutor(1).submit(accept_peer, listener, SECRET, upstream_role(1), 30)
+    server.connect_downstream(*listener.getsockname())
+    new_downstream = accepting.result(timeout=30)
+    new_upstream = connect_peer("127.0.0.1", server.description.port, SECRET, upstream_role(0), 30)
+    try:
+        wire.send_message(new_upstream, StageBatch(2, 3, np.array([3], np.int32), np.array([0], np.int32),
+                                                   tokens=np.array([4], np.int32)))
+        after = wire.receive_message(new_downstream)
+        assert isinstance(after, StageBatch) and after.pass_id == 2 and after.hidden.shape == (1, 576)
+        assert server.kv_cells == 4  # positions 0-2 of the old chain, 3 of the new: the cache was kept
+        assert first.hidden.shape == (3, 576)
+    finally:
+        new_upstream.close()
+        new_downstream.close()
+        listener.close()
