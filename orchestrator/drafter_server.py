@@ -24,7 +24,7 @@ from typing import Protocol
 import numpy as np
 
 from orchestrator import wire
-from orchestrator.handshake import DRAFTER_ROLE, HandshakeError, accept_peer
+from orchestrator.handshake import HandshakeError, accept_peer, drafter_role
 from orchestrator.defaults import CONNECT_SECONDS, DRAFTER_WAIT_SECONDS
 from orchestrator.messages import CollectDraft, DraftReply, Shutdown, SpeculateFrom
 
@@ -45,10 +45,13 @@ class DrafterServer:
         wait_seconds: float = DRAFTER_WAIT_SECONDS,
         secret: bytes,
         certificate=None,
+        index: int = 0,
     ):
         """secret: the pipeline's; the coordinator's connection must prove it holds it.
-        certificate: the pipeline's tls.ChainCertificate with --tls, else None."""
+        certificate: the pipeline's tls.ChainCertificate with --tls, else None.
+        index: the stage this drafter sits beside (its connection's role names it)."""
         self.secret = secret
+        self.role = drafter_role(index)
         self.certificate = certificate
         self.speculator = make_speculator()
         self.draft_max = draft_max
@@ -79,7 +82,7 @@ class DrafterServer:
     # -- the socket -------------------------------------------------------
     def _serve(self) -> None:
         try:
-            connection = accept_peer(self.listener, self.secret, DRAFTER_ROLE, CONNECT_SECONDS, self.certificate)
+            connection = accept_peer(self.listener, self.secret, self.role, CONNECT_SECONDS, self.certificate)
         except HandshakeError:
             with self._lock:
                 self._closed = True

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from orchestrator import wire
-from orchestrator.handshake import DRAFTER_ROLE, HandshakeError, connect_peer
+from orchestrator.handshake import HandshakeError, connect_peer, drafter_role
 from orchestrator.defaults import (
     ACTOR_START_SECONDS,
     CONNECT_SECONDS,
@@ -60,7 +60,7 @@ def _drafter_actor_class():
             self.server = DrafterServer(
                 make_speculator, self.host,
                 draft_max=settings.draft_max, overlap=settings.overlap, wait_seconds=settings.wait_seconds,
-                secret=secret, certificate=certificate,
+                secret=secret, certificate=certificate, index=index,
             )
 
         def peak_rss_mb(self) -> float:
@@ -243,10 +243,11 @@ def start_drafters(pipeline, make_speculator: Callable[[], Speculator], settings
         return actor_class.options(**pipeline.actor_options(index, num_cpus=0)).remote(
             index, make_speculator, settings, pipeline.secret, pipeline.loopback, pipeline.certificate)
 
-    def connect(actor) -> tuple[object, socket.socket, str]:
+    def connect(index: int, actor) -> tuple[object, socket.socket, str]:
         try:
             host, port, node_id = ray.get(actor.address.remote(), timeout=ACTOR_START_SECONDS)
-            sock = connect_peer(host, port, pipeline.secret, DRAFTER_ROLE, CONNECT_SECONDS, pipeline.certificate)
+            sock = connect_peer(host, port, pipeline.secret, drafter_role(index), CONNECT_SECONDS,
+                                pipeline.certificate)
             return actor, sock, node_id
         except BaseException:
             ray.kill(actor)
@@ -256,9 +257,9 @@ def start_drafters(pipeline, make_speculator: Callable[[], Speculator], settings
     clients = []
     for index, actor in enumerate(actors):
         checks = dict(n_vocab=pipeline.n_vocab, draft_max=settings.draft_max, max_restarts=settings.max_restarts,
-                      relaunch=lambda index=index: connect(start(index)), on_restart=on_restart)
+                      relaunch=lambda index=index: connect(index, start(index)), on_restart=on_restart)
         try:
-            _, sock, node_id = connect(actor)
+            _, sock, node_id = connect(index, actor)
             clients.append(DrafterClient(index, sock, node_id, actor, **checks))
         except (ray.exceptions.RayError, OSError, HandshakeError) as error:
             client = DrafterClient(index, None, **checks)

@@ -40,12 +40,16 @@ HANDSHAKE_SECONDS = 5.0  # for one peer to complete its side; a real one takes a
 
 # The roles of the chain's connections, named by what the accepting side waits for.
 RESULT_ROLE = "result"  # the last stage's connection to the coordinator
-DRAFTER_ROLE = "drafter"  # the coordinator's connection to a drafter
 
 
 def upstream_role(stage_index: int) -> str:
     """The connection that feeds stage ``stage_index`` (from the coordinator or the stage before)."""
     return f"upstream of stage {stage_index}"
+
+
+def drafter_role(stage_index: int) -> str:
+    """The coordinator's connection to the drafter beside stage ``stage_index``."""
+    return f"drafter {stage_index}"
 
 
 def boundary_role(stage_index: int) -> str:

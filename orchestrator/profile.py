@@ -215,7 +215,7 @@ def measure_drafter_call(context_length: int, calls: int = 200) -> float:
     from orchestrator.messages import CollectDraft, Shutdown, SpeculateFrom
 
     from orchestrator.defaults import CONNECT_SECONDS
-    from orchestrator.handshake import DRAFTER_ROLE, connect_peer, new_secret
+    from orchestrator.handshake import connect_peer, drafter_role, new_secret
 
     secret = new_secret()
     spawn = multiprocessing.get_context("spawn")
@@ -226,7 +226,7 @@ def measure_drafter_call(context_length: int, calls: int = 200) -> float:
     try:
         if not ours.poll(60):
             raise PipelineError("the drafter process did not start within 60 s")
-        connection = connect_peer("127.0.0.1", ours.recv(), secret, DRAFTER_ROLE, CONNECT_SECONDS)
+        connection = connect_peer("127.0.0.1", ours.recv(), secret, drafter_role(0), CONNECT_SECONDS)
         context = np.arange(context_length, dtype=np.int32)  # no n-gram recurs
 
         def request(epoch: int) -> None:

@@ -9,7 +9,7 @@ import fakes
 from orchestrator import wire
 from orchestrator.drafter_server import DrafterServer
 from orchestrator.drafters import DrafterClient
-from orchestrator.handshake import DRAFTER_ROLE, connect_peer
+from orchestrator.handshake import connect_peer, drafter_role
 from speculators.prompt_lookup import PromptLookupSpeculator
 
 pytestmark = pytest.mark.pure
@@ -30,7 +30,7 @@ SECRET = b"s" * 32
 
 def serve(make, **settings):
     server = DrafterServer(make, "127.0.0.1", secret=SECRET, **settings)
-    return server, DrafterClient(0, connect_peer("127.0.0.1", server.port, SECRET, DRAFTER_ROLE, 10))
+    return server, DrafterClient(0, connect_peer("127.0.0.1", server.port, SECRET, drafter_role(0), 10))
 
 
 def test_synchronous_collect_waits_for_a_full_draft():

@@ -262,6 +262,10 @@ def test_a_setup_that_fails_leaves_no_actor_or_reservation_behind(ray_cluster, s
         time.sleep(0.2)
     assert free_cpus() == total
     assert all(group["state"] != "CREATED" for group in ray.util.placement_group_table().values())
+    # Ray's own table of actors (ray.util.state needs the dashboard, which this cluster has not)
+    from ray._private.state import actors
+
+    assert all(actor["State"] == "DEAD" for actor in actors().values() if actor["ActorClassName"] == "StageActor")
 
 
 def strangers_at(host, port, forged) -> list:
