@@ -9,6 +9,7 @@ stage). Measured technique: ``../shared/design/stage-split.md``.
 * Hidden state out: llama.cpp names each block's output ``l_out-<i>``. The
   context's ``cb_eval`` callback asks for the last block's node, copies it out,
   and returns False, which stops the graph there (no output norm or head).
+  llama.cpp calls it for every graph node, so it is C (``stages.capture``).
   Every batch row is marked as an output, or llama.cpp would drop rows before
   the last block.
 * Hidden state in: the batch is allocated with an embedding width, and
@@ -35,17 +36,12 @@ import os
 import numpy as np
 
 import llama_cpp
+from stages.capture import CaptureError, NodeCapture
 from stages.errors import SpecpipeError
 from stages.gguf_file import KEY_FIRST_BLOCK, KEY_STAGE_COUNT, KEY_STAGE_INDEX
 from stages.settings import StageSettings
 
 _ggml_base = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-base.so"))
-_ggml_base.ggml_get_name.argtypes = [ctypes.c_void_p]
-_ggml_base.ggml_get_name.restype = ctypes.c_char_p
-_ggml_base.ggml_nbytes.argtypes = [ctypes.c_void_p]
-_ggml_base.ggml_nbytes.restype = ctypes.c_size_t
-_ggml_base.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
-_ggml_base.ggml_backend_tensor_get.restype = None
 
 _backend_ready = False
 
@@ -124,13 +120,16 @@ class StageEngine:
         context_params.kv_unified = False  # a stream per sequence: exact beside others (module docstring)
         context_params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         context_params.no_perf = True
-        self._capture: np.ndarray | None = None
+        self._capture: NodeCapture | None = None
         if not self.is_last:
-            self._wanted = f"l_out-{self.block_count - 1}".encode()
-            # Keep the ctypes callback alive as long as the context (or it crashes).
-            self._callback = llama_cpp.ggml_backend_sched_eval_callback(self._on_graph_node)
-            context_params.cb_eval = self._callback
-            context_params.cb_eval_user_data = None
+            try:
+                # kept as long as the context: llama.cpp writes into its buffer
+                self._capture = NodeCapture(_ggml_base, f"l_out-{self.block_count - 1}", settings.n_batch, self.n_embd)
+            except CaptureError as error:
+                llama_cpp.llama_model_free(self._model)
+                raise StageError(f"{path}: {error}") from None
+            context_params.cb_eval = llama_cpp.ggml_backend_sched_eval_callback(self._capture.callback)
+            context_params.cb_eval_user_data = self._capture.user_data
         self._context = llama_cpp.llama_init_from_model(self._model, context_params)
         if not self._context:
             llama_cpp.llama_model_free(self._model)
@@ -140,18 +139,6 @@ class StageEngine:
         self._memory = llama_cpp.llama_get_memory(self._context)
         self._token_batch = llama_cpp.llama_batch_init(settings.n_batch, 0, 1)
         self._embd_batch = llama_cpp.llama_batch_init(settings.n_batch, self.n_embd, 1)
-
-    # -- graph callback ---------------------------------------------------
-    def _on_graph_node(self, tensor: int, ask: bool, user_data: int) -> bool:  # noqa: ARG002
-        if ask:
-            return _ggml_base.ggml_get_name(tensor) == self._wanted
-        if _ggml_base.ggml_get_name(tensor) != self._wanted:
-            return True
-        n_bytes = _ggml_base.ggml_nbytes(tensor)
-        out = np.empty(n_bytes // 4, dtype=np.float32)
-        _ggml_base.ggml_backend_tensor_get(tensor, out.ctypes.data, 0, n_bytes)
-        self._capture = out.reshape(-1, self.n_embd)
-        return False  # stop the graph: later nodes (norm, head) are not needed
 
     # -- decoding ---------------------------------------------------------
     def decode(
@@ -213,16 +200,21 @@ class StageEngine:
             batch.n_seq_id[row] = 1
             batch.seq_id[row][0] = sequence
 
-        self._capture = None
+        if self._capture is not None:
+            self._capture.start()
         status = llama_cpp.llama_decode(self._context, batch)
-        if not self.is_last:
+        if self._capture is not None:
             # Stopping the graph early makes llama_decode report an abort (2);
             # the captured hidden state is what counts.
-            if self._capture is None:
+            try:
+                hidden = self._capture.captured()
+            except CaptureError as error:
+                raise StageError(f"stage {self.stage_index}: {error}") from None
+            if hidden is None:
                 raise StageError(f"stage {self.stage_index}: decode returned {status} without a hidden state")
-            if self._capture.shape[0] != n_tokens:
-                raise StageError(f"stage {self.stage_index}: captured {self._capture.shape[0]} rows, expected {n_tokens}")
-            return self._capture
+            if hidden.shape[0] != n_tokens:
+                raise StageError(f"stage {self.stage_index}: captured {hidden.shape[0]} rows, expected {n_tokens}")
+            return hidden
         if status != 0:
             raise StageError(f"stage {self.stage_index}: llama_decode returned {status}")
         logits = np.empty((len(logit_rows), self.n_vocab), dtype=np.float32)
