@@ -126,13 +126,13 @@ class StageEngine:
                 # kept as long as the context: llama.cpp writes into its buffer
                 self._capture = NodeCapture(_ggml_base, f"l_out-{self.block_count - 1}", settings.n_batch, self.n_embd)
             except CaptureError as error:
-                llama_cpp.llama_model_free(self._model)
+                self.close()
                 raise StageError(f"{path}: {error}") from None
             context_params.cb_eval = llama_cpp.ggml_backend_sched_eval_callback(self._capture.callback)
             context_params.cb_eval_user_data = self._capture.user_data
         self._context = llama_cpp.llama_init_from_model(self._model, context_params)
         if not self._context:
-            llama_cpp.llama_model_free(self._model)
+            self.close()  # frees the model once (__del__ calls close again: it must find nothing left)
             raise StageError(f"{path}: llama.cpp could not create a context (n_ctx {settings.n_ctx})")
         self.sequences = settings.sequences
         self.n_ctx = llama_cpp.llama_n_ctx_seq(self._context)  # positions per sequence

@@ -110,8 +110,9 @@ def test_service_metrics_appear_while_requests_are_served(ray_cluster, splits):
         while True:
             text = scrape(ray_cluster.metrics_ports)
             missing = [label for label, (name, tags) in wanted.items() if value(text, name, **tags) is None]
-            if (not missing and value(text, "ray_specpipe_time_to_first_token_seconds_count") >= 3) \
-                    or time.monotonic() > deadline:
+            if (not missing and value(text, "ray_specpipe_time_to_first_token_seconds_count") >= 3
+                    and value(text, "ray_specpipe_inter_token_seconds_count") >= 3 * 11) \
+                    or time.monotonic() > deadline:  # every sample of the run reaches the endpoint by an export
                 break
             time.sleep(1)
         service.close(drain_seconds=5)
