@@ -1,0 +1,132 @@
+"""Where a plain pipeline's per-token time goes, side by side in one run.
+
+Greedy decoding of the same tokens, one token per pass, in three ways:
+
+    whole        the unsplit model in one stage engine, in this process
+    in process   the stage engines one after another in this process (no Ray, no sockets)
+    pipeline     the stage actors and the socket chain (orchestrator.pipeline)
+
+For the pipeline each pass is cut into the stages' own compute (as each
+stage times its decode), the transport of all hops (wall time of the pass
+minus that compute), and the coordinator's own work between a result and
+the next pass (argmax, bookkeeping). The modes take turns repetition by
+repetition, so a slow spell of this VM falls on all of them; medians per
+pass, and the range of the repetitions' medians.
+
+    python -m benchmarks.where_time_goes [--tokens 64] [--repetitions 3]
+
+The default model (SmolLM2-135M split in two), one thread per stage.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+
+import click
+import numpy as np
+
+PROMPT = "Explain in three sentences why the sky is blue."
+
+
+def _prefill(decode_chunk, prompt: np.ndarray) -> int:
+    return int(np.argmax(decode_chunk(np.arange(len(prompt), dtype=np.int32), prompt)[-1]))
+
+
+def _time_whole(engine, prompt: np.ndarray, count: int, figures) -> list[int]:
+    engine.remove(0)
+    token = _prefill(lambda positions, tokens: engine.decode(positions, tokens=tokens), prompt)
+    produced = [token]
+    for index in range(count - 1):
+        started = time.perf_counter()
+        logits = engine.decode(np.array([len(prompt) + index], np.int32), tokens=np.array([token], np.int32))
+        figures["whole: pass"].append(time.perf_counter() - started)
+        token = int(np.argmax(logits[-1]))
+        produced.append(token)
+    return produced
+
+
+def _time_in_process(engines, prompt: np.ndarray, count: int, figures) -> list[int]:
+    for engine in engines:
+        engine.remove(0)
+
+    def through(positions, tokens, timing: bool = False):
+        hidden = None
+        for index, engine in enumerate(engines):
+            started = time.perf_counter()
+            hidden = (engine.decode(positions, tokens=tokens) if engine.is_first
+                      else engine.decode(positions, hidden=hidden))
+            if timing:
+                figures[f"in process: stage {index}"].append(time.perf_counter() - started)
+        return hidden
+
+    token = _prefill(through, prompt)
+    produced = [token]
+    for index in range(count - 1):
+        started = time.perf_counter()
+        logits = through(np.array([len(prompt) + index], np.int32), np.array([token], np.int32), timing=True)
+        figures["in process: pass"].append(time.perf_counter() - started)
+        token = int(np.argmax(logits[-1]))
+        produced.append(token)
+    return produced
+
+
+def _time_pipeline(pipeline, prompt: np.ndarray, count: int, figures) -> list[int]:
+    reply = pipeline.forward(np.arange(len(prompt), dtype=np.int32), prompt, 0)
+    token = int(np.argmax(reply.logits[-1]))
+    produced = [token]
+    received = time.perf_counter()
+    for index in range(count - 1):
+        position = len(prompt) + index
+        sent = time.perf_counter()
+        figures["pipeline: coordinator"].append(sent - received)
+        reply = pipeline.forward(np.array([position], np.int32), np.array([token], np.int32), position)
+        received = time.perf_counter()
+        wall = received - sent
+        figures["pipeline: pass"].append(wall)
+        for stage_index, seconds in enumerate(reply.stage_seconds):
+            figures[f"pipeline: stage {stage_index} compute"].append(seconds)
+        figures["pipeline: transport, all hops"].append(wall - sum(reply.stage_seconds))
+        token = int(np.argmax(reply.logits[-1]))
+        produced.append(token)
+    return produced
+
+
+@click.command()
+@click.option("--tokens", default=64, show_default=True, type=click.IntRange(2))
+@click.option("--repetitions", default=3, show_default=True, type=click.IntRange(1))
+def main(tokens: int, repetitions: int) -> None:
+    from orchestrator.cluster import ray_session
+    from orchestrator.defaults import default_model_path, default_stage_paths
+    from orchestrator.pipeline import Pipeline
+    from orchestrator.tokenizer import Tokenizer
+    from stages.engine import StageEngine
+    from stages.settings import StageSettings
+
+    paths, settings = default_stage_paths(), StageSettings(n_ctx=512)
+    prompt = np.asarray(Tokenizer(paths[0]).chat_prompt(PROMPT), np.int32)
+    whole = StageEngine(str(default_model_path()), settings)
+    engines = [StageEngine(path, settings) for path in paths]
+    medians: dict[str, list[float]] = defaultdict(list)
+    with ray_session(None), Pipeline(paths, settings) as pipeline:
+        for _ in range(repetitions):
+            figures: dict[str, list[float]] = defaultdict(list)
+            outputs = [_time_whole(whole, prompt, tokens, figures), _time_in_process(engines, prompt, tokens, figures),
+                       _time_pipeline(pipeline, prompt, tokens, figures)]
+            if not outputs[0] == outputs[1] == outputs[2]:
+                raise SystemExit("the three modes produced different tokens")
+            for name, values in figures.items():
+                medians[name].append(statistics.median(values))
+    print(f"| per pass ({tokens - 1} one-token passes x {repetitions} repetitions) | ms, median (range) |")
+    print("| --- | ---: |")
+    for name, values in medians.items():
+        print(f"| {name} | {statistics.median(values) * 1e3:.2f} ({min(values) * 1e3:.2f}-{max(values) * 1e3:.2f}) |")
+    whole_pass = statistics.median(medians["whole: pass"])
+    print(f"\npipeline / whole (tokens/s): {whole_pass / statistics.median(medians['pipeline: pass']):.3f}; "
+          f"in process / whole: {whole_pass / statistics.median(medians['in process: pass']):.3f}; "
+          "every mode's tokens identical")
+
+
+if __name__ == "__main__":
+    main()
