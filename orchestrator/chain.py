@@ -17,7 +17,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-
 from orchestrator import wire
 from orchestrator.handshake import RESULT_ROLE, HandshakeError, accept_peer, boundary_role, connect_peer, upstream_role
 from orchestrator.defaults import (
@@ -186,22 +185,22 @@ class SocketChain:
         for stage_index in range(len(self._boundaries)):
             while self._boundary_seen[stage_index] < entry.pass_id:
                 self.await_boundary(stage_index)
-        last = f"the last stage (stage {self.stage_count - 1})"
         try:
             reply = self._receive_within_deadline(self._from_last, f"result of pass {entry.pass_id}")
         except wire.ProtocolError as error:
-            raise PipelineError(f"{last} sent a bad frame: {error}") from None
+            raise PipelineError(f"{self._last_stage} sent a bad frame: {error}") from None
         if isinstance(reply, StageFailure):
             self._in_flight.popleft()
             self.ledger.settle(entry.record, decoded=False)
             raise PipelineError(f"stage {reply.stage_index} failed: {reply.message}")
         if not isinstance(reply, PassResult) or reply.pass_id != entry.pass_id:
-            raise PipelineError(f"{last} sent {type(reply).__name__} {getattr(reply, 'pass_id', '')} "
+            raise PipelineError(f"{self._last_stage} sent {type(reply).__name__} {getattr(reply, 'pass_id', '')} "
                                 f"in reply to pass {entry.pass_id}")
         expected = (len(entry.record.logit_rows), self.n_vocab)
         if reply.logits.shape != expected or len(reply.stage_seconds) != self.stage_count:
-            raise PipelineError(f"{last} sent logits of shape {reply.logits.shape} and {len(reply.stage_seconds)} "
-                                f"stage times for pass {entry.pass_id}; expected {expected} and {self.stage_count}")
+            raise PipelineError(f"{self._last_stage} sent logits of shape {reply.logits.shape} and "
+                                f"{len(reply.stage_seconds)} stage times for pass {entry.pass_id}; "
+                                f"expected {expected} and {self.stage_count}")
         self._in_flight.popleft()
         self.ledger.settle(entry.record, decoded=True)
         if entry.record.is_release:
@@ -211,6 +210,11 @@ class SocketChain:
             self.transport_seconds += time.perf_counter() - entry.started - sum(reply.stage_seconds)
             self.passes_alone += 1
         return reply
+
+    @property
+    def _last_stage(self) -> str:
+        """The last stage, as an error names it."""
+        return f"the last stage (stage {self.stage_count - 1})"
 
     @property
     def in_flight(self) -> int:

@@ -35,6 +35,7 @@ from orchestrator.messages import PassResult
 from orchestrator.replay import KvLedger, PassRecord
 from orchestrator.schedule import TargetPass
 from orchestrator.stage_server import StageDescription, StageServer
+from orchestrator.tls import new_chain_certificate
 from stages.settings import StageSettings
 from stages.stage_files import NOT_FOUND, NodeStageFile, check_stage_files_on_nodes, read_stage_file
 
@@ -184,12 +185,7 @@ class Pipeline:
         # The data plane's secret: it reaches the actors only through Ray's
         # authenticated calls, and every chain connection proves it holds it.
         self.secret = new_secret()
-        if tls:
-            from orchestrator.tls import new_chain_certificate
-
-            self.certificate = new_chain_certificate()
-        else:
-            self.certificate = None
+        self.certificate = new_chain_certificate() if tls else None  # --tls: every connection in TLS with it
         self.reservation = Reservation(len(stage_paths), place)
         try:
             found = self._read_stage_files(range(len(self.stage_paths)))
