@@ -156,7 +156,8 @@ def _in_process(stage_paths: list[str], prompts: list[str], concurrencies: tuple
 
     tokenizer = Tokenizer(stage_paths[0])
     runs: dict[int, list[LoadResult]] = {level: [] for level in concurrencies}
-    with ray_session(None), Pipeline(stage_paths, StageSettings(n_ctx=CONTEXT, sequences=max(concurrencies))) as pipeline:
+    with ray_session(None), Pipeline(stage_paths, StageSettings(n_ctx=CONTEXT, sequences=max(concurrencies)),
+                                         overlapping=True) as pipeline:
         for _ in range(repetitions):
             for level in concurrencies:
                 service = Service(pipeline, tokenizer.is_end,

@@ -184,6 +184,8 @@ def run_scenario(
                 if mode.startswith("spec-"):
                     _, schedule, kind = mode.split("-", 2)
                     drafting = Drafting(drafters[kind], Schedule(schedule), DRAFT_MAX)
+                # stages sharing this machine: one core while one pass runs at a time, else a core each
+                pipeline.pin_stages(overlapping=mode.startswith("spec-async"))
                 clients = drafters.get(mode.split("-", 2)[-1], [])
                 busy_before = sum(client.busy_seconds for client in clients)
                 result = generate(pipeline, prompt, max_tokens, SamplingSettings(), tokenizer.is_end, drafting=drafting)

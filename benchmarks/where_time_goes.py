@@ -4,7 +4,10 @@ Greedy decoding of the same tokens, one token per pass, in three ways:
 
     whole        the unsplit model in one stage engine, in this process
     in process   the stage engines one after another in this process (no Ray, no sockets)
-    pipeline     the stage actors and the socket chain (orchestrator.pipeline)
+    pipeline     the stage actors and the socket chain (orchestrator.pipeline),
+                 twice: with the stage processes pinned as a run pins them
+                 (orchestrator.stage_cpus: both on one core, one pass at a
+                 time) and unpinned (the kernel picks their cores)
 
 For the pipeline each pass is cut into the stages' own compute (as each
 stage times its decode), the transport of all hops (wall time of the pass
@@ -72,7 +75,7 @@ def _time_in_process(engines, prompt: np.ndarray, count: int, figures) -> list[i
     return produced
 
 
-def _time_pipeline(pipeline, prompt: np.ndarray, count: int, figures) -> list[int]:
+def _time_pipeline(pipeline, prompt: np.ndarray, count: int, figures, label: str) -> list[int]:
     reply = pipeline.forward(np.arange(len(prompt), dtype=np.int32), prompt, 0)
     token = int(np.argmax(reply.logits[-1]))
     produced = [token]
@@ -80,14 +83,14 @@ def _time_pipeline(pipeline, prompt: np.ndarray, count: int, figures) -> list[in
     for index in range(count - 1):
         position = len(prompt) + index
         sent = time.perf_counter()
-        figures["pipeline: coordinator"].append(sent - received)
+        figures[f"{label}: coordinator"].append(sent - received)
         reply = pipeline.forward(np.array([position], np.int32), np.array([token], np.int32), position)
         received = time.perf_counter()
         wall = received - sent
-        figures["pipeline: pass"].append(wall)
+        figures[f"{label}: pass"].append(wall)
         for stage_index, seconds in enumerate(reply.stage_seconds):
-            figures[f"pipeline: stage {stage_index} compute"].append(seconds)
-        figures["pipeline: transport, all hops"].append(wall - sum(reply.stage_seconds))
+            figures[f"{label}: stage {stage_index} compute"].append(seconds)
+        figures[f"{label}: transport, all hops"].append(wall - sum(reply.stage_seconds))
         token = int(np.argmax(reply.logits[-1]))
         produced.append(token)
     return produced
@@ -112,10 +115,13 @@ def main(tokens: int, repetitions: int) -> None:
     with ray_session(None), Pipeline(paths, settings) as pipeline:
         for _ in range(repetitions):
             figures: dict[str, list[float]] = defaultdict(list)
-            outputs = [_time_whole(whole, prompt, tokens, figures), _time_in_process(engines, prompt, tokens, figures),
-                       _time_pipeline(pipeline, prompt, tokens, figures)]
-            if not outputs[0] == outputs[1] == outputs[2]:
-                raise SystemExit("the three modes produced different tokens")
+            outputs = [_time_whole(whole, prompt, tokens, figures), _time_in_process(engines, prompt, tokens, figures)]
+            pipeline.set_stage_cpus([None] * len(paths))
+            outputs.append(_time_pipeline(pipeline, prompt, tokens, figures, "pipeline, unpinned"))
+            pipeline.pin_stages(overlapping=False)
+            outputs.append(_time_pipeline(pipeline, prompt, tokens, figures, "pipeline, pinned"))
+            if any(output != outputs[0] for output in outputs):
+                raise SystemExit("the modes produced different tokens")
             for name, values in figures.items():
                 medians[name].append(statistics.median(values))
     print(f"| per pass ({tokens - 1} one-token passes x {repetitions} repetitions) | ms, median (range) |")
@@ -123,9 +129,9 @@ def main(tokens: int, repetitions: int) -> None:
     for name, values in medians.items():
         print(f"| {name} | {statistics.median(values) * 1e3:.2f} ({min(values) * 1e3:.2f}-{max(values) * 1e3:.2f}) |")
     whole_pass = statistics.median(medians["whole: pass"])
-    print(f"\npipeline / whole (tokens/s): {whole_pass / statistics.median(medians['pipeline: pass']):.3f}; "
-          f"in process / whole: {whole_pass / statistics.median(medians['in process: pass']):.3f}; "
-          "every mode's tokens identical")
+    ratios = "; ".join(f"{mode} / whole: {whole_pass / statistics.median(medians[f'{mode}: pass']):.3f}"
+                       for mode in ("in process", "pipeline, unpinned", "pipeline, pinned"))
+    print(f"\ntokens/s {ratios}; every mode's tokens identical")
 
 
 if __name__ == "__main__":

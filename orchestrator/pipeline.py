@@ -34,6 +34,7 @@ from orchestrator.handshake import new_secret
 from orchestrator.messages import PassResult
 from orchestrator.replay import KvLedger, PassRecord
 from orchestrator.schedule import TargetPass
+from orchestrator.stage_cpus import CpuSet, stage_cpu_sets
 from orchestrator.stage_server import StageDescription, StageServer
 from orchestrator.tls import new_chain_certificate
 from stages.settings import StageSettings
@@ -120,6 +121,9 @@ def _stage_actor_class():
         def connect_downstream(self, host: str, port: int) -> None:
             self.server.connect_downstream(host, port)
 
+        def pin(self, cpus) -> None:
+            self.server.pin(cpus)
+
         def connect_notify(self, host: str, port: int) -> None:
             self.server.connect_notify(host, port)
 
@@ -160,6 +164,7 @@ class Pipeline:
         max_restarts: int = MAX_RESTARTS,
         on_restart: Callable[[StageRestart], None] | None = None,
         tls: bool = False,
+        overlapping: bool = False,
     ):
         """notify_boundaries: non-last stages report each pass leaving them
         (await_boundary); asynchronous speculation needs it.
@@ -168,7 +173,10 @@ class Pipeline:
         max_restarts: how often each stage may be restarted after it died;
         on_restart: told of each restart (the metrics).
         tls: every chain and drafter connection in TLS, with a certificate made
-        for this pipeline (orchestrator.tls), handed to the actors through Ray."""
+        for this pipeline (orchestrator.tls), handed to the actors through Ray.
+        overlapping: several stages compute at once (asynchronous speculation,
+        a service); it decides how stages sharing a machine are pinned to its
+        CPUs (orchestrator.stage_cpus; pin_stages changes it)."""
         import ray
 
         self.stage_paths = list(stage_paths)
@@ -179,6 +187,7 @@ class Pipeline:
         self.max_restarts = max_restarts
         self.on_restart = on_restart
         self.restarts: list[StageRestart] = []
+        self.stage_cpus: list[CpuSet | None] = []  # each stage process's CPUs; None: any
         self.actors: list = []
         self.chain: SocketChain | None = None
         self.ledger = KvLedger()  # what every stage caches, for a replay after a loss
@@ -195,6 +204,7 @@ class Pipeline:
             self.stages = self._start_stages()
             self.n_vocab = self.stages[-1].n_vocab
             self.chain = self._wire()
+            self.pin_stages(overlapping)
             if pass_deadline_minimum is not None:
                 self.chain.deadline_minimum = pass_deadline_minimum
         except BaseException:
@@ -278,6 +288,27 @@ class Pipeline:
             chain.close()
             raise
         return chain
+
+    def pin_stages(self, overlapping: bool) -> None:
+        """Pin the stage processes for a schedule whose passes overlap or not
+        (orchestrator.stage_cpus.stage_cpu_sets); a no-op when nothing changes."""
+        # a stage's host is its machine's address (loopback: the driver's machine)
+        machine_cpus = {stage.host: stage.cpus for stage in reversed(self.stages)}
+        self.set_stage_cpus(stage_cpu_sets([stage.host for stage in self.stages], machine_cpus,
+                                           self.settings.threads, overlapping))
+
+    def set_stage_cpus(self, cpu_sets: list[CpuSet | None]) -> None:
+        """Pin each stage's process to its CPUs (None: any of its node's)."""
+        import ray
+
+        if cpu_sets == self.stage_cpus:
+            return
+        try:
+            ray.get([actor.pin.remote(cpus) for actor, cpus in zip(self.actors, cpu_sets)],
+                    timeout=STAGE_ANSWER_SECONDS)
+        except ray.exceptions.RayError as error:
+            raise PipelineError(f"the stages could not be pinned to their CPUs: {one_line(error)}") from None
+        self.stage_cpus = list(cpu_sets)
 
     def actor_options(self, index: int, *, num_cpus: float) -> dict:
         """Ray options that put an actor on stage ``index``'s node (drafters use them too)."""
@@ -413,6 +444,8 @@ class Pipeline:
         self.actors[index] = self._start_stage(index)
         try:
             self.stages[index] = ray.get(self.actors[index].describe.remote(), timeout=ACTOR_START_SECONDS)
+            if self.stage_cpus:
+                ray.get(self.actors[index].pin.remote(self.stage_cpus[index]), timeout=STAGE_ANSWER_SECONDS)
         except ray.exceptions.GetTimeoutError:
             raise PipelineError(f"stage {index} did not restart within {ACTOR_START_SECONDS:.0f} s") from None
         except ray.exceptions.RayError as error:

@@ -112,7 +112,7 @@ class Coordinator:
 
         restart_metrics = RestartMetrics()
         self.pipeline = Pipeline(settings.stage_paths, settings.stage, wire_dtype=settings.wire_dtype,
-                                 place=settings.place, max_restarts=settings.max_restarts, tls=settings.tls,
+                                 place=settings.place, max_restarts=settings.max_restarts, tls=settings.tls, overlapping=True,
                                  on_restart=lambda restart: restart_metrics.record("stage", restart.stage_index))
         try:
             check_same_model(vocabulary_file(settings.stage_paths), self.pipeline.stage_files)

@@ -252,7 +252,7 @@ def run_generation(
         with Pipeline(
             settings.stage_paths, settings.stage, wire_dtype=settings.wire_dtype, place=settings.place,
             notify_boundaries=asynchronous, max_restarts=settings.max_restarts, on_restart=stage_restarted,
-            tls=settings.tls,
+            tls=settings.tls, overlapping=asynchronous,
         ) as pipeline:
             check_same_model(vocabulary_path, pipeline.stage_files)
             drafters: list[DrafterClient] = []

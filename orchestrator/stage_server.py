@@ -40,6 +40,7 @@ class StageDescription:
     first_block, end_block: the stage's blocks [first_block, end_block) of the whole model.
     host, port: its listening socket for the upstream peer.
     process_id: the stage's process on its node (to name it, or to stop it in tests).
+    cpus: the CPUs its process could run on when it started (orchestrator.stage_cpus pins it to some).
     """
 
     stage_index: int
@@ -51,6 +52,7 @@ class StageDescription:
     port: int
     n_vocab: int
     process_id: int = 0
+    cpus: tuple[int, ...] = ()
 
 
 class StageServer:
@@ -86,7 +88,19 @@ class StageServer:
             port=self.listener.getsockname()[1],
             n_vocab=self.engine.n_vocab,
             process_id=os.getpid(),
+            cpus=tuple(sorted(os.sched_getaffinity(0))),
         )
+
+    def pin(self, cpus: tuple[int, ...] | None) -> None:
+        """Run every thread of this process (llama.cpp's, the serving thread,
+        the runtime's) on ``cpus``; None: on every CPU it started with.
+        Threads made later inherit their creator's set."""
+        wanted = set(self.description.cpus if cpus is None else cpus)
+        for thread in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setaffinity(int(thread), wanted)
+            except (ProcessLookupError, FileNotFoundError):  # a thread that just ended
+                pass
 
     def connect_notify(self, host: str, port: int) -> None:
         """Tell the coordinator each time a pass leaves this stage (speculation uses the moment)."""
