@@ -17,6 +17,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
+
 from orchestrator import wire
 from orchestrator.handshake import RESULT_ROLE, HandshakeError, accept_peer, boundary_role, connect_peer, upstream_role
 from orchestrator.defaults import (
@@ -58,6 +60,29 @@ class _InFlight:
     record: PassRecord
     started: float
     overlapped: bool
+
+
+def result_problem(record: PassRecord, reply: PassResult, n_vocab: int, stage_count: int) -> str:
+    """What is wrong with a last stage's result for ``record``, or "": the
+    logits' shape, or the chosen tokens (1 to rows ids in the vocabulary,
+    beginning with the drafts they accept), and one time per stage."""
+    if len(reply.stage_seconds) != stage_count:
+        return f"{len(reply.stage_seconds)} stage times (expected {stage_count})"
+    rows = len(record.logit_rows)
+    if record.choice is None:
+        expected = (rows, n_vocab)
+        if reply.logits is None or reply.logits.shape != expected:
+            shape = "tokens" if reply.logits is None else f"logits of shape {reply.logits.shape}"
+            return f"{shape} (expected logits of shape {expected})"
+        return ""
+    tokens = reply.tokens
+    if tokens is None:
+        return "logits (expected the tokens it chose)"
+    if not 1 <= len(tokens) <= rows or tokens.min() < 0 or tokens.max() >= n_vocab:
+        return f"{len(tokens)} tokens {tokens[:4].tolist()} (expected 1 to {rows} ids below {n_vocab})"
+    if not np.array_equal(tokens[:-1], record.choice.drafts[:len(tokens) - 1]):
+        return "tokens that do not begin with the accepted drafts"
+    return ""
 
 
 class SocketChain:
@@ -120,14 +145,15 @@ class SocketChain:
     def send(self, record: PassRecord) -> int:
         """Start a pass (replay.PassRecord: one KV sequence's tokens at their
         positions, after each stage drops the sequence's cache from keep on;
-        the last stage returns the logits of its logit rows), or a release (no
+        the last stage returns the logits of its logit rows, or the tokens it
+        chose from them when the record has a choice), or a release (no
         positions: every stage drops the sequence, in order with the passes
         around it; no result is handed out for it). Returns its id; results
         come back in order. If the chain is broken the pass stays in flight
         (``unanswered``) and PassLate is raised."""
         self._pass_id += 1
         batch = StageBatch(self._pass_id, record.keep, record.positions, record.logit_rows, tokens=record.tokens,
-                           sequence=record.sequence)
+                           sequence=record.sequence, choice=record.choice)
         overlapping = bool(self._in_flight)
         for entry in self._in_flight:
             entry.overlapped = True
@@ -174,7 +200,7 @@ class SocketChain:
         return notice.pass_id
 
     def receive(self) -> PassResult:
-        """The logits of the oldest pass in flight (releases before it are passed over)."""
+        """The result of the oldest pass in flight (releases before it are passed over)."""
         while True:
             reply = self._receive_oldest()
             if reply is not None:
@@ -196,11 +222,9 @@ class SocketChain:
         if not isinstance(reply, PassResult) or reply.pass_id != entry.pass_id:
             raise PipelineError(f"{self._last_stage} sent {type(reply).__name__} {getattr(reply, 'pass_id', '')} "
                                 f"in reply to pass {entry.pass_id}")
-        expected = (len(entry.record.logit_rows), self.n_vocab)
-        if reply.logits.shape != expected or len(reply.stage_seconds) != self.stage_count:
-            raise PipelineError(f"{self._last_stage} sent logits of shape {reply.logits.shape} and "
-                                f"{len(reply.stage_seconds)} stage times for pass {entry.pass_id}; "
-                                f"expected {expected} and {self.stage_count}")
+        problem = result_problem(entry.record, reply, self.n_vocab, self.stage_count)
+        if problem:
+            raise PipelineError(f"{self._last_stage} sent {problem} for pass {entry.pass_id}")
         self._in_flight.popleft()
         self.ledger.settle(entry.record, decoded=True)
         if entry.record.is_release:

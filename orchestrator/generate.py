@@ -4,9 +4,10 @@ generation (tokens, times, callbacks).
 
 Each window feeds [last committed token, draft_1, ..., draft_k] at positions
 len(committed) - 1 onward; every stage first drops cached positions from there
-on (rolling back whatever the previous pass speculated). The logits are
-verified (speculators.verify) and the accepted drafts plus the target's own
-token are committed. Plain decoding is the case k = 0. Several sequences may
+on (rolling back whatever the previous pass speculated). The window's logit
+rows are verified (speculators.verify; a pipeline does it beside its last
+stage, so only token ids come back) and the accepted drafts plus the
+target's own token are committed. Plain decoding is the case k = 0. Several sequences may
 be decoded at once (``generate_many``), their windows sharing passes; one
 generation is the case of one.
 """
@@ -18,10 +19,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 
-from orchestrator.interfaces import Drafter, Target
+from orchestrator.interfaces import Drafter, Target, committed_tokens
 from orchestrator.schedule import Schedule, Scheduler, SequenceState, SpeculationStats, relay
 from speculators.sampling import SamplingSettings
-from speculators.verify import verify
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ class _Decoding:
             index, list(request.prompt_tokens), len(request.prompt_tokens), request.max_tokens,
             drafting.schedule if drafting is not None else Schedule.PLAIN,
             drafting.draft_max if drafting is not None else 1,
-            prompt_from=0, prompt_chunk=prompt_chunk,
+            prompt_from=0, prompt_chunk=prompt_chunk, sampling=request.sampling,
         )
         self.result.speculation = self.state.stats
 
@@ -153,8 +153,7 @@ def generate_many(target: Target, requests: list[Request], is_end: Callable[[int
             if not state.gives_token(window):  # an earlier chunk of the prompt: it only filled the cache
                 state.verified(window, [], is_end)
                 continue
-            logits = reply.logits[rows]
-            new_tokens = verify(window.drafts, logits, window.first + window.logit_rows[0] + 1, decoding.request.sampling)
+            new_tokens = committed_tokens(reply, window, rows, decoding.request.sampling)
             decoding.committed(state.verified(window, new_tokens, is_end))
             decoding.result.passes = state.passes
             if not window.prompt and decoding.request.on_pass is not None:

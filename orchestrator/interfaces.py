@@ -14,7 +14,9 @@ from typing import Protocol
 import numpy as np
 
 from orchestrator.messages import PassResult
-from orchestrator.schedule import TargetPass
+from orchestrator.schedule import TargetPass, Window
+from speculators.sampling import SamplingSettings
+from speculators.verify import verify
 
 
 class Target(Protocol):
@@ -27,13 +29,24 @@ class Target(Protocol):
         A pass may be submitted while others are in flight."""
 
     def receive(self) -> PassResult:
-        """The oldest pass's logits: float32[rows, n_vocab], the windows' logit rows in order."""
+        """The oldest pass's result: the tokens its window commits, chosen
+        beside the target's last stage (a window with ``sampling``), or its
+        logits float32[rows, n_vocab], the windows' logit rows in order
+        (committed_tokens verifies those here)."""
 
     def await_boundary(self, stage_index: int) -> int:
         """Block until the next pass has left stage ``stage_index``; its pass id."""
 
     def release(self, sequence: int) -> None:
         """Free a KV sequence in every stage, after the passes submitted before."""
+
+
+def committed_tokens(reply: PassResult, window: Window, rows: slice, sampling: SamplingSettings) -> list[int]:
+    """What a verified window commits: the tokens the target chose, or, from
+    a target that returns logits (the stand-ins), those its rows verify to."""
+    if reply.tokens is not None:
+        return reply.tokens.tolist()
+    return verify(window.drafts, reply.logits[rows], window.first + window.logit_rows[0] + 1, sampling)
 
 
 class Drafter(Protocol):

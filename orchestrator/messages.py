@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from speculators.sampling import SamplingSettings
 from stages.errors import SpecpipeError
 
 WireHeader = dict[str, Any]
@@ -58,10 +59,10 @@ def _integer(header: WireHeader, name: str, low: int = 0) -> int:
     return value
 
 
-def _number(header: WireHeader, name: str) -> float:
+def _number(header: WireHeader, name: str, what: str = "seconds") -> float:
     value = header.get(name)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) or value < 0:
-        raise ProtocolError(f"{name}: expected seconds (a finite number >= 0), got {value!r:.40}")
+        raise ProtocolError(f"{name}: expected {what} (a finite number >= 0), got {value!r:.40}")
     return float(value)
 
 
@@ -96,6 +97,42 @@ def _array(array: np.ndarray | None, name: str, rank: int, dtypes: tuple[str, ..
 
 
 @dataclass(frozen=True)
+class TokenChoice:
+    """How the last stage turns a pass's logit rows into tokens
+    (speculators.verify), so that only token ids travel back.
+
+    drafts: int32[rows - 1], the draft tokens the rows after the first verify.
+    first_position: the absolute position the first logit row predicts.
+    sampling: greedy, or the seeded draw (the same function the coordinator
+    would apply to the same float32 rows: the tokens are the same).
+
+    On the wire: a small map in the batch's header.
+    """
+
+    drafts: np.ndarray
+    first_position: int
+    sampling: SamplingSettings
+
+    def to_wire(self) -> WireHeader:
+        return {"drafts": _int32_bytes(self.drafts), "first": self.first_position,
+                "temperature": self.sampling.temperature, "top_p": self.sampling.top_p, "seed": self.sampling.seed}
+
+    @classmethod
+    def from_wire(cls, header: WireHeader) -> TokenChoice:
+        if not isinstance(header, dict):
+            raise ProtocolError(f"choice: expected a map, got {type(header).__name__}")
+        temperature, top_p = _number(header, "temperature", "a temperature"), _number(header, "top_p", "a share")
+        if not 0.0 < top_p <= 1.0:
+            raise ProtocolError(f"top_p: expected a number in (0, 1], got {top_p!r:.40}")
+        seed = _integer(header, "seed")
+        if seed >= 2**64:
+            raise ProtocolError("seed: more than 64 bits")
+        return cls(drafts=_int32_array(header, "drafts"),  # type: ignore[arg-type]
+                   first_position=_integer(header, "first"),
+                   sampling=SamplingSettings(temperature=temperature, top_p=top_p, seed=seed))
+
+
+@dataclass(frozen=True)
 class StageBatch:
     """One decode pass down the pipeline.
 
@@ -109,8 +146,10 @@ class StageBatch:
     hidden: float32[n_tokens, n_embd] (or float16 on a lossy wire); set from stage 1 on.
     logit_rows: int32[n_rows], batch rows whose logits the last stage returns.
     stage_seconds: busy seconds of each stage already passed, in stage order.
+    choice: set, the last stage chooses the tokens (TokenChoice) and returns
+    them instead of the logit rows.
 
-    On the wire: positions, logit_rows and tokens in the header; hidden raw, dtype kept.
+    On the wire: positions, logit_rows, tokens and choice in the header; hidden raw, dtype kept.
     """
 
     KIND: ClassVar[str] = "batch"
@@ -123,9 +162,11 @@ class StageBatch:
     hidden: np.ndarray | None = None
     stage_seconds: tuple[float, ...] = ()
     sequence: int = 0
+    choice: TokenChoice | None = None
 
     def to_wire(self) -> tuple[WireHeader, np.ndarray | None]:
         header = {
+            "choice": None if self.choice is None else self.choice.to_wire(),
             "pass": self.pass_id,
             "sequence": self.sequence,
             "keep": self.keep,
@@ -153,6 +194,9 @@ class StageBatch:
             raise ProtocolError(f"rows: outside the batch's {count} rows")
         if count and (positions.min() < 0):  # type: ignore[union-attr]
             raise ProtocolError("positions: negative")
+        choice = None if header.get("choice") is None else TokenChoice.from_wire(header["choice"])
+        if choice is not None and len(choice.drafts) + 1 != len(rows):  # type: ignore[arg-type]
+            raise ProtocolError(f"choice: {len(choice.drafts)} drafts for {len(rows)} logit rows (need rows - 1)")
         return cls(
             pass_id=_integer(header, "pass"),
             sequence=_integer(header, "sequence"),
@@ -162,32 +206,42 @@ class StageBatch:
             tokens=tokens,
             hidden=hidden,
             stage_seconds=_seconds(header, "seconds"),
+            choice=choice,
         )
 
 
 @dataclass(frozen=True)
 class PassResult:
-    """Logits of one pass, from the last stage to the coordinator.
+    """What one pass gives, from the last stage to the coordinator: its logit
+    rows, or (for a batch with a choice) the tokens chosen from them.
 
-    logits: float32[n_rows, n_vocab], one row per requested logit row.
+    logits: float32[n_rows, n_vocab], one row per requested logit row; None when chosen.
+    tokens: int32[k], what the pass commits (speculators.verify: the accepted
+    drafts, then the target's own token); None when the logits came back.
     stage_seconds: busy seconds of every stage for this pass.
 
-    On the wire: logits raw.
+    On the wire: logits raw, or the tokens in the header.
     """
 
     KIND: ClassVar[str] = "result"
 
     pass_id: int
-    logits: np.ndarray
+    logits: np.ndarray | None
     stage_seconds: tuple[float, ...]
+    tokens: np.ndarray | None = None
 
     def to_wire(self) -> tuple[WireHeader, np.ndarray | None]:
-        return {"pass": self.pass_id, "seconds": list(self.stage_seconds)}, self.logits
+        return {"pass": self.pass_id, "seconds": list(self.stage_seconds),
+                "tokens": _int32_bytes(self.tokens)}, self.logits
 
     @classmethod
     def from_wire(cls, header: WireHeader, array: np.ndarray | None) -> PassResult:
-        logits = _array(array, "logits", 2, ("<f4",))
-        return cls(pass_id=_integer(header, "pass"), logits=logits, stage_seconds=_seconds(header, "seconds"))
+        logits = _array(array, "logits", 2, ("<f4",), optional=True)
+        tokens = _int32_array(header, "tokens", optional=True)
+        if (logits is None) == (tokens is None):
+            raise ProtocolError("a result carries exactly one of logits and tokens")
+        return cls(pass_id=_integer(header, "pass"), logits=logits, stage_seconds=_seconds(header, "seconds"),
+                   tokens=tokens)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from orchestrator.chain import PassLate, PipelineError, SocketChain
 from orchestrator.cluster import Reservation, one_line, peak_rss_mb
 from orchestrator.defaults import ACTOR_START_SECONDS, MAX_RESTARTS, STAGE_ANSWER_SECONDS
 from orchestrator.handshake import new_secret
-from orchestrator.messages import PassResult
+from orchestrator.messages import PassResult, TokenChoice
 from orchestrator.replay import KvLedger, PassRecord
 from orchestrator.schedule import TargetPass
 from orchestrator.stage_cpus import CpuSet, stage_cpu_sets
@@ -336,13 +336,17 @@ class Pipeline:
         through receive(). Passes may overlap: the stages run them in order.
         A pass carries one window: a stage decodes one sequence per llama.cpp
         call (stages.engine), and separate passes let the stages work on
-        different sequences at once (README, "Serving")."""
+        different sequences at once (README, "Serving"). A window with
+        sampling settings has its tokens chosen beside the last stage: the
+        result carries them, not logits."""
         if len(target_pass.windows) != 1:
             raise PipelineError(f"a pass of {len(target_pass.windows)} sequences; this pipeline carries one per pass")
         window = target_pass.windows[0]
         positions = np.arange(window.first, window.first + len(window.inputs), dtype=np.int32)
+        choice = None if window.sampling is None else TokenChoice(
+            np.asarray(window.drafts, np.int32), window.first + window.logit_rows[0] + 1, window.sampling)
         self._send(PassRecord(window.sequence, window.first, positions, np.asarray(window.inputs, np.int32),
-                              np.asarray(window.logit_rows, np.int32)))
+                              np.asarray(window.logit_rows, np.int32), choice))
 
     def release(self, sequence: int) -> None:
         """Free a KV sequence in every stage, in order with the passes around it."""

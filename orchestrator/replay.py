@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from orchestrator.messages import TokenChoice
+
 
 @dataclass(frozen=True)
 class PassRecord:
@@ -34,6 +36,8 @@ class PassRecord:
     cached positions >= keep; positions, tokens: int32[n]; logit_rows:
     int32[rows], the rows whose logits come back. No positions at all is a
     release: the stages drop the sequence from keep on and return no rows.
+    choice: set, the last stage returns the tokens it chooses from those rows
+    (messages.TokenChoice) instead of the rows.
     """
 
     sequence: int
@@ -41,6 +45,7 @@ class PassRecord:
     positions: np.ndarray
     tokens: np.ndarray
     logit_rows: np.ndarray
+    choice: TokenChoice | None = None
 
     @property
     def is_release(self) -> bool:

@@ -48,6 +48,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 
 from speculators.draft_length import next_draft_limit
+from speculators.sampling import SamplingSettings
 
 
 class Schedule(enum.Enum):
@@ -150,12 +151,15 @@ class Window:
     a speculated one) and then drafts; every row's logits are verified. A
     prompt window is a chunk of the prompt: only its last row's logits are
     wanted, and only the prompt's last chunk is verified (it gives the first token).
+    With ``sampling`` the target itself verifies the rows (speculators.verify,
+    beside its last stage) and returns the committed tokens instead of logits.
     """
 
     sequence: int
     first: int
     inputs: tuple[int, ...]
     prompt: bool = False
+    sampling: SamplingSettings | None = None  # set: the target chooses the tokens (the sequence's)
 
     @property
     def drafts(self) -> tuple[int, ...]:
@@ -187,6 +191,8 @@ class SequenceState:
     prompt_from: the position of the prompt's next chunk, until the last is
     submitted (None from the start for a sequence that begins after its
     prompt's pass); prompt_chunk: the most tokens of a chunk (0: no limit).
+    sampling: how its tokens are chosen, given to its windows (Window.sampling)
+    for the target to choose them; None: the target returns logits.
     """
 
     sequence: int
@@ -197,6 +203,7 @@ class SequenceState:
     draft_max: int = 1
     prompt_from: int | None = None
     prompt_chunk: int = 0
+    sampling: SamplingSettings | None = None
     speculation: list[int] = field(default_factory=list)
     in_flight: deque[Window] = field(default_factory=deque)
     discards_pending: int = 0  # windows found invalid in flight, whose results are still to come
@@ -255,11 +262,13 @@ class SequenceState:
         """The window of its next pass (it must be ``ready``)."""
         if self.prompt_from is not None:
             end = min(self.prompt_from + self.prompt_chunk, self.prompt_length) if self.prompt_chunk else None
-            window = Window(self.sequence, self.prompt_from, tuple(self.committed[self.prompt_from:end]), prompt=True)
+            window = Window(self.sequence, self.prompt_from, tuple(self.committed[self.prompt_from:end]), prompt=True,
+                            sampling=self.sampling)
             self.prompt_from = end if end is not None and end < self.prompt_length else None
         else:
             limit = min(self.draft_limit, self.room) if self.schedule.speculative else 0
-            window = Window(self.sequence, len(self.committed) - 1, (self.committed[-1], *self.speculation[:limit]))
+            window = Window(self.sequence, len(self.committed) - 1, (self.committed[-1], *self.speculation[:limit]),
+                            sampling=self.sampling)
         self.in_flight.append(window)
         return window
 
@@ -274,7 +283,7 @@ class SequenceState:
         text = self.text
         if len(text) <= first or limit < 0:
             return None
-        window = Window(self.sequence, first, tuple(text[first : first + 1 + limit]))
+        window = Window(self.sequence, first, tuple(text[first : first + 1 + limit]), sampling=self.sampling)
         self.in_flight.append(window)
         return window
 

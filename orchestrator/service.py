@@ -28,10 +28,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from orchestrator.interfaces import InstantDrafter, Target
+from orchestrator.interfaces import InstantDrafter, Target, committed_tokens
 from orchestrator.schedule import Schedule, Scheduler, SequenceState
 from speculators.sampling import SamplingSettings
-from speculators.verify import verify
 from stages.errors import SpecpipeError
 
 
@@ -229,8 +228,7 @@ class Service:
                 state.verified(window, [], self.is_end)
                 continue
             ticket = self._active[state.sequence]
-            new_tokens = verify(window.drafts, reply.logits[rows], window.first + window.logit_rows[0] + 1,
-                                ticket.request.sampling)
+            new_tokens = committed_tokens(reply, window, rows, ticket.request.sampling)
             committed = state.verified(window, new_tokens, self.is_end)
             if committed:
                 self._deliver(ticket, committed)
@@ -268,6 +266,7 @@ class Service:
         ticket.state = SequenceState(
             sequence, list(request.prompt_tokens), len(request.prompt_tokens), request.max_tokens,
             self.schedule, self.settings.draft_max, prompt_from=0, prompt_chunk=self.target.n_batch,
+            sampling=request.sampling,
         )
         if self.settings.speculator is not None:
             ticket.drafter = InstantDrafter(self.settings.speculator(sequence), self.settings.draft_max)

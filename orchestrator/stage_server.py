@@ -23,6 +23,7 @@ from orchestrator import wire
 from orchestrator.defaults import CONNECT_SECONDS
 from orchestrator.handshake import RESULT_ROLE, HandshakeError, accept_peer, boundary_role, connect_peer, upstream_role
 from orchestrator.messages import Boundary, PassResult, Shutdown, StageBatch, StageFailure
+from speculators.verify import verify
 from stages.engine import StageEngine, StageError
 from stages.settings import StageSettings
 
@@ -211,6 +212,10 @@ class StageServer:
                 hidden = None if batch.hidden is None else batch.hidden.astype(np.float32, copy=False)
                 output = engine.decode(batch.positions, tokens=batch.tokens, hidden=hidden,
                                        sequence=batch.sequence, logit_rows=batch.logit_rows)
+            if engine.is_last and batch.choice is not None:  # choose here: token ids travel back, not logits
+                choice = batch.choice
+                chosen = np.array(verify(choice.drafts.tolist(), output, choice.first_position, choice.sampling),
+                                  np.int32)
         except StageError as error:
             return StageFailure(batch.pass_id, engine.stage_index, str(error))
         except Exception as error:  # never a silent thread death: the coordinator hears why
@@ -223,6 +228,8 @@ class StageServer:
         if self.on_pass is not None:
             self.on_pass(seconds, self.kv_cells, self.kv_sequences)
         stage_seconds = batch.stage_seconds + (seconds,)
+        if engine.is_last and batch.choice is not None:
+            return PassResult(batch.pass_id, None, stage_seconds, tokens=chosen)
         if engine.is_last:
             return PassResult(batch.pass_id, output, stage_seconds)
         return StageBatch(
@@ -233,4 +240,5 @@ class StageServer:
             hidden=output.astype(self.wire_dtype, copy=False),
             stage_seconds=stage_seconds,
             sequence=batch.sequence,
+            choice=batch.choice,
         )

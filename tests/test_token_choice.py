@@ -1,0 +1,113 @@
+"""Tokens chosen beside the last stage: the records on the wire, the checks on
+a result, and a real pipeline choosing exactly what verifying its logits gives."""
+
+import numpy as np
+import pytest
+
+from orchestrator.chain import result_problem
+from orchestrator.messages import PassResult, ProtocolError, StageBatch, TokenChoice
+from orchestrator.replay import PassRecord
+from speculators.sampling import SamplingSettings
+from speculators.verify import verify
+
+SAMPLING = SamplingSettings(temperature=0.7, top_p=0.9, seed=2**63 + 5)
+
+
+def _round_trip(message):
+    header, array = message.to_wire()
+    return type(message).from_wire(header, array)
+
+
+def _batch(choice, rows=3):
+    return StageBatch(pass_id=4, keep=2, positions=np.arange(2, 5, dtype=np.int32),
+                      logit_rows=np.arange(rows, dtype=np.int32), hidden=np.ones((3, 8), np.float32), choice=choice)
+
+
+@pytest.mark.pure
+def test_a_choice_and_chosen_tokens_cross_the_wire_unchanged():
+    choice = TokenChoice(np.array([7, 9], np.int32), 3, SAMPLING)
+    back = _round_trip(_batch(choice))
+    assert back.choice.drafts.tolist() == [7, 9] and back.choice.first_position == 3
+    assert back.choice.sampling == SAMPLING
+    assert _round_trip(_batch(None)).choice is None
+    result = _round_trip(PassResult(4, None, (0.5, 0.25), tokens=np.array([7, 1], np.int32)))
+    assert result.logits is None and result.tokens.tolist() == [7, 1] and result.stage_seconds == (0.5, 0.25)
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("field, value, message", [
+    ("drafts", np.array([7], np.int32).tobytes(), "1 drafts for 3 logit rows"),
+    ("top_p", 0.0, "top_p"),
+    ("temperature", -1.0, "temperature"),
+    ("seed", 2**64, "seed"),
+    ("first", -1, "first"),
+])
+def test_a_bad_choice_is_refused_naming_its_field(field, value, message):
+    header, array = _batch(TokenChoice(np.array([7, 9], np.int32), 3, SAMPLING)).to_wire()
+    header["choice"][field] = value
+    with pytest.raises(ProtocolError, match=message):
+        StageBatch.from_wire(header, array)
+
+
+@pytest.mark.pure
+def test_a_result_carries_exactly_one_of_logits_and_tokens():
+    header, _ = PassResult(1, None, (0.0,), tokens=np.array([3], np.int32)).to_wire()
+    with pytest.raises(ProtocolError, match="exactly one"):
+        PassResult.from_wire(header, np.zeros((1, 4), np.float32))
+    header["tokens"] = None
+    with pytest.raises(ProtocolError, match="exactly one"):
+        PassResult.from_wire(header, None)
+
+
+def _record(drafts):
+    rows = len(drafts) + 1
+    return PassRecord(0, 5, np.arange(5, 5 + rows, dtype=np.int32), np.arange(rows, dtype=np.int32),
+                      np.arange(rows, dtype=np.int32), TokenChoice(np.array(drafts, np.int32), 6, SamplingSettings()))
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("tokens, problem", [
+    ([11, 12, 4], ""),  # both drafts accepted, then the target's own token
+    ([11, 4], ""),  # the second draft rejected
+    ([5], ""),
+    ([], "0 tokens"),
+    ([11, 12, 4, 4], "4 tokens"),  # more than the rows
+    ([11, 100], "ids below 100"),
+    ([12, 4], "do not begin with the accepted drafts"),
+])
+def test_chosen_tokens_are_checked_before_use(tokens, problem):
+    reply = PassResult(1, None, (0.0, 0.0), tokens=np.array(tokens, np.int32))
+    found = result_problem(_record([11, 12]), reply, n_vocab=100, stage_count=2)
+    assert (problem in found and found) if problem else found == ""
+
+
+@pytest.mark.pure
+def test_logits_where_tokens_were_asked_and_the_reverse_are_refused():
+    logits = PassResult(1, np.zeros((3, 100), np.float32), (0.0, 0.0))
+    assert "expected the tokens" in result_problem(_record([11, 12]), logits, 100, 2)
+    plain = PassRecord(0, 5, np.arange(3, dtype=np.int32), np.arange(3, dtype=np.int32), np.arange(3, dtype=np.int32))
+    assert result_problem(plain, logits, 100, 2) == ""
+    assert "expected logits" in result_problem(plain, PassResult(1, None, (0.0, 0.0), tokens=np.array([1], np.int32)),
+                                               100, 2)
+    assert "stage times" in result_problem(plain, logits, 100, 3)
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("sampling", [SamplingSettings(), SamplingSettings(temperature=0.9, top_p=0.95, seed=11)])
+def test_the_last_stage_chooses_what_verifying_its_logits_here_gives(ray_cluster, splits, sampling):
+    from orchestrator.pipeline import Pipeline
+    from orchestrator.schedule import TargetPass, Window
+    from orchestrator.tokenizer import Tokenizer
+    from stages.settings import StageSettings
+
+    tokens = Tokenizer(splits[2][0]).tokenize("The capital of France is Paris. The capital of Italy is")
+    with Pipeline(splits[2], StageSettings(n_ctx=128)) as pipeline:
+        rows = np.arange(len(tokens), dtype=np.int32)
+        logits = pipeline.forward(np.arange(len(tokens), dtype=np.int32), np.asarray(tokens, np.int32), 0, rows).logits
+        # every input after the first is a "draft": the pass verifies the sentence itself
+        expected = verify(tokens[1:], logits, 1, sampling)
+        pipeline.submit(TargetPass((Window(0, 0, tuple(tokens), sampling=sampling),)))
+        reply = pipeline.receive()
+    assert reply.logits is None  # only the ids came back
+    assert reply.tokens.tolist() == expected
+    assert 1 <= len(expected) < len(tokens)
