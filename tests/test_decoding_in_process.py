@@ -52,3 +52,38 @@ def test_seeded_sampling_is_the_same_with_and_without_speculation(chain, referen
     assert speculative.tokens == plain and speculative.speculation.accepted_tokens > 0
     greedy = generate(chain, tokens, 32, SamplingSettings(), lambda token: False).tokens
     assert plain != greedy  # the temperature really changed the draw
+
+
+LONG_PROMPT = COPY * 3 + PROMPTS[2]
+SMALL_BATCH = 16
+
+
+@pytest.fixture(scope="module")
+def small_batch_chain(splits):
+    """Two stages that take at most SMALL_BATCH tokens a pass: a long prompt is prefilled in chunks."""
+    engines = EngineChain(splits[2], StageSettings(n_ctx=1024, n_batch=SMALL_BATCH))
+    yield engines
+    engines.close()
+
+
+@pytest.mark.parametrize("schedule", [None, Schedule.SYNC, Schedule.ASYNC], ids=["plain", "sync", "async"])
+def test_a_prompt_of_several_batches_gives_the_whole_models_greedy_tokens(small_batch_chain, reference, is_end,
+                                                                          schedule):
+    tokens = reference.tokenize(LONG_PROMPT)
+    assert len(tokens) > 5 * SMALL_BATCH  # chunked prefill: six chunks or more
+    expected = reference.greedy(tokens, 24).tokens
+    drafting = None if schedule is None else Drafting(
+        [InstantDrafter(PromptLookupSpeculator(), 6) for _ in small_batch_chain.engines], schedule, 6)
+    result = generate(small_batch_chain, tokens, 24, SamplingSettings(), is_end, drafting=drafting)
+    assert result.tokens == expected
+    if schedule is not None:
+        assert result.speculation.accepted_tokens > 0  # the drafts were verified against the chunked cache
+
+
+def test_a_prompt_of_several_batches_samples_the_same_tokens_with_and_without_speculation(small_batch_chain, reference):
+    tokens = reference.tokenize(LONG_PROMPT)
+    sampling = SamplingSettings(temperature=0.8, top_p=0.95, seed=4)
+    plain = generate(small_batch_chain, tokens, 24, sampling, lambda token: False).tokens
+    drafting = Drafting([InstantDrafter(PromptLookupSpeculator(), 6) for _ in small_batch_chain.engines],
+                        Schedule.ASYNC, 6)
+    assert generate(small_batch_chain, tokens, 24, sampling, lambda token: False, drafting=drafting).tokens == plain

@@ -59,3 +59,53 @@ def test_unsplittable_layouts_are_refused():
 def test_boundary_shape_errors(starts, message):
     with pytest.raises(SplitRuleError, match=message):
         layer_rules({"general.architecture": "llama", "llama.block_count": 30}).check_boundaries(starts)
+
+
+def test_a_period_read_from_metadata_refuses_other_boundaries():
+    """An architecture with no period of its own: only the metadata says every 4th layer is full attention."""
+    metadata = {"general.architecture": "qwen3next", "qwen3next.block_count": 48, "qwen3next.full_attention_interval": 4}
+    assert layer_rules({"general.architecture": "qwen3next", "qwen3next.block_count": 48}).boundary_period == 1
+    rules = layer_rules(metadata)
+    assert rules.boundary_period == 4
+    rules.check_boundaries([0, 24])
+    with pytest.raises(SplitRuleError, match="boundary 6 cannot be exact for qwen3next: qwen3next.full_attention_interval is 4"):
+        rules.check_boundaries([0, 6])
+
+
+def test_metadata_and_fixed_periods_combine_to_their_least_common_multiple():
+    rules = layer_rules({"general.architecture": "llama4", "llama4.block_count": 48, "llama4.interleave_moe_layer_step": 3})
+    assert rules.boundary_period == 12
+    assert rules.allowed_boundaries() == [12, 24, 36]
+    with pytest.raises(SplitRuleError, match="interleave_moe_layer_step is 3"):
+        rules.check_boundaries([0, 8])
+
+
+def test_dense_first_pattern_puts_full_attention_at_the_start_of_each_period():
+    metadata = {"general.architecture": "cohere2moe", "cohere2moe.block_count": 10}
+    pattern = sliding_window_pattern(metadata)
+    assert pattern == [layer % 4 != 0 for layer in range(10)]
+    assert pattern[0] is False and pattern[4] is False and pattern[3] is True
+    # a slice from block 3 carries its part: full attention at blocks 4 and 8 -> slice layers 1 and 5
+    overrides = slice_metadata_overrides(metadata, 3, 7)
+    assert overrides["cohere2moe.attention.sliding_window_pattern"] == [i not in (1, 5) for i in range(7)]
+
+
+def test_a_pattern_stored_as_an_integer_replaces_the_architectures_period():
+    metadata = {**gemma3_metadata(12), "gemma3.attention.sliding_window_pattern": 4}
+    assert sliding_window_pattern(metadata) == [layer % 4 < 3 for layer in range(12)]
+    dense_first = {"general.architecture": "cohere2moe", "cohere2moe.block_count": 9,
+                   "cohere2moe.attention.sliding_window_pattern": 3}
+    assert sliding_window_pattern(dense_first) == [layer % 3 != 0 for layer in range(9)]
+
+
+def test_a_pattern_stored_as_an_array_is_taken_as_is():
+    flags = [True, False, False, True, True]
+    metadata = {**gemma3_metadata(5), "gemma3.attention.sliding_window_pattern": flags}
+    assert sliding_window_pattern(metadata) == flags
+
+
+def test_llama4_without_chunked_attention_is_refused():
+    metadata = {"general.architecture": "llama4", "llama4.block_count": 48, "llama4.attention.sliding_window": 0}
+    with pytest.raises(SplitRuleError, match="llama4 without chunked attention"):
+        layer_rules(metadata)
+    assert layer_rules({**metadata, "llama4.attention.sliding_window": 8192}).boundary_period == 4

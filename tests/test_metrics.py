@@ -40,7 +40,8 @@ def value(text: str, name: str, **tags) -> float | None:
     return found
 
 
-def test_custom_metrics_appear_at_the_metrics_endpoint_during_a_run(ray_cluster, splits):
+def test_custom_metrics_of_a_run_reach_the_metrics_endpoint_while_the_pipeline_is_up(ray_cluster, splits):
+    """Scraped after the run, the pipeline and drafters still up (exports come every second)."""
     tokenizer = Tokenizer(splits[2][0])
     prompt = tokenizer.chat_prompt("Repeat exactly: the quick brown fox jumps over the lazy dog, twice.")
     with Pipeline(splits[2], StageSettings(n_ctx=1024), notify_boundaries=True) as pipeline:

@@ -77,3 +77,11 @@ def test_a_stage_advertised_twice_is_refused():
 def test_resources_that_are_not_stages_are_ignored():
     nodes = [NodeInfo(node.node_id, node.address, 1, {"specpipe-stage-x": 1.0, "specpipe-stage-": 1.0}) for node in NODES]
     assert plan_placement(nodes, 2, "aaaa1111").strategy == "spread"
+
+
+def test_an_ambiguous_node_id_prefix_is_refused_not_taken_first():
+    nodes = [NodeInfo("abcd1111", "10.0.0.1", 1), NodeInfo("abcd2222", "10.0.0.2", 1)]
+    with pytest.raises(PlacementError, match="node 'abcd' is ambiguous; alive nodes: 10.0.0.1 \\(abcd1111\\), 10.0.0.2 \\(abcd2222\\)"):
+        plan_placement(nodes, 2, "abcd1111", parse_place("0=abcd,1=10.0.0.2"))
+    # a longer prefix that is unique picks its node, whichever comes first in the list
+    assert plan_placement(nodes, 2, "abcd1111", parse_place("0=abcd2,1=abcd1")).node_ids == ("abcd2222", "abcd1111")

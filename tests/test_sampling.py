@@ -45,3 +45,29 @@ def test_a_tiny_temperature_is_greedy_not_nan():
     probabilities = token_probabilities(logits, settings)
     assert np.all(np.isfinite(probabilities)) and probabilities.tolist() == [0.0, 1.0, 0.0, 0.0]
     assert all(choose_token(logits, position, settings) == 1 for position in range(20))
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_probabilities_are_the_softmax_of_logits_over_the_temperature(temperature):
+    logits = np.array([2.0, 1.0, 0.5, -1.0], np.float32)
+    expected = np.exp(logits.astype(np.float64) / temperature)
+    expected /= expected.sum()
+    probabilities = token_probabilities(logits, SamplingSettings(temperature=temperature))
+    assert np.allclose(probabilities, expected, rtol=1e-9, atol=0)
+    at_one = token_probabilities(logits, SamplingSettings(temperature=1.0))
+    assert not np.allclose(probabilities, at_one, atol=0.05), "the temperature changed nothing"
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_samples_at_a_temperature_follow_softmax_of_logits_over_it(temperature):
+    """Frequencies of 4000 seeded draws against softmax(logits / T): a chi-square
+    statistic far below what drawing from softmax(logits) (T ignored) gives."""
+    logits = np.log(np.array([0.5, 0.3, 0.2], np.float64)).astype(np.float32)
+    expected = np.exp(logits.astype(np.float64) / temperature)
+    expected /= expected.sum()
+    settings = SamplingSettings(temperature=temperature, seed=11)
+    draws = 4000
+    counts = np.bincount([choose_token(logits, position, settings) for position in range(draws)], minlength=3)
+    chi_square = float((((counts - draws * expected) ** 2) / (draws * expected)).sum())
+    # 2 degrees of freedom: P(chi2 > 20) is about 5e-5; T ignored gives more than 100 here
+    assert chi_square < 20, (counts / draws, expected)

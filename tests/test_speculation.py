@@ -144,15 +144,26 @@ def test_partial_acceptance_rolls_every_stage_back(pipelines, tokenizer, stage_c
 )
 @pytest.mark.parametrize("schedule", ["sync", "async"])
 def test_a_failing_drafter_changes_nothing(pipelines, tokenizer, double, schedule):
+    import ray
+
     pipeline = pipelines[2]
     prompt_tokens = tokenizer.chat_prompt(OPEN)
     plain = decode(pipeline, tokenizer, OPEN, GREEDY).tokens
     drafters = start_drafters(pipeline, functools.partial(double, prompt_tokens + plain), DrafterSettings(draft_max=6, wait_seconds=0.5))
     try:
         result = decode(pipeline, tokenizer, OPEN, GREEDY, drafters, schedule)
+        # each drafter's speculator, in its own process: how often it was called
+        calls = [ray.get(drafter.actor.__ray_call__.remote(lambda actor: actor.server.speculator.calls), timeout=60)
+                 for drafter in drafters]
+        alive = [drafter.alive for drafter in drafters]
     finally:
         stop_drafters(drafters)
     assert result.tokens == plain
+    assert max(calls) > 5, calls  # a speculator was called past its 5 good calls: it failed
+    assert result.speculation.drafted_tokens <= 5 * len(drafters)  # and nothing was drafted after
+    assert all(alive), [drafter.lost_reason for drafter in drafters]  # a failing speculator does not lose its drafter
+    if double.func is fakes.RaisingSpeculator:
+        assert "RuntimeError: drafter exploded on purpose" in {drafter.last_error for drafter in drafters}
 
 
 @pytest.mark.parametrize("schedule", ["sync", "async"])

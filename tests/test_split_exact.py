@@ -132,3 +132,27 @@ def test_multi_file_model_splits_exactly(smollm2, tmp_path):
     split_model(first_shard, outputs)
     report = compare_split(smollm2, outputs)
     assert report.max_difference == 0.0 and report.tokens_identical
+
+
+def test_verify_split_fails_when_the_whole_model_computes_something_else(smollm2, splits, tmp_path):
+    """The whole model's file with one norm's weights doubled (its header, hence
+    its fingerprint, unchanged): the stages cut from the original no longer
+    reproduce it, and verify-split says so and exits 1."""
+    import shutil
+
+    from conftest import orchestrate
+
+    altered = tmp_path / "altered.gguf"
+    shutil.copy(smollm2, altered)
+    (norm,) = [tensor for tensor in read_model(altered).tensors if tensor.name == "blk.20.attn_norm.weight"]
+    assert norm.ggml_type == 0 and norm.path == altered  # float32: doubling keeps it a valid model
+    with open(altered, "r+b") as handle:
+        handle.seek(norm.offset)
+        weights = np.frombuffer(handle.read(norm.n_bytes), dtype="<f4") * 2
+        handle.seek(norm.offset)
+        handle.write(weights.astype("<f4").tobytes())
+    result = orchestrate("verify-split", altered, *splits[2])
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.splitlines() == ["error: the stages do not reproduce the whole model"], result.stderr
+    difference = float(result.stdout.split("largest logit difference ")[1].split(";")[0])
+    assert difference > 0

@@ -171,6 +171,61 @@ def test_large_logits_survive_partial_sends():
     assert_same_message(received, message)
 
 
+class ReaderWaits(SendRecorder):
+    """Sets ``partial`` at the first sendmsg the socket took only part of."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__(sock)
+        self.partial = threading.Event()
+
+    def sendmsg(self, buffers) -> int:
+        sent = super().sendmsg(buffers)
+        if self.partial_sends:
+            self.partial.set()
+        return sent
+
+
+@pytest.mark.parametrize("message", [
+    PassResult(4, np.random.default_rng(2).normal(size=(6, 49152)).astype(np.float32), (0.5,)),
+    StageBatch(pass_id=6, keep=2, positions=np.arange(2, 514, dtype=np.int32), logit_rows=np.array([0, 511], np.int32),
+               hidden=np.random.default_rng(3).normal(size=(512, 576)).astype(np.float16), stage_seconds=(0.25,)),
+], ids=example_name)
+def test_a_tcp_frame_sent_in_pieces_arrives_intact(message):
+    """Loopback TCP with a small send buffer and a send timeout; the reader reads
+    nothing until a sendmsg has come back partial, so the rest of the frame
+    must be sent from where that call stopped."""
+    listener = wire.listen("127.0.0.1")
+    with listener:
+        sending = socket.create_connection(listener.getsockname(), timeout=LIVENESS_SECONDS)
+        receiving, _ = listener.accept()
+    with sending, receiving:
+        sending.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        receiving.settimeout(LIVENESS_SECONDS)
+        recorder = ReaderWaits(sending)
+        received: list[Message] = []
+        errors: list[BaseException] = []
+
+        def read() -> None:
+            try:
+                assert recorder.partial.wait(LIVENESS_SECONDS), "no sendmsg came back partial"
+                received.append(wire.receive_message(receiving))
+            except BaseException as error:
+                errors.append(error)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        try:
+            wire.send_message(recorder, message)
+        finally:
+            recorder.partial.set()  # never leave the reader waiting
+            sending.shutdown(socket.SHUT_WR)  # a frame cut short ends in ConnectionClosed, not a wait
+            reader.join()
+        assert not errors, errors
+        assert receiving.recv(1) == b"", "bytes left after the frame"
+    assert recorder.partial_sends > 0
+    assert_same_message(received[0], message)
+
+
 def test_unknown_kind_is_refused_by_name():
     sending, receiving = socket_pair()
     with sending, receiving:
