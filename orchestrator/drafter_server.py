@@ -3,7 +3,8 @@
 Plain class, no Ray (the Ray actor in orchestrator.pipeline builds one beside
 its stage). The coordinator connects and sends:
 
-* ``SpeculateFrom(epoch, context)``: start extending ``context`` now;
+* ``SpeculateFrom(epoch, context, most)``: start extending ``context`` now,
+  by at most ``most`` tokens;
 * ``CollectDraft(epoch, wait)``: reply at once with what has been drafted for
   that epoch, and stop drafting (the machine's stage is about to run). With
   ``wait`` the drafting is first allowed to finish by itself (up to
@@ -55,6 +56,7 @@ class DrafterServer:
         self.certificate = certificate
         self.speculator = make_speculator()
         self.draft_max = draft_max
+        self._most = draft_max  # of the current request (SpeculateFrom.most)
         self.overlap = overlap
         self.wait_seconds = wait_seconds
         self.listener = wire.listen(host)
@@ -110,6 +112,7 @@ class DrafterServer:
         with self._lock:
             self._epoch = message.epoch
             self._context = message.context.tolist()
+            self._most = min(message.most or self.draft_max, self.draft_max)
             self._extension = []
             self._error = ""
             self._drafting = True
@@ -130,8 +133,8 @@ class DrafterServer:
     def _draft_loop(self) -> None:
         while True:
             with self._lock:
-                while not self._closed and not (self._drafting and len(self._extension) < self.draft_max):
-                    if self._drafting:  # reached draft_max
+                while not self._closed and not (self._drafting and len(self._extension) < self._most):
+                    if self._drafting:  # reached the most asked for
                         self._drafting = False
                         self._finished.set()
                     self._wake.wait()

@@ -171,14 +171,15 @@ class DrafterClient:
         if self._on_restart is not None:
             self._on_restart(self.index)
 
-    def speculate(self, context: list[int]) -> None:
-        """Ask the drafter to extend context (committed text + speculation) from now on."""
+    def speculate(self, context: list[int], most: int | None = None) -> None:
+        """Ask the drafter to extend context (committed text + speculation) from
+        now on, by at most ``most`` tokens (None: up to draft_max)."""
         self._rejoin()
         if self._sock is None:
             return
         self._epoch += 1
         try:
-            wire.send_message(self._sock, SpeculateFrom(self._epoch, np.asarray(context, dtype=np.int32)))
+            wire.send_message(self._sock, SpeculateFrom(self._epoch, np.asarray(context, dtype=np.int32), most or 0))
             self._speculating = True
         except OSError as error:
             self._lose(f"send failed: {error}")

@@ -140,7 +140,7 @@ def generate_many(target: Target, requests: list[Request], is_end: Callable[[int
     while not scheduler.done:
         for state in scheduler.drafting_first():
             drafter = decodings[state.sequence].request.drafting.drafters[0]  # type: ignore[union-attr]
-            drafter.speculate(state.committed)
+            drafter.speculate(state.committed, state.drafts_wanted)
             state.drafted_first(drafter.collect(wait=True))
         for target_pass in scheduler.next_passes():
             target.submit(target_pass)

@@ -52,8 +52,9 @@ def committed_tokens(reply: PassResult, window: Window, rows: slice, sampling: S
 class Drafter(Protocol):
     """The drafter beside one stage: drafts in the background, best effort, never raises."""
 
-    def speculate(self, context: list[int]) -> None:
-        """Go on drafting after ``context`` (committed text + speculation) from now on."""
+    def speculate(self, context: list[int], most: int | None = None) -> None:
+        """Go on drafting after ``context`` (committed text + speculation) from
+        now on, by at most ``most`` tokens (None: as many as it may)."""
 
     def collect(self, wait: bool = False) -> list[int]:
         """The tokens drafted since the last speculate ([] if none); with ``wait``,
@@ -99,15 +100,16 @@ class InPlaceDrafter:
     """A drafter that drafts at collect, in this process, as if it had drafted all along."""
 
     context: list[int] | None = None
+    most: int | None = None
 
-    def speculate(self, context: list[int]) -> None:
-        self.context = list(context)
+    def speculate(self, context: list[int], most: int | None = None) -> None:
+        self.context, self.most = list(context), most
 
     def collect(self, wait: bool = False) -> list[int]:
         if self.context is None:
             return []
         context, self.context = self.context, None
-        return self.draft(context)
+        return self.draft(context)[:self.most]  # drafting here costs nothing: cut, as a drafter would stop
 
     def draft(self, context: list[int]) -> list[int]:
         raise NotImplementedError

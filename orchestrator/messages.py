@@ -302,6 +302,7 @@ class SpeculateFrom:
 
     epoch: increasing number of the request, echoed in the reply.
     context: int32[n_tokens].
+    most: draft at most this many tokens (0: up to the drafter's draft_max).
 
     On the wire: context raw (it can be long), as int32.
     """
@@ -310,13 +311,15 @@ class SpeculateFrom:
 
     epoch: int
     context: np.ndarray
+    most: int = 0
 
     def to_wire(self) -> tuple[WireHeader, np.ndarray | None]:
-        return {"epoch": self.epoch}, np.ascontiguousarray(self.context, dtype=np.int32)
+        return {"epoch": self.epoch, "most": self.most}, np.ascontiguousarray(self.context, dtype=np.int32)
 
     @classmethod
     def from_wire(cls, header: WireHeader, array: np.ndarray | None) -> SpeculateFrom:
-        return cls(epoch=_integer(header, "epoch"), context=_array(array, "context", 1, ("<i4",)))
+        return cls(epoch=_integer(header, "epoch"), context=_array(array, "context", 1, ("<i4",)),
+                   most=_integer(header, "most"))
 
 
 @dataclass(frozen=True)

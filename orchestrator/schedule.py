@@ -37,7 +37,9 @@ The rules:
   commit all it carried, or its own token differs), or the sequence is
   finished. Its result is discarded when it arrives, and the sequence submits
   nothing new until then (the next pass's rollback drops its cache entries).
-* How the draft length adapts: ``speculators.draft_length``.
+* How many drafts a window carries (``draft_limit``, none included: then
+  the drafter is not even asked): ``speculators.draft_length.DraftPolicy``,
+  from the acceptance by draft position and the cost of a longer pass.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 
-from speculators.draft_length import next_draft_limit
+from speculators.draft_length import DRAFTER_CALL_COST, DraftPolicy
 from speculators.sampling import SamplingSettings
 
 
@@ -207,7 +209,10 @@ class SequenceState:
     speculation: list[int] = field(default_factory=list)
     in_flight: deque[Window] = field(default_factory=deque)
     discards_pending: int = 0  # windows found invalid in flight, whose results are still to come
-    draft_limit: int = 0  # adapted after every verified window (speculators.draft_length)
+    draft_limit: int = 0  # the next window's most drafts: the policy's choice after every verified window
+    policy: DraftPolicy | None = None  # speculators.draft_length; made from draft_max and the costs below
+    draft_call_cost: float = DRAFTER_CALL_COST  # asking the drafter, in one-token passes (0: in process)
+    draft_token_cost: float = 0.0  # each draft token waited for before a pass, in one-token passes
     on_a_roll: bool = False  # the last verified window accepted all its drafts
     finished: bool = False
     stopped_by: str = "length"
@@ -217,7 +222,9 @@ class SequenceState:
     def __post_init__(self):
         if self.draft_max < 1:
             raise ValueError("draft_max must be at least 1")
-        self.draft_limit = self.draft_limit or self.draft_max
+        self.policy = self.policy or DraftPolicy(self.draft_max, draft_token_cost=self.draft_token_cost,
+                                                 call_cost=self.draft_call_cost)
+        self.draft_limit = self.draft_limit or self.policy.limit()
 
     @property
     def text(self) -> list[int]:
@@ -233,6 +240,11 @@ class SequenceState:
         return self.max_tokens - self.generated - 1
 
     @property
+    def drafts_wanted(self) -> int:
+        """Drafts its next window may carry: the policy's limit, within the room left."""
+        return max(0, min(self.draft_limit, self.room))
+
+    @property
     def ready(self) -> bool:
         """Nothing of it in flight or awaited: its next window may be submitted."""
         return not self.finished and not self.in_flight and not self.discards_pending
@@ -241,11 +253,12 @@ class SequenceState:
     def drafts_first(self) -> bool:
         """Before its next window, the drafter beside stage 0 drafts from the
         committed text until it stops by itself, and the loop waits for it."""
-        return (self.ready and self.prompt_from is None and self.schedule.speculative
+        return (self.ready and self.prompt_from is None and self.schedule.speculative and self.drafts_wanted > 0
                 and (self.schedule is Schedule.SYNC or not self.speculation))
 
     def drafted_first(self, tokens: list[int]) -> None:
         """What the drafter beside stage 0 drafted when awaited (``drafts_first``)."""
+        self.policy.observe_ask(bool(tokens))
         self.stats.waited_calls += 1
         self.stats.waited_nonempty += bool(tokens)
         self.stats.waited_tokens += len(tokens)
@@ -266,7 +279,7 @@ class SequenceState:
                             sampling=self.sampling)
             self.prompt_from = end if end is not None and end < self.prompt_length else None
         else:
-            limit = min(self.draft_limit, self.room) if self.schedule.speculative else 0
+            limit = self.drafts_wanted if self.schedule.speculative else 0
             window = Window(self.sequence, len(self.committed) - 1, (self.committed[-1], *self.speculation[:limit]),
                             sampling=self.sampling)
         self.in_flight.append(window)
@@ -327,7 +340,8 @@ class SequenceState:
             self.stats.input_lengths[len(window.inputs)] += 1
             self.on_a_roll = bool(drafts) and accepted == len(drafts)
             if self.schedule.speculative:
-                self.draft_limit = next_draft_limit(self.draft_limit, len(drafts), accepted, self.draft_max)
+                self.policy.observe_window(len(drafts), accepted)
+                self.draft_limit = self.policy.limit()
         committed = self._commit(new_tokens, is_end)
         while self.in_flight and (self.finished or self.in_flight[0].first != len(self.committed) - 1
                                   or self.in_flight[0].inputs[0] != self.committed[-1]):

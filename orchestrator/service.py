@@ -211,7 +211,7 @@ class Service:
             return False
         for state in self.scheduler.drafting_first():
             ticket = self._active[state.sequence]
-            ticket.drafter.speculate(state.committed)  # type: ignore[union-attr]
+            ticket.drafter.speculate(state.committed, state.drafts_wanted)  # type: ignore[union-attr]
             state.drafted_first(ticket.drafter.collect(wait=True))  # type: ignore[union-attr]
         for target_pass in self.scheduler.next_passes():
             self.target.submit(target_pass)
@@ -266,7 +266,7 @@ class Service:
         ticket.state = SequenceState(
             sequence, list(request.prompt_tokens), len(request.prompt_tokens), request.max_tokens,
             self.schedule, self.settings.draft_max, prompt_from=0, prompt_chunk=self.target.n_batch,
-            sampling=request.sampling,
+            sampling=request.sampling, draft_call_cost=0.0,  # the speculators run in this process
         )
         if self.settings.speculator is not None:
             ticket.drafter = InstantDrafter(self.settings.speculator(sequence), self.settings.draft_max)

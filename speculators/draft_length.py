@@ -1,18 +1,145 @@
-"""How many draft tokens the next pass should verify.
+"""How many draft tokens the next pass should verify: the length that gives
+the most committed tokens per second, from what drafting has been worth so far.
 
-On a CPU, verifying k drafts costs a batch of k + 1 tokens (measured here by
-benchmarks.batch_cost: 4 tokens cost 2.1x one, 8 cost 3.5x), so a long draft that is rejected early
-wastes most of its pass. The rule: after a pass that accepted every draft,
-allow twice as many next time; after a rejection, allow one more than were
-accepted. Bounded by [1, maximum].
+A pass that verifies k drafts feeds k + 1 tokens and commits 1 + (the
+accepted drafts). On a CPU a batch of n tokens costs nearly n single passes
+(``python -m benchmarks.batch_cost``: 2 tokens 1.30x one, 4 2.06x, 8
+3.51x), so a draft must be likely to be accepted to pay for its row.
+
+``DraftPolicy`` keeps, with older evidence fading (``FORGET`` per verified
+window):
+
+* the acceptance by draft position (Sequoia's acceptance by rank, for a
+  chain): of the windows whose draft j was reached (drafts 1..j-1
+  accepted), the share that accepted it. Draft 1 of prompt lookup is often
+  wrong while, once a copy starts, the later ones are nearly always right; a
+  single rate could not see that.
+and two costs in one-token passes of the target, given, not measured
+online:
+
+* ``step``, what each extra token of a batch adds (the cost curve t(n) / t(1)
+  is close to 1 + step (n - 1) here; the default is benchmarks.batch_cost's);
+* ``draft_token_cost``, what the loop waits for each draft token before a
+  pass (a draft model in the sync schedule: about its size over the
+  target's; prompt lookup: nothing);
+* ``call_cost``, what asking a drafter costs before a pass, whether it
+  proposes anything or not (a drafter actor's round trip; nothing in process),
+  weighed with the share of asks that got a proposal (``availability``).
+
+Measuring the costs online was tried and dropped: the decisions then follow
+the timing noise of the machine, so the same text gives other passes on
+another run, and the planner's simulation (orchestrator.planning) could no
+longer make the decisions the real loop makes.
+
+``limit()`` is the k in 0..maximum that maximises
+
+    (1 - a + a * committed(k)) / (call_cost + 1 - a + a * cost(k))   for k >= 1, and 1 for k = 0,
+
+    committed(k) = 1 + sum_{i<=k} prod_{j<=i} accept(j),   cost(k) = 1 + (step + draft_token_cost) * k,
+
+with a the availability: a drafter that proposes nothing leaves a plain pass.
+
+and 0 means "do not draft at all": the pass runs plain and the drafter is
+not even asked. The evidence fades toward the prior, so a stretch without
+drafting raises the estimates again until the next pass tries a draft: a
+change of text (the user starts quoting) is found again within a few
+passes, at the price of an occasional probe.
+
+Pure: no I/O. The schedule (orchestrator.schedule) tells it every verified
+window and asks it for the next window's length.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 
-def next_draft_limit(limit: int, drafted: int, accepted: int, maximum: int) -> int:
-    if drafted == 0:
-        return limit
-    if accepted == drafted:
-        return min(maximum, max(limit, drafted) * 2)
-    return max(1, min(maximum, accepted + 1))
+PRIOR_STEP = 0.35  # each extra batch token costs this share of a one-token pass (batch_cost: 8 tokens 3.51x)
+FORGET = 0.95  # the weight older evidence keeps after each verified window
+PRIOR_COUNT = 1.0  # pseudo-observations of each draft position at the prior (see acceptances)
+# A drafter actor's round trip (orchestrate profile here: 0.23 ms) over a pass of the
+# default pipeline (about 15 ms): what asking costs in `orchestrate run` and bench.
+DRAFTER_CALL_COST = 0.015
+
+
+@dataclass
+class DraftPolicy:
+    """The draft length that maximises committed tokens per second (see the module text).
+
+    maximum: the most drafts a pass may carry (--draft-max).
+    step, draft_token_cost: the costs of one more draft token, in one-token passes.
+    call_cost: the cost of asking the drafter, in one-token passes.
+    """
+
+    maximum: int
+    step: float = PRIOR_STEP
+    draft_token_cost: float = 0.0
+    call_cost: float = 0.0
+    reached: list[float] = field(default_factory=list)  # by draft position: windows that reached it
+    accepted: list[float] = field(default_factory=list)  # ... and accepted it
+    asked: float = 0.0  # drafters asked before a pass ...
+    proposed: float = 0.0  # ... and those that proposed something
+
+    def __post_init__(self):
+        if self.maximum < 1:
+            raise ValueError(f"the draft maximum must be at least 1, not {self.maximum}")
+        self.reached = self.reached or [0.0] * self.maximum
+        self.accepted = self.accepted or [0.0] * self.maximum
+
+    def acceptances(self) -> list[float]:
+        """By draft position 1..maximum: the chance it is accepted once reached.
+        A position with little evidence leans on the one before it (the first
+        on 1/2), so a chain that keeps being accepted is tried one longer."""
+        shares, prior = [], 0.5
+        for reached, accepted in zip(self.reached, self.accepted):
+            prior = (accepted + PRIOR_COUNT * prior) / (reached + PRIOR_COUNT)
+            shares.append(prior)
+        return shares
+
+    def observe_window(self, drafted: int, accepted: int) -> None:
+        """A verified window carried ``drafted`` drafts, of which the first ``accepted`` were accepted."""
+        if not 0 <= accepted <= drafted:
+            raise ValueError(f"{accepted} accepted of {drafted} drafts")
+        for index in range(self.maximum):
+            self.reached[index] *= FORGET
+            self.accepted[index] *= FORGET
+        self.asked *= FORGET
+        self.proposed *= FORGET
+        for index in range(min(drafted, accepted + 1, self.maximum)):  # drafts 1..accepted, then the rejected one
+            self.reached[index] += 1.0
+            self.accepted[index] += index < accepted
+
+    def observe_ask(self, proposed: bool) -> None:
+        """The loop asked a drafter before a pass; it proposed something or nothing."""
+        self.asked += 1.0
+        self.proposed += proposed
+
+    @property
+    def availability(self) -> float:
+        """The chance that an ask gets a proposal (1/2 with no evidence)."""
+        return (self.proposed + PRIOR_COUNT / 2) / (self.asked + PRIOR_COUNT)
+
+    def expected_committed(self, drafts: int) -> float:
+        """Tokens a pass with ``drafts`` drafts is expected to commit."""
+        expected, reach = 1.0, 1.0
+        for share in self.acceptances()[:drafts]:
+            reach *= share
+            expected += reach
+        return expected
+
+    def cost(self, drafts: int) -> float:
+        """The pass's cost with ``drafts`` drafts, in one-token passes."""
+        return 1.0 + (self.step + self.draft_token_cost) * drafts
+
+    def rate(self, drafts: int) -> float:
+        """Expected committed tokens per one-token pass of cost, drafting up to ``drafts``."""
+        if drafts == 0:
+            return 1.0
+        available = self.availability
+        return ((1.0 - available + available * self.expected_committed(drafts))
+                / (self.call_cost + 1.0 - available + available * self.cost(drafts)))
+
+    def limit(self) -> int:
+        """The draft length with the most committed tokens per second (0: none)."""
+        rates = [self.rate(drafts) for drafts in range(self.maximum + 1)]
+        return max(range(self.maximum + 1), key=lambda drafts: (rates[drafts], -drafts))
+

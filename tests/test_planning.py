@@ -59,11 +59,13 @@ def test_plain_pipeline_costs_every_stage_hop_and_coordinator_per_token():
     assert run.tokens_per_second == pytest.approx(1 / per_token)
 
 
-def test_sync_speculation_with_perfect_drafts_commits_draft_max_plus_one_per_pass():
+def test_sync_speculation_with_perfect_drafts_grows_to_draft_max_plus_one_per_pass():
     costs = FlatCosts(stage_count=2)
     run = simulate(costs, Mode("sync", draft_max=4), DraftBehaviour(1.0), max_tokens=101)
-    assert run.passes == 20  # 100 tokens after the first, 5 per pass
-    assert run.accepted_tokens == run.drafted_tokens == 80
+    # the draft policy starts at one draft and grows as drafts are accepted: windows of
+    # 1 and 2 drafts, then the maximum 4: 2 + 3 + 19 x 5 = the 100 tokens after the first
+    assert run.passes == 21
+    assert run.accepted_tokens == run.drafted_tokens == 1 + 2 + 19 * 4
     plain = simulate(costs, Mode("plain"), DraftBehaviour(1.0), max_tokens=101)
     assert run.tokens_per_second > 3 * plain.tokens_per_second
 
@@ -117,7 +119,29 @@ def test_async_discards_passes_started_on_failed_speculation():
 def test_slow_drafter_costs_sync_its_drafting_time():
     fast = simulate(FlatCosts(2), Mode("sync", 4), DraftBehaviour(1.0), max_tokens=101)
     slow = simulate(FlatCosts(2, draft=0.002), Mode("sync", 4), DraftBehaviour(1.0), max_tokens=101)
-    assert slow.seconds == pytest.approx(fast.seconds + 20 * 4 * 0.002)
+    assert slow.drafted_tokens == fast.drafted_tokens == 79  # the same windows; the drafter drafts what a window takes
+    assert slow.seconds == pytest.approx(fast.seconds + 79 * 0.002)
+
+
+@pytest.mark.parametrize("draft", [0.01, 0.02, 0.05])
+def test_no_drafter_drafts_faster_than_its_cost_per_token(draft):
+    """Async relays drafting between the drafters beside the two stages; each
+    drafts one token per ``draft`` seconds, so beyond the drafts made during the
+    prompt's pass (draft_max, not simulated) two drafters cannot have drafted
+    more than 2 * seconds / draft tokens. A simulation that let async drafting
+    be instant predicts several times the throughput and breaks this bound."""
+    draft_max = 4
+    run = simulate(FlatCosts(2, draft=draft), Mode("async", draft_max), DraftBehaviour(1.0), max_tokens=201)
+    assert run.tokens == 201
+    assert run.drafted_tokens - draft_max <= 2 * run.seconds / draft
+
+
+def test_async_throughput_falls_as_drafting_gets_slower_than_a_stage():
+    """A stage pass here takes about 15 ms: drafters at 5, 10, 20 then 50 ms a
+    token draft less and less within it, and the prediction must fall each time."""
+    speeds = [simulate(FlatCosts(2, draft=draft), Mode("async", 4), DraftBehaviour(1.0), max_tokens=201).tokens_per_second
+              for draft in (0.0, 0.005, 0.01, 0.02, 0.05)]
+    assert speeds == sorted(speeds, reverse=True) and len(set(speeds)) == len(speeds), speeds
 
 
 def test_availability_and_continuation_set_draft_lengths():
@@ -132,12 +156,14 @@ def test_a_trace_replays_what_the_drafter_proposed_and_ends_where_the_text_ended
     # proposals for tokens 1-8 right, nothing for 9, 10-14 right, 15 wrong, 16-19 right; the text ends at 20
     trace = DraftTrace((None,) + (True,) * 8 + (None,) + (True,) * 5 + (False,) + (True,) * 4)
     run = simulate(FlatCosts(2), Mode("sync", 8), trace, max_tokens=64)
-    # pass 1: drafts 1-8, all accepted, the target adds 9;
-    # pass 2: drafts 10-17 (wrong from 15 on), accepts 10-14, the target adds 15;
-    # pass 3: drafts 16-19 (nothing is proposed past the end), all accepted: the text is done
+    # the draft policy grows the window as drafts are accepted (1, 2, 5, then 8):
+    # pass 1: draft 1, accepted, the target adds 2; pass 2: drafts 3-4, accepted, the target adds 5;
+    # pass 3: drafts 6-8 (nothing is proposed for 9), accepted, the target adds 9;
+    # pass 4: drafts 10-17 (wrong from 15 on), accepts 10-14, the target adds 15;
+    # pass 5: drafts 16-19 (nothing is proposed past the end), all accepted: the text is done
     assert run.tokens == 20
-    assert run.passes == 3
-    assert run.drafted_tokens == 8 + 8 + 4 and run.accepted_tokens == 8 + 5 + 4
+    assert run.passes == 5
+    assert run.drafted_tokens == 1 + 2 + 3 + 8 + 4 and run.accepted_tokens == 1 + 2 + 3 + 5 + 4
 
 
 def test_batch_curve_interpolates_and_extends_linearly():

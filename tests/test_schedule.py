@@ -2,6 +2,7 @@
 
 import pytest
 
+from speculators.draft_length import DraftPolicy
 from orchestrator.schedule import Handoff, Schedule, Scheduler, SequenceState, relay
 
 pytestmark = pytest.mark.pure
@@ -12,7 +13,9 @@ def never_ends(token):
 
 
 def state(schedule=Schedule.ASYNC, committed=(1, 2, 3), speculation=(), draft_max=4, max_tokens=50, sequence=0):
-    return SequenceState(sequence, list(committed), 2, max_tokens, schedule, draft_max, speculation=list(speculation))
+    # the window mechanics, apart from the draft policy's choice (tests/test_draft_policy.py): the first window may carry draft_max
+    return SequenceState(sequence, list(committed), 2, max_tokens, schedule, draft_max, speculation=list(speculation),
+                         draft_limit=draft_max)
 
 
 def test_a_window_is_the_last_committed_token_then_at_most_draft_limit_drafts():
@@ -91,14 +94,24 @@ def test_a_window_ahead_stays_valid_when_its_first_input_is_the_targets_token():
     assert list(sequence.in_flight) == [ahead] and sequence.discards_pending == 0
 
 
-def test_the_draft_limit_adapts_after_each_verified_window():
+def test_the_draft_limit_is_the_policys_choice_after_each_verified_window():
     sequence = state(Schedule.SYNC, speculation=[4, 5, 6, 7], draft_max=8)
     sequence.draft_limit = 4
+    twin = DraftPolicy(8)
     sequence.verified(sequence.first_window(), [4, 5, 6, 7, 8], never_ends)
-    assert sequence.draft_limit == 8  # all accepted: doubled
+    twin.observe_window(4, 4)
+    assert sequence.draft_limit == twin.limit() > 4  # all four accepted: a longer window
     sequence.speculation = [9, 1, 1]
     sequence.verified(sequence.first_window(), [9, 10], never_ends)
-    assert sequence.draft_limit == 2  # one accepted: accepted + 1
+    twin.observe_window(3, 1)
+    assert sequence.draft_limit == twin.limit()
+
+
+def test_a_draft_limit_of_zero_runs_plain_windows_without_asking_the_drafter():
+    sequence = state(Schedule.SYNC, speculation=[4, 5])
+    sequence.draft_limit = 0
+    assert not sequence.drafts_first
+    assert sequence.first_window().inputs == (3,)
 
 
 def test_an_end_token_or_max_tokens_finishes_the_sequence_and_invalidates_what_is_in_flight():

@@ -64,13 +64,3 @@ def test_importing_speculators_loads_neither_ray_nor_llama_cpp():
     )
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert output.split() == ["False", "False"]
-
-
-def test_draft_limit_grows_on_full_acceptance_and_shrinks_on_rejection():
-    from speculators.draft_length import next_draft_limit
-
-    assert next_draft_limit(2, 2, 2, 8) == 4
-    assert next_draft_limit(6, 6, 6, 8) == 8
-    assert next_draft_limit(8, 8, 3, 8) == 4
-    assert next_draft_limit(8, 8, 0, 8) == 1
-    assert next_draft_limit(3, 0, 0, 8) == 3  # nothing drafted: no evidence

@@ -5,7 +5,7 @@ loop (orchestrator.generate) calls, those of orchestrator.schedule: the same
 windows, the same drafting before a pass, the same async relay of drafters at
 stage boundaries, the same window started ahead after a fully accepted one,
 the same discarding of a window started on a failed speculation, the same
-draft-length rule; only time is virtual. It comes from a cost model
+draft policy; only time is virtual. It comes from a cost model
 (``PipelineCosts``); no formula for tokens/s is assumed anywhere: throughput
 is what the simulated clock shows. Several sequences may be decoded at once
 (``simulate_many``), their windows sharing passes, as in generate_many.
@@ -15,7 +15,7 @@ Resources and their timelines:
 * each stage runs one pass at a time, in submission order, on a free core of
   its machine (stages sharing a machine with fewer cores wait for one);
 * a hop carries a pass from the coordinator to stage 0 (hop 0), from stage
-  i - 1 to stage i (hop i), and the logits from the last stage back (hop n);
+  i - 1 to stage i (hop i), and the result from the last stage back (hop n);
 * the coordinator does its own work after each result (verification,
   bookkeeping) and waits on boundaries and results as the real loop does;
 * one drafter per machine drafts from when it is told to speculate until it
@@ -255,14 +255,15 @@ class _Drafter:
         self.started = 0.0
         self.tokens: list[int] = []  # what it would draft before stopping by itself
 
-    def speculate(self, at: float, state: SequenceState, *, from_committed: bool = False) -> None:
-        """Start drafting after the sequence's text (or its committed text alone)."""
+    def speculate(self, at: float, state: SequenceState, *, from_committed: bool = False,
+                  most: int | None = None) -> None:
+        """Start drafting after the sequence's text (or its committed text alone), at most ``most`` tokens."""
         speculation = [] if from_committed else state.speculation
         position = len(state.committed) + len(speculation)
         right = all(token == _TRUE + index for index, token in enumerate(speculation, start=len(state.committed)))
         self.started = at
         self.tokens = []
-        while len(self.tokens) < self.draft_max:
+        while len(self.tokens) < min(self.draft_max, most or self.draft_max):
             drawn = self.outcomes.draw(position + len(self.tokens), right, not speculation and not self.tokens, self.rng)
             if drawn is None:
                 break
@@ -299,7 +300,8 @@ def simulate_many(costs: PipelineCosts, mode: Mode, workloads: list[DraftOutcome
                   seed: int = 0) -> list[SimulatedRun]:
     """Generations of max_tokens tokens, one per workload, decoded at once
     (their windows share passes), from the first generated token on: the
-    prompt's pass is not simulated; its drafting fills the first speculation.
+    prompt's pass is not simulated; as in the real loop, the first window
+    waits for the drafter beside stage 0.
     The loop is orchestrator.generate's, with the schedule's decisions
     (orchestrator.schedule) carried out in virtual time."""
     rng = random.Random(seed)
@@ -309,10 +311,6 @@ def simulate_many(costs: PipelineCosts, mode: Mode, workloads: list[DraftOutcome
               for index in range(len(workloads))]
     drafters = [[_Drafter(costs.draft_seconds(machine), mode.draft_max, workload, rng) for machine in range(count)]
                 for workload in workloads]
-    if mode.schedule.relays:  # the drafters relayed during the prompt's pass
-        for state, machines in zip(states, drafters):
-            machines[0].speculate(0.0, state)
-            state.drafted(machines[0].collect(0.0, wait=True)[0])
     last_token_time = [0.0] * len(states)
     scheduler = Scheduler(states)
     timings: deque[tuple[list[float], float]] = deque()  # each pass in flight: when it left each stage, its result
@@ -321,7 +319,7 @@ def simulate_many(costs: PipelineCosts, mode: Mode, workloads: list[DraftOutcome
     while not scheduler.done:
         for state in scheduler.drafting_first():
             drafter = drafters[state.sequence][0]
-            drafter.speculate(now, state, from_committed=True)
+            drafter.speculate(now, state, from_committed=True, most=state.drafts_wanted)
             drafted, now = drafter.collect(now, wait=True)
             now += call
             state.drafted_first(list(drafted))

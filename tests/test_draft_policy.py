@@ -1,0 +1,77 @@
+"""The draft policy (speculators.draft_length): how long a draft the next pass carries."""
+
+import random
+
+import pytest
+
+from speculators.draft_length import FORGET, PRIOR_STEP, DraftPolicy
+
+pytestmark = pytest.mark.pure
+
+
+def test_expected_tokens_and_cost_follow_the_acceptance_by_position():
+    policy = DraftPolicy(3, step=0.5)
+    policy.reached, policy.accepted = [10.0, 4.0, 2.0], [4.0, 2.0, 2.0]
+    shares = policy.acceptances()
+    # each share is (accepted + prior) / (reached + 1), the prior being the share before it (the first's 1/2)
+    assert shares[0] == pytest.approx(4.5 / 11)
+    assert shares[1] == pytest.approx((2 + shares[0]) / 5)
+    assert shares[2] == pytest.approx((2 + shares[1]) / 3)
+    assert policy.expected_committed(0) == 1.0
+    assert policy.expected_committed(2) == pytest.approx(1 + shares[0] + shares[0] * shares[1])
+    assert policy.cost(2) == pytest.approx(2.0)
+    rates = [policy.expected_committed(k) / policy.cost(k) for k in range(4)]
+    assert policy.limit() == rates.index(max(rates))
+
+
+def test_a_copied_text_grows_the_draft_to_the_maximum():
+    policy = DraftPolicy(8)
+    limits = []
+    for _ in range(6):
+        limits.append(policy.limit())
+        policy.observe_window(limits[-1], limits[-1])  # every draft accepted
+    assert limits[0] == 1  # nothing known: one draft (acceptance 1/2 beats a 0.35 pass)
+    assert limits == sorted(limits) and limits[-1] == 8
+
+
+def test_drafts_that_are_rarely_right_stop_drafting_but_it_is_tried_again_later():
+    policy, rng, limits = DraftPolicy(8), random.Random(3), []
+    for _ in range(300):
+        limit = policy.limit()
+        limits.append(limit)
+        policy.observe_window(limit, int(limit > 0 and rng.random() < 0.1))
+    assert limits[-100:].count(0) > 80  # mostly no draft at all
+    assert 0 < sum(limit > 0 for limit in limits[-100:])  # but probes: the evidence fades
+    assert max(limits[-100:]) <= 2
+
+
+def test_asks_that_get_nothing_stop_drafting_only_where_asking_costs():
+    free, costly = DraftPolicy(4), DraftPolicy(4, call_cost=0.2)
+    for policy in (free, costly):
+        policy.reached, policy.accepted = [4.0] * 4, [3.0] * 4  # what is proposed is mostly right
+        for _ in range(8):
+            policy.observe_ask(False)
+            policy.observe_window(0, 0)
+        assert policy.availability < 0.15
+    assert free.limit() > 0  # asking in process costs nothing: a proposal, when there is one, pays
+    assert costly.limit() == 0  # a round trip a pass for rare proposals does not
+
+
+def test_a_costlier_draft_is_kept_shorter():
+    cheap, costly = DraftPolicy(8), DraftPolicy(8, draft_token_cost=1.0)
+    for policy in (cheap, costly):
+        policy.reached, policy.accepted = [20.0] * 8, [16.0] * 8  # 80 % at every position
+    assert cheap.limit() > costly.limit()
+    assert costly.cost(3) == pytest.approx(1 + 3 * (PRIOR_STEP + 1.0))
+
+
+def test_evidence_fades_by_forget_per_window_and_bad_counts_are_refused():
+    policy = DraftPolicy(2)
+    policy.observe_window(2, 1)  # draft 1 accepted, draft 2 rejected
+    assert (policy.reached, policy.accepted) == ([1.0, 1.0], [1.0, 0.0])
+    policy.observe_window(1, 0)
+    assert policy.reached == pytest.approx([FORGET + 1, FORGET]) and policy.accepted == pytest.approx([FORGET, 0.0])
+    with pytest.raises(ValueError):
+        policy.observe_window(1, 2)
+    with pytest.raises(ValueError):
+        DraftPolicy(0)
