@@ -146,10 +146,10 @@ def run_scenario(
     """Run every mode of a scenario; return its figures (see summarise)."""
     from benchmarks.reference import WholeModel
     from orchestrator.drafters import DrafterSettings, start_drafters, stop_drafters
-    from orchestrator.generate import Drafting, generate
+    from orchestrator.generate import generate
     from orchestrator.pipeline import Pipeline
     from speculators.sampling import SamplingSettings
-    from orchestrator.session import SpeculationSettings, speculator_factory
+    from orchestrator.session import SpeculationSettings, make_drafting, speculator_factory
     from orchestrator.tokenizer import Tokenizer
     from stages.settings import StageSettings
     from stages.gguf_file import stage_info_of
@@ -167,14 +167,10 @@ def run_scenario(
     runs: list[Run] = []
     total = scenario.repetitions * len(prompts) * len(modes)
     with Pipeline(stage_paths, settings, notify_boundaries=True) as pipeline:
-        drafters = {
-            kind: start_drafters(
-                pipeline,
-                speculator_factory(SpeculationSettings(speculator=kind, draft_path=draft), tokenizer, settings),
-                DrafterSettings(draft_max=DRAFT_MAX),
-            )
-            for kind in scenario.speculators
-        }
+        speculators = {kind: speculator_factory(SpeculationSettings(speculator=kind, draft_path=draft), tokenizer, settings)
+                       for kind in scenario.speculators}
+        drafters = {kind: start_drafters(pipeline, speculators[kind], DrafterSettings(draft_max=DRAFT_MAX))
+                    for kind in scenario.speculators}
         try:
             def run_mode(mode: str, prompt: list[int], max_tokens: int) -> Run:
                 if mode in ("whole", "whole-lookup"):
@@ -183,7 +179,7 @@ def run_scenario(
                 drafting = None
                 if mode.startswith("spec-"):
                     _, schedule, kind = mode.split("-", 2)
-                    drafting = Drafting(drafters[kind], Schedule(schedule), DRAFT_MAX)
+                    drafting = make_drafting(kind, drafters[kind], Schedule(schedule), DRAFT_MAX, speculators[kind])
                 # stages sharing this machine: one core while one pass runs at a time, else a core each
                 pipeline.pin_stages(overlapping=mode.startswith("spec-async"))
                 clients = drafters.get(mode.split("-", 2)[-1], [])

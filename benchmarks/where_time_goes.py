@@ -9,6 +9,11 @@ Greedy decoding of the same tokens, one token per pass, in three ways:
                  (orchestrator.stage_cpus: both on one core, one pass at a
                  time) and unpinned (the kernel picks their cores)
 
+Last, what a synchronous window pays before its pass to ask the drafter
+beside stage 0 (prompt lookup, an actor: speculate, then collect with wait),
+timed between one-token passes of the pinned pipeline, as a share of the
+pass: the draft policy's call cost (speculators.draft_length).
+
 For the pipeline each pass is cut into the stages' own compute (as each
 stage times its decode), the transport of all hops (wall time of the pass
 minus that compute), and the coordinator's own work between a result and
@@ -96,6 +101,25 @@ def _time_pipeline(pipeline, prompt: np.ndarray, count: int, figures, label: str
     return produced
 
 
+def _time_asks(pipeline, prompt: np.ndarray, count: int) -> list[float]:
+    from orchestrator.drafters import DrafterSettings, start_drafters, stop_drafters
+    from speculators.prompt_lookup import PromptLookupSpeculator
+
+    drafters = start_drafters(pipeline, PromptLookupSpeculator, DrafterSettings(draft_max=8))
+    try:
+        asks = []
+        for index in range(count):
+            position = len(prompt) + index
+            pipeline.forward(np.array([position], np.int32), np.array([prompt[-1]], np.int32), position)
+            started = time.perf_counter()
+            drafters[0].speculate(prompt.tolist(), 1)
+            drafters[0].collect(wait=True)
+            asks.append(time.perf_counter() - started)
+        return asks
+    finally:
+        stop_drafters(drafters)
+
+
 @click.command()
 @click.option("--tokens", default=64, show_default=True, type=click.IntRange(2))
 @click.option("--repetitions", default=3, show_default=True, type=click.IntRange(1))
@@ -122,6 +146,7 @@ def main(tokens: int, repetitions: int) -> None:
             outputs.append(_time_pipeline(pipeline, prompt, tokens, figures, "pipeline, pinned"))
             if any(output != outputs[0] for output in outputs):
                 raise SystemExit("the modes produced different tokens")
+            figures["pipeline, pinned: drafter ask"] = _time_asks(pipeline, prompt, tokens)
             for name, values in figures.items():
                 medians[name].append(statistics.median(values))
     print(f"| per pass ({tokens - 1} one-token passes x {repetitions} repetitions) | ms, median (range) |")
@@ -129,6 +154,8 @@ def main(tokens: int, repetitions: int) -> None:
     for name, values in medians.items():
         print(f"| {name} | {statistics.median(values) * 1e3:.2f} ({min(values) * 1e3:.2f}-{max(values) * 1e3:.2f}) |")
     whole_pass = statistics.median(medians["whole: pass"])
+    ask = statistics.median(medians["pipeline, pinned: drafter ask"]) / statistics.median(medians["pipeline, pinned: pass"])
+    print(f"\na drafter ask costs {ask:.3f} of a pinned pipeline pass")
     ratios = "; ".join(f"{mode} / whole: {whole_pass / statistics.median(medians[f'{mode}: pass']):.3f}"
                        for mode in ("in process", "pipeline, unpinned", "pipeline, pinned"))
     print(f"\ntokens/s {ratios}; every mode's tokens identical")

@@ -21,17 +21,27 @@ from dataclasses import dataclass, field
 
 from orchestrator.interfaces import Drafter, Target, committed_tokens
 from orchestrator.schedule import Schedule, Scheduler, SequenceState, SpeculationStats, relay
+from speculators.draft_length import DRAFTER_CALL_COST
 from speculators.sampling import SamplingSettings
 
 
 @dataclass(frozen=True)
 class Drafting:
     """How a generation drafts: drafters[i] sits beside stage i (one per
-    stage), the schedule, and the most drafts a window carries."""
+    stage), the schedule, and the most drafts a window carries.
+
+    first: the drafter the loop waits for before a window (the schedule's
+    drafts_first); None: the one beside stage 0. Prompt lookup runs here, in
+    this process: it costs microseconds, where asking an actor costs a round
+    trip each window.
+    call_cost: what that ask costs, in one-token passes (the draft policy's).
+    """
 
     drafters: Sequence[Drafter]
     schedule: Schedule
     draft_max: int
+    first: Drafter | None = None
+    call_cost: float = DRAFTER_CALL_COST
 
 
 @dataclass
@@ -116,6 +126,7 @@ class _Decoding:
             drafting.schedule if drafting is not None else Schedule.PLAIN,
             drafting.draft_max if drafting is not None else 1,
             prompt_from=0, prompt_chunk=prompt_chunk, sampling=request.sampling,
+            draft_call_cost=drafting.call_cost if drafting is not None else DRAFTER_CALL_COST,
         )
         self.result.speculation = self.state.stats
 
@@ -139,7 +150,8 @@ def generate_many(target: Target, requests: list[Request], is_end: Callable[[int
     scheduler = Scheduler(decoding.state for decoding in decodings)
     while not scheduler.done:
         for state in scheduler.drafting_first():
-            drafter = decodings[state.sequence].request.drafting.drafters[0]  # type: ignore[union-attr]
+            drafting = decodings[state.sequence].request.drafting
+            drafter = drafting.first or drafting.drafters[0]  # type: ignore[union-attr]
             drafter.speculate(state.committed, state.drafts_wanted)
             state.drafted_first(drafter.collect(wait=True))
         for target_pass in scheduler.next_passes():

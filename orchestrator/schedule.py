@@ -25,7 +25,8 @@ The rules:
   (``relay``): while stage i computes, the drafter beside stage i + 1 extends
   the speculation; when the pass leaves stage i, that drafter is collected
   and the drafter of the machine that just went idle goes on from the end of
-  the speculation; the result collects the drafter beside stage 0.
+  the speculation; the result collects the drafter beside stage 0. A
+  sequence whose draft policy takes no drafts does not relay.
 * When a window is started ahead (``SequenceState.window_ahead``, ``async``
   only, PipeInfer's idea): while one window of the sequence is in flight and
   the last verified window accepted all its drafts, the next window of the
@@ -449,10 +450,12 @@ class Scheduler:
 
     def relaying(self) -> list[SequenceState]:
         """Sequences whose drafters relay while the oldest pass runs: async ones
-        whose next window to verify is in it."""
+        whose next window to verify is in it, unless the draft policy takes no
+        drafts now (the relay's round trips would cost every pass for nothing;
+        drafting resumes when the policy asks again, before a window)."""
         oldest = self.in_flight[0]
         return [state for window in oldest.windows if (state := self.sequences[window.sequence]).schedule.relays
-                and state.is_head(window) and not state.finished]
+                and state.is_head(window) and not state.finished and state.draft_limit > 0]
 
     def received(self) -> list[tuple[SequenceState, Window, slice | None]]:
         """The oldest pass has come back: for each of its windows, its sequence

@@ -172,6 +172,17 @@ def speculator_factory(settings: SpeculationSettings, tokenizer: Tokenizer, stag
     return None
 
 
+def make_drafting(kind: str, drafters: list, schedule: Schedule, draft_max: int, make_speculator) -> Drafting:
+    """The Drafting of a run: prompt lookup is asked before a window in this
+    process (no round trip; the actors beside the stages still relay in
+    async), a draft model beside stage 0."""
+    from orchestrator.interfaces import InstantDrafter
+
+    if kind == "ngram":
+        return Drafting(drafters, schedule, draft_max, first=InstantDrafter(make_speculator(), draft_max), call_cost=0.0)
+    return Drafting(drafters, schedule, draft_max)
+
+
 def check_draft_model(path: str, tokenizer: Tokenizer) -> None:
     """A draft model must be a whole model with the target's vocabulary, token for token."""
     info = check_stage_files([path])[0]
@@ -264,7 +275,8 @@ def run_generation(
                                     max_restarts=settings.max_restarts),
                     on_restart=lambda index: restart_metrics.record("drafter", index),
                 )
-                drafting = Drafting(drafters, speculation_settings.schedule, speculation_settings.draft_max)
+                drafting = make_drafting(speculation_settings.speculator, drafters, speculation_settings.schedule,
+                                         speculation_settings.draft_max, make_speculator)
             live = GenerationMetrics()
             try:
                 generation = generate(

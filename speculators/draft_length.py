@@ -56,9 +56,11 @@ from dataclasses import dataclass, field
 PRIOR_STEP = 0.35  # each extra batch token costs this share of a one-token pass (batch_cost: 8 tokens 3.51x)
 FORGET = 0.95  # the weight older evidence keeps after each verified window
 PRIOR_COUNT = 1.0  # pseudo-observations of each draft position at the prior (see acceptances)
-# A drafter actor's round trip (orchestrate profile here: 0.23 ms) over a pass of the
-# default pipeline (about 15 ms): what asking costs in `orchestrate run` and bench.
-DRAFTER_CALL_COST = 0.015
+# What asking a drafter actor costs before a pass (speculate, collect with wait), in
+# passes of the default pipeline: 0.046 (0.71 ms of 15.6) by `python -m
+# benchmarks.where_time_goes` here, 2026-12-01 (a bare round trip in `orchestrate
+# profile` is 0.23 ms; beside a running pipeline the drafter wakes on an idle core).
+DRAFTER_CALL_COST = 0.045
 
 
 @dataclass

@@ -147,6 +147,14 @@ def test_the_scheduler_packs_the_windows_of_several_sequences_into_one_pass():
     assert len(scheduler.in_flight) == 1
 
 
+def test_a_sequence_whose_policy_takes_no_drafts_does_not_relay():
+    drafting, idle = state(speculation=[4, 5]), state(committed=(1, 2, 30), sequence=1)
+    idle.draft_limit = 0
+    scheduler = Scheduler([drafting, idle])
+    scheduler.next_passes()
+    assert scheduler.relaying() == [drafting]
+
+
 def test_the_scheduler_reports_a_discarded_window_without_rows():
     sequence = state(speculation=[4, 5, 6, 7, 8, 9])
     sequence.on_a_roll = True

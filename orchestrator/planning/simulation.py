@@ -45,6 +45,7 @@ from typing import Protocol
 
 from orchestrator.defaults import DRAFT_MAX
 from orchestrator.schedule import Schedule, Scheduler, SequenceState, relay
+from speculators.draft_length import DRAFTER_CALL_COST
 
 class PipelineCosts(Protocol):
     """Seconds for everything the schedule waits on."""
@@ -171,10 +172,12 @@ class DraftOutcomes(Protocol):
 
 @dataclass(frozen=True)
 class Mode:
-    """A schedule (a ``Schedule`` or its name) and its draft_max."""
+    """A schedule (a ``Schedule`` or its name), its draft_max, and what asking
+    the drafter before a window costs the draft policy (orchestrator.generate.Drafting)."""
 
     schedule: Schedule
     draft_max: int = DRAFT_MAX
+    call_cost: float = DRAFTER_CALL_COST
 
     def __post_init__(self):
         object.__setattr__(self, "schedule", Schedule(self.schedule))
@@ -307,7 +310,7 @@ def simulate_many(costs: PipelineCosts, mode: Mode, workloads: list[DraftOutcome
     rng = random.Random(seed)
     count = costs.stage_count
     stages = _Stages(costs)
-    states = [SequenceState(index, [_TRUE], 0, max_tokens, mode.schedule, mode.draft_max)
+    states = [SequenceState(index, [_TRUE], 0, max_tokens, mode.schedule, mode.draft_max, draft_call_cost=mode.call_cost)
               for index in range(len(workloads))]
     drafters = [[_Drafter(costs.draft_seconds(machine), mode.draft_max, workload, rng) for machine in range(count)]
                 for workload in workloads]

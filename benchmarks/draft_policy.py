@@ -1,0 +1,116 @@
+"""The draft policy against the rule it replaced, side by side in one run.
+
+speculators.draft_length.DraftPolicy chooses each window's drafts (none
+included) from the acceptance by position and the cost of a wider pass. Until
+2026-12-01 the rule was fixed: start at draft_max, double after a fully
+accepted window, accepted + 1 after a rejection, never below one. Both run
+here on the bench's chat and rewrite prompts (the default model split in
+two, one thread per stage, greedy, prompt lookup asked in this process as a
+run asks it), with the plain pipeline beside them, modes in turn within each
+repetition; medians of tokens/s over prompts and repetitions, as ratios to
+the plain pipeline, and the passes per token (deterministic: the same text
+gives the same passes).
+
+    python -m benchmarks.draft_policy [--repetitions 3] [--schedules sync,async]
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from contextlib import nullcontext
+from unittest import mock
+
+import click
+
+from benchmarks.suite import DRAFT_MAX, SCENARIO_DIR, load_scenario
+
+
+class DoublingRule:
+    """The rule the policy replaced (same interface as DraftPolicy)."""
+
+    def __init__(self, maximum: int, **_costs):
+        self.maximum = maximum
+        self.current = maximum
+
+    def observe_ask(self, proposed: bool) -> None:
+        pass
+
+    def observe_window(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        if accepted == drafted:
+            self.current = min(self.maximum, max(self.current, drafted) * 2)
+        else:
+            self.current = max(1, min(self.maximum, accepted + 1))
+
+    def limit(self) -> int:
+        return self.current
+
+
+@click.command()
+@click.option("--repetitions", default=3, show_default=True, type=click.IntRange(1))
+@click.option("--schedules", default="sync,async", show_default=True)
+def main(repetitions: int, schedules: str) -> None:
+    from orchestrator.cluster import ray_session
+    from orchestrator.defaults import BENCH_CONTEXT, default_stage_paths
+    from orchestrator.drafters import DrafterSettings, start_drafters, stop_drafters
+    from orchestrator.generate import generate
+    from orchestrator.pipeline import Pipeline
+    from orchestrator.schedule import Schedule
+    from orchestrator.session import make_drafting
+    from orchestrator.tokenizer import Tokenizer
+    from speculators.prompt_lookup import PromptLookupSpeculator
+    from speculators.sampling import SamplingSettings
+    from stages.settings import StageSettings
+
+    paths = default_stage_paths()
+    tokenizer = Tokenizer(paths[0])
+    scenarios = [load_scenario(SCENARIO_DIR / f"{name}.toml") for name in ("chat", "rewrite")]
+    modes = ["pipeline"] + [f"{schedule}-{rule}" for schedule in schedules.split(",") for rule in ("policy", "doubling")]
+    rates: dict[tuple[str, str], list[float]] = defaultdict(list)
+    passes: dict[tuple[str, str], list[float]] = defaultdict(list)
+    with ray_session(None), Pipeline(paths, StageSettings(n_ctx=BENCH_CONTEXT), notify_boundaries=True) as pipeline:
+        drafters = start_drafters(pipeline, PromptLookupSpeculator, DrafterSettings(draft_max=DRAFT_MAX))
+        try:
+            def run(mode: str, prompt: list[int], max_tokens: int):
+                drafting = None
+                if mode != "pipeline":
+                    schedule, rule = mode.split("-")
+                    drafting = make_drafting("ngram", drafters, Schedule(schedule), DRAFT_MAX, PromptLookupSpeculator)
+                pipeline.pin_stages(overlapping=mode.startswith("async"))
+                rule_class = DoublingRule if mode.endswith("doubling") else None
+                with mock.patch("orchestrator.schedule.DraftPolicy", rule_class) if rule_class else nullcontext():
+                    return generate(pipeline, prompt, max_tokens, SamplingSettings(), tokenizer.is_end, drafting=drafting)
+
+            for scenario in scenarios:
+                prompts = [tokenizer.chat_prompt(text) if scenario.chat else tokenizer.tokenize(text)
+                           for text in scenario.prompts]
+                for mode in modes:  # warm-up
+                    run(mode, prompts[0], 8)
+                for repetition in range(repetitions):
+                    for index, prompt in enumerate(prompts):
+                        shift = (repetition + index) % len(modes)
+                        outputs = {}
+                        for mode in modes[shift:] + modes[:shift]:
+                            result = run(mode, prompt, scenario.max_tokens)
+                            outputs[mode] = result.tokens
+                            rates[scenario.name, mode].append(result.tokens_per_second)
+                            passes[scenario.name, mode].append(result.passes / max(1, len(result.tokens)))
+                        if any(tokens != outputs["pipeline"] for tokens in outputs.values()):
+                            raise SystemExit(f"{scenario.name}: the modes produced different tokens")
+        finally:
+            stop_drafters(drafters)
+    print(f"| scenario | mode | tokens/s median (range) | x pipeline | passes/token |  ({repetitions} repetitions)")
+    print("| --- | --- | ---: | ---: | ---: |")
+    for scenario in scenarios:
+        plain = statistics.median(rates[scenario.name, "pipeline"])
+        for mode in modes:
+            values = rates[scenario.name, mode]
+            print(f"| {scenario.name} | {mode} | {statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f}) "
+                  f"| {statistics.median(values) / plain:.2f} | {statistics.median(passes[scenario.name, mode]):.2f} |")
+    print("\nevery mode's tokens identical to the plain pipeline's")
+
+
+if __name__ == "__main__":
+    main()
