@@ -9,7 +9,7 @@ two, one thread per stage, greedy, prompt lookup asked in this process as a
 run asks it), with the plain pipeline beside them, modes in turn within each
 repetition; medians of tokens/s over prompts and repetitions, as ratios to
 the plain pipeline, and the passes per token (deterministic: the same text
-gives the same passes).
+gives the same passes, for a given measured draft step).
 
     python -m benchmarks.draft_policy [--repetitions 3] [--schedules sync,async]
 """
@@ -72,13 +72,20 @@ def main(repetitions: int, schedules: str) -> None:
     passes: dict[tuple[str, str], list[float]] = defaultdict(list)
     with ray_session(None), Pipeline(paths, StageSettings(n_ctx=BENCH_CONTEXT), notify_boundaries=True) as pipeline:
         drafters = start_drafters(pipeline, PromptLookupSpeculator, DrafterSettings(draft_max=DRAFT_MAX))
+        steps = {}
+        for overlapping in (False, True):  # as the bench measures it
+            pipeline.pin_stages(overlapping)
+            steps[overlapping] = pipeline.draft_step()
+        print(f"measured draft step: sync {steps[False]:.2f}, async {steps[True]:.2f} one-token passes per extra token")
         try:
             def run(mode: str, prompt: list[int], max_tokens: int):
                 drafting = None
                 if mode != "pipeline":
                     schedule, rule = mode.split("-")
-                    drafting = make_drafting("ngram", drafters, Schedule(schedule), DRAFT_MAX, PromptLookupSpeculator)
                 pipeline.pin_stages(overlapping=mode.startswith("async"))
+                if mode != "pipeline":
+                    drafting = make_drafting("ngram", drafters, Schedule(schedule), DRAFT_MAX, PromptLookupSpeculator,
+                                             steps[schedule == "async"])
                 rule_class = DoublingRule if mode.endswith("doubling") else None
                 with mock.patch("orchestrator.schedule.DraftPolicy", rule_class) if rule_class else nullcontext():
                     return generate(pipeline, prompt, max_tokens, SamplingSettings(), tokenizer.is_end, drafting=drafting)

@@ -179,7 +179,8 @@ def run_scenario(
                 drafting = None
                 if mode.startswith("spec-"):
                     _, schedule, kind = mode.split("-", 2)
-                    drafting = make_drafting(kind, drafters[kind], Schedule(schedule), DRAFT_MAX, speculators[kind])
+                    drafting = make_drafting(kind, drafters[kind], Schedule(schedule), DRAFT_MAX, speculators[kind],
+                                             steps[schedule == "async"])
                 # stages sharing this machine: one core while one pass runs at a time, else a core each
                 pipeline.pin_stages(overlapping=mode.startswith("spec-async"))
                 clients = drafters.get(mode.split("-", 2)[-1], [])
@@ -191,6 +192,11 @@ def run_scenario(
                     sum(client.busy_seconds for client in clients) - busy_before,
                 )
 
+            # what a wider pass costs here, measured once per scenario as a run measures it, per pinning
+            steps = {}
+            for overlapping in (False, True):
+                pipeline.pin_stages(overlapping)
+                steps[overlapping] = pipeline.draft_step()
             for mode in modes:  # warm-up
                 run_mode(mode, prompts[0], 8)
             done = 0
@@ -215,6 +221,7 @@ def run_scenario(
     summary = summarise(scenario, modes, runs, len(stage_paths), hop_seconds, memory)
     summary["stage_starts"] = [stage_info_of(path).first_block for path in stage_paths]
     summary["draft_max"] = DRAFT_MAX
+    summary["draft_step"] = {"sync": steps[False], "async": steps[True]}  # the draft policy's measured batch cost
     summary["draft_traces"] = draft_traces(scenario, prompts, runs)
     return summary
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from orchestrator.interfaces import Drafter, Target, committed_tokens
 from orchestrator.schedule import Schedule, Scheduler, SequenceState, SpeculationStats, relay
-from speculators.draft_length import DRAFTER_CALL_COST
+from speculators.draft_length import DRAFTER_CALL_COST, PRIOR_STEP
 from speculators.sampling import SamplingSettings
 
 
@@ -35,6 +35,8 @@ class Drafting:
     this process: it costs microseconds, where asking an actor costs a round
     trip each window.
     call_cost: what that ask costs, in one-token passes (the draft policy's).
+    step: what each extra token of a pass costs, in one-token passes
+    (Pipeline.draft_step measures it before a run).
     """
 
     drafters: Sequence[Drafter]
@@ -42,6 +44,7 @@ class Drafting:
     draft_max: int
     first: Drafter | None = None
     call_cost: float = DRAFTER_CALL_COST
+    step: float = PRIOR_STEP
 
 
 @dataclass
@@ -127,6 +130,7 @@ class _Decoding:
             drafting.draft_max if drafting is not None else 1,
             prompt_from=0, prompt_chunk=prompt_chunk, sampling=request.sampling,
             draft_call_cost=drafting.call_cost if drafting is not None else DRAFTER_CALL_COST,
+            draft_step=drafting.step if drafting is not None else PRIOR_STEP,
         )
         self.result.speculation = self.state.stats
 

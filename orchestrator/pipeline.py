@@ -330,6 +330,21 @@ class Pipeline:
                               np.asarray(logit_rows, np.int32)))
         return self.receive()
 
+    def draft_step(self, batch: int = 8, repetitions: int = 3, sequence: int = 0) -> float:
+        """What each extra token of a batch costs a pass here, in one-token
+        passes (speculators.draft_length.step_from_timings): passes of one and
+        of ``batch`` tokens, wall time, in ``sequence``, which the next pass
+        with keep 0 clears (a generation's first)."""
+        from speculators.draft_length import step_from_timings
+
+        timings: dict[int, list[float]] = {1: [], batch: []}
+        for _ in range(repetitions + 1):  # the first of each only warms up
+            for tokens in timings:
+                started = time.perf_counter()
+                self.forward(np.arange(tokens, dtype=np.int32), np.ones(tokens, np.int32), 0, sequence=sequence)
+                timings[tokens].append(time.perf_counter() - started)
+        return step_from_timings(timings[1][1:], timings[batch][1:], batch)
+
     def submit(self, target_pass: TargetPass) -> None:
         """Start a pass of one sequence's window (its ``sequence`` is the KV
         sequence in every stage); results come back in submission order

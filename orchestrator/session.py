@@ -15,6 +15,7 @@ from orchestrator.metrics import GenerationMetrics, RestartMetrics
 from orchestrator.pipeline import Pipeline, StageReport, StageRestart
 from orchestrator.schedule import Schedule
 from orchestrator.tokenizer import Tokenizer
+from speculators.draft_length import PRIOR_STEP
 from speculators.sampling import SamplingSettings
 from stages.engine import StageError
 from stages.errors import SpecpipeError
@@ -172,15 +173,17 @@ def speculator_factory(settings: SpeculationSettings, tokenizer: Tokenizer, stag
     return None
 
 
-def make_drafting(kind: str, drafters: list, schedule: Schedule, draft_max: int, make_speculator) -> Drafting:
+def make_drafting(kind: str, drafters: list, schedule: Schedule, draft_max: int, make_speculator,
+                  step: float = PRIOR_STEP) -> Drafting:
     """The Drafting of a run: prompt lookup is asked before a window in this
     process (no round trip; the actors beside the stages still relay in
-    async), a draft model beside stage 0."""
+    async), a draft model beside stage 0. step: Pipeline.draft_step's."""
     from orchestrator.interfaces import InstantDrafter
 
     if kind == "ngram":
-        return Drafting(drafters, schedule, draft_max, first=InstantDrafter(make_speculator(), draft_max), call_cost=0.0)
-    return Drafting(drafters, schedule, draft_max)
+        return Drafting(drafters, schedule, draft_max, first=InstantDrafter(make_speculator(), draft_max),
+                        call_cost=0.0, step=step)
+    return Drafting(drafters, schedule, draft_max, step=step)
 
 
 def check_draft_model(path: str, tokenizer: Tokenizer) -> None:
@@ -276,7 +279,7 @@ def run_generation(
                     on_restart=lambda index: restart_metrics.record("drafter", index),
                 )
                 drafting = make_drafting(speculation_settings.speculator, drafters, speculation_settings.schedule,
-                                         speculation_settings.draft_max, make_speculator)
+                                         speculation_settings.draft_max, make_speculator, pipeline.draft_step())
             live = GenerationMetrics()
             try:
                 generation = generate(

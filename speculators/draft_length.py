@@ -18,7 +18,9 @@ and two costs in one-token passes of the target, given, not measured
 online:
 
 * ``step``, what each extra token of a batch adds (the cost curve t(n) / t(1)
-  is close to 1 + step (n - 1) here; the default is benchmarks.batch_cost's);
+  is close to 1 + step (n - 1) here). A run measures it once, before it
+  starts (``step_from_timings`` over a few passes of 1 and of 8 tokens:
+  ``Pipeline.draft_step``); the default is benchmarks.batch_cost's;
 * ``draft_token_cost``, what the loop waits for each draft token before a
   pass (a draft model in the sync schedule: about its size over the
   target's; prompt lookup: nothing);
@@ -26,10 +28,13 @@ online:
   proposes anything or not (a drafter actor's round trip; nothing in process),
   weighed with the share of asks that got a proposal (``availability``).
 
-Measuring the costs online was tried and dropped: the decisions then follow
-the timing noise of the machine, so the same text gives other passes on
-another run, and the planner's simulation (orchestrator.planning) could no
-longer make the decisions the real loop makes.
+Measuring the costs pass by pass was tried and dropped: the decisions then
+followed the timing noise of the machine, so the same text gave other passes
+within a run, and the planner's simulation (orchestrator.planning) could no
+longer make the decisions the real loop makes. Measured once before a run,
+the step follows the machine from day to day (on this VM two tokens cost
+1.30x one on 2026-11-30 and 1.71x on 2026-12-01) and the decisions of a run
+stay a function of its text.
 
 ``limit()`` is the k in 0..maximum that maximises
 
@@ -145,3 +150,14 @@ class DraftPolicy:
         rates = [self.rate(drafts) for drafts in range(self.maximum + 1)]
         return max(range(self.maximum + 1), key=lambda drafts: (rates[drafts], -drafts))
 
+
+def step_from_timings(one_token_seconds: list[float], batch_seconds: list[float], batch_tokens: int) -> float:
+    """The cost of each extra batch token, in one-token passes, from timed
+    passes of one token and of ``batch_tokens`` (medians; within [0, 2])."""
+    if batch_tokens < 2 or not one_token_seconds or not batch_seconds:
+        raise ValueError("need timed passes of one token and of a batch of at least two")
+    one = sorted(one_token_seconds)[len(one_token_seconds) // 2]
+    batch = sorted(batch_seconds)[len(batch_seconds) // 2]
+    if one <= 0:
+        raise ValueError("a one-token pass took no time")
+    return min(2.0, max(0.0, (batch / one - 1.0) / (batch_tokens - 1)))

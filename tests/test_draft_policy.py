@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from speculators.draft_length import FORGET, PRIOR_STEP, DraftPolicy
+from speculators.draft_length import FORGET, PRIOR_STEP, DraftPolicy, step_from_timings
 
 pytestmark = pytest.mark.pure
 
@@ -75,3 +75,14 @@ def test_evidence_fades_by_forget_per_window_and_bad_counts_are_refused():
         policy.observe_window(1, 2)
     with pytest.raises(ValueError):
         DraftPolicy(0)
+
+
+def test_the_step_is_the_median_batch_over_the_median_single_pass_per_extra_token():
+    # 8 tokens at 3.8x one: 0.4 a token; medians, so one slow pass changes nothing
+    assert step_from_timings([0.010, 0.010, 0.030], [0.038, 0.050, 0.038], 8) == pytest.approx((3.8 - 1) / 7)
+    assert step_from_timings([0.01], [0.005], 2) == 0.0  # never negative
+    assert step_from_timings([0.01], [10.0], 2) == 2.0  # bounded
+    with pytest.raises(ValueError):
+        step_from_timings([0.01], [0.02], 1)
+    with pytest.raises(ValueError):
+        step_from_timings([], [0.02], 8)
