@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from conftest import orchestrate
-from stages.gguf_file import ModelFileError, read_model, stage_info, validate_stage_set
+from stages.gguf_file import ModelFileError, StageFileInfo, read_model, stage_info, validate_stage_set
 
 
 def assert_one_line_error(result, *fragments):
@@ -97,10 +97,8 @@ def test_first_shard_required(tmp_path, smollm2):
         read_model(shard)
 
 
-def info(index: int, count: int, first: int, blocks: int, total: int = 30, name: str = "") -> "StageFileInfo":
+def info(index: int, count: int, first: int, blocks: int, total: int = 30, name: str = "") -> StageFileInfo:
     """A stage file's header as split writes it: stage index of count, blocks [first, first + blocks) of total."""
-    from stages.gguf_file import StageFileInfo
-
     return StageFileInfo(Path(name or f"stage-{index}.gguf"), index, count, first, blocks, total, "fingerprint", "m")
 
 
