@@ -543,11 +543,13 @@ def test_bad_boundaries_say_how_many_increasing_blocks_are_wanted(tmp_path, boun
 
 @pytest.mark.parametrize("text, message", [
     (MODEL.replace("width = 16\n", ""), "[model]: width is missing"),
-    (MODEL.replace("vocab = 128", "vocab = -1"), "[model]: vocab must be a number >= 0, not -1"),
-    (MODEL.replace("blocks = 4", 'blocks = "4"'), "[model]: blocks must be a number >= 0, not '4'"),
+    (MODEL.replace("vocab = 128", "vocab = -1"), "[model]: vocab must be a finite number > 0, not -1"),
+    (MODEL.replace("blocks = 4", 'blocks = "4"'), "[model]: blocks must be a finite number > 0, not '4'"),
     (MODEL.replace("kv_width = 8", "kv_width = true"), "[model]: kv_width must be a number >= 0, not True"),
     (MODEL.replace("parameters = 1e6\n", ""), "[model]: parameters is missing"),
-    (MODEL.replace("bits_per_weight = 8", "bits_per_weight = -8"), "[model]: bits_per_weight must be a number >= 0, not -8"),
+    (MODEL.replace("bits_per_weight = 8", "bits_per_weight = -8"), "[model]: bits_per_weight must be a finite number > 0, not -8"),
+    (MODEL.replace("blocks = 4", "blocks = 0"), "[model]: blocks must be a finite number > 0, not 0"),  # was a ZeroDivisionError
+    (MODEL.replace("vocab = 128", "vocab = inf"), "[model]: vocab must be a finite number > 0, not inf"),
     (MODEL.replace("parameters = 1e6", "parameters = 4e3"),
      "[model]: 4000 parameters cannot hold two 128 x 16 tables and 4 blocks"),
 ])
@@ -558,8 +560,9 @@ def test_a_bad_model_table_gets_one_line_naming_the_key(tmp_path, text, message)
 @pytest.mark.parametrize("machines, message", [
     (MACHINE + MACHINE.replace("memory_gb = 10\n", ""), "machine 1: memory_gb is missing"),
     (MACHINE.replace("compute_tflops = 2", "compute_tflops = -0.5"),
-     "machine 0: compute_tflops must be a number >= 0, not -0.5"),
-    (MACHINE + "efficiency = false\n", "machine 0: efficiency must be a number >= 0, not False"),
+     "machine 0: compute_tflops must be a finite number > 0, not -0.5"),
+    (MACHINE + "efficiency = false\n", "machine 0: efficiency must be a finite number > 0, not False"),
+    (MACHINE + "efficiency = 0\n", "machine 0: efficiency must be a finite number > 0, not 0"),  # was a ZeroDivisionError
     (MACHINE + 'pass_overhead_ms = "1"\n', "machine 0: pass_overhead_ms must be a number >= 0, not '1'"),
     (MACHINE.replace("bandwidth_gb_per_s = 100\n", ""), "machine 0: bandwidth_gb_per_s is missing"),
 ])

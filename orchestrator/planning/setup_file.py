@@ -49,6 +49,8 @@ on running the profiled split, every stage on that one machine.
 
 from __future__ import annotations
 
+import math
+
 import json
 import tomllib
 from pathlib import Path
@@ -177,12 +179,14 @@ def _setup_from_profile(profile: dict, behaviour: DraftBehaviour | None, drafter
     )
 
 
-def _number(table: dict, key: str, where: str, default: float | None = None) -> float:
+def _number(table: dict, key: str, where: str, default: float | None = None, *, positive: bool = False) -> float:
+    """A finite number >= 0 (> 0 where ``positive``: sizes, rates and divisors)."""
     value = table.get(key, default)
     if value is None:
         raise PlanError(f"{where}: {key} is missing")
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise PlanError(f"{where}: {key} must be a number >= 0, not {value!r}")
+    if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0
+            or (positive and value == 0)):
+        raise PlanError(f"{where}: {key} must be a {'finite number > 0' if positive else 'number >= 0'}, not {value!r}")
     return float(value)
 
 
@@ -199,9 +203,9 @@ def _model(table: dict, base: Path) -> ModelShape:
 def _model_by_size(table: dict, where: str) -> ModelShape:
     return ModelShape.from_parameters(
         name=str(table.get("name", "model")),
-        blocks=int(_number(table, "blocks", where)), width=int(_number(table, "width", where)),
-        vocab=int(_number(table, "vocab", where)), parameters=_number(table, "parameters", where),
-        bits_per_weight=_number(table, "bits_per_weight", where), kv_heads_width=int(_number(table, "kv_width", where)),
+        blocks=int(_number(table, "blocks", where, positive=True)), width=int(_number(table, "width", where, positive=True)),
+        vocab=int(_number(table, "vocab", where, positive=True)), parameters=_number(table, "parameters", where, positive=True),
+        bits_per_weight=_number(table, "bits_per_weight", where, positive=True), kv_heads_width=int(_number(table, "kv_width", where)),
     )
 
 
@@ -209,19 +213,19 @@ def _machine(table: dict, index: int, base: Path) -> Machine | MeasuredMachine:
     if "profile" in table:
         return measured_machine(read_profile(base / table["profile"]))
     where = f"machine {index}"
-    efficiency = _number(table, "efficiency", where, 1.0)
+    efficiency = _number(table, "efficiency", where, 1.0, positive=True)
     return Machine(
         name=str(table.get("name", f"machine-{index}")),
         memory_bytes=_number(table, "memory_gb", where) * 1e9,
-        bytes_per_second=_number(table, "bandwidth_gb_per_s", where) * 1e9 * efficiency,
-        flops_per_second=_number(table, "compute_tflops", where) * 1e12 * efficiency,
+        bytes_per_second=_number(table, "bandwidth_gb_per_s", where, positive=True) * 1e9 * efficiency,
+        flops_per_second=_number(table, "compute_tflops", where, positive=True) * 1e12 * efficiency,
         pass_overhead_seconds=_number(table, "pass_overhead_ms", where, 0.0) / 1e3,
     )
 
 
 def _link(table: dict, index: int) -> Link:
     where = f"link {index}"
-    return Link(_number(table, "latency_ms", where) / 1e3, _number(table, "bandwidth_gbit_per_s", where) * 1e9 / 8)
+    return Link(_number(table, "latency_ms", where) / 1e3, _number(table, "bandwidth_gbit_per_s", where, positive=True) * 1e9 / 8)
 
 
 def _draft(table: dict, machines: list) -> tuple[DraftBehaviour, list[float], int]:
