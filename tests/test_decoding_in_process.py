@@ -73,7 +73,8 @@ def test_a_prompt_of_several_batches_gives_the_whole_models_greedy_tokens(small_
     assert len(tokens) > 5 * SMALL_BATCH  # chunked prefill: six chunks or more
     expected = reference.greedy(tokens, 24).tokens
     drafting = None if schedule is None else Drafting(
-        [InstantDrafter(PromptLookupSpeculator(), 6) for _ in small_batch_chain.engines], schedule, 6)
+        [InstantDrafter(PromptLookupSpeculator(), 6) for _ in small_batch_chain.engines], schedule, 6,
+        call_cost=0.0)  # drafters in this process: asking costs nothing, so the policy keeps asking
     result = generate(small_batch_chain, tokens, 24, SamplingSettings(), is_end, drafting=drafting)
     assert result.tokens == expected
     if schedule is not None:
