@@ -97,8 +97,10 @@ class InstantTarget:
 
 
 class InPlaceDrafter:
-    """A drafter that drafts at collect, in this process, as if it had drafted all along."""
+    """A drafter that drafts at collect, in this process, as if it had drafted
+    all along: up to ``most`` tokens of the request, never more than draft_max."""
 
+    draft_max: int
     context: list[int] | None = None
     most: int | None = None
 
@@ -109,9 +111,10 @@ class InPlaceDrafter:
         if self.context is None:
             return []
         context, self.context = self.context, None
-        return self.draft(context)[:self.most]  # drafting here costs nothing: cut, as a drafter would stop
+        return self.draft(context, min(self.draft_max, self.most or self.draft_max))
 
-    def draft(self, context: list[int]) -> list[int]:
+    def draft(self, context: list[int], limit: int) -> list[int]:
+        """At most ``limit`` tokens extending ``context``."""
         raise NotImplementedError
 
 
@@ -124,9 +127,9 @@ class InstantDrafter(InPlaceDrafter):
         self.speculator = speculator
         self.draft_max = draft_max
 
-    def draft(self, context: list[int]) -> list[int]:
+    def draft(self, context: list[int], limit: int) -> list[int]:
         tokens: list[int] = []
-        while len(tokens) < self.draft_max:
+        while len(tokens) < limit:
             token = self.speculator.extend(context + tokens)
             if token is None:
                 break

@@ -213,7 +213,6 @@ class SequenceState:
     draft_limit: int = 0  # the next window's most drafts: the policy's choice after every verified window
     policy: DraftPolicy | None = None  # speculators.draft_length; made from draft_max and the costs below
     draft_call_cost: float = DRAFTER_CALL_COST  # asking the drafter, in one-token passes (0: in process)
-    draft_token_cost: float = 0.0  # each draft token waited for before a pass, in one-token passes
     draft_step: float = PRIOR_STEP  # each extra token of a pass, in one-token passes (measured by a run)
     on_a_roll: bool = False  # the last verified window accepted all its drafts
     finished: bool = False
@@ -224,8 +223,7 @@ class SequenceState:
     def __post_init__(self):
         if self.draft_max < 1:
             raise ValueError("draft_max must be at least 1")
-        self.policy = self.policy or DraftPolicy(self.draft_max, step=self.draft_step,
-                                                 draft_token_cost=self.draft_token_cost, call_cost=self.draft_call_cost)
+        self.policy = self.policy or DraftPolicy(self.draft_max, step=self.draft_step, call_cost=self.draft_call_cost)
         self.draft_limit = self.draft_limit or self.policy.limit()
 
     @property

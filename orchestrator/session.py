@@ -15,7 +15,7 @@ from orchestrator.metrics import GenerationMetrics, RestartMetrics
 from orchestrator.pipeline import Pipeline, StageReport, StageRestart
 from orchestrator.schedule import Schedule
 from orchestrator.tokenizer import Tokenizer
-from speculators.draft_length import PRIOR_STEP
+from speculators.draft_length import PRIOR_STEP, ask_cost
 from speculators.sampling import SamplingSettings
 from stages.engine import StageError
 from stages.errors import SpecpipeError
@@ -182,8 +182,8 @@ def make_drafting(kind: str, drafters: list, schedule: Schedule, draft_max: int,
 
     if kind == "ngram":
         return Drafting(drafters, schedule, draft_max, first=InstantDrafter(make_speculator(), draft_max),
-                        call_cost=0.0, step=step)
-    return Drafting(drafters, schedule, draft_max, step=step)
+                        call_cost=ask_cost(kind), step=step)
+    return Drafting(drafters, schedule, draft_max, call_cost=ask_cost(kind), step=step)
 
 
 def check_draft_model(path: str, tokenizer: Tokenizer) -> None:

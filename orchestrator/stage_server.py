@@ -203,6 +203,7 @@ class StageServer:
     def run_pass(self, batch: StageBatch) -> StageBatch | PassResult | StageFailure:
         """Decode one batch (or release its sequence); return what goes downstream."""
         engine = self.engine
+        chosen = None  # the last stage's tokens, when the batch asks it to choose
         started = time.perf_counter()
         try:
             engine.remove(batch.keep, batch.sequence)
@@ -228,10 +229,8 @@ class StageServer:
         if self.on_pass is not None:
             self.on_pass(seconds, self.kv_cells, self.kv_sequences)
         stage_seconds = batch.stage_seconds + (seconds,)
-        if engine.is_last and batch.choice is not None:
-            return PassResult(batch.pass_id, None, stage_seconds, tokens=chosen)
         if engine.is_last:
-            return PassResult(batch.pass_id, output, stage_seconds)
+            return PassResult(batch.pass_id, output if chosen is None else None, stage_seconds, tokens=chosen)
         return StageBatch(
             pass_id=batch.pass_id,
             keep=batch.keep,

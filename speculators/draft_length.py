@@ -68,6 +68,13 @@ PRIOR_COUNT = 1.0  # pseudo-observations of each draft position at the prior (se
 DRAFTER_CALL_COST = 0.045
 
 
+def ask_cost(speculator: str) -> float:
+    """What asking the drafter before a window costs a run, in one-token
+    passes: nothing for prompt lookup, which a run asks in the coordinator
+    (orchestrator.session.make_drafting), a drafter actor's round trip else."""
+    return 0.0 if speculator == "ngram" else DRAFTER_CALL_COST
+
+
 @dataclass
 class DraftPolicy:
     """The draft length that maximises committed tokens per second (see the module text).

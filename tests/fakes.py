@@ -89,10 +89,10 @@ class TraceDrafter(InPlaceDrafter):
     def __init__(self, truth: list[int], prompt_length: int, trace: DraftTrace, draft_max: int):
         self.truth, self.prompt_length, self.trace, self.draft_max = truth, prompt_length, trace, draft_max
 
-    def draft(self, context: list[int]) -> list[int]:
+    def draft(self, context: list[int], limit: int) -> list[int]:
         right = context == self.truth[: len(context)]
         tokens: list[int] = []
-        while len(tokens) < self.draft_max:
+        while len(tokens) < limit:
             position = len(context) + len(tokens) - self.prompt_length  # generated position
             proposal = False if not right else (self.trace.proposals[position] if position < self.trace.end else None)
             if proposal is None:

@@ -32,7 +32,7 @@ from orchestrator.planning.costs import Software
 from orchestrator.planning.setup import PlanError
 from orchestrator.planning.setup_file import setup_from_profile
 from orchestrator.planning.simulation import DraftBehaviour, DraftTrace, Mode, predict
-from speculators.draft_length import DRAFTER_CALL_COST
+from speculators.draft_length import ask_cost
 
 RUNS = 64
 IN_PROCESS = Software(hop_seconds=0.0, coordinator_pass_seconds=0.0, coordinator_row_seconds=0.0,
@@ -95,8 +95,7 @@ def predict_scenario(profile: dict, scenario: dict, runs: int = RUNS) -> list[Mo
             if behaviour is None or drafter_seconds is None:
                 continue
             setup = replace(split, draft_seconds=[drafter_seconds] * len(starts))
-            # prompt lookup is asked in the coordinator, a draft model through its actor (session.make_drafting)
-            mode = Mode(schedule, scenario["draft_max"], call_cost=0.0 if kind == "ngram" else DRAFTER_CALL_COST)
+            mode = Mode(schedule, scenario["draft_max"], call_cost=ask_cost(kind))
             try:
                 traces = [DraftTrace.from_text(text) for text in scenario.get("draft_traces", {}).get(kind, [])]
             except ValueError as error:

@@ -49,9 +49,8 @@ on running the profiled split, every stage on that one machine.
 
 from __future__ import annotations
 
-import math
-
 import json
+import math
 import tomllib
 from pathlib import Path
 
