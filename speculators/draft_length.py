@@ -153,9 +153,13 @@ class DraftPolicy:
                 / (self.call_cost + 1.0 - available + available * self.cost(drafts)))
 
     def limit(self) -> int:
-        """The draft length with the most committed tokens per second (0: none)."""
+        """The draft length with the most committed tokens per second (0: none).
+        With no evidence at all it is at least 1: the prior alone (1/2) would
+        never draft once a wider pass costs half a pass or more, and nothing
+        else could ever be learnt."""
         rates = [self.rate(drafts) for drafts in range(self.maximum + 1)]
-        return max(range(self.maximum + 1), key=lambda drafts: (rates[drafts], -drafts))
+        best = max(range(self.maximum + 1), key=lambda drafts: (rates[drafts], -drafts))
+        return max(best, 1) if self.asked == 0 and self.reached[0] == 0 else best
 
 
 def step_from_timings(one_token_seconds: list[float], batch_seconds: list[float], batch_tokens: int) -> float:

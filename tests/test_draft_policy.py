@@ -86,3 +86,10 @@ def test_the_step_is_the_median_batch_over_the_median_single_pass_per_extra_toke
         step_from_timings([0.01], [0.02], 1)
     with pytest.raises(ValueError):
         step_from_timings([], [0.02], 8)
+
+
+def test_with_no_evidence_it_drafts_once_however_costly_a_wider_pass():
+    policy = DraftPolicy(4, step=0.8)  # by the prior alone (1/2) one draft would not pay
+    assert policy.limit() == 1
+    policy.observe_window(1, 0)  # tried, rejected: now the evidence decides
+    assert policy.limit() == 0
