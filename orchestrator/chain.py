@@ -3,9 +3,11 @@
 coordinator -> stage 0 -> stage 1 -> ... -> last stage -> coordinator. The
 coordinator sends each pass to stage 0 and reads the logits back from the last
 stage; with boundary notices, each non-last stage also reports every pass
-leaving it (async drafting uses the moment). Ray is not on this path: a plain
-actor call costs ~1-2 ms on these machines, as much as a whole stage of a small
-model (orchestrator.wire frames the messages).
+leaving it (async drafting uses the moment). Each stage also keeps a
+connection on which the coordinator cancels passes (orchestrator.stage_server).
+Ray is not on this path: a plain actor call costs ~1-2 ms on these machines,
+as much as a whole stage of a small model (orchestrator.wire frames the
+messages).
 """
 
 from __future__ import annotations
@@ -20,14 +22,22 @@ from dataclasses import dataclass
 import numpy as np
 
 from orchestrator import wire
-from orchestrator.handshake import RESULT_ROLE, HandshakeError, accept_peer, boundary_role, connect_peer, upstream_role
+from orchestrator.handshake import (
+    RESULT_ROLE,
+    HandshakeError,
+    accept_peer,
+    boundary_role,
+    cancel_role,
+    connect_peer,
+    upstream_role,
+)
 from orchestrator.defaults import (
     CONNECT_SECONDS,
     PASS_DEADLINE_FACTOR,
     PASS_DEADLINE_MINIMUM_SECONDS,
     SHUTDOWN_SECONDS,
 )
-from orchestrator.messages import Boundary, PassResult, Shutdown, StageBatch, StageFailure
+from orchestrator.messages import Boundary, Cancel, Cancelled, PassResult, Shutdown, StageBatch, StageFailure
 from orchestrator.replay import KvLedger, PassRecord
 from stages.errors import SpecpipeError
 
@@ -54,12 +64,14 @@ class PassLate(PipelineError):
 class _InFlight:
     """A pass in flight: its id, what was sent (kept until its result comes back:
     a lost chain's passes are sent again), when, and whether another pass was
-    in flight at the same time (then wall time minus compute is not transport)."""
+    in flight at the same time (then wall time minus compute is not transport),
+    and whether it was cancelled."""
 
     pass_id: int
     record: PassRecord
     started: float
     overlapped: bool
+    cancelled: bool = False
 
 
 def result_problem(record: PassRecord, reply: PassResult, n_vocab: int, stage_count: int) -> str:
@@ -107,6 +119,7 @@ class SocketChain:
         self._from_last: socket.socket | None = None
         self._boundaries: list[socket.socket] = []
         self._boundary_seen: list[int] = []  # last pass id each stage reported
+        self._cancels: list[socket.socket] = []  # to each stage, in stage order
         self._pass_id = 0
         self._in_flight: collections.deque[_InFlight] = collections.deque()
         self.stage_count = 0
@@ -138,6 +151,10 @@ class SocketChain:
         self._boundaries.append(self._accept(boundary_role(len(self._boundaries))))
         self._boundary_seen.append(0)
 
+    def accept_cancel(self) -> None:
+        """The next stage (in stage order) has been told to connect here to take cancels."""
+        self._cancels.append(self._accept(cancel_role(len(self._cancels))))
+
     def _accept(self, role: str) -> socket.socket:
         with _setting_up():
             return accept_peer(self.listener, self.secret, role, CONNECT_SECONDS, self.certificate)
@@ -167,6 +184,24 @@ class SocketChain:
     def release(self, sequence: int) -> None:
         """Every stage drops all of a KV sequence's cache (in order with the passes around it)."""
         self.send(PassRecord.release(sequence))
+
+    def cancel(self, record: PassRecord) -> None:
+        """Tell every stage that the pass in flight of ``record`` is no longer
+        wanted (nothing if its result is in, or it is a release). Best effort:
+        its result may still come whole; a broken connection shows at receive."""
+        for entry in self._in_flight:
+            if entry.record is record and not entry.cancelled and not record.is_release:
+                entry.cancelled = True
+                for connection in self._cancels:
+                    try:
+                        wire.send_message(connection, Cancel(entry.pass_id))
+                    except OSError:
+                        pass
+                return
+
+    def holds(self, record: PassRecord) -> bool:
+        """``record`` was sent and its result has not been received."""
+        return any(entry.record is record for entry in self._in_flight)
 
     @property
     def deadline_seconds(self) -> float:
@@ -199,14 +234,16 @@ class SocketChain:
         self._boundary_seen[stage_index] = notice.pass_id
         return notice.pass_id
 
-    def receive(self) -> PassResult:
-        """The result of the oldest pass in flight (releases before it are passed over)."""
+    def receive(self) -> PassResult | Cancelled:
+        """The result of the oldest pass in flight (releases before it are
+        passed over); for a cancelled pass, its result or a ``Cancelled`` with
+        a time for every stage."""
         while True:
             reply = self._receive_oldest()
             if reply is not None:
                 return reply
 
-    def _receive_oldest(self) -> PassResult | None:
+    def _receive_oldest(self) -> PassResult | Cancelled | None:
         entry = self._in_flight[0]  # stays in flight until its result is in: a broken chain sends it again
         for stage_index in range(len(self._boundaries)):
             while self._boundary_seen[stage_index] < entry.pass_id:
@@ -219,6 +256,8 @@ class SocketChain:
             self._in_flight.popleft()
             self.ledger.settle(entry.record, decoded=False)
             raise PipelineError(f"stage {reply.stage_index} failed: {reply.message}")
+        if isinstance(reply, Cancelled) and reply.pass_id == entry.pass_id:
+            return self._cancelled(entry, reply)
         if not isinstance(reply, PassResult) or reply.pass_id != entry.pass_id:
             raise PipelineError(f"{self._last_stage} sent {type(reply).__name__} {getattr(reply, 'pass_id', '')} "
                                 f"in reply to pass {entry.pass_id}")
@@ -235,6 +274,19 @@ class SocketChain:
             self.passes_alone += 1
         return reply
 
+    def _cancelled(self, entry: _InFlight, reply: Cancelled) -> Cancelled:
+        """A pass dropped or stopped by a stage: some stages cached it, some
+        did not, so it settles as not decoded (replay.KvLedger)."""
+        if not entry.cancelled:
+            raise PipelineError(f"stage {reply.stage_index} dropped pass {entry.pass_id}, which was not cancelled")
+        if reply.stage_index >= self.stage_count or len(reply.stage_seconds) != reply.stage_index + 1:
+            raise PipelineError(f"{self._last_stage} sent a cancellation of pass {entry.pass_id} by stage "
+                                f"{reply.stage_index} with {len(reply.stage_seconds)} stage times")
+        self._in_flight.popleft()
+        self.ledger.settle(entry.record, decoded=False)
+        padding = (0.0,) * (self.stage_count - len(reply.stage_seconds))
+        return Cancelled(reply.pass_id, reply.stage_index, reply.stage_seconds + padding)
+
     @property
     def _last_stage(self) -> str:
         """The last stage, as an error names it."""
@@ -248,6 +300,10 @@ class SocketChain:
     def unanswered(self) -> list[PassRecord]:
         """What was sent and has no result yet, oldest first (a new chain sends it again)."""
         return [entry.record for entry in self._in_flight]
+
+    def cancelled_unanswered(self) -> list[PassRecord]:
+        """Those of ``unanswered`` that were cancelled (a new chain cancels them again)."""
+        return [entry.record for entry in self._in_flight if entry.cancelled]
 
     def notices_taken_in_flight(self) -> list[int]:
         """For each non-last stage: how many of the unanswered passes' boundary
@@ -276,9 +332,10 @@ class SocketChain:
                 wire.receive_message(self._from_last)
             except (OSError, wire.ConnectionClosed):
                 pass
-        for connection in (self._to_first, self._from_last, *self._boundaries):
+        for connection in (self._to_first, self._from_last, *self._boundaries, *self._cancels):
             if connection is not None:
                 connection.close()
         self._to_first = self._from_last = None
         self._boundaries = []
+        self._cancels = []
         self.listener.close()

@@ -174,6 +174,8 @@ def generate_many(target: Target, requests: list[Request], is_end: Callable[[int
             decoding.result.passes = state.passes
             if not window.prompt and decoding.request.on_pass is not None:
                 decoding.request.on_pass(decoding.result, len(new_tokens))
+        for target_pass in scheduler.invalid_passes():  # a rejection invalidated them: stop computing them
+            target.cancel(target_pass)
     for decoding in decodings:
         decoding.result.stopped_by = decoding.state.stopped_by
         decoding.result.passes = decoding.state.passes

@@ -52,6 +52,11 @@ def drafter_role(stage_index: int) -> str:
     return f"drafter {stage_index}"
 
 
+def cancel_role(stage_index: int) -> str:
+    """Stage ``stage_index``'s connection on which the coordinator cancels passes."""
+    return f"cancels of stage {stage_index}"
+
+
 def boundary_role(stage_index: int) -> str:
     """Stage ``stage_index``'s connection that tells the coordinator a pass left it."""
     return f"boundary notices of stage {stage_index}"

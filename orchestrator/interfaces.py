@@ -13,7 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
-from orchestrator.messages import PassResult
+from orchestrator.messages import Cancelled, PassResult
 from orchestrator.schedule import TargetPass, Window
 from speculators.sampling import SamplingSettings
 from speculators.verify import verify
@@ -28,11 +28,16 @@ class Target(Protocol):
         """Start a pass; results come back in submission order through receive().
         A pass may be submitted while others are in flight."""
 
-    def receive(self) -> PassResult:
+    def cancel(self, target_pass: TargetPass) -> None:
+        """A pass in flight is no longer wanted (Scheduler.invalid_passes): the
+        target may stop computing it. Its receive() still comes, in order."""
+
+    def receive(self) -> PassResult | Cancelled:
         """The oldest pass's result: the tokens its window commits, chosen
         beside the target's last stage (a window with ``sampling``), or its
         logits float32[rows, n_vocab], the windows' logit rows in order
-        (committed_tokens verifies those here)."""
+        (committed_tokens verifies those here); for a cancelled pass, maybe
+        a ``Cancelled`` instead (only its stage_seconds are read)."""
 
     def await_boundary(self, stage_index: int) -> int:
         """Block until the next pass has left stage ``stage_index``; its pass id."""
@@ -85,6 +90,9 @@ class InstantTarget:
             for row, (sequence, position) in enumerate(rows):
                 logits[row, self.next_token(sequence, position)] = 1.0
         self.pending.append(logits)
+
+    def cancel(self, target_pass: TargetPass) -> None:
+        """Nothing to stop: every pass was answered when submitted."""
 
     def receive(self) -> PassResult:
         return PassResult(0, self.pending.popleft(), (0.0,) * self.stage_count)

@@ -296,6 +296,49 @@ class Boundary:
 
 
 @dataclass(frozen=True)
+class Cancel:
+    """Coordinator -> every stage, on its cancel connection: pass ``pass_id``
+    is no longer wanted (a rejection invalidated its window). A stage that
+    has not started it drops it; one running it stops it mid-graph."""
+
+    KIND: ClassVar[str] = "cancel"
+
+    pass_id: int
+
+    def to_wire(self) -> tuple[WireHeader, np.ndarray | None]:
+        return {"pass": self.pass_id}, None
+
+    @classmethod
+    def from_wire(cls, header: WireHeader, array: np.ndarray | None) -> Cancel:
+        return cls(pass_id=_integer(header, "pass", low=1))
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    """A cancelled pass, dropped or stopped by stage ``stage_index``: travels
+    the rest of the chain in its place (later stages forward it) and reaches
+    the coordinator instead of its result.
+
+    stage_seconds: busy seconds of the stages up to ``stage_index`` for it
+    (as the coordinator hands it out: of every stage, zero for those after).
+    """
+
+    KIND: ClassVar[str] = "cancelled"
+
+    pass_id: int
+    stage_index: int
+    stage_seconds: tuple[float, ...]
+
+    def to_wire(self) -> tuple[WireHeader, np.ndarray | None]:
+        return {"pass": self.pass_id, "stage": self.stage_index, "seconds": list(self.stage_seconds)}, None
+
+    @classmethod
+    def from_wire(cls, header: WireHeader, array: np.ndarray | None) -> Cancelled:
+        return cls(pass_id=_integer(header, "pass"), stage_index=_integer(header, "stage"),
+                   stage_seconds=_seconds(header, "seconds"))
+
+
+@dataclass(frozen=True)
 class SpeculateFrom:
     """Coordinator -> drafter: extend this text (committed tokens then the
     current speculation) until collected.
@@ -371,7 +414,8 @@ class DraftReply:
         )
 
 
-Message = StageBatch | PassResult | StageFailure | Shutdown | Boundary | SpeculateFrom | CollectDraft | DraftReply
+Message = (StageBatch | PassResult | StageFailure | Shutdown | Boundary | Cancel | Cancelled | SpeculateFrom | CollectDraft
+           | DraftReply)
 
 MESSAGE_TYPES: tuple[type[Message], ...] = (
     StageBatch,
@@ -379,6 +423,8 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     StageFailure,
     Shutdown,
     Boundary,
+    Cancel,
+    Cancelled,
     SpeculateFrom,
     CollectDraft,
     DraftReply,

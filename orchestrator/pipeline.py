@@ -20,6 +20,7 @@ node's memory, and a second copy beside it could not load.
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from orchestrator.chain import PassLate, PipelineError, SocketChain
 from orchestrator.cluster import Reservation, one_line, peak_rss_mb
 from orchestrator.defaults import ACTOR_START_SECONDS, MAX_RESTARTS, STAGE_ANSWER_SECONDS
 from orchestrator.handshake import new_secret
-from orchestrator.messages import PassResult, TokenChoice
+from orchestrator.messages import Cancelled, PassResult, TokenChoice
 from orchestrator.replay import KvLedger, PassRecord
 from orchestrator.schedule import TargetPass
 from orchestrator.stage_cpus import CpuSet, stage_cpu_sets
@@ -48,7 +49,8 @@ LOOPBACK = "127.0.0.1"
 @dataclass(frozen=True)
 class StageReport:
     """What a stage did over a run: its blocks [first_block, end_block), its
-    node, its busy time, and the passes it ran."""
+    node, its busy time, the passes it ran, and the cancelled passes it
+    dropped unstarted or stopped mid-graph."""
 
     stage_index: int
     first_block: int
@@ -57,6 +59,8 @@ class StageReport:
     host: str
     busy_seconds: float
     passes: int
+    dropped_passes: int = 0
+    stopped_passes: int = 0
 
 
 @dataclass(frozen=True)
@@ -127,8 +131,12 @@ def _stage_actor_class():
         def connect_notify(self, host: str, port: int) -> None:
             self.server.connect_notify(host, port)
 
-        def stats(self) -> tuple[float, int]:
-            return self.server.busy_seconds, self.server.passes
+        def connect_cancel(self, host: str, port: int) -> None:
+            self.server.connect_cancel(host, port)
+
+        def stats(self) -> tuple[float, int, int, int]:
+            server = self.server
+            return server.busy_seconds, server.passes, server.dropped_passes, server.stopped_passes
 
         def load(self) -> StageLoad:
             import psutil
@@ -191,6 +199,8 @@ class Pipeline:
         self.actors: list = []
         self.chain: SocketChain | None = None
         self.ledger = KvLedger()  # what every stage caches, for a replay after a loss
+        # every pass sent and not yet answered, oldest first, with the TargetPass it carries (None: forward's)
+        self._passes: collections.deque[tuple[TargetPass | None, PassRecord]] = collections.deque()
         # The data plane's secret: it reaches the actors only through Ray's
         # authenticated calls, and every chain connection proves it holds it.
         self.secret = new_secret()
@@ -281,6 +291,10 @@ class Pipeline:
                         boundary = accepting.submit(chain.accept_boundary)
                         ray.get(actor.connect_notify.remote(*chain.address), timeout=ACTOR_START_SECONDS)
                         boundary.result()
+                for actor in self.actors:  # one at a time, in stage order
+                    cancels = accepting.submit(chain.accept_cancel)
+                    ray.get(actor.connect_cancel.remote(*chain.address), timeout=ACTOR_START_SECONDS)
+                    cancels.result()
         except ray.exceptions.RayError as error:
             chain.close()
             raise PipelineError(f"the chain could not be set up: {one_line(error)}") from None
@@ -326,8 +340,10 @@ class Pipeline:
         """
         if logit_rows is None:
             logit_rows = np.array([len(tokens) - 1], dtype=np.int32)
-        self._send(PassRecord(sequence, keep, np.asarray(positions, np.int32), np.asarray(tokens, np.int32),
-                              np.asarray(logit_rows, np.int32)))
+        record = PassRecord(sequence, keep, np.asarray(positions, np.int32), np.asarray(tokens, np.int32),
+                            np.asarray(logit_rows, np.int32))
+        self._passes.append((None, record))
+        self._send(record)
         return self.receive()
 
     def draft_step(self, batch: int = 8, repetitions: int = 3, sequence: int = 0) -> float:
@@ -360,22 +376,38 @@ class Pipeline:
         positions = np.arange(window.first, window.first + len(window.inputs), dtype=np.int32)
         choice = None if window.sampling is None else TokenChoice(
             np.asarray(window.drafts, np.int32), window.first + window.logit_rows[0] + 1, window.sampling)
-        self._send(PassRecord(window.sequence, window.first, positions, np.asarray(window.inputs, np.int32),
-                              np.asarray(window.logit_rows, np.int32), choice))
+        record = PassRecord(window.sequence, window.first, positions, np.asarray(window.inputs, np.int32),
+                            np.asarray(window.logit_rows, np.int32), choice)
+        self._passes.append((target_pass, record))
+        self._send(record)
+
+    def cancel(self, target_pass: TargetPass) -> None:
+        """The pass is no longer wanted (a rejection invalidated its windows):
+        stages that have not started it drop it, one running it stops it.
+        Its receive() is then a ``Cancelled``, or its result if the stages
+        were done before the cancel reached them."""
+        for submitted, record in self._passes:
+            if submitted is target_pass:
+                self.chain.cancel(record)
+                return
 
     def release(self, sequence: int) -> None:
         """Free a KV sequence in every stage, in order with the passes around it."""
         self._send(PassRecord.release(sequence))
 
-    def receive(self) -> PassResult:
-        """The logits of the oldest pass in flight. Past the chain's deadline, or
-        if the chain breaks, a dead stage is restarted and the pass comes late;
-        a hung stage (or one out of restarts) is named in a PipelineError."""
+    def receive(self) -> PassResult | Cancelled:
+        """The result of the oldest pass in flight (or its ``Cancelled``). Past
+        the chain's deadline, or if the chain breaks, a dead stage is restarted
+        and the pass comes late; a hung stage (or one out of restarts) is
+        named in a PipelineError."""
         while True:
             try:
                 return self.chain.receive()
             except PassLate as late:
                 self._recover(late)
+            finally:  # answered (or failed) passes can no longer be cancelled
+                while self._passes and not self.chain.holds(self._passes[0][1]):
+                    self._passes.popleft()
 
     def await_boundary(self, stage_index: int) -> int:
         """Block until the next pass has left stage ``stage_index``; return its id
@@ -399,6 +431,7 @@ class Pipeline:
         PipelineError that names the stage at fault."""
         noticed = time.perf_counter()
         unanswered, notices = self.chain.unanswered(), self.chain.notices_taken_in_flight()
+        cancelled = self.chain.cancelled_unanswered()
         restarted: list[tuple[int, str, str]] = []  # (index, why, old node)
         while True:
             dead = self._dead_stages(late, restarted)
@@ -411,7 +444,7 @@ class Pipeline:
             self.chain.take_timing_from(old_chain)
             replaying = time.perf_counter()
             try:
-                self._replay(unanswered, notices)
+                self._replay(unanswered, notices, cancelled)
                 break
             except PassLate as again:  # lost again while replaying: the ledger still holds only settled passes
                 late = again
@@ -470,11 +503,11 @@ class Pipeline:
         except ray.exceptions.RayError as error:
             raise PipelineError(f"stage {index} could not be restarted: {one_line(error)}") from None
 
-    def _replay(self, unanswered: list[PassRecord], notices: list[int]) -> None:
+    def _replay(self, unanswered: list[PassRecord], notices: list[int], cancelled: list[PassRecord]) -> None:
         """Rebuild every sequence's cache in the new chain (at most one pass per
         stage in flight, so results never pile up unread), then send the
-        unanswered passes again and take the boundary notices of theirs the
-        caller already awaited."""
+        unanswered passes again (cancelling again those ``cancelled``) and
+        take the boundary notices of theirs the caller already awaited."""
         for record in self.ledger.rebuild(self.n_batch):
             if self.chain.in_flight >= len(self.stages):
                 self.chain.receive()
@@ -483,6 +516,8 @@ class Pipeline:
             self.chain.receive()
         for record in unanswered:
             self.chain.send(record)
+        for record in cancelled:
+            self.chain.cancel(record)
         for stage_index, count in enumerate(notices):
             for _ in range(count):
                 self.chain.await_boundary(stage_index)
@@ -498,8 +533,8 @@ class Pipeline:
 
         stats = ray.get([actor.stats.remote() for actor in self.actors])
         return [
-            StageReport(stage.stage_index, stage.first_block, stage.end_block, stage.node_id, stage.host, busy, passes)
-            for stage, (busy, passes) in zip(self.stages, stats)
+            StageReport(stage.stage_index, stage.first_block, stage.end_block, stage.node_id, stage.host, *counts)
+            for stage, counts in zip(self.stages, stats)
         ]
 
     def load_calls(self) -> list:

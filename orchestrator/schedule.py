@@ -38,6 +38,10 @@ The rules:
   commit all it carried, or its own token differs), or the sequence is
   finished. Its result is discarded when it arrives, and the sequence submits
   nothing new until then (the next pass's rollback drops its cache entries).
+* When a pass in flight is cancelled (``Scheduler.invalid_passes``,
+  PipeInfer's early cancellation): as soon as every window it carries is
+  invalid. Stages that have not started it drop it, and the one running it
+  stops; its result, whatever comes back, is discarded as above.
 * How many drafts a window carries (``draft_limit``, none included: then
   the drafter is not even asked): ``speculators.draft_length.DraftPolicy``,
   from the acceptance by draft position and the cost of a longer pass.
@@ -415,6 +419,7 @@ class Scheduler:
         self.sequences = {state.sequence: state for state in sequences}
         self.in_flight: deque[TargetPass] = deque()
         self.window_per_pass = window_per_pass
+        self._invalid: set[int] = set()  # id() of passes in flight already handed out by invalid_passes
 
     def add(self, state: SequenceState) -> None:
         if state.sequence in self.sequences:
@@ -456,11 +461,25 @@ class Scheduler:
         return [state for window in oldest.windows if (state := self.sequences[window.sequence]).schedule.relays
                 and state.is_head(window) and not state.finished and state.draft_limit > 0]
 
+    def invalid_passes(self) -> list[TargetPass]:
+        """Passes in flight not handed out before whose every window is invalid
+        (computed on a speculation that failed, or of a cancelled sequence):
+        the target may cancel them, as their results will be discarded."""
+        found = []
+        for target_pass in self.in_flight:
+            if id(target_pass) not in self._invalid and not any(
+                    any(held is window for held in self.sequences[window.sequence].in_flight)
+                    for window in target_pass.windows):
+                self._invalid.add(id(target_pass))
+                found.append(target_pass)
+        return found
+
     def received(self) -> list[tuple[SequenceState, Window, slice | None]]:
         """The oldest pass has come back: for each of its windows, its sequence
         and its rows of the result's logits (None: the window was invalid and
         its result is discarded, counted here)."""
         target_pass = self.in_flight.popleft()
+        self._invalid.discard(id(target_pass))
         outcome: list[tuple[SequenceState, Window, slice | None]] = []
         row = 0
         for window in target_pass.windows:

@@ -206,6 +206,7 @@ class Service:
     def _step(self) -> bool:
         """One turn of the loop; False once closed and drained."""
         self._take_orders()
+        self._cancel_invalid()  # of the requests just cancelled
         self._settle()
         if self._closing and not self._active and not self._queue:
             return False
@@ -232,7 +233,13 @@ class Service:
             committed = state.verified(window, new_tokens, self.is_end)
             if committed:
                 self._deliver(ticket, committed)
+        self._cancel_invalid()
         return True
+
+    def _cancel_invalid(self) -> None:
+        """Stop computing passes whose windows a rejection or a cancelled request invalidated."""
+        for target_pass in self.scheduler.invalid_passes():
+            self.target.cancel(target_pass)
 
     def _take_orders(self) -> None:
         """Cancellations, the shutdown deadline, and admissions, under the lock."""

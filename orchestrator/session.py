@@ -108,6 +108,8 @@ class RunOutcome:
                     "node": stage.node_id,
                     "host": stage.host,
                     "busy_seconds": stage.busy_seconds,
+                    "passes_dropped": stage.dropped_passes,
+                    "passes_stopped": stage.stopped_passes,
                 }
                 for stage in self.stages
             ],

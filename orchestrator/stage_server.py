@@ -5,6 +5,16 @@ and runs ``serve`` in a thread. The upstream peer (the coordinator for stage 0,
 the previous stage otherwise) connects to this stage's listening socket; this
 stage connects to its downstream peer (the next stage, or the coordinator after
 the last stage).
+
+Cancelled passes (PipeInfer's early cancellation): the coordinator sends
+``Cancel`` on a connection of its own to every stage, read by a thread beside
+the serving loop. A pass cancelled before it reaches the stage is dropped
+unread by llama.cpp; one the stage is running is stopped after its current
+graph node (``StageEngine.abort``). Either way a ``Cancelled`` goes downstream
+in its place and later stages forward it. The stages' caches stay consistent
+without more: a cancelled pass is settled as not decoded (orchestrator.replay),
+and the sequence's next pass drops every position from its keep on, at every
+stage, whatever each held of the cancelled one.
 """
 
 from __future__ import annotations
@@ -21,10 +31,18 @@ import numpy as np
 
 from orchestrator import wire
 from orchestrator.defaults import CONNECT_SECONDS
-from orchestrator.handshake import RESULT_ROLE, HandshakeError, accept_peer, boundary_role, connect_peer, upstream_role
-from orchestrator.messages import Boundary, PassResult, Shutdown, StageBatch, StageFailure
+from orchestrator.handshake import (
+    RESULT_ROLE,
+    HandshakeError,
+    accept_peer,
+    boundary_role,
+    cancel_role,
+    connect_peer,
+    upstream_role,
+)
+from orchestrator.messages import Boundary, Cancel, Cancelled, PassResult, Shutdown, StageBatch, StageFailure
 from speculators.verify import verify
-from stages.engine import StageEngine, StageError
+from stages.engine import PassAborted, StageEngine, StageError
 from stages.settings import StageSettings
 
 if TYPE_CHECKING:
@@ -79,6 +97,15 @@ class StageServer:
         self._connections: list[socket.socket] = []  # of the chain being served
         self._thread: threading.Thread | None = None
         self._downstream_ready = threading.Event()
+        # Cancellation, shared by the serving thread and the cancel reader under _cancel_lock:
+        self._cancel_lock = threading.Lock()
+        self._cancel_wanted: set[int] = set()  # passes of this chain cancelled before they arrived here
+        self._latest_pass = 0  # the last pass of this chain taken by the serving thread (ids increase)
+        self._running_pass: int | None = None  # the pass llama.cpp is computing now
+        self._chain_generation = 0  # a reader of an older chain's cancels changes nothing
+        self._cancel_problem = ""  # a bad frame on the cancel connection, reported with the next pass
+        self.dropped_passes = 0  # cancelled passes this stage never started
+        self.stopped_passes = 0  # cancelled passes this stage stopped mid-graph
         self.description = StageDescription(
             stage_index=self.engine.stage_index,
             stage_count=self.engine.stage_count,
@@ -109,6 +136,36 @@ class StageServer:
                                     self.certificate)
         self._connections.append(self._notify)
 
+    def connect_cancel(self, host: str, port: int) -> None:
+        """Take cancels from the coordinator (at ``host:port``) from now on, in a thread."""
+        connection = connect_peer(host, port, self.secret, cancel_role(self.engine.stage_index), CONNECT_SECONDS,
+                                  self.certificate)
+        self._connections.append(connection)
+        threading.Thread(target=self._read_cancels, args=(connection, self._chain_generation),
+                         name=f"stage-{self.engine.stage_index}-cancels", daemon=True).start()
+
+    def _read_cancels(self, connection: socket.socket, generation: int) -> None:
+        while True:
+            try:
+                message = wire.receive_message(connection)
+            except (wire.ConnectionClosed, OSError):
+                return  # the chain ended
+            except wire.ProtocolError as error:
+                message = f"a bad frame on the cancel connection: {error}"
+            if not isinstance(message, Cancel):
+                with self._cancel_lock:
+                    if generation == self._chain_generation:
+                        self._cancel_problem = message if isinstance(message, str) else \
+                            f"the cancel connection sent {type(message).__name__}, not a cancel"
+                return
+            with self._cancel_lock:
+                if generation != self._chain_generation:
+                    return
+                if message.pass_id == self._running_pass:
+                    self.engine.abort.set()
+                elif message.pass_id > self._latest_pass:  # not here yet (a pass already gone is ignored)
+                    self._cancel_wanted.add(message.pass_id)
+
     def connect_downstream(self, host: str, port: int) -> None:
         """Start serving the upstream peer in a thread (it first waits for it to
         connect and prove itself), then connect to the next peer (the next
@@ -119,6 +176,11 @@ class StageServer:
         what is left of the old chain first and keeps the loaded model and
         the listening socket: the coordinator wires a new chain through it."""
         self._end_chain()
+        with self._cancel_lock:  # pass ids start again in a new chain
+            self._chain_generation += 1
+            self._cancel_wanted.clear()
+            self._latest_pass = 0
+            self._cancel_problem = ""
         self._downstream_ready.clear()
         self._notify = None
         self._downstream = None
@@ -184,7 +246,10 @@ class StageServer:
                                                            f"a bad frame from upstream: {error}"))
                 return
             if isinstance(message, StageBatch):
-                message = self.run_pass(message)
+                message = self._take_pass(message)
+            elif isinstance(message, Cancelled):  # dropped by a stage before: it is not coming here
+                with self._cancel_lock:
+                    self._took(message.pass_id)
             elif not isinstance(message, (Shutdown, StageFailure)):
                 message = StageFailure(0, self.engine.stage_index,
                                        f"upstream sent {type(message).__name__}, not a batch")
@@ -195,12 +260,36 @@ class StageServer:
             if self._notify is not None:
                 wire.send_message(self._notify, Boundary(message.pass_id, self.engine.stage_index))
 
+    def _took(self, pass_id: int) -> None:
+        """The serving thread takes pass ``pass_id`` (under _cancel_lock)."""
+        self._latest_pass = pass_id
+        self._cancel_wanted = {wanted for wanted in self._cancel_wanted if wanted > pass_id}
+
+    def _take_pass(self, batch: StageBatch) -> StageBatch | PassResult | StageFailure | Cancelled:
+        """Run ``batch``, unless it was cancelled: then drop it, or stop it if
+        the cancel comes while it runs."""
+        with self._cancel_lock:
+            if self._cancel_problem:
+                return StageFailure(batch.pass_id, self.engine.stage_index, self._cancel_problem)
+            dropped = batch.pass_id in self._cancel_wanted
+            self._took(batch.pass_id)
+            if dropped:
+                self.dropped_passes += 1
+                return Cancelled(batch.pass_id, self.engine.stage_index, batch.stage_seconds + (0.0,))
+            self._running_pass = batch.pass_id
+        try:
+            return self.run_pass(batch)
+        finally:
+            with self._cancel_lock:
+                self._running_pass = None
+                self.engine.abort.clear()
+
     def close(self) -> None:
         """The stage is done: stop listening and free the model."""
         self.listener.close()
         self.engine.close()
 
-    def run_pass(self, batch: StageBatch) -> StageBatch | PassResult | StageFailure:
+    def run_pass(self, batch: StageBatch) -> StageBatch | PassResult | StageFailure | Cancelled:
         """Decode one batch (or release its sequence); return what goes downstream."""
         engine = self.engine
         chosen = None  # the last stage's tokens, when the batch asks it to choose
@@ -217,6 +306,10 @@ class StageServer:
                 choice = batch.choice
                 chosen = np.array(verify(choice.drafts.tolist(), output, choice.first_position, choice.sampling),
                                   np.int32)
+        except PassAborted:
+            self.stopped_passes += 1
+            return Cancelled(batch.pass_id, engine.stage_index,
+                             batch.stage_seconds + (time.perf_counter() - started,))
         except StageError as error:
             return StageFailure(batch.pass_id, engine.stage_index, str(error))
         except Exception as error:  # never a silent thread death: the coordinator hears why

@@ -9,6 +9,10 @@ graph. It is compiled on first use with the C compiler llama-cpp-python's own
 build needs (so every node that runs a stage has one), into the cache folder,
 keyed by the source's digest; ggml's three functions are handed in as
 pointers, so it links against nothing.
+
+The same library holds the abort callback that stops a pass mid-graph when
+the coordinator cancels it (``AbortFlag``): llama.cpp asks it after every
+node, so it too must not be Python.
 """
 
 from __future__ import annotations
@@ -70,6 +74,28 @@ def library_path() -> Path:
         if os.path.exists(partial):
             os.remove(partial)
     return target
+
+
+class AbortFlag:
+    """Stops the pass running in a llama.cpp context: llama.cpp asks
+    ``callback`` (C, in stages/capture.c) after every graph node whether to
+    stop, and it reads an int that ``set`` raises from any thread."""
+
+    def __init__(self) -> None:
+        self._library = ctypes.CDLL(str(library_path()))
+        self.callback = ctypes.cast(self._library.specpipe_abort_requested, ctypes.c_void_p).value
+        self._flag = ctypes.c_int(0)
+        self.user_data = ctypes.addressof(self._flag)
+
+    def set(self) -> None:
+        self._flag.value = 1
+
+    def clear(self) -> None:
+        self._flag.value = 0
+
+    @property
+    def is_set(self) -> bool:
+        return bool(self._flag.value)
 
 
 class NodeCapture:

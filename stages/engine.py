@@ -36,7 +36,7 @@ import os
 import numpy as np
 
 import llama_cpp
-from stages.capture import CaptureError, NodeCapture
+from stages.capture import AbortFlag, CaptureError, NodeCapture
 from stages.errors import SpecpipeError
 from stages.gguf_file import KEY_FIRST_BLOCK, KEY_STAGE_COUNT, KEY_STAGE_INDEX
 from stages.settings import StageSettings
@@ -48,6 +48,10 @@ _backend_ready = False
 
 class StageError(SpecpipeError):
     """A stage could not load or decode; the message says why in one line."""
+
+
+class PassAborted(StageError):
+    """The pass was stopped mid-graph by ``StageEngine.abort`` (it was cancelled)."""
 
 
 def ensure_backend() -> None:
@@ -121,13 +125,18 @@ class StageEngine:
         context_params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         context_params.no_perf = True
         self._capture: NodeCapture | None = None
-        if not self.is_last:
-            try:
+        try:
+            # set from another thread, it stops the running pass after its current graph node
+            self.abort = AbortFlag()
+            if not self.is_last:
                 # kept as long as the context: llama.cpp writes into its buffer
                 self._capture = NodeCapture(_ggml_base, f"l_out-{self.block_count - 1}", settings.n_batch, self.n_embd)
-            except CaptureError as error:
-                self.close()
-                raise StageError(f"{path}: {error}") from None
+        except CaptureError as error:
+            self.close()
+            raise StageError(f"{path}: {error}") from None
+        context_params.abort_callback = llama_cpp.ggml_abort_callback(self.abort.callback)
+        context_params.abort_callback_data = self.abort.user_data
+        if self._capture is not None:
             context_params.cb_eval = llama_cpp.ggml_backend_sched_eval_callback(self._capture.callback)
             context_params.cb_eval_user_data = self._capture.user_data
         self._context = llama_cpp.llama_init_from_model(self._model, context_params)
@@ -159,6 +168,9 @@ class StageEngine:
 
         Returns float32[n_tokens, n_embd] hidden states from a non-last stage,
         or float32[len(logit_rows), n_vocab] logits from the last stage.
+        Raises PassAborted when ``abort`` was set before or during the pass:
+        the sequence's cache from its first position on is then undefined
+        (the next pass's ``remove`` drops it).
         """
         n_tokens = len(positions)
         if n_tokens == 0 or n_tokens > self.settings.n_batch:
@@ -203,6 +215,8 @@ class StageEngine:
         if self._capture is not None:
             self._capture.start()
         status = llama_cpp.llama_decode(self._context, batch)
+        if self.abort.is_set:
+            raise PassAborted(f"stage {self.stage_index}: the pass was cancelled (llama_decode returned {status})")
         if self._capture is not None:
             # Stopping the graph early makes llama_decode report an abort (2);
             # the captured hidden state is what counts.

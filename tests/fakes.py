@@ -129,6 +129,9 @@ class EngineChain:
                 hidden = engine.decode(positions, hidden=hidden, sequence=window.sequence, logit_rows=rows)
         self.pending.append(PassResult(0, hidden, (0.0,) * len(self.engines)))
 
+    def cancel(self, target_pass: TargetPass) -> None:
+        """Nothing to stop: the pass was computed when submitted."""
+
     def receive(self) -> PassResult:
         return self.pending.popleft()
 

@@ -81,7 +81,8 @@ def expected(profile: dict, scenario: dict, runs: int) -> list[tuple[str, float,
             if kind not in sync_rows or seconds is None:
                 continue
             costs = costs_of(profile, starts, seconds)
-            mode = Mode(schedule, scenario["draft_max"], call_cost=0.0 if kind == "ngram" else DRAFTER_CALL_COST)
+            mode = Mode(schedule, scenario["draft_max"], call_cost=0.0 if kind == "ngram" else DRAFTER_CALL_COST,
+                        step=scenario.get("draft_step", {}).get(schedule))
             traces = [DraftTrace.from_text(text) for text in scenario.get("draft_traces", {}).get(kind, [])]
             from_trace = statistics.median(predict(costs, mode, trace, scenario["max_tokens"], runs=1).tokens_per_second
                                            for trace in traces) if traces else None
@@ -212,8 +213,10 @@ def test_prompt_lookup_is_asked_in_the_coordinator_at_no_call_cost(traces):
     [sync] = predict_scenario(profile(), scenario, runs=3)
     costs = costs_of(profile(), (0, 15), profile()["drafter_seconds_per_token"]["ngram"])
     behaviour = rates_of(scenario["modes"][0])
-    assert sync.from_rates == predict(costs, Mode("sync", 8, call_cost=0.0), behaviour, 64, 3).tokens_per_second
-    assert sync.from_rates != predict(costs, Mode("sync", 8), behaviour, 64, 3).tokens_per_second
+    step = scenario["draft_step"]["sync"]  # the batch cost the bench measured
+    assert sync.from_rates == predict(costs, Mode("sync", 8, call_cost=0.0, step=step), behaviour, 64,
+                                      3).tokens_per_second
+    assert sync.from_rates != predict(costs, Mode("sync", 8, step=step), behaviour, 64, 3).tokens_per_second
     assert sync.from_trace is None  # no traces of prompt lookup
 
 
@@ -295,3 +298,17 @@ def test_a_malformed_profile_gets_the_planners_one_line():
     with pytest.raises(PlanError) as caught:
         predict_scenario(measured, scenarios()["chat"], runs=1)
     assert str(caught.value) == "a malformed profile (KeyError: 'model_shape'); run `orchestrate profile` again"
+
+
+def test_the_draft_policy_is_priced_at_the_batch_cost_the_bench_measured():
+    scenario = {**scenarios()["chat"]}
+    scenario["modes"] = [row for row in scenario["modes"] if row["mode"] == "spec-sync-ngram"]
+    costs = costs_of(profile(), (0, 15), profile()["drafter_seconds_per_token"]["ngram"])
+    behaviour = rates_of(scenario["modes"][0])
+    for step in (0.05, 1.5):
+        [sync] = predict_scenario(profile(), {**scenario, "draft_step": {"sync": step, "async": 0.0}}, runs=3)
+        assert sync.from_rates == predict(costs, Mode("sync", 8, call_cost=0.0, step=step), behaviour, 64,
+                                          3).tokens_per_second
+    [older] = predict_scenario(profile(), {key: value for key, value in scenario.items() if key != "draft_step"},
+                               runs=3)
+    assert older.from_rates == predict(costs, Mode("sync", 8, call_cost=0.0), behaviour, 64, 3).tokens_per_second

@@ -10,7 +10,16 @@ import pytest
 from orchestrator.planning.costs import BatchCurve, Link, Machine, ModelShape, Software, StageCosts
 from orchestrator.planning.recommend import candidate_splits, recommend
 from orchestrator.planning.setup import PlanError, Setup
-from orchestrator.planning.simulation import DraftBehaviour, DraftTrace, Mode, predict, simulate, simulate_many
+from orchestrator.planning.simulation import (
+    DraftBehaviour,
+    DraftTrace,
+    Mode,
+    pass_step,
+    predict,
+    simulate,
+    simulate_many,
+)
+from speculators.draft_length import PRIOR_STEP
 from speculators.sampling import SamplingSettings
 from orchestrator.planning.costs import split_costs
 
@@ -155,8 +164,8 @@ def test_availability_and_continuation_set_draft_lengths():
 def test_a_trace_replays_what_the_drafter_proposed_and_ends_where_the_text_ended():
     # proposals for tokens 1-8 right, nothing for 9, 10-14 right, 15 wrong, 16-19 right; the text ends at 20
     trace = DraftTrace((None,) + (True,) * 8 + (None,) + (True,) * 5 + (False,) + (True,) * 4)
-    run = simulate(FlatCosts(2), Mode("sync", 8), trace, max_tokens=64)
-    # the draft policy grows the window as drafts are accepted (1, 2, 5, then 8):
+    run = simulate(FlatCosts(2), Mode("sync", 8, step=PRIOR_STEP), trace, max_tokens=64)
+    # the draft policy (its prior batch cost) grows the window as drafts are accepted (1, 2, 5, then 8):
     # pass 1: draft 1, accepted, the target adds 2; pass 2: drafts 3-4, accepted, the target adds 5;
     # pass 3: drafts 6-8 (nothing is proposed for 9), accepted, the target adds 9;
     # pass 4: drafts 10-17 (wrong from 15 on), accepts 10-14, the target adds 15;
@@ -273,7 +282,9 @@ def _real_loop(schedule: str, texts: list[str], draft_max: int = 6):
         # drafts may run past the end of the text
         truth = prompt + [10 + 100 * index + position for position in range(trace.end)] + [END_TOKEN] + [3] * 20
         drafters = [TraceDrafter(truth, len(prompt), trace, draft_max) for _ in range(2)]
-        requests.append(Request(prompt, 200, SamplingSettings(), Drafting(drafters, Schedule(schedule), draft_max)))
+        # the step the simulation takes from FlatCosts(2), as a run measures its own
+        drafting = Drafting(drafters, Schedule(schedule), draft_max, step=pass_step(FlatCosts(2)))
+        requests.append(Request(prompt, 200, SamplingSettings(), drafting))
         truths.append(truth)
     target = truth_target(truths)
     generations = generate_many(target, requests, lambda token: token == END_TOKEN)
@@ -360,3 +371,77 @@ def test_pure_packages_import_nothing_from_orchestrator_and_orchestrator_nothing
     benchmark_imports = [str(path.relative_to(root)) for path in (root / "orchestrator").rglob("*.py")
                          if re.search(r"^\s*(from|import) benchmarks", path.read_text(), re.M)]
     assert benchmark_imports == ["orchestrator/cli.py"]  # the bench command's own entry
+
+
+class TimedCosts(FlatCosts):
+    """Whole seconds: every stage 1 s a pass, hops ``hop`` (a one-token hop: ``small_hop``)."""
+
+    def __init__(self, stage_count, hop=0.0, small_hop=0.0, shared_host=False):
+        super().__init__(stage_count, base=1.0, per_token=0.0, hop=hop, shared_host=shared_host)
+        object.__setattr__(self, "small_hop", small_hop)
+
+    def hop_seconds(self, hop: int, tokens: int) -> float:
+        return self.small_hop if tokens == 1 else self.hop
+
+
+def test_a_cancelled_pass_stops_where_it_runs_and_is_skipped_where_it_has_not_started():
+    from orchestrator.planning.simulation import _Stages
+
+    stages = _Stages(TimedCosts(3, small_hop=0.125))
+    first = stages.run(0.0, tokens=4)  # stage 0 [0, 1], stage 1 [1, 2], stage 2 [2, 3]
+    second = stages.run(0.0, tokens=4)  # stage 0 [1, 2], stage 1 [2, 3], stage 2 [3, 4]
+    assert (first.boundaries, second.boundaries, second.result) == ([1, 2, 3], [2, 3, 4], 4)
+    assert stages.cancel(first, 1.5) is first  # only the pass submitted last is cancelled
+    cancelled = stages.cancel(second, 2.5)  # done by stage 0, stopped in stage 1, skipped by stage 2
+    # stage 2 is busy with the first pass until 3, then hands the cancellation on
+    assert cancelled.boundaries == [2, 2.5, 3] and cancelled.result == 3.125
+    assert stages.busy == [2, 1.5, 1] and stages.free_at == [2, 2.5, 3]
+    assert stages.cancel(cancelled, 2.75) is cancelled  # once
+    after = stages.run(3.0, tokens=4)
+    assert after.boundaries == [4, 5, 6]
+
+
+def test_a_cancelled_pass_gives_back_the_core_it_shared_with_the_stage_before():
+    from orchestrator.planning.simulation import _Stages
+
+    stages = _Stages(TimedCosts(2, shared_host=True))  # one core for both stages
+    stages.run(0.0, tokens=4)  # [0, 1] then [1, 2]
+    second = stages.run(0.0, tokens=4)  # [2, 3] then [3, 4]
+    cancelled = stages.cancel(second, 1.5)  # neither stage had started it
+    assert cancelled.boundaries == [1.5, 2] and cancelled.result == 2
+    assert stages.busy == [1, 1] and stages.free_at == [1, 2]
+    assert stages.run(2.0, tokens=4).boundaries == [3, 4]  # the core is free again at 2
+
+
+def test_a_pass_done_before_its_cancel_comes_is_unchanged():
+    from orchestrator.planning.simulation import _Stages
+
+    stages = _Stages(TimedCosts(2))
+    only = stages.run(0.0, tokens=4)
+    assert stages.cancel(only, 2.0) is only and stages.busy == [1, 1]
+
+
+
+def test_async_through_three_stages_gains_by_cancelling_the_passes_a_rejection_invalidates(monkeypatch):
+    from orchestrator.planning import simulation
+
+    costs, mode, behaviour = FlatCosts(stage_count=3), Mode("async", 4), DraftBehaviour(0.6)
+    cancelling = simulate(costs, mode, behaviour, max_tokens=200, seed=5)
+    monkeypatch.setattr(simulation._Stages, "cancel", lambda stages, timeline, at: timeline)
+    running_on = simulate(costs, mode, behaviour, max_tokens=200, seed=5)
+    assert cancelling.discarded_passes == running_on.discarded_passes > 0  # the same decisions
+    assert cancelling.passes == running_on.passes
+    assert sum(cancelling.stage_busy_seconds) < sum(running_on.stage_busy_seconds)
+    assert cancelling.seconds < running_on.seconds
+
+
+def test_the_simulated_draft_policy_prices_a_wider_pass_from_the_costs_as_a_run_measures_it():
+    costs = FlatCosts(2)  # a pass of n tokens: 3 hops of 0.2 ms and 2 stages of 10 + n ms
+    one, eight = 3 * 0.0002 + 2 * 0.011, 3 * 0.0002 + 2 * 0.018
+    assert pass_step(costs) == pytest.approx((eight / one - 1) / 7)
+    behaviour = DraftBehaviour(0.6)
+    computed = simulate(costs, Mode("sync", 6), behaviour, max_tokens=120, seed=2)
+    given = simulate(costs, Mode("sync", 6, step=pass_step(costs)), behaviour, max_tokens=120, seed=2)
+    dear = simulate(costs, Mode("sync", 6, step=2.0), behaviour, max_tokens=120, seed=2)
+    assert (computed.passes, computed.drafted_tokens) == (given.passes, given.drafted_tokens)
+    assert dear.drafted_tokens < computed.drafted_tokens  # a dear wider pass is drafted for less

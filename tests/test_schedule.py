@@ -1,5 +1,7 @@
 """The decoding schedule's rules (orchestrator.schedule), with plain Python alone."""
 
+from collections import deque
+
 import pytest
 
 from speculators.draft_length import DraftPolicy
@@ -174,3 +176,28 @@ def test_a_window_ahead_is_invalid_when_the_targets_own_token_differs_from_its_f
     sequence.window_ahead()  # 7 8 at position 6
     sequence.verified(head, [4, 5, 6, 99], never_ends)  # every draft accepted, but the target says 99, not 7
     assert not sequence.in_flight and sequence.discards_pending == 1
+
+
+def test_a_pass_is_handed_out_for_cancelling_once_when_a_rejection_invalidates_it():
+    sequence = state(speculation=[4, 5, 6, 7, 8, 9])
+    sequence.on_a_roll = True
+    scheduler = Scheduler([sequence])
+    head_pass, ahead_pass = scheduler.next_passes()
+    assert scheduler.invalid_passes() == []  # both windows still valid
+    (_, head, _), = scheduler.received()
+    assert scheduler.invalid_passes() == []
+    sequence.verified(head, [4, 99], never_ends)  # the second draft is rejected: the window ahead is wrong
+    assert [target_pass is ahead_pass for target_pass in scheduler.invalid_passes()] == [True]
+    assert scheduler.invalid_passes() == []  # handed out once
+    (_, _, rows), = scheduler.received()
+    assert rows is None and scheduler.in_flight == deque()
+
+
+def test_a_pass_with_one_valid_window_is_not_cancelled_and_a_cancelled_sequence_cancels_its_passes():
+    first, second = state(speculation=[4, 5]), state(committed=(1, 2, 30), speculation=[40], sequence=1)
+    scheduler = Scheduler([first, second])
+    (shared,) = scheduler.next_passes()
+    first.cancel()  # its client went away: its window is invalid, the other sequence's is not
+    assert scheduler.invalid_passes() == []
+    second.cancel()
+    assert [target_pass is shared for target_pass in scheduler.invalid_passes()] == [True]

@@ -122,6 +122,7 @@ def test_partial_acceptance_rolls_every_stage_back(pipelines, tokenizer, stage_c
     drafters = start_drafters(
         pipeline, functools.partial(fakes.ScriptedSpeculator, truth, wrong), DrafterSettings(draft_max=6)
     )
+    cancelled_before = cancelled_passes(pipeline)
     try:
         result = decode(pipeline, tokenizer, OPEN, GREEDY, drafters, schedule)
     finally:
@@ -132,6 +133,15 @@ def test_partial_acceptance_rolls_every_stage_back(pipelines, tokenizer, stage_c
     assert result.speculation.accepted_tokens < result.speculation.drafted_tokens
     if schedule == "async":  # passes started ahead on a failed speculation were thrown away
         assert result.speculation.discarded_passes > 0
+        # and cancelled: dropped by stages they had not reached, or stopped mid-graph
+        assert 0 < cancelled_passes(pipeline) - cancelled_before <= result.speculation.discarded_passes * stage_count
+    else:
+        assert cancelled_passes(pipeline) == cancelled_before
+
+
+def cancelled_passes(pipeline) -> int:
+    """Passes the stages dropped or stopped since they started."""
+    return sum(report.dropped_passes + report.stopped_passes for report in pipeline.reports())
 
 
 @pytest.mark.parametrize(

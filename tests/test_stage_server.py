@@ -1,10 +1,12 @@
 """A live stage server (the real first stage of SmolLM2, no Ray) fed frames it
 must refuse: each refusal reaches downstream as one StageFailure naming why,
-never a crash or a silent thread death."""
+never a crash or a silent thread death; and passes cancelled before they
+arrive or while they run."""
 
 from __future__ import annotations
 
 import struct
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import msgpack
@@ -12,8 +14,8 @@ import numpy as np
 import pytest
 
 from orchestrator import wire
-from orchestrator.handshake import accept_peer, connect_peer, upstream_role
-from orchestrator.messages import StageBatch, StageFailure
+from orchestrator.handshake import accept_peer, cancel_role, connect_peer, upstream_role
+from orchestrator.messages import Boundary, Cancel, Cancelled, StageBatch, StageFailure
 from orchestrator.stage_server import StageServer
 from stages.settings import StageSettings
 
@@ -25,7 +27,28 @@ SECRET = b"k" * 32
 @pytest.fixture
 def stage(splits):
     """(server, upstream socket to it, downstream socket from it)."""
-    server = StageServer(splits[2][0], StageSettings(n_ctx=64, n_batch=16), "127.0.0.1", "node", secret=SECRET)
+    yield from serving(StageServer(splits[2][0], StageSettings(n_ctx=64, n_batch=16), "127.0.0.1", "node",
+                                   secret=SECRET))
+
+
+@pytest.fixture
+def cancelling_stage(splits):
+    """(server, upstream, downstream, the coordinator's cancel connection to
+    it), with batches of up to 512 tokens (long enough to be cancelled while
+    they run)."""
+    server = StageServer(splits[2][0], StageSettings(n_ctx=1024, n_batch=512), "127.0.0.1", "node", secret=SECRET)
+    for server, upstream, downstream in serving(server):
+        listener = wire.listen("127.0.0.1")
+        accepting = ThreadPoolExecutor(1).submit(accept_peer, listener, SECRET, cancel_role(0), 30)
+        server.connect_cancel(*listener.getsockname())
+        cancels = accepting.result(timeout=30)
+        yield server, upstream, downstream, cancels
+        cancels.close()
+        listener.close()
+
+
+def serving(server):
+    """Wire ``server`` to a downstream listener and an upstream connection; yield (server, upstream, downstream)."""
     listener = wire.listen("127.0.0.1")
     accepting = ThreadPoolExecutor(1).submit(accept_peer, listener, SECRET, upstream_role(1), 30)
     server.connect_downstream(*listener.getsockname())
@@ -132,3 +155,85 @@ def test_after_its_chain_breaks_a_stage_keeps_its_model_and_port_and_serves_a_ne
         new_upstream.close()
         new_downstream.close()
         listener.close()
+
+
+def wait_until(condition) -> None:
+    """Wait on the stage's state (a liveness bound, not a speed limit)."""
+    deadline = time.monotonic() + 60
+    while not condition():
+        assert time.monotonic() < deadline, "the stage never reached the state"
+        time.sleep(0.001)
+
+
+def numbered(pass_id, tokens, first=0, keep=None) -> StageBatch:
+    tokens = np.asarray(tokens, np.int32)
+    positions = np.arange(first, first + len(tokens), dtype=np.int32)
+    return StageBatch(pass_id, first if keep is None else keep, positions, np.array([len(tokens) - 1], np.int32),
+                      tokens=tokens)
+
+
+def hidden_after(server, upstream, downstream, pass_id, prompt, tokens):
+    """The hidden states of ``tokens`` after ``prompt``, decoded afresh (keep 0)."""
+    wire.send_message(upstream, numbered(pass_id, prompt, keep=0))
+    wire.receive_message(downstream)
+    wire.send_message(upstream, numbered(pass_id + 1, tokens, first=len(prompt)))
+    return wire.receive_message(downstream).hidden
+
+
+PROMPT = [1, 17, 42, 99, 7, 3, 5, 8]
+NEXT = [11, 12, 13]
+
+
+def test_a_pass_cancelled_before_it_arrives_is_dropped_and_the_next_pass_is_exact(cancelling_stage):
+    server, upstream, downstream, cancels = cancelling_stage
+    wire.send_message(upstream, numbered(1, PROMPT))
+    assert isinstance(wire.receive_message(downstream), StageBatch)
+    wire.send_message(cancels, Cancel(2))
+    wait_until(lambda: 2 in server._cancel_wanted)
+    wire.send_message(upstream, numbered(2, [50, 51, 52, 53], first=len(PROMPT)))
+    assert wire.receive_message(downstream) == Cancelled(2, 0, (0.0,))
+    assert (server.dropped_passes, server.stopped_passes) == (1, 0)
+    wire.send_message(upstream, numbered(3, NEXT, first=len(PROMPT)))
+    after = wire.receive_message(downstream)
+    assert after.pass_id == 3
+    np.testing.assert_array_equal(after.hidden, hidden_after(server, upstream, downstream, 4, PROMPT, NEXT))
+
+
+def test_a_pass_cancelled_while_it_runs_is_stopped_mid_graph_and_the_next_pass_is_exact(cancelling_stage):
+    server, upstream, downstream, cancels = cancelling_stage
+    wire.send_message(upstream, numbered(1, PROMPT))
+    wire.receive_message(downstream)
+    long = np.arange(100, 600, dtype=np.int32)  # 500 tokens: a pass of a second or so here
+    wire.send_message(upstream, numbered(2, long, first=len(PROMPT)))
+    wait_until(lambda: server._running_pass == 2)
+    wire.send_message(cancels, Cancel(2))
+    stopped = wire.receive_message(downstream)
+    assert isinstance(stopped, Cancelled) and (stopped.pass_id, stopped.stage_index) == (2, 0)
+    assert len(stopped.stage_seconds) == 1 and stopped.stage_seconds[0] > 0
+    assert (server.dropped_passes, server.stopped_passes) == (0, 1)
+    assert not server.engine.abort.is_set  # cleared for the next pass
+    wire.send_message(upstream, numbered(3, NEXT, first=len(PROMPT)))
+    after = wire.receive_message(downstream)
+    assert isinstance(after, StageBatch) and after.pass_id == 3
+    np.testing.assert_array_equal(after.hidden, hidden_after(server, upstream, downstream, 4, PROMPT, NEXT))
+
+
+def test_a_cancel_of_a_pass_that_already_left_changes_nothing(cancelling_stage):
+    server, upstream, downstream, cancels = cancelling_stage
+    wire.send_message(upstream, numbered(1, PROMPT))
+    wire.receive_message(downstream)
+    wire.send_message(cancels, Cancel(1))
+    wire.send_message(cancels, Cancel(3))  # read after Cancel(1): once 3 waits, 1 was seen
+    wait_until(lambda: 3 in server._cancel_wanted)
+    assert server._cancel_wanted == {3}
+    wire.send_message(upstream, numbered(2, NEXT, first=len(PROMPT)))
+    assert isinstance(wire.receive_message(downstream), StageBatch)
+
+
+def test_anything_but_a_cancel_on_the_cancel_connection_fails_the_next_pass(cancelling_stage):
+    server, upstream, downstream, cancels = cancelling_stage
+    wire.send_message(cancels, Boundary(1, 0))
+    wait_until(lambda: server._cancel_problem)
+    wire.send_message(upstream, numbered(1, PROMPT))
+    failure = wire.receive_message(downstream)
+    assert failure == StageFailure(1, 0, "the cancel connection sent Boundary, not a cancel")

@@ -17,6 +17,8 @@ from orchestrator import wire
 from orchestrator.messages import (
     MESSAGE_TYPES,
     Boundary,
+    Cancel,
+    Cancelled,
     CollectDraft,
     DraftReply,
     Message,
@@ -60,6 +62,8 @@ EXAMPLES = [
     StageFailure(pass_id=2, stage_index=1, message="boom: ünïcode survives"),
     Shutdown(),
     Boundary(pass_id=11, stage_index=0),
+    Cancel(pass_id=12),
+    Cancelled(pass_id=12, stage_index=1, stage_seconds=(0.5, 0.0625)),
     SpeculateFrom(epoch=7, context=np.array([1, 17, 4, 99999], np.int32)),
     CollectDraft(epoch=7, wait=True),
     CollectDraft(epoch=8, wait=False),

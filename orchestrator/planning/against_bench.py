@@ -14,6 +14,9 @@ For a scenario of a bench results.json:
   spec-sync-KIND mode (where every pass drafts afresh), and, where the bench
   wrote one, from the workload's trace (the whole model's output with the
   drafter replayed over it: ``simulation.DraftTrace``);
+  the draft policy prices a wider pass at the batch cost the bench measured
+  for that schedule (``draft_step``; from the profile's costs for results
+  that lack it);
 * whole: the whole model as one stage, with no hops and no coordinator of
   ours (llama-cpp-python's own loop, in the bench's process);
 * whole-lookup is not predicted: it is llama-cpp-python's own speculative
@@ -95,7 +98,9 @@ def predict_scenario(profile: dict, scenario: dict, runs: int = RUNS) -> list[Mo
             if behaviour is None or drafter_seconds is None:
                 continue
             setup = replace(split, draft_seconds=[drafter_seconds] * len(starts))
-            mode = Mode(schedule, scenario["draft_max"], call_cost=ask_cost(kind))
+            # the batch cost the run's draft policy measured (older results: from the costs)
+            step = scenario.get("draft_step", {}).get(schedule)
+            mode = Mode(schedule, scenario["draft_max"], call_cost=ask_cost(kind), step=step)
             try:
                 traces = [DraftTrace.from_text(text) for text in scenario.get("draft_traces", {}).get(kind, [])]
             except ValueError as error:

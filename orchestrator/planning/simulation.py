@@ -5,7 +5,7 @@ loop (orchestrator.generate) calls, those of orchestrator.schedule: the same
 windows, the same drafting before a pass, the same async relay of drafters at
 stage boundaries, the same window started ahead after a fully accepted one,
 the same discarding of a window started on a failed speculation, the same
-draft policy; only time is virtual. It comes from a cost model
+cancelling of it, the same draft policy; only time is virtual. It comes from a cost model
 (``PipelineCosts``); no formula for tokens/s is assumed anywhere: throughput
 is what the simulated clock shows. Several sequences may be decoded at once
 (``simulate_many``), their windows sharing passes, as in generate_many.
@@ -18,6 +18,13 @@ Resources and their timelines:
   i - 1 to stage i (hop i), and the result from the last stage back (hop n);
 * the coordinator does its own work after each result (verification,
   bookkeeping) and waits on boundaries and results as the real loop does;
+* a cancelled pass (``Scheduler.invalid_passes``) reaches every stage at
+  once (the cancel's hop is not costed): a stage that has not started it
+  skips it, the one running it stops there, and the cancellation travels the
+  rest of the chain at the hops' one-token cost. Only the pass last
+  submitted is cancelled so; one with passes after it runs in full (a
+  single sequence never has any: it submits nothing while a window of it is
+  invalid);
 * one drafter per machine drafts from when it is told to speculate until it
   is collected, one token per ``draft_seconds``, stopping by itself (with
   probability ``1 - availability`` before its first token from the committed
@@ -45,7 +52,7 @@ from typing import Protocol
 
 from orchestrator.defaults import DRAFT_MAX
 from orchestrator.schedule import Schedule, Scheduler, SequenceState, relay
-from speculators.draft_length import DRAFTER_CALL_COST
+from speculators.draft_length import DRAFTER_CALL_COST, step_from_timings
 
 class PipelineCosts(Protocol):
     """Seconds for everything the schedule waits on."""
@@ -172,12 +179,16 @@ class DraftOutcomes(Protocol):
 
 @dataclass(frozen=True)
 class Mode:
-    """A schedule (a ``Schedule`` or its name), its draft_max, and what asking
-    the drafter before a window costs the draft policy (orchestrator.generate.Drafting)."""
+    """A schedule (a ``Schedule`` or its name), its draft_max, and what the
+    draft policy prices (orchestrator.generate.Drafting): asking the drafter
+    before a window (call_cost), and each extra token of a pass, in one-token
+    passes (step; None: from the costs, as a run measures it before it
+    starts, ``pass_step``)."""
 
     schedule: Schedule
     draft_max: int = DRAFT_MAX
     call_cost: float = DRAFTER_CALL_COST
+    step: float | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "schedule", Schedule(self.schedule))
@@ -226,20 +237,73 @@ class _Stages:
         hosts = {costs.host(stage) for stage in range(costs.stage_count)}
         self.cores_free_at = {host: [0.0] * (costs.parallel_stages(host) or costs.stage_count) for host in hosts}
 
-    def run(self, submitted: float, tokens: int) -> tuple[list[float], float]:
+        self._last: _Timeline | None = None  # the pass submitted last, while it can still be cancelled
+
+    def run(self, submitted: float, tokens: int) -> _Timeline:
         arrival = submitted + self.costs.hop_seconds(0, tokens)
-        boundaries = []
+        timeline = _Timeline([], 0.0, [], [], [])
         for stage in range(self.costs.stage_count):
             compute = self.costs.stage_seconds(stage, tokens)
             cores = self.cores_free_at[self.costs.host(stage)]
             core = min(range(len(cores)), key=cores.__getitem__)
-            end = max(arrival, self.free_at[stage], cores[core]) + compute
+            start = max(arrival, self.free_at[stage], cores[core])
+            end = start + compute
+            timeline.before.append((self.free_at[stage], cores[core]))
+            timeline.starts.append(start)
+            timeline.cores.append(core)
             cores[core] = end
             self.free_at[stage] = end
             self.busy[stage] += compute
-            boundaries.append(end)
+            timeline.boundaries.append(end)
             arrival = end + self.costs.hop_seconds(stage + 1, tokens)
-        return boundaries, arrival
+        timeline.result = arrival
+        self._last = timeline
+        return timeline
+
+    def cancel(self, timeline: _Timeline, at: float) -> _Timeline:
+        """The pass of ``timeline`` is cancelled at ``at``: what it becomes
+        (unchanged unless it is the pass submitted last and not done by then)."""
+        if timeline is not self._last or timeline.result <= at:
+            return timeline
+        self._last = None
+        stages = range(self.costs.stage_count)
+        done = [end <= at for end in timeline.boundaries]
+        stopped = [not done[stage] and timeline.starts[stage] < at for stage in stages]
+        for stage in reversed(stages):  # undone in reverse, as stages sharing a core took it in order
+            if done[stage]:
+                continue
+            cores = self.cores_free_at[self.costs.host(stage)]
+            end = timeline.boundaries[stage]
+            if stopped[stage]:
+                self.busy[stage] -= end - at
+                self.free_at[stage] = cores[timeline.cores[stage]] = at
+            else:
+                self.busy[stage] -= end - timeline.starts[stage]
+                self.free_at[stage], cores[timeline.cores[stage]] = timeline.before[stage]
+        cancelled = _Timeline([], 0.0, timeline.starts, timeline.cores, timeline.before)
+        arrival = at  # where the cancellation is, once it has left the stage that dropped or stopped it
+        for stage in stages:
+            if done[stage]:
+                cancelled.boundaries.append(timeline.boundaries[stage])
+                continue
+            leaves = at if stopped[stage] else max(arrival, self.free_at[stage])
+            cancelled.boundaries.append(leaves)
+            arrival = leaves + self.costs.hop_seconds(stage + 1, 1)
+        cancelled.result = arrival
+        return cancelled
+
+
+@dataclass
+class _Timeline:
+    """A pass's times: when it left each stage (boundaries) and when its result
+    came back; and, to undo it, where it started on each stage, on which core,
+    and when that stage and core were free before it."""
+
+    boundaries: list[float]
+    result: float
+    starts: list[float]
+    cores: list[int]
+    before: list[tuple[float, float]]
 
 
 # The simulated text: the true token at generated position p is _TRUE + p, a
@@ -283,6 +347,17 @@ class _Drafter:
         return self.tokens[:done], at
 
 
+def pass_step(costs: PipelineCosts, batch: int = 8) -> float:
+    """What each extra token costs a pass of the pipeline, in one-token passes,
+    as Pipeline.draft_step measures it: the wall time of a pass (its hops and
+    stages) of ``batch`` tokens against one of a single token."""
+    def pass_seconds(tokens: int) -> float:
+        return (sum(costs.hop_seconds(hop, tokens) for hop in range(costs.stage_count + 1))
+                + sum(costs.stage_seconds(stage, tokens) for stage in range(costs.stage_count)))
+
+    return step_from_timings([pass_seconds(1)], [pass_seconds(batch)], batch)
+
+
 def _target_tokens(window, end: int | None) -> list[int]:
     """What verifying a window commits: the drafts equal to the true text, then the target's own token."""
     accepted = 0
@@ -310,13 +385,15 @@ def simulate_many(costs: PipelineCosts, mode: Mode, workloads: list[DraftOutcome
     rng = random.Random(seed)
     count = costs.stage_count
     stages = _Stages(costs)
-    states = [SequenceState(index, [_TRUE], 0, max_tokens, mode.schedule, mode.draft_max, draft_call_cost=mode.call_cost)
+    step = pass_step(costs) if mode.step is None else mode.step
+    states = [SequenceState(index, [_TRUE], 0, max_tokens, mode.schedule, mode.draft_max, draft_call_cost=mode.call_cost,
+                            draft_step=step)
               for index in range(len(workloads))]
     drafters = [[_Drafter(costs.draft_seconds(machine), mode.draft_max, workload, rng) for machine in range(count)]
                 for workload in workloads]
     last_token_time = [0.0] * len(states)
     scheduler = Scheduler(states)
-    timings: deque[tuple[list[float], float]] = deque()  # each pass in flight: when it left each stage, its result
+    timings: deque[_Timeline] = deque()  # each pass in flight, in the order of scheduler.in_flight
     now = 0.0
     call = costs.draft_call_seconds()
     while not scheduler.done:
@@ -328,7 +405,8 @@ def simulate_many(costs: PipelineCosts, mode: Mode, workloads: list[DraftOutcome
             state.drafted_first(list(drafted))
         for target_pass in scheduler.next_passes():
             timings.append(stages.run(now, target_pass.tokens))
-        boundaries, result_time = timings.popleft()
+        timeline = timings.popleft()
+        boundaries, result_time = timeline.boundaries, timeline.result
         relaying = scheduler.relaying()
         handoffs = relay(count) if relaying else ()
         for moment, handoff in enumerate(handoffs):
@@ -350,6 +428,9 @@ def simulate_many(costs: PipelineCosts, mode: Mode, workloads: list[DraftOutcome
             now += costs.coordinator_seconds(len(window.inputs))
             if state.verified(window, _target_tokens(window, workloads[state.sequence].end), _is_end):
                 last_token_time[state.sequence] = now
+        for target_pass in scheduler.invalid_passes():
+            index = next(index for index, flying in enumerate(scheduler.in_flight) if flying is target_pass)
+            timings[index] = stages.cancel(timings[index], now)
     return [
         SimulatedRun(tokens=state.generated, seconds=last_token_time[state.sequence], passes=state.passes,
                      discarded_passes=state.stats.discarded_passes, drafted_tokens=state.stats.drafted_tokens,
