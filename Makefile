@@ -24,7 +24,7 @@ WHEEL_CACHE   ?= $(HOME)/.cache/specpipe/wheels
 LLAMA_WHEELS  := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_VERSION)-noamx-nollamafile
 LLAMA_BUILT   := $(LLAMA_WHEELS)/.complete
 
-.PHONY: install run serve test test-fast mutation bench bench-serve calibrate clean
+.PHONY: install run serve test test-fast mutation peers bench bench-serve calibrate clean
 
 install: $(STAMP)
 
@@ -81,6 +81,32 @@ mutation: $(MUTATION_STAMP)
 	rm -rf mutants
 	$(BIN)/mutmut run
 	$(BIN)/python tools/mutation_report.py
+
+# llama.cpp's own C++ tools, the peers `orchestrate bench` sets beside this
+# project (README "Peers"): built from the very llama.cpp source that
+# llama-cpp-python $(LLAMA_VERSION) vendors (its sdist from PyPI), with the same
+# kernels off (no AMX, no llamafile), static, into the cache folder. About 10
+# minutes on 2 cores; not part of `make test`. The bench finds them there.
+PEERS       ?= $(HOME)/.cache/specpipe/peers/llama.cpp-$(LLAMA_VERSION)-noamx-nollamafile
+PEERS_BUILT := $(PEERS)/.complete
+PEER_TOOLS  := ggml-rpc-server llama-server llama-lookup llama-bench
+
+peers: $(PEERS_BUILT)
+
+$(PEERS_BUILT): | $(BIN)/python
+	@echo "Building llama.cpp's $(PEER_TOOLS) from llama-cpp-python $(LLAMA_VERSION)'s source (about 10 minutes on 2 cores)..."
+	rm -rf $(PEERS).partial && mkdir -p $(PEERS).partial/source
+	$(BIN)/python -m pip download --quiet --no-binary :all: --no-deps -d $(PEERS).partial/source llama-cpp-python==$(LLAMA_VERSION)
+	tar -xzf $(PEERS).partial/source/llama_cpp_python-$(LLAMA_VERSION).tar.gz -C $(PEERS).partial/source
+	cmake -S $(PEERS).partial/source/llama_cpp_python-$(LLAMA_VERSION)/vendor/llama.cpp -B $(PEERS).partial/build \
+	  -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DGGML_RPC=ON -DGGML_LLAMAFILE=OFF -DGGML_NATIVE=ON \
+	  -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DCMAKE_C_FLAGS="$(LLAMA_CFLAGS)" -DCMAKE_CXX_FLAGS="$(LLAMA_CFLAGS)" >/dev/null
+	cmake --build $(PEERS).partial/build -j2 --target $(PEER_TOOLS) >/dev/null
+	mkdir -p $(PEERS).partial/bin
+	for tool in $(PEER_TOOLS); do cp $(PEERS).partial/build/bin/$$tool $(PEERS).partial/bin/ || exit 1; done
+	rm -rf $(PEERS).partial/source $(PEERS).partial/build
+	rm -rf $(PEERS) && mv $(PEERS).partial $(PEERS)
+	touch $(PEERS_BUILT)
 
 # Every mode side by side on every scenario (benchmarks/scenarios), into
 # benchmarks/results: results.json, results.md (README's tables), chart.png.

@@ -16,14 +16,13 @@ gives the same passes, for a given measured draft step).
 
 from __future__ import annotations
 
-import statistics
-from collections import defaultdict
 from contextlib import nullcontext
 from unittest import mock
 
 import click
 
-from benchmarks.suite import DRAFT_MAX, SCENARIO_DIR, load_scenario
+from benchmarks.side_by_side import measure, print_table
+from benchmarks.suite import DRAFT_MAX, SCENARIO_DIR, load_scenario, prompts_of
 
 
 class DoublingRule:
@@ -68,8 +67,6 @@ def main(repetitions: int, schedules: str) -> None:
     tokenizer = Tokenizer(paths[0])
     scenarios = [load_scenario(SCENARIO_DIR / f"{name}.toml") for name in ("chat", "rewrite")]
     modes = ["pipeline"] + [f"{schedule}-{rule}" for schedule in schedules.split(",") for rule in ("policy", "doubling")]
-    rates: dict[tuple[str, str], list[float]] = defaultdict(list)
-    passes: dict[tuple[str, str], list[float]] = defaultdict(list)
     with ray_session(None), Pipeline(paths, StageSettings(n_ctx=BENCH_CONTEXT), notify_boundaries=True) as pipeline:
         drafters = start_drafters(pipeline, PromptLookupSpeculator, DrafterSettings(draft_max=DRAFT_MAX))
         steps = {}
@@ -90,34 +87,11 @@ def main(repetitions: int, schedules: str) -> None:
                 with mock.patch("orchestrator.schedule.DraftPolicy", rule_class) if rule_class else nullcontext():
                     return generate(pipeline, prompt, max_tokens, SamplingSettings(), tokenizer.is_end, drafting=drafting)
 
-            for scenario in scenarios:
-                prompts = [tokenizer.chat_prompt(text) if scenario.chat else tokenizer.tokenize(text)
-                           for text in scenario.prompts]
-                for mode in modes:  # warm-up
-                    run(mode, prompts[0], 8)
-                for repetition in range(repetitions):
-                    for index, prompt in enumerate(prompts):
-                        shift = (repetition + index) % len(modes)
-                        outputs = {}
-                        for mode in modes[shift:] + modes[:shift]:
-                            result = run(mode, prompt, scenario.max_tokens)
-                            outputs[mode] = result.tokens
-                            rates[scenario.name, mode].append(result.tokens_per_second)
-                            passes[scenario.name, mode].append(result.passes / max(1, len(result.tokens)))
-                        if any(tokens != outputs["pipeline"] for tokens in outputs.values()):
-                            raise SystemExit(f"{scenario.name}: the modes produced different tokens")
+            rates, passes = measure(scenarios, lambda scenario: prompts_of(tokenizer, scenario), modes, run,
+                                    repetitions)
         finally:
             stop_drafters(drafters)
-    print(f"| scenario | mode | tokens/s median (range) | x pipeline | passes/token |  ({repetitions} repetitions)")
-    print("| --- | --- | ---: | ---: | ---: |")
-    for scenario in scenarios:
-        plain = statistics.median(rates[scenario.name, "pipeline"])
-        for mode in modes:
-            values = rates[scenario.name, mode]
-            print(f"| {scenario.name} | {mode} | {statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f}) "
-                  f"| {statistics.median(values) / plain:.2f} | {statistics.median(passes[scenario.name, mode]):.2f} |")
-    print("\nevery mode's tokens identical to the plain pipeline's")
-
+    print_table(scenarios, modes, rates, passes, repetitions)
 
 if __name__ == "__main__":
     main()

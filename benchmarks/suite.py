@@ -140,6 +140,11 @@ def _stage_paths(scenario: Scenario, workdir: Path) -> tuple[str, list[str]]:
     return model, paths
 
 
+def prompts_of(tokenizer, scenario: Scenario) -> list[list[int]]:
+    """A scenario's prompts as tokens (in the chat template if it says so)."""
+    return [tokenizer.chat_prompt(text) if scenario.chat else tokenizer.tokenize(text) for text in scenario.prompts]
+
+
 def run_scenario(
     scenario: Scenario, workdir: Path, progress: Callable[[int, int], None] | None = None
 ) -> dict:
@@ -157,7 +162,7 @@ def run_scenario(
     model, stage_paths = _stage_paths(scenario, workdir)
     settings = StageSettings(n_ctx=BENCH_CONTEXT, threads=1)
     tokenizer = Tokenizer(stage_paths[0])
-    prompts = [tokenizer.chat_prompt(text) if scenario.chat else tokenizer.tokenize(text) for text in scenario.prompts]
+    prompts = prompts_of(tokenizer, scenario)
     whole = WholeModel(model)
     whole_lookup = WholeModel(model, prompt_lookup_tokens=DRAFT_MAX)
     draft = model if scenario.draft == "default" else scenario.draft

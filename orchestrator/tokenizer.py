@@ -49,6 +49,10 @@ class Tokenizer:
         """Token ids of a chat ({role, content} messages), formatted with the
         model's own template (the GGUF's tokenizer.chat_template), ready for the
         assistant's reply."""
+        return self.tokenize(self.chat_text(messages), special=True)
+
+    def chat_text(self, messages: list[dict[str, str]]) -> str:
+        """The text of chat_tokens (its control tokens written out)."""
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         if not self.chat_template:
@@ -57,8 +61,7 @@ class Tokenizer:
             self.chat_template, eos_token=self.piece(self.eos).decode(errors="replace"),
             bos_token=self.piece(self.bos).decode(errors="replace"), add_generation_prompt=True,
         )
-        prompt = formatter(messages=messages).prompt
-        return self.tokenize(prompt, special=True)
+        return formatter(messages=messages).prompt
 
     def vocabulary_digest(self) -> str:
         """SHA-256 of every token's text: equal digests mean interchangeable token ids."""

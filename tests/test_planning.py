@@ -445,3 +445,10 @@ def test_the_simulated_draft_policy_prices_a_wider_pass_from_the_costs_as_a_run_
     dear = simulate(costs, Mode("sync", 6, step=2.0), behaviour, max_tokens=120, seed=2)
     assert (computed.passes, computed.drafted_tokens) == (given.passes, given.drafted_tokens)
     assert dear.drafted_tokens < computed.drafted_tokens  # a dear wider pass is drafted for less
+
+
+def test_a_simulation_of_fewer_than_two_tokens_is_refused():
+    # it starts at the first generated token: with max_tokens 1 it would never end
+    for max_tokens in (1, 0):
+        with pytest.raises(ValueError, match=rf"^max_tokens must be at least 2, not {max_tokens}$"):
+            simulate(FlatCosts(2), Mode("sync", 4), DraftBehaviour(0.5), max_tokens=max_tokens)

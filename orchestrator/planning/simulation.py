@@ -382,6 +382,8 @@ def simulate_many(costs: PipelineCosts, mode: Mode, workloads: list[DraftOutcome
     waits for the drafter beside stage 0.
     The loop is orchestrator.generate's, with the schedule's decisions
     (orchestrator.schedule) carried out in virtual time."""
+    if max_tokens < 2:  # the first token is where the simulation starts: it would never end
+        raise ValueError(f"max_tokens must be at least 2, not {max_tokens}")
     rng = random.Random(seed)
     count = costs.stage_count
     stages = _Stages(costs)
@@ -444,6 +446,8 @@ def _is_end(token: int) -> bool:
 
 def predict(costs: PipelineCosts, mode: Mode, behaviour: DraftOutcomes, max_tokens: int, runs: int = 32) -> Prediction:
     """Medians over ``runs`` simulated generations with different random draws."""
+    if runs < 1:
+        raise ValueError(f"a prediction needs at least one run, not {runs}")
     results = [simulate(costs, mode, behaviour, max_tokens, seed) for seed in range(runs)]
     drafted = sum(result.drafted_tokens for result in results)
     return Prediction(
