@@ -23,7 +23,7 @@ from unittest import mock
 
 import click
 
-from benchmarks.side_by_side import measure, print_table
+from benchmarks.side_by_side import draft_steps, measure, print_table
 from benchmarks.suite import DRAFT_MAX, SCENARIO_DIR, _stage_paths, load_scenario, prompts_of
 
 MODES = ["pipeline", "sync", "async", "async-uncancelled"]
@@ -51,10 +51,7 @@ def main(repetitions: int) -> None:
             tokenizer = Tokenizer(paths[0])
             with Pipeline(paths, StageSettings(n_ctx=BENCH_CONTEXT, threads=1), notify_boundaries=True) as pipeline:
                 drafters = start_drafters(pipeline, PromptLookupSpeculator, DrafterSettings(draft_max=DRAFT_MAX))
-                steps = {}
-                for overlapping in (False, True):  # as the bench measures it
-                    pipeline.pin_stages(overlapping)
-                    steps[overlapping] = pipeline.draft_step()
+                steps = draft_steps(pipeline)
                 try:
                     def run(mode: str, prompt: list[int], max_tokens: int):
                         pipeline.pin_stages(overlapping=mode.startswith("async"))

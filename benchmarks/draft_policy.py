@@ -21,7 +21,7 @@ from unittest import mock
 
 import click
 
-from benchmarks.side_by_side import measure, print_table
+from benchmarks.side_by_side import draft_steps, measure, print_table
 from benchmarks.suite import DRAFT_MAX, SCENARIO_DIR, load_scenario, prompts_of
 
 
@@ -69,10 +69,7 @@ def main(repetitions: int, schedules: str) -> None:
     modes = ["pipeline"] + [f"{schedule}-{rule}" for schedule in schedules.split(",") for rule in ("policy", "doubling")]
     with ray_session(None), Pipeline(paths, StageSettings(n_ctx=BENCH_CONTEXT), notify_boundaries=True) as pipeline:
         drafters = start_drafters(pipeline, PromptLookupSpeculator, DrafterSettings(draft_max=DRAFT_MAX))
-        steps = {}
-        for overlapping in (False, True):  # as the bench measures it
-            pipeline.pin_stages(overlapping)
-            steps[overlapping] = pipeline.draft_step()
+        steps = draft_steps(pipeline)
         print(f"measured draft step: sync {steps[False]:.2f}, async {steps[True]:.2f} one-token passes per extra token")
         try:
             def run(mode: str, prompt: list[int], max_tokens: int):

@@ -46,6 +46,7 @@ from pathlib import Path
 
 import click
 
+from benchmarks.side_by_side import draft_steps
 from benchmarks.suite import DRAFT_MAX, SCENARIO_DIR, load_scenario, prompts_of
 
 LLAMA_VERSION = "0.3.36"
@@ -122,13 +123,13 @@ def lookup_completion(model: str, prompt_text: str, max_tokens: int, workdir: Pa
                           capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise SystemExit(f"llama-lookup exited with {done.returncode}: {done.stderr.strip()[-300:]}")
-    speed = re.search(r"speed:\s*([0-9.]+) t/s", done.stderr + done.stdout)
-    if speed is None:
-        raise SystemExit("llama-lookup printed no decode speed")
+    decoded = re.search(r"decoded\s+(\d+) tokens in\s+([0-9.]+) seconds", done.stderr)  # not "encoded" (the prompt)
+    if decoded is None or float(decoded.group(2)) <= 0:
+        raise SystemExit("llama-lookup printed no decode time")
     _, found, generated = done.stdout.partition(prompt_text)  # it prints the prompt, then what it generates
     if not found:
         raise SystemExit("llama-lookup did not print the prompt it was given")
-    return generated, float(speed.group(1))
+    return generated, int(decoded.group(1)) / float(decoded.group(2))
 
 
 @click.command()
@@ -172,10 +173,7 @@ def main(repetitions: int) -> None:
                               str(remote_blocks)], server_port + 1, Path(folder) / "split.log"):
         workdir = Path(folder)
         drafters = start_drafters(pipeline, PromptLookupSpeculator, DrafterSettings(draft_max=DRAFT_MAX))
-        steps = {}
-        for overlapping in (False, True):  # as the bench measures it
-            pipeline.pin_stages(overlapping)
-            steps[overlapping] = pipeline.draft_step()
+        steps = draft_steps(pipeline)
         try:
             def run(mode: str, index: int, max_tokens: int) -> tuple[list[int] | str, float]:
                 prompt = prompts[index]

@@ -15,6 +15,16 @@ from collections import defaultdict
 from collections.abc import Callable
 
 
+def draft_steps(pipeline) -> dict[bool, float]:
+    """The draft policy's batch cost, measured as the bench measures it: for
+    stages pinned as for passes that do not overlap (False) and that do (True)."""
+    steps = {}
+    for overlapping in (False, True):
+        pipeline.pin_stages(overlapping)
+        steps[overlapping] = pipeline.draft_step()
+    return steps
+
+
 def measure(scenarios, prompts_of: Callable, modes: list[str], run: Callable, repetitions: int):
     """run(mode, prompt tokens, max_tokens) -> Generation. Returns (tokens/s,
     passes per token), each {(scenario name, mode): [one per prompt and repetition]};

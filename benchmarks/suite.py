@@ -150,6 +150,7 @@ def run_scenario(
 ) -> dict:
     """Run every mode of a scenario; return its figures (see summarise)."""
     from benchmarks.reference import WholeModel
+    from benchmarks.side_by_side import draft_steps
     from orchestrator.drafters import DrafterSettings, start_drafters, stop_drafters
     from orchestrator.generate import generate
     from orchestrator.pipeline import Pipeline
@@ -198,10 +199,7 @@ def run_scenario(
                 )
 
             # what a wider pass costs here, measured once per scenario as a run measures it, per pinning
-            steps = {}
-            for overlapping in (False, True):
-                pipeline.pin_stages(overlapping)
-                steps[overlapping] = pipeline.draft_step()
+            steps = draft_steps(pipeline)
             for mode in modes:  # warm-up
                 run_mode(mode, prompts[0], 8)
             done = 0

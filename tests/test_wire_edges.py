@@ -15,6 +15,7 @@ import pytest
 from orchestrator import tls, wire
 from orchestrator.defaults import KEEPALIVE_IDLE_SECONDS, KEEPALIVE_INTERVAL_SECONDS, KEEPALIVE_PROBES
 from orchestrator.messages import MESSAGE_TYPES, PassResult, ProtocolError, Shutdown, SpeculateFrom, StageFailure
+from test_wire import receive_raw
 
 pytestmark = pytest.mark.pure
 
@@ -33,17 +34,6 @@ def frame(header, payload: bytes = b"") -> bytes:
     return struct.pack("!I", len(packed)) + packed + payload
 
 
-def receive_raw(data: bytes):
-    """What receive_message makes of these bytes, then the peer closing."""
-    sending, receiving = socket.socketpair()
-    receiving.settimeout(LIVENESS_SECONDS)
-    with sending, receiving:
-        sender = threading.Thread(target=lambda: (sending.sendall(data), sending.shutdown(socket.SHUT_WR)))
-        sender.start()
-        try:
-            return wire.receive_message(receiving)
-        finally:
-            sender.join()
 
 
 def round_trip(message):
