@@ -419,7 +419,7 @@ class Scheduler:
         self.sequences = {state.sequence: state for state in sequences}
         self.in_flight: deque[TargetPass] = deque()
         self.window_per_pass = window_per_pass
-        self._invalid: set[int] = set()  # id() of passes in flight already handed out by invalid_passes
+        self._invalid: list[TargetPass] = []  # passes in flight already handed out by invalid_passes
 
     def add(self, state: SequenceState) -> None:
         if state.sequence in self.sequences:
@@ -467,10 +467,10 @@ class Scheduler:
         the target may cancel them, as their results will be discarded."""
         found = []
         for target_pass in self.in_flight:
-            if id(target_pass) not in self._invalid and not any(
+            if not any(target_pass is handed for handed in self._invalid) and not any(
                     any(held is window for held in self.sequences[window.sequence].in_flight)
                     for window in target_pass.windows):
-                self._invalid.add(id(target_pass))
+                self._invalid.append(target_pass)
                 found.append(target_pass)
         return found
 
@@ -479,7 +479,7 @@ class Scheduler:
         and its rows of the result's logits (None: the window was invalid and
         its result is discarded, counted here)."""
         target_pass = self.in_flight.popleft()
-        self._invalid.discard(id(target_pass))
+        self._invalid = [handed for handed in self._invalid if handed is not target_pass]
         outcome: list[tuple[SequenceState, Window, slice | None]] = []
         row = 0
         for window in target_pass.windows:

@@ -452,3 +452,44 @@ def test_a_simulation_of_fewer_than_two_tokens_is_refused():
     for max_tokens in (1, 0):
         with pytest.raises(ValueError, match=rf"^max_tokens must be at least 2, not {max_tokens}$"):
             simulate(FlatCosts(2), Mode("sync", 4), DraftBehaviour(0.5), max_tokens=max_tokens)
+
+
+def test_a_cancel_at_the_moment_a_stage_hands_the_pass_on_finds_it_done_there_and_unstarted_next():
+    from orchestrator.planning.simulation import _Stages
+
+    stages = _Stages(TimedCosts(3, small_hop=0.125))
+    only = stages.run(0.0, tokens=4)  # [0, 1], [1, 2], [2, 3]
+    cancelled = stages.cancel(only, 1.0)  # stage 0 ended at 1.0, stage 1 starts at 1.0: skipped, not stopped
+    assert cancelled.boundaries == [1, 1, 1.125] and cancelled.result == 1.25
+    assert stages.busy == [1, 0, 0] and stages.free_at == [1, 0, 0]
+
+
+class HopByIndexCosts(TimedCosts):
+    """One-token hops that cost more the further down the chain: hop i takes i / 8 s."""
+
+    def hop_seconds(self, hop: int, tokens: int) -> float:
+        return hop / 8 if tokens == 1 else 0.0
+
+
+def test_a_cancellation_travels_on_at_the_cost_of_each_hop_after_the_stage_that_dropped_it():
+    from orchestrator.planning.simulation import _Stages
+
+    stages = _Stages(HopByIndexCosts(3))
+    only = stages.run(0.0, tokens=4)  # [0, 1], [1, 2], [2, 3]
+    cancelled = stages.cancel(only, 0.5)  # stopped in stage 0, then hops 1, 2 and 3
+    assert cancelled.boundaries == [0.5, 0.625, 0.875] and cancelled.result == 0.875 + 3 / 8
+
+
+class StepAtNine(FlatCosts):
+    """A pass of up to 8 tokens costs what one does; from 9 on, twice that."""
+
+    def stage_seconds(self, stage: int, tokens: int) -> float:
+        return 0.01 if tokens <= 8 else 0.02
+
+    def hop_seconds(self, hop: int, tokens: int) -> float:
+        return 0.0
+
+
+def test_the_simulated_step_compares_passes_of_one_and_of_eight_tokens_as_a_run_does():
+    assert pass_step(StepAtNine(2)) == 0.0
+    assert pass_step(StepAtNine(2), batch=9) == pytest.approx(1 / 8)

@@ -201,3 +201,21 @@ def test_a_pass_with_one_valid_window_is_not_cancelled_and_a_cancelled_sequence_
     assert scheduler.invalid_passes() == []
     second.cancel()
     assert [target_pass is shared for target_pass in scheduler.invalid_passes()] == [True]
+
+
+def test_the_scheduler_keeps_no_pass_it_has_handed_back():
+    import gc
+    import weakref
+
+    sequence = state(speculation=[4, 5, 6, 7, 8, 9])
+    sequence.on_a_roll = True
+    scheduler = Scheduler([sequence])
+    _, ahead_pass = scheduler.next_passes()
+    (_, head, _), = scheduler.received()
+    sequence.verified(head, [4, 99], never_ends)
+    assert scheduler.invalid_passes() == [ahead_pass]
+    gone = weakref.ref(ahead_pass)
+    del ahead_pass
+    scheduler.received()
+    gc.collect()
+    assert gone() is None  # a long-lived service would otherwise hold every cancelled pass

@@ -640,3 +640,17 @@ def test_setup_from_profile_does_not_change_the_profile():
     before = copy.deepcopy(profile)
     setup_from_profile(profile, behaviour=None)
     assert profile == before
+
+
+@pytest.mark.parametrize("text, message", [
+    (MODEL.replace("width = 16", "width = 0") + MACHINE, "[model]: width must be a finite number > 0, not 0"),
+    (MODEL.replace("parameters = 1e6", "parameters = 0") + MACHINE,
+     "[model]: parameters must be a finite number > 0, not 0"),
+    (MODEL + MACHINE.replace("bandwidth_gb_per_s = 100", "bandwidth_gb_per_s = 0"),
+     "machine 0: bandwidth_gb_per_s must be a finite number > 0, not 0"),
+    (MODEL + MACHINE * 2 + "[[links]]\nlatency_ms = 1\nbandwidth_gbit_per_s = 0\n",
+     "link 0: bandwidth_gbit_per_s must be a finite number > 0, not 0"),
+])
+def test_a_zero_size_or_rate_is_refused_naming_its_key(tmp_path, text, message):
+    """Sizes and rates divide or scale the costs: zero is no setup (mutation testing found these unchecked)."""
+    assert load_error(write(tmp_path, text)) == message

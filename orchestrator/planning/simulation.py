@@ -286,7 +286,7 @@ class _Stages:
             if done[stage]:
                 cancelled.boundaries.append(timeline.boundaries[stage])
                 continue
-            leaves = at if stopped[stage] else max(arrival, self.free_at[stage])
+            leaves = max(arrival, self.free_at[stage])  # a stopped stage: at, as it is free from then on
             cancelled.boundaries.append(leaves)
             arrival = leaves + self.costs.hop_seconds(stage + 1, 1)
         cancelled.result = arrival
