@@ -9,7 +9,7 @@ the last stage).
 Cancelled passes (PipeInfer's early cancellation): the coordinator sends
 ``Cancel`` on a connection of its own to every stage, read by a thread beside
 the serving loop. A pass cancelled before it reaches the stage is dropped
-unread by llama.cpp; one the stage is running is stopped after its current
+without reaching llama.cpp; one the stage is running is stopped after its current
 graph node (``StageEngine.abort``). Either way a ``Cancelled`` goes downstream
 in its place and later stages forward it. The stages' caches stay consistent
 without more: a cancelled pass is settled as not decoded (orchestrator.replay),
