@@ -22,6 +22,24 @@ class PromptLookupSpeculator:
 
     def extend(self, context: Sequence[int]) -> int | None:
         """The next draft token after context, or None when no n-gram recurs."""
+        for token in self._continuations(context):
+            return token
+        return None
+
+    def candidates(self, context: Sequence[int], most: int = 8) -> list[int]:
+        """Up to ``most`` distinct next tokens, best first: the longest n-gram's
+        matches before shorter ones, the most recent match first (the first
+        is ``extend``'s). A token tree's forks (speculators.tree) offer them."""
+        found: list[int] = []
+        for token in self._continuations(context):
+            if token not in found:
+                found.append(token)
+                if len(found) == most:
+                    break
+        return found
+
+    def _continuations(self, context: Sequence[int]):
+        """The tokens that followed earlier occurrences of the last n tokens, in rank order."""
         tokens = np.asarray(context, dtype=np.int64)
         length = len(tokens)
         for size in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
@@ -30,7 +48,5 @@ class PromptLookupSpeculator:
             match = np.ones(candidates, dtype=bool)
             for offset in range(size):
                 match &= tokens[offset : offset + candidates] == tokens[length - size + offset]
-            starts = np.flatnonzero(match)
-            if len(starts):
-                return int(tokens[starts[-1] + size])
-        return None
+            for start in np.flatnonzero(match)[::-1]:
+                yield int(tokens[start + size])

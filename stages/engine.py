@@ -22,6 +22,13 @@ stage). Measured technique: ``../shared/design/stage-split.md``.
   after other sequences' and attention sums them in another order: measured
   here, logits then differ from a lone run by up to 1.04, which would change
   greedy tokens. Each decode carries the rows of one sequence.
+* Token trees (``speculators.tree``): a stage of one sequence may take a
+  batch whose rows form a tree (``parents``). Then the cache is one unified
+  stream with ``tree_sequences`` more sequence ids, one per side leaf: each
+  row carries the ids of the leaves below it, the committed cells are copied
+  to every id before the pass, and the next pass's ``remove`` drops every
+  side id, so only the main chain's cells stay, right after the committed
+  ones (hole-free; flash attention stays off).
 
 Context settings follow llama-cpp-python's ``Llama`` defaults (flash attention
 off, n_batch = n_ubatch = 512), because ``Llama`` on the whole model is the
@@ -40,6 +47,7 @@ from stages.capture import AbortFlag, CaptureError, NodeCapture
 from stages.errors import SpecpipeError
 from stages.gguf_file import KEY_FIRST_BLOCK, KEY_STAGE_COUNT, KEY_STAGE_INDEX
 from stages.settings import StageSettings
+from speculators.tree import TreeError, branch_sequences, check_preorder, depths
 
 _ggml_base = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-base.so"))
 
@@ -114,14 +122,17 @@ class StageEngine:
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
 
+        if settings.tree_sequences and settings.sequences != 1:
+            raise StageError(f"token trees need a stage of one sequence, not {settings.sequences}")
         context_params = llama_cpp.llama_context_default_params()
         context_params.n_ctx = settings.n_ctx * settings.sequences  # n_ctx cells for each sequence's stream
         context_params.n_batch = settings.n_batch
         context_params.n_ubatch = settings.n_batch
         context_params.n_threads = settings.threads
         context_params.n_threads_batch = settings.threads
-        context_params.n_seq_max = settings.sequences
-        context_params.kv_unified = False  # a stream per sequence: exact beside others (module docstring)
+        context_params.n_seq_max = settings.sequences + settings.tree_sequences
+        # a stream per sequence: exact beside others; a tree's ids share their sequence's one (module docstring)
+        context_params.kv_unified = settings.tree_sequences > 0
         context_params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         context_params.no_perf = True
         self._capture: NodeCapture | None = None
@@ -146,8 +157,9 @@ class StageEngine:
         self.sequences = settings.sequences
         self.n_ctx = llama_cpp.llama_n_ctx_seq(self._context)  # positions per sequence
         self._memory = llama_cpp.llama_get_memory(self._context)
-        self._token_batch = llama_cpp.llama_batch_init(settings.n_batch, 0, 1)
-        self._embd_batch = llama_cpp.llama_batch_init(settings.n_batch, self.n_embd, 1)
+        self.tree_sequences = settings.tree_sequences
+        self._token_batch = llama_cpp.llama_batch_init(settings.n_batch, 0, 1 + self.tree_sequences)
+        self._embd_batch = llama_cpp.llama_batch_init(settings.n_batch, self.n_embd, 1 + self.tree_sequences)
 
     # -- decoding ---------------------------------------------------------
     def decode(
@@ -158,13 +170,16 @@ class StageEngine:
         hidden: np.ndarray | None = None,
         sequence: int = 0,
         logit_rows: np.ndarray | None = None,
+        parents: np.ndarray | None = None,
     ) -> np.ndarray:
         """Decode one batch of one sequence.
 
         positions: int32[n_tokens]; tokens: int32[n_tokens] (first stage) or
         hidden: float32[n_tokens, n_embd] (later stages); sequence: its KV
         sequence (0 .. sequences - 1); logit_rows: batch rows whose logits the
-        last stage returns (default: the last row).
+        last stage returns (default: the last row); parents: int32[n_tokens],
+        the rows form a token tree in preorder (speculators.tree), each row at
+        positions[0] + its depth (None: a chain, row i after row i - 1).
 
         Returns float32[n_tokens, n_embd] hidden states from a non-last stage,
         or float32[len(logit_rows), n_vocab] logits from the last stage.
@@ -189,8 +204,9 @@ class StageEngine:
             raise StageError(f"a token id outside the vocabulary of {self.n_vocab}")
         if int(np.min(positions)) < 0:
             raise StageError("a negative position")
-        if int(positions[-1]) >= self.n_ctx:
-            raise StageError(f"position {int(positions[-1])} is beyond the context of {self.n_ctx} tokens")
+        if int(np.max(positions)) >= self.n_ctx:
+            raise StageError(f"position {int(np.max(positions))} is beyond the context of {self.n_ctx} tokens")
+        row_sequences = None if parents is None else self._tree_sequences(positions, parents)
         if logit_rows is None:
             logit_rows = np.array([n_tokens - 1], dtype=np.int32)
 
@@ -208,9 +224,17 @@ class StageEngine:
         else:
             wants_output[:] = 1  # every row must reach the last block
         ctypes.memmove(batch.logits, wants_output.ctypes.data, n_tokens)
-        for row in range(n_tokens):
-            batch.n_seq_id[row] = 1
-            batch.seq_id[row][0] = sequence
+        if row_sequences is None:
+            for row in range(n_tokens):
+                batch.n_seq_id[row] = 1
+                batch.seq_id[row][0] = sequence
+        else:
+            for branch in range(1, max(max(ids) for ids in row_sequences) + 1):
+                llama_cpp.llama_memory_seq_cp(self._memory, 0, branch, -1, -1)  # the committed cells
+            for row, ids in enumerate(row_sequences):
+                batch.n_seq_id[row] = len(ids)
+                for slot, branch in enumerate(ids):
+                    batch.seq_id[row][slot] = branch
 
         if self._capture is not None:
             self._capture.start()
@@ -239,11 +263,32 @@ class StageEngine:
             ctypes.memmove(logits[out_row].ctypes.data, pointer, 4 * self.n_vocab)
         return logits
 
+    def _tree_sequences(self, positions: np.ndarray, parents: np.ndarray) -> list[list[int]]:
+        """Each row's KV sequence ids for a tree batch (checked first)."""
+        if not self.tree_sequences:
+            raise StageError(f"stage {self.stage_index} was not set up for token trees")
+        if len(parents) != len(positions):
+            raise StageError(f"{len(parents)} parents for {len(positions)} rows")
+        try:
+            check_preorder(parents)
+        except TreeError as error:
+            raise StageError(f"stage {self.stage_index}: {error}") from None
+        if not np.array_equal(positions, positions[0] + depths(parents)):
+            raise StageError(f"stage {self.stage_index}: a tree row's position is not its root's plus its depth")
+        row_sequences = branch_sequences(parents)
+        if max(row_sequences[0]) > self.tree_sequences:
+            raise StageError(f"a tree of {max(row_sequences[0]) + 1} leaves (this stage holds "
+                             f"{self.tree_sequences + 1})")
+        return row_sequences
+
     # -- KV cache ---------------------------------------------------------
     def remove(self, first_position: int, sequence: int = -1) -> None:
-        """Drop cached positions >= first_position (of one sequence; -1: of all)."""
+        """Drop cached positions >= first_position (of one sequence; -1: of all),
+        and every token tree's side branches."""
         if not -1 <= sequence < self.sequences:
             raise StageError(f"sequence {sequence} is not one of the stage's {self.sequences}")
+        for branch in range(1, self.tree_sequences + 1):
+            llama_cpp.llama_memory_seq_rm(self._memory, branch, -1, -1)
         llama_cpp.llama_memory_seq_rm(self._memory, sequence, first_position, -1)
 
     def cached_positions(self, sequence: int = 0) -> int:

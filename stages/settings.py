@@ -21,6 +21,9 @@ class StageSettings:
     n_batch: most tokens decoded in one llama_decode call.
     sequences: KV sequences the stage holds at once (one per request being
     served; each has its own n_ctx cells, so a stage holds n_ctx * sequences).
+    tree_sequences: extra KV sequence ids for token trees' side leaves (a tree
+    of up to tree_sequences + 1 leaves per pass; 0: chains only). Needs
+    sequences = 1 (stages.engine says why).
     """
 
     n_ctx: int = DEFAULT_CONTEXT
@@ -28,3 +31,4 @@ class StageSettings:
     n_gpu_layers: int = 0
     n_batch: int = DEFAULT_BATCH
     sequences: int = 1
+    tree_sequences: int = 0

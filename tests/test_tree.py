@@ -1,0 +1,187 @@
+"""Token trees (speculators.tree): shape, verification, prompt-lookup trees, the rule that sizes them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from speculators.prompt_lookup import PromptLookupSpeculator
+from speculators.sampling import SamplingSettings, choose_token
+from speculators.tree import (
+    DraftTree,
+    RankAcceptance,
+    TreeError,
+    accepted_rows,
+    branch_sequences,
+    check_preorder,
+    choose_rows,
+    depths,
+    leaf_count,
+    lookup_tree,
+    main_chain_length,
+    row_values,
+    walk,
+)
+from speculators.verify import verify
+
+pytestmark = pytest.mark.pure
+
+#        0
+#      /   \
+#     1     4
+#    / \     \
+#   2   3     5
+PARENTS = [-1, 0, 1, 1, 0, 4]
+
+
+def test_preorder_is_checked():
+    check_preorder(PARENTS)
+    check_preorder([-1])
+    with pytest.raises(TreeError, match="root"):
+        check_preorder([0, 0])
+    with pytest.raises(TreeError, match="not preorder"):
+        check_preorder([-1, 0, 0, 1])  # row 3 under row 1 after row 2 left it
+    with pytest.raises(TreeError, match="not preorder"):
+        check_preorder([-1, 0, 5])
+    with pytest.raises(TreeError):
+        check_preorder([])
+
+
+def test_shape_of_a_tree():
+    assert depths(PARENTS).tolist() == [0, 1, 2, 2, 1, 2]
+    assert main_chain_length(PARENTS, 6) == 3
+    assert main_chain_length(None, 4) == 4
+    assert leaf_count(PARENTS) == 3
+    assert leaf_count(None) == 1
+    # leaves 2 (main chain: the request's own sequence 0), 3 and 5 take 1 and 2
+    assert branch_sequences(PARENTS) == [[0, 1, 2], [0, 1], [0], [1], [2], [2]]
+    assert branch_sequences([-1, 0, 1]) == [[0], [0], [0]]
+
+
+def _plain_logits(path: tuple[int, ...], n_vocab: int = 7) -> np.ndarray:
+    """The target's logits after the given path below the root: a fixed random function of it."""
+    seed = abs(hash(path)) % (2**32)
+    return np.random.default_rng(seed).normal(size=n_vocab).astype(np.float32)
+
+
+def _plain_decode(count: int, first_position: int, sampling: SamplingSettings) -> list[int]:
+    path: tuple[int, ...] = ()
+    for _ in range(count):
+        path += (choose_token(_plain_logits(path), first_position + len(path), sampling),)
+    return list(path)
+
+
+@pytest.mark.parametrize("sampling", [SamplingSettings(), SamplingSettings(temperature=0.8, top_p=0.9, seed=5)])
+def test_walk_commits_what_plain_decoding_would_for_any_tree(sampling):
+    """Sample and match through a tree: for random trees, some holding the
+    target's own tokens, the committed tokens are plain decoding's."""
+    generator = np.random.default_rng(1)
+    taken_side = 0
+    for _ in range(300):
+        plain = _plain_decode(6, 40, sampling)
+        tokens, parents, paths = [3], [-1], [()]
+        for row in range(1, int(generator.integers(1, 9))):
+            parent = int(generator.integers(0, row))
+            # preorder: only a row on the path to the last row may take a child
+            chain = [row - 1]
+            while parents[chain[-1]] >= 0:
+                chain.append(parents[chain[-1]])
+            parent = chain[int(generator.integers(0, len(chain)))]
+            depth = len(paths[parent])
+            token = plain[depth] if generator.random() < 0.6 else int(generator.integers(0, 7))
+            tokens.append(token)
+            parents.append(parent)
+            paths.append(paths[parent] + (token,))
+        check_preorder(parents)
+        logits = np.stack([_plain_logits(path) for path in paths])
+        committed = walk(tokens, parents, logits, 40, sampling)
+        assert committed == plain[: len(committed)]
+        rows = accepted_rows(tokens, parents, committed)
+        assert len(rows) == len(committed) - 1
+        taken_side += any(row >= main_chain_length(parents, len(parents)) for row in rows)
+    assert taken_side > 10  # the walk left the main chain often enough to test it
+
+
+def test_walk_of_a_chain_is_verify():
+    logits = np.random.default_rng(3).normal(size=(4, 9)).astype(np.float32)
+    drafts = [int(np.argmax(logits[0])), int(np.argmax(logits[1])), 0]
+    chain = DraftTree.chain(5, drafts)
+    assert walk(chain.tokens, chain.parents, logits, 10, SamplingSettings()) == verify(
+        drafts, logits, 10, SamplingSettings())
+    with pytest.raises(ValueError, match="rows"):
+        walk(chain.tokens, chain.parents, logits[:2], 10, SamplingSettings())
+
+
+def test_lookup_tree_keeps_the_chain_and_forks_on_other_matches():
+    speculator = PromptLookupSpeculator(max_ngram=2, min_ngram=1)
+    #          a  b  c  d  |  a  b  e  f  |  a  b
+    context = [1, 2, 3, 4, 9, 1, 2, 5, 6, 9, 1, 2]
+    assert speculator.candidates(context) == [5, 3]  # most recent match first
+    tree = lookup_tree(speculator, context, limit=3, budget=10)
+    check_preorder(tree.parents)
+    main = main_chain_length(tree.parents, len(tree.parents))
+    chain = []
+    while len(chain) < 3 and (token := speculator.extend(context + chain)) is not None:
+        chain.append(token)
+    assert tree.tokens[1:main] == chain == [5, 6, 9]
+    assert tree.ranks[:main] == [0, 1, 1, 1]
+    # the other continuation of "a b" forks at the root, copied on by extend
+    side = tree.tokens[main:]
+    assert side[0] == 3 and tree.parents[main] == 0 and tree.ranks[main] == 2
+    assert side[:3] == [3, 4, 9]
+    assert len(tree.tokens) - 1 <= 10
+    small = lookup_tree(speculator, context, limit=3, budget=3)
+    assert small.is_chain and small.drafts == chain
+    assert lookup_tree(speculator, [1, 2, 3], limit=3, budget=5).drafts == []
+
+
+def test_rank_acceptance_counts_forks_offered_and_taken():
+    tree = DraftTree([0, 5, 6, 7, 8], [-1, 0, 1, 0, 0], [0, 1, 1, 2, 3])
+    ranks = RankAcceptance()
+    ranks.observe(tree, [7, 1])  # the root declined 5, took its rank-2 child 7
+    assert ranks.offered == [1.0] and ranks.taken == [1.0]
+    ranks.observe(tree, [9])  # declined every candidate: ranks 2 and 3 offered, none taken
+    assert ranks.offered == pytest.approx([1.95, 1.0])
+    assert ranks.taken == pytest.approx([0.95, 0.0])
+    assert ranks.share(2) == pytest.approx((0.95 + 0.1) / 2.95)
+    assert ranks.share(9) == 0.1
+
+
+def test_values_follow_the_chain_acceptance_and_the_ranks():
+    tree = DraftTree([0, 5, 6, 7, 8], [-1, 0, 1, 0, 3], [0, 1, 1, 2, 1])
+    ranks = RankAcceptance([10.0], [4.0])  # rank 2: (4 + 0.1) / 11
+    values = row_values(tree, [0.5, 0.9], ranks)
+    rank_two = 4.1 / 11
+    assert values == pytest.approx([1.0, 0.5, 0.45, 0.5 * rank_two, 0.5 * rank_two * 0.9])
+
+
+def test_the_rule_grows_a_tree_only_where_rows_are_cheap():
+    speculator = PromptLookupSpeculator(max_ngram=2, min_ngram=1)
+    context = [1, 2, 3, 4, 9, 1, 2, 5, 6, 9, 1, 2]
+    tree = lookup_tree(speculator, context, limit=3, budget=10)
+    ranks = RankAcceptance([10.0], [5.0])
+    chain_acceptance = [0.8, 0.95, 0.95]
+    # a CPU: each row costs half a pass, and only the likely chain pays
+    costly = choose_rows(tree, chain_acceptance, ranks, step=0.5)
+    assert costly.is_chain and costly.drafts == [5, 6, 9]
+    # nothing pays at all when every row costs a whole pass
+    assert choose_rows(tree, chain_acceptance, ranks, step=1.0).drafts == []
+    # cheap rows (a GPU, a network-bound pipeline): the other match joins as a side branch
+    cheap = choose_rows(tree, chain_acceptance, ranks, step=0.02)
+    check_preorder(cheap.parents)
+    assert not cheap.is_chain
+    assert cheap.tokens[:4] == [2, 5, 6, 9]  # its main chain is still the drafter's chain
+    assert 3 in cheap.tokens[4:]
+
+
+def test_a_side_branch_never_displaces_its_main_sibling():
+    """Even when the fork's second choice scores higher, the first choice comes
+    first, so the verified tree's first children are the drafter's chain."""
+    tree = DraftTree([0, 5, 7], [-1, 0, 0], [0, 1, 2])
+    ranks = RankAcceptance([10.0], [9.9])
+    values = row_values(tree, [0.1], ranks)
+    assert values[2] > values[1]
+    chosen = choose_rows(tree, [0.1], ranks, step=0.001)
+    assert chosen.tokens == [0, 5, 7] and chosen.parents == [-1, 0, 0]
+    with pytest.raises(TreeError, match="without its parent"):
+        DraftTree([0, 5, 6], [-1, 0, 1], [0, 1, 1]).subtree([2])
