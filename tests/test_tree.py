@@ -183,5 +183,8 @@ def test_a_side_branch_never_displaces_its_main_sibling():
     assert values[2] > values[1]
     chosen = choose_rows(tree, [0.1], ranks, step=0.001)
     assert chosen.tokens == [0, 5, 7] and chosen.parents == [-1, 0, 0]
+    # the side branch alone would pay for its row; without its main sibling it is not verified
+    assert (1.0 + values[2]) / 1.8 > 1.0
+    assert choose_rows(tree, [0.1], ranks, step=0.8).tokens == [0]
     with pytest.raises(TreeError, match="without its parent"):
         DraftTree([0, 5, 6], [-1, 0, 1], [0, 1, 1]).subtree([2])
