@@ -39,6 +39,7 @@ from orchestrator.defaults import (
 )
 from orchestrator.messages import Boundary, Cancel, Cancelled, PassResult, Shutdown, StageBatch, StageFailure
 from orchestrator.replay import KvLedger, PassRecord
+from speculators.tree import accepted_rows
 from stages.errors import SpecpipeError
 
 
@@ -92,8 +93,12 @@ def result_problem(record: PassRecord, reply: PassResult, n_vocab: int, stage_co
         return "logits (expected the tokens it chose)"
     if not 1 <= len(tokens) <= rows or tokens.min() < 0 or tokens.max() >= n_vocab:
         return f"{len(tokens)} tokens {tokens[:4].tolist()} (expected 1 to {rows} ids below {n_vocab})"
-    if not np.array_equal(tokens[:-1], record.choice.drafts[:len(tokens) - 1]):
+    choice = record.choice
+    if choice.parents is None and not np.array_equal(tokens[:-1], choice.drafts[:len(tokens) - 1]):
         return "tokens that do not begin with the accepted drafts"
+    if choice.parents is not None and len(accepted_rows([0, *choice.drafts.tolist()], choice.parents,
+                                                        tokens.tolist())) != len(tokens) - 1:
+        return "tokens that do not follow a path of the tree"
     return ""
 
 
@@ -170,7 +175,7 @@ class SocketChain:
         (``unanswered``) and PassLate is raised."""
         self._pass_id += 1
         batch = StageBatch(self._pass_id, record.keep, record.positions, record.logit_rows, tokens=record.tokens,
-                           sequence=record.sequence, choice=record.choice)
+                           sequence=record.sequence, choice=record.choice, parents=record.parents)
         overlapping = bool(self._in_flight)
         for entry in self._in_flight:
             entry.overlapped = True

@@ -146,6 +146,9 @@ def verify_split(model: Path, stage_files: tuple[Path, ...], threads: int) -> No
               show_default=True,
               help="async: draft on machines while their stage is idle; sync: draft, then verify.")
 @click.option("--draft-overlap", is_flag=True, help="Let drafters run while their own stage computes too.")
+@click.option("--tree-leaves", default=1, show_default=True, type=click.IntRange(1, 16),
+              help="Above 1: prompt lookup drafts token trees of up to this many leaves (other matches' "
+                   "continuations); the rows that pay are verified in one pass. 1: chains.")
 @click.option("--dashboard", is_flag=True, help="Start the Ray dashboard with the local Ray instance.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @click.option("--max-restarts", default=defaults.MAX_RESTARTS, show_default=True, type=click.IntRange(0, 100),
@@ -155,7 +158,7 @@ def verify_split(model: Path, stage_files: tuple[Path, ...], threads: int) -> No
 @one_line_errors
 def run(files, model_split, prompt, prompt_file, chat, max_tokens, temperature, top_p, seed, address, place,
         threads, n_ctx, n_gpu_layers, wire_dtype, speculator, draft_path, draft_max, draft_p_min, schedule,
-        draft_overlap, dashboard, as_json, max_restarts, tls) -> None:
+        draft_overlap, tree_leaves, dashboard, as_json, max_restarts, tls) -> None:
     """Generate text through a pipeline of stages (default: SmolLM2-135M split in two)."""
     from orchestrator.defaults import DEFAULT_PROMPT, default_stage_paths
     from orchestrator.placement import parse_place
@@ -166,6 +169,8 @@ def run(files, model_split, prompt, prompt_file, chat, max_tokens, temperature, 
         raise click.UsageError("--speculator model needs --draft DRAFT.gguf")
     if draft_path and speculator != "model":
         raise click.UsageError("--draft is only used with --speculator model")
+    if tree_leaves > 1 and speculator != "ngram":
+        raise click.UsageError("--tree-leaves needs --speculator ngram (prompt lookup drafts the trees)")
     if model_split and not files:
         raise click.UsageError("--model-split needs the stage files, e.g. --model-split a.gguf b.gguf")
     if prompt is not None and prompt_file is not None:
@@ -189,7 +194,7 @@ def run(files, model_split, prompt, prompt_file, chat, max_tokens, temperature, 
         stage=StageSettings(n_ctx=n_ctx, threads=threads, n_gpu_layers=n_gpu_layers),
         speculation=SpeculationSettings(
             speculator=speculator, draft_path=draft_path, schedule=Schedule(schedule), draft_max=draft_max,
-            draft_p_min=draft_p_min, overlap=draft_overlap,
+            draft_p_min=draft_p_min, overlap=draft_overlap, tree_leaves=tree_leaves,
         ),
         address=address,
         place=parse_place(place) if place else None,

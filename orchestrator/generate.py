@@ -37,6 +37,9 @@ class Drafting:
     call_cost: what that ask costs, in one-token passes (the draft policy's).
     step: what each extra token of a pass costs, in one-token passes
     (Pipeline.draft_step measures it before a run).
+    tree_leaves: above 1, ``first`` drafts token trees of up to that many
+    leaves (an InstantDrafter's collect_tree; the stages need as many
+    tree_sequences less one), and the schedule verifies the rows that pay.
     """
 
     drafters: Sequence[Drafter]
@@ -45,6 +48,7 @@ class Drafting:
     first: Drafter | None = None
     call_cost: float = DRAFTER_CALL_COST
     step: float = PRIOR_STEP
+    tree_leaves: int = 1
 
 
 @dataclass
@@ -131,6 +135,7 @@ class _Decoding:
             prompt_from=0, prompt_chunk=prompt_chunk, sampling=request.sampling,
             draft_call_cost=drafting.call_cost if drafting is not None else DRAFTER_CALL_COST,
             draft_step=drafting.step if drafting is not None else PRIOR_STEP,
+            tree_leaves=drafting.tree_leaves if drafting is not None else 1,
         )
         self.result.speculation = self.state.stats
 
@@ -157,7 +162,10 @@ def generate_many(target: Target, requests: list[Request], is_end: Callable[[int
             drafting = decodings[state.sequence].request.drafting
             drafter = drafting.first or drafting.drafters[0]  # type: ignore[union-attr]
             drafter.speculate(state.committed, state.drafts_wanted)
-            state.drafted_first(drafter.collect(wait=True))
+            if state.tree_leaves > 1:
+                state.drafted_tree(drafter.collect_tree(state.tree_leaves))  # type: ignore[union-attr]
+            else:
+                state.drafted_first(drafter.collect(wait=True))
         for target_pass in scheduler.next_passes():
             target.submit(target_pass)
         reply = _receive_relaying(target, scheduler, decodings)

@@ -16,6 +16,7 @@ import numpy as np
 from orchestrator.messages import Cancelled, PassResult
 from orchestrator.schedule import TargetPass, Window
 from speculators.sampling import SamplingSettings
+from speculators.tree import DraftTree, depths, lookup_tree, walk
 from speculators.verify import verify
 
 
@@ -51,7 +52,10 @@ def committed_tokens(reply: PassResult, window: Window, rows: slice, sampling: S
     a target that returns logits (the stand-ins), those its rows verify to."""
     if reply.tokens is not None:
         return reply.tokens.tolist()
-    return verify(window.drafts, reply.logits[rows], window.first + window.logit_rows[0] + 1, sampling)
+    first_position = window.first + window.logit_rows[0] + 1
+    if window.parents is not None:
+        return walk((0, *window.drafts), window.parents, reply.logits[rows], first_position, sampling)
+    return verify(window.drafts, reply.logits[rows], first_position, sampling)
 
 
 class Drafter(Protocol):
@@ -84,7 +88,8 @@ class InstantTarget:
 
     def submit(self, target_pass: TargetPass) -> None:
         self.submitted.append(target_pass)
-        rows = [(window.sequence, window.first + row + 1) for window in target_pass.windows for row in window.logit_rows]
+        rows = [(window.sequence, window.first + row_depths[row] + 1) for window in target_pass.windows
+                for row_depths in [_row_depths(window)] for row in window.logit_rows]
         logits = np.zeros((len(rows), self.vocab), dtype=np.float32)
         if self.next_token is not None:
             for row, (sequence, position) in enumerate(rows):
@@ -102,6 +107,12 @@ class InstantTarget:
 
     def release(self, sequence: int) -> None:
         self.released.append(sequence)
+
+
+def _row_depths(window: Window) -> list[int]:
+    """Each input row's distance from the window's first (its depth in a tree)."""
+    parents = window.batch_parents
+    return list(range(len(window.inputs))) if parents is None else depths(parents).tolist()
 
 
 class InPlaceDrafter:
@@ -134,6 +145,16 @@ class InstantDrafter(InPlaceDrafter):
     def __init__(self, speculator, draft_max: int):
         self.speculator = speculator
         self.draft_max = draft_max
+
+    def collect_tree(self, leaves: int) -> DraftTree:
+        """What collect would draft, as a token tree of at most ``leaves``
+        leaves (speculators.tree.lookup_tree: the other matches' continuations
+        as side branches, at most as many rows as the chain)."""
+        context, self.context = self.context, None
+        if context is None:
+            return DraftTree([0], [-1], [0])
+        limit = min(self.draft_max, self.most or self.draft_max)
+        return lookup_tree(self.speculator, context, limit, budget=2 * limit, branches=leaves - 1)
 
     def draft(self, context: list[int], limit: int) -> list[int]:
         tokens: list[int] = []

@@ -25,6 +25,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from speculators.sampling import SamplingSettings
+from speculators.tree import TreeError, check_preorder, walk
+from speculators.verify import verify
 from stages.errors import SpecpipeError
 
 WireHeader = dict[str, Any]
@@ -50,6 +52,20 @@ def _int32_array(header: WireHeader, name: str, *, optional: bool = False) -> np
         raise ProtocolError(f"{name}: expected int32 bytes, got {type(data).__name__}"
                             + (f" of {len(data)} bytes" if isinstance(data, bytes) else ""))
     return np.frombuffer(data, dtype="<i4")
+
+
+def _tree(header: WireHeader, name: str, rows: int) -> np.ndarray | None:
+    """An optional int32[rows] of parents that must describe a tree in preorder."""
+    parents = _int32_array(header, name, optional=True)
+    if parents is None:
+        return None
+    if len(parents) != rows:
+        raise ProtocolError(f"{name}: {len(parents)} parents for {rows} rows")
+    try:
+        check_preorder(parents)
+    except TreeError as error:
+        raise ProtocolError(f"{name}: {error}") from None
+    return parents
 
 
 def _integer(header: WireHeader, name: str, low: int = 0) -> int:
@@ -105,6 +121,8 @@ class TokenChoice:
     first_position: the absolute position the first logit row predicts.
     sampling: greedy, or the seeded draw (the same function the coordinator
     would apply to the same float32 rows: the tokens are the same).
+    parents: int32[rows], the rows form a token tree in preorder
+    (speculators.tree.walk verifies it); None: a chain.
 
     On the wire: a small map in the batch's header.
     """
@@ -112,10 +130,17 @@ class TokenChoice:
     drafts: np.ndarray
     first_position: int
     sampling: SamplingSettings
+    parents: np.ndarray | None = None
 
     def to_wire(self) -> WireHeader:
-        return {"drafts": _int32_bytes(self.drafts), "first": self.first_position,
+        return {"drafts": _int32_bytes(self.drafts), "first": self.first_position, "parents": _int32_bytes(self.parents),
                 "temperature": self.sampling.temperature, "top_p": self.sampling.top_p, "seed": self.sampling.seed}
+
+    def tokens(self, logits: np.ndarray) -> list[int]:
+        """What the rows' logits float32[rows, n_vocab] commit."""
+        if self.parents is None:
+            return verify(self.drafts.tolist(), logits, self.first_position, self.sampling)
+        return walk([0, *self.drafts.tolist()], self.parents, logits, self.first_position, self.sampling)
 
     @classmethod
     def from_wire(cls, header: WireHeader) -> TokenChoice:
@@ -127,9 +152,11 @@ class TokenChoice:
         seed = _integer(header, "seed")
         if seed >= 2**64:
             raise ProtocolError("seed: more than 64 bits")
-        return cls(drafts=_int32_array(header, "drafts"),  # type: ignore[arg-type]
+        drafts = _int32_array(header, "drafts")
+        return cls(drafts=drafts,  # type: ignore[arg-type]
                    first_position=_integer(header, "first"),
-                   sampling=SamplingSettings(temperature=temperature, top_p=top_p, seed=seed))
+                   sampling=SamplingSettings(temperature=temperature, top_p=top_p, seed=seed),
+                   parents=_tree(header, "parents", len(drafts) + 1))  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -148,8 +175,10 @@ class StageBatch:
     stage_seconds: busy seconds of each stage already passed, in stage order.
     choice: set, the last stage chooses the tokens (TokenChoice) and returns
     them instead of the logit rows.
+    parents: int32[n_tokens], the rows form a token tree in preorder, each at
+    its root's position plus its depth (stages.engine); None: a chain.
 
-    On the wire: positions, logit_rows, tokens and choice in the header; hidden raw, dtype kept.
+    On the wire: positions, logit_rows, tokens, parents and choice in the header; hidden raw, dtype kept.
     """
 
     KIND: ClassVar[str] = "batch"
@@ -163,10 +192,12 @@ class StageBatch:
     stage_seconds: tuple[float, ...] = ()
     sequence: int = 0
     choice: TokenChoice | None = None
+    parents: np.ndarray | None = None
 
     def to_wire(self) -> tuple[WireHeader, np.ndarray | None]:
         header = {
             "choice": None if self.choice is None else self.choice.to_wire(),
+            "parents": _int32_bytes(self.parents),
             "pass": self.pass_id,
             "sequence": self.sequence,
             "keep": self.keep,
@@ -207,6 +238,7 @@ class StageBatch:
             hidden=hidden,
             stage_seconds=_seconds(header, "seconds"),
             choice=choice,
+            parents=_tree(header, "parents", count),
         )
 
 

@@ -38,6 +38,7 @@ from orchestrator.schedule import TargetPass
 from orchestrator.stage_cpus import CpuSet, stage_cpu_sets
 from orchestrator.stage_server import StageDescription, StageServer
 from orchestrator.tls import new_chain_certificate
+from speculators.tree import depths
 from stages.settings import StageSettings
 from stages.stage_files import NOT_FOUND, NodeStageFile, check_stage_files_on_nodes, read_stage_file
 
@@ -373,11 +374,14 @@ class Pipeline:
         if len(target_pass.windows) != 1:
             raise PipelineError(f"a pass of {len(target_pass.windows)} sequences; this pipeline carries one per pass")
         window = target_pass.windows[0]
-        positions = np.arange(window.first, window.first + len(window.inputs), dtype=np.int32)
+        parents = None if window.parents is None else np.asarray(window.batch_parents, np.int32)
+        positions = (np.arange(window.first, window.first + len(window.inputs), dtype=np.int32) if parents is None
+                     else (window.first + depths(parents)).astype(np.int32))
         choice = None if window.sampling is None else TokenChoice(
-            np.asarray(window.drafts, np.int32), window.first + window.logit_rows[0] + 1, window.sampling)
+            np.asarray(window.drafts, np.int32), window.first + window.logit_rows[0] + 1, window.sampling,
+            None if window.parents is None else np.asarray(window.parents, np.int32))
         record = PassRecord(window.sequence, window.first, positions, np.asarray(window.inputs, np.int32),
-                            np.asarray(window.logit_rows, np.int32), choice)
+                            np.asarray(window.logit_rows, np.int32), choice, parents)
         self._passes.append((target_pass, record))
         self._send(record)
 

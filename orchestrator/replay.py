@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from orchestrator.messages import TokenChoice
+from speculators.tree import main_chain_length
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,8 @@ class PassRecord:
     release: the stages drop the sequence from keep on and return no rows.
     choice: set, the last stage returns the tokens it chooses from those rows
     (messages.TokenChoice) instead of the rows.
+    parents: int32[n], the rows form a token tree (messages.StageBatch); the
+    stages keep only its main chain's cells after it (stages.engine).
     """
 
     sequence: int
@@ -46,6 +49,12 @@ class PassRecord:
     tokens: np.ndarray
     logit_rows: np.ndarray
     choice: TokenChoice | None = None
+    parents: np.ndarray | None = None
+
+    @property
+    def kept_rows(self) -> int:
+        """Rows whose cells stay cached once the next pass drops side branches."""
+        return main_chain_length(self.parents, len(self.positions))
 
     @property
     def is_release(self) -> bool:
@@ -74,13 +83,13 @@ class KvLedger:
         cut = bisect.bisect_left(positions, record.keep)  # in place: a pass costs its own length, not the context's
         del positions[cut:], tokens[cut:]
         if decoded and not record.is_release:
-            new_positions = record.positions.tolist()
+            new_positions = record.positions[: record.kept_rows].tolist()
             if positions and new_positions[0] <= positions[-1] or any(
                     later <= earlier for earlier, later in zip(new_positions, new_positions[1:])):
                 raise ValueError(f"sequence {record.sequence}: positions {new_positions[:4]}... do not follow "
                                  f"the cached ones (last {positions[-1] if positions else None})")
             positions.extend(new_positions)
-            tokens.extend(record.tokens.tolist())
+            tokens.extend(record.tokens[: record.kept_rows].tolist())
         if not positions:
             del self._held[record.sequence]
 

@@ -45,6 +45,14 @@ The rules:
 * How many drafts a window carries (``draft_limit``, none included: then
   the drafter is not even asked): ``speculators.draft_length.DraftPolicy``,
   from the acceptance by draft position and the cost of a longer pass.
+* When a window is a token tree (``SequenceState.drafted_tree``, a sequence
+  with ``tree_leaves`` > 1 whose drafter proposes one): the draft policy's
+  chain is its main chain, and ``speculators.tree.choose_rows`` adds the side
+  rows that pay for themselves (acceptance by candidate rank, the pass's
+  cost). Windows started ahead stay chains: they extend the main chain. A
+  window whose accepted path left the main chain commits it, but the stages
+  keep only the main chain's cells; the next window feeds the rest again
+  (``SequenceState.refeed``).
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ from dataclasses import dataclass, field, fields
 
 from speculators.draft_length import DRAFTER_CALL_COST, PRIOR_STEP, DraftPolicy
 from speculators.sampling import SamplingSettings
+from speculators.tree import DraftTree, RankAcceptance, accepted_rows, choose_rows, main_chain_length
 
 
 class Schedule(enum.Enum):
@@ -86,6 +95,9 @@ class SpeculationStats:
     """drafted_tokens: draft tokens the target verified; accepted_tokens: those it accepted.
     accepted_lengths: verified windows by number of tokens they committed (1 = no draft accepted).
     input_lengths: verified windows by number of tokens fed to the target.
+    tree_passes: verified windows that were token trees; side_rows: their rows
+    off the main chain; side_accepted: tokens accepted off it; refed_tokens:
+    committed tokens fed again because their cells were not kept.
     collected_tokens: tokens the drafters delivered (verified or not).
     discarded_passes: windows started ahead on a speculation that then failed.
     rejected_passes: windows in which a draft token was rejected.
@@ -107,6 +119,10 @@ class SpeculationStats:
     waited_nonempty: int = 0
     waited_tokens: int = 0
     waited_stops: int = 0
+    tree_passes: int = 0
+    side_rows: int = 0
+    side_accepted: int = 0
+    refed_tokens: int = 0
     accepted_lengths: Counter = field(default_factory=Counter)
     input_lengths: Counter = field(default_factory=Counter)
 
@@ -141,6 +157,12 @@ class SpeculationStats:
         return _share(self.waited_tokens - self.waited_nonempty, later_stops)
 
     @property
+    def committed_per_window(self) -> float:
+        """Tokens a verified decoding window committed, on average (chain against tree: the bench)."""
+        windows = sum(self.accepted_lengths.values())
+        return sum(length * count for length, count in self.accepted_lengths.items()) / windows if windows else 0.0
+
+    @property
     def wasted_tokens(self) -> int:
         return max(0, self.collected_tokens - self.accepted_tokens)
 
@@ -152,7 +174,8 @@ class SpeculationStats:
 
 @dataclass(frozen=True)
 class Window:
-    """One sequence's rows in a target pass: inputs[i] at absolute position first + i.
+    """One sequence's rows in a target pass: inputs[i] at absolute position first + i
+    (for a tree, first + refed + the row's depth).
 
     A decoding window's inputs are the last committed token (or, started ahead,
     a speculated one) and then drafts; every row's logits are verified. A
@@ -160,6 +183,10 @@ class Window:
     wanted, and only the prompt's last chunk is verified (it gives the first token).
     With ``sampling`` the target itself verifies the rows (speculators.verify,
     beside its last stage) and returns the committed tokens instead of logits.
+    refed: committed tokens before the last one, fed again first (their cells
+    were dropped after a side branch was accepted); their rows are not verified.
+    parents: the verified rows (inputs[refed:]) form a token tree in preorder
+    (speculators.tree; their parents, row 0 the last committed token); None: a chain.
     """
 
     sequence: int
@@ -167,15 +194,34 @@ class Window:
     inputs: tuple[int, ...]
     prompt: bool = False
     sampling: SamplingSettings | None = None  # set: the target chooses the tokens (the sequence's)
+    refed: int = 0
+    parents: tuple[int, ...] | None = None
+    ranks: tuple[int, ...] | None = None  # a tree's rows' ranks among their siblings (speculators.tree.DraftTree)
 
     @property
     def drafts(self) -> tuple[int, ...]:
-        return () if self.prompt else self.inputs[1:]
+        return () if self.prompt else self.inputs[self.refed + 1:]
 
     @property
     def logit_rows(self) -> tuple[int, ...]:
         """Rows of this window whose logits the pass returns."""
-        return (len(self.inputs) - 1,) if self.prompt else tuple(range(len(self.inputs)))
+        return (len(self.inputs) - 1,) if self.prompt else tuple(range(self.refed, len(self.inputs)))
+
+    @property
+    def batch_parents(self) -> tuple[int, ...] | None:
+        """Parents of every input row (the refed rows a chain before the tree), or None for a chain."""
+        if self.parents is None:
+            return None
+        return (*range(-1, self.refed - 1), self.refed - 1, *(parent + self.refed for parent in self.parents[1:]))
+
+    @property
+    def main_rows(self) -> int:
+        """Input rows on the main chain (all of a chain's): the stages keep their cells."""
+        return self.refed + main_chain_length(self.parents, len(self.inputs) - self.refed)
+
+    @property
+    def main_drafts(self) -> tuple[int, ...]:
+        return self.drafts[: self.main_rows - self.refed - 1]
 
 
 @dataclass(frozen=True)
@@ -219,6 +265,10 @@ class SequenceState:
     draft_call_cost: float = DRAFTER_CALL_COST  # asking the drafter, in one-token passes (0: in process)
     draft_step: float = PRIOR_STEP  # each extra token of a pass, in one-token passes (measured by a run)
     on_a_roll: bool = False  # the last verified window accepted all its drafts
+    tree_leaves: int = 1  # the most leaves a window's token tree may have (1: chains only)
+    candidates: DraftTree | None = None  # the tree drafted for the next window (drafted_tree)
+    ranks: RankAcceptance = field(default_factory=RankAcceptance)  # acceptance by candidate rank at forks
+    refeed: int = 0  # committed tokens before the last whose cells the stages dropped: fed again next
     finished: bool = False
     stopped_by: str = "length"
     passes: int = 0  # passes that carried a window of it after the prompt (discarded ones too)
@@ -227,6 +277,8 @@ class SequenceState:
     def __post_init__(self):
         if self.draft_max < 1:
             raise ValueError("draft_max must be at least 1")
+        if self.tree_leaves < 1:
+            raise ValueError("tree_leaves must be at least 1")
         self.policy = self.policy or DraftPolicy(self.draft_max, step=self.draft_step, call_cost=self.draft_call_cost)
         self.draft_limit = self.draft_limit or self.policy.limit()
 
@@ -269,6 +321,13 @@ class SequenceState:
         self.stats.waited_stops += len(tokens) < self.draft_max
         self.stats.collected_tokens += len(tokens)
         self.speculation = list(tokens)
+        self.candidates = None
+
+    def drafted_tree(self, tree: DraftTree) -> None:
+        """What the drafter beside stage 0 drafted when awaited, as a tree:
+        its main chain is the speculation, its side rows candidates for the next window."""
+        self.drafted_first(tree.drafts[: main_chain_length(tree.parents, len(tree.tokens)) - 1])
+        self.candidates = tree if not tree.is_chain else None
 
     def drafted(self, tokens: list[int]) -> None:
         """Tokens a drafter added to the end of the speculation while a pass ran."""
@@ -284,8 +343,15 @@ class SequenceState:
             self.prompt_from = end if end is not None and end < self.prompt_length else None
         else:
             limit = self.drafts_wanted if self.schedule.speculative else 0
-            window = Window(self.sequence, len(self.committed) - 1, (self.committed[-1], *self.speculation[:limit]),
-                            sampling=self.sampling)
+            first = len(self.committed) - 1 - self.refeed
+            tree = DraftTree.chain(self.committed[-1], self.speculation[:limit])
+            if self.candidates is not None and limit > 0:
+                tree = choose_rows(self.candidates, self.policy.acceptances(), self.ranks, self.policy.step,
+                                   forced=min(limit, len(self.speculation)))
+            self.candidates = None
+            window = Window(self.sequence, first, (*self.committed[first:-1], *tree.tokens), sampling=self.sampling,
+                            refed=self.refeed, parents=None if tree.is_chain else tuple(tree.parents),
+                            ranks=None if tree.is_chain else tuple(tree.ranks))
         self.in_flight.append(window)
         return window
 
@@ -294,7 +360,7 @@ class SequenceState:
         if not (self.schedule.relays and self.on_a_roll and len(self.in_flight) == 1 and not self.finished):
             return None
         head = self.in_flight[0]
-        first = head.first + len(head.inputs)
+        first = head.first + head.main_rows
         ahead = first - (len(self.committed) - 1)  # tokens the head must commit first
         limit = min(self.draft_limit, self.room - ahead)
         text = self.text
@@ -332,8 +398,13 @@ class SequenceState:
         keeps the speculation that still extends the committed text, and drops
         the windows in flight that became invalid. Returns the tokens committed."""
         self.in_flight.popleft()
+        kept = window.first + len(window.inputs)  # cells the stages keep of what it fed
         if not window.prompt:
-            drafts, accepted = window.drafts, len(new_tokens) - 1
+            # the policy and the chain counts see the main chain; a tree's side rows are counted apart
+            drafts = window.main_drafts
+            path = accepted_rows(window.inputs[window.refed:], window.parents, new_tokens)
+            accepted = sum(row < len(drafts) + 1 for row in path)
+            kept = window.first + window.refed + 1 + accepted
             self.passes += 1
             self.stats.drafted_tokens += len(drafts)
             self.stats.accepted_tokens += accepted
@@ -342,12 +413,20 @@ class SequenceState:
             self.stats.first_accepted_passes += bool(drafts) and accepted > 0
             self.stats.accepted_lengths[len(new_tokens)] += 1
             self.stats.input_lengths[len(window.inputs)] += 1
-            self.on_a_roll = bool(drafts) and accepted == len(drafts)
+            self.stats.refed_tokens += window.refed
+            if window.parents is not None:
+                self.stats.tree_passes += 1
+                self.stats.side_rows += len(window.drafts) - len(drafts)
+                self.stats.side_accepted += len(path) - accepted
+                self.ranks.observe(DraftTree(list(window.inputs[window.refed:]), list(window.parents),
+                                             list(window.ranks)), new_tokens)
+            self.on_a_roll = bool(drafts) and accepted == len(drafts) == len(path)
             if self.schedule.speculative:
                 self.policy.observe_window(len(drafts), accepted)
                 self.draft_limit = self.policy.limit()
         committed = self._commit(new_tokens, is_end)
-        while self.in_flight and (self.finished or self.in_flight[0].first != len(self.committed) - 1
+        self.refeed = max(0, len(self.committed) - 1 - kept) if not window.prompt else 0
+        while self.in_flight and (self.finished or self.refeed or self.in_flight[0].first != len(self.committed) - 1
                                   or self.in_flight[0].inputs[0] != self.committed[-1]):
             self.in_flight.popleft()  # computed on a speculation that failed
             self.discards_pending += 1

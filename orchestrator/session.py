@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Callable
@@ -35,7 +36,9 @@ class SpeculationSettings:
     """speculator: none, ngram (prompt lookup) or model (draft_path, a whole GGUF model).
     schedule: async (draft on idle machines) or sync (draft, then verify).
     draft_max: most draft tokens per target pass; draft_p_min: a model draft stops
-    below this probability; overlap: draft even while the machine's own stage runs."""
+    below this probability; overlap: draft even while the machine's own stage runs.
+    tree_leaves: above 1, prompt lookup drafts token trees of up to that many
+    leaves (speculators.tree) and every stage holds as many KV ids less one."""
 
     speculator: str = "none"
     draft_path: str | None = None
@@ -43,6 +46,7 @@ class SpeculationSettings:
     draft_max: int = DRAFT_MAX
     draft_p_min: float = 0.0
     overlap: bool = False
+    tree_leaves: int = 1
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,11 @@ class RunOutcome:
             "target_input_length_histogram": {str(length): count for length, count in sorted(stats.input_lengths.items())},
             "draft_tokens_wasted": stats.wasted_tokens,
             "target_passes_discarded": stats.discarded_passes,
+            "committed_tokens_per_pass": stats.committed_per_window,
+            "tree_passes": stats.tree_passes,
+            "tree_side_rows": stats.side_rows,
+            "tree_side_accepted": stats.side_accepted,
+            "refed_tokens": stats.refed_tokens,
             "stages": [
                 {
                     "layers": [stage.first_block, stage.end_block],
@@ -176,15 +185,18 @@ def speculator_factory(settings: SpeculationSettings, tokenizer: Tokenizer, stag
 
 
 def make_drafting(kind: str, drafters: list, schedule: Schedule, draft_max: int, make_speculator,
-                  step: float = PRIOR_STEP) -> Drafting:
+                  step: float = PRIOR_STEP, tree_leaves: int = 1) -> Drafting:
     """The Drafting of a run: prompt lookup is asked before a window in this
     process (no round trip; the actors beside the stages still relay in
-    async), a draft model beside stage 0. step: Pipeline.draft_step's."""
+    async), a draft model beside stage 0. step: Pipeline.draft_step's.
+    tree_leaves: prompt lookup's trees (a draft model drafts chains)."""
     from orchestrator.interfaces import InstantDrafter
 
     if kind == "ngram":
         return Drafting(drafters, schedule, draft_max, first=InstantDrafter(make_speculator(), draft_max),
-                        call_cost=ask_cost(kind), step=step)
+                        call_cost=ask_cost(kind), step=step, tree_leaves=tree_leaves)
+    if tree_leaves > 1:
+        raise RunError("token trees are drafted by prompt lookup (--speculator ngram); a draft model drafts chains")
     return Drafting(drafters, schedule, draft_max, call_cost=ask_cost(kind), step=step)
 
 
@@ -265,8 +277,11 @@ def run_generation(
                 on_status(f"[stage {restart.stage_index} died ({restart.reason}); restarted and replayed "
                           f"in {restart.seconds:.1f} s]")
 
+        stage_settings = settings.stage
+        if speculation_settings.tree_leaves > 1:
+            stage_settings = dataclasses.replace(stage_settings, tree_sequences=speculation_settings.tree_leaves - 1)
         with Pipeline(
-            settings.stage_paths, settings.stage, wire_dtype=settings.wire_dtype, place=settings.place,
+            settings.stage_paths, stage_settings, wire_dtype=settings.wire_dtype, place=settings.place,
             notify_boundaries=asynchronous, max_restarts=settings.max_restarts, on_restart=stage_restarted,
             tls=settings.tls, overlapping=asynchronous,
         ) as pipeline:
@@ -281,7 +296,8 @@ def run_generation(
                     on_restart=lambda index: restart_metrics.record("drafter", index),
                 )
                 drafting = make_drafting(speculation_settings.speculator, drafters, speculation_settings.schedule,
-                                         speculation_settings.draft_max, make_speculator, pipeline.draft_step())
+                                         speculation_settings.draft_max, make_speculator, pipeline.draft_step(),
+                                         speculation_settings.tree_leaves)
             live = GenerationMetrics()
             try:
                 generation = generate(

@@ -41,7 +41,6 @@ from orchestrator.handshake import (
     upstream_role,
 )
 from orchestrator.messages import Boundary, Cancel, Cancelled, PassResult, Shutdown, StageBatch, StageFailure
-from speculators.verify import verify
 from stages.engine import PassAborted, StageEngine, StageError
 from stages.settings import StageSettings
 
@@ -301,11 +300,9 @@ class StageServer:
             else:
                 hidden = None if batch.hidden is None else batch.hidden.astype(np.float32, copy=False)
                 output = engine.decode(batch.positions, tokens=batch.tokens, hidden=hidden,
-                                       sequence=batch.sequence, logit_rows=batch.logit_rows)
+                                       sequence=batch.sequence, logit_rows=batch.logit_rows, parents=batch.parents)
             if engine.is_last and batch.choice is not None:  # choose here: token ids travel back, not logits
-                choice = batch.choice
-                chosen = np.array(verify(choice.drafts.tolist(), output, choice.first_position, choice.sampling),
-                                  np.int32)
+                chosen = np.array(batch.choice.tokens(output), np.int32)
         except PassAborted:
             self.stopped_passes += 1
             return Cancelled(batch.pass_id, engine.stage_index,
@@ -333,4 +330,5 @@ class StageServer:
             stage_seconds=stage_seconds,
             sequence=batch.sequence,
             choice=batch.choice,
+            parents=batch.parents,
         )

@@ -192,12 +192,13 @@ class DraftTree:
                          [self.ranks[row] for row in keep])
 
 
-def lookup_tree(speculator, context: Sequence[int], limit: int, budget: int) -> DraftTree:
+def lookup_tree(speculator, context: Sequence[int], limit: int, budget: int, branches: int | None = None) -> DraftTree:
     """A prompt-lookup tree: the main chain is what ``extend`` proposes token
     after token (the chain drafter's own draft, up to ``limit``); at each row of
     it, the other tokens that followed an earlier occurrence of the same
     n-gram (``candidates``: ranked, most recent match first) start side
-    branches, each continued by ``extend``. At most ``budget`` draft rows.
+    branches, each continued by ``extend``. At most ``budget`` draft rows and
+    ``branches`` side branches (None: no limit).
 
     speculator: a speculators.prompt_lookup.PromptLookupSpeculator (its
     ``extend`` and ``candidates``).
@@ -219,12 +220,12 @@ def lookup_tree(speculator, context: Sequence[int], limit: int, budget: int) -> 
     side: list[tuple[int, int, list[int]]] = []  # (parent row in main, rank, branch tokens)
     room = budget - len(main)
     for row, prefix in forks:
-        if room <= 0:
+        if room <= 0 or branches is not None and len(side) >= branches:
             break
         taken = {main[row]}
         rank = 2
         for token in candidates(prefix):
-            if room <= 0:
+            if room <= 0 or branches is not None and len(side) >= branches:
                 break
             if token in taken:
                 continue
@@ -326,9 +327,12 @@ def row_values(tree: DraftTree, chain_acceptance: Sequence[float], ranks: RankAc
     return values
 
 
-def choose_rows(tree: DraftTree, chain_acceptance: Sequence[float], ranks: RankAcceptance, step: float) -> DraftTree:
+def choose_rows(tree: DraftTree, chain_acceptance: Sequence[float], ranks: RankAcceptance, step: float,
+                forced: int = 0) -> DraftTree:
     """The subtree to verify: rows in order of value, as many as maximise
-    (1 + sum of values) / (1 + step * rows) (see the module text)."""
+    (1 + sum of values) / (1 + step * rows) (see the module text).
+    forced: the first rows of the main chain are taken whatever they are worth
+    (the draft policy chose that chain; the rule adds side rows to it)."""
     values = row_values(tree, chain_acceptance, ranks)
     # A row is ordered no higher than its better-ranked siblings, so a fork's
     # first choice always comes first: the verified tree's main chain (its
@@ -339,9 +343,12 @@ def choose_rows(tree: DraftTree, chain_acceptance: Sequence[float], ranks: RankA
         parent = tree.parents[row]
         ordering[row] = min(values[row], ordering[parent], best_sibling.get(parent, values[row]))
         best_sibling[parent] = ordering[row]
-    order = sorted(range(1, len(tree.tokens)), key=lambda row: (-ordering[row], row))
-    best_count, best_rate, expected = 0, 1.0, 1.0
-    for count, row in enumerate(order, start=1):
+    forced = min(forced, main_chain_length(tree.parents, len(tree.tokens)) - 1)
+    order = list(range(1, forced + 1)) + sorted(range(forced + 1, len(tree.tokens)),
+                                                 key=lambda row: (-ordering[row], row))
+    expected = 1.0 + sum(values[row] for row in order[:forced])
+    best_count, best_rate = forced, expected / (1.0 + step * forced)
+    for count, row in enumerate(order[forced:], start=forced + 1):
         expected += values[row]
         rate = expected / (1.0 + step * count)
         if rate > best_rate:

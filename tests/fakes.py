@@ -116,17 +116,22 @@ class EngineChain:
     def submit(self, target_pass: TargetPass) -> None:
         import numpy as np
 
+        from speculators.tree import depths
+
         (window,) = target_pass.windows
-        positions = np.arange(window.first, window.first + len(window.inputs), dtype=np.int32)
+        parents = None if window.parents is None else np.asarray(window.batch_parents, np.int32)
+        positions = (np.arange(window.first, window.first + len(window.inputs), dtype=np.int32) if parents is None
+                     else (window.first + depths(parents)).astype(np.int32))
         rows = np.asarray(window.logit_rows, dtype=np.int32)
         hidden = None
         for engine in self.engines:
             engine.remove(window.first, window.sequence)
             if engine.is_first:
                 hidden = engine.decode(positions, tokens=np.asarray(window.inputs, np.int32),
-                                       sequence=window.sequence, logit_rows=rows)
+                                       sequence=window.sequence, logit_rows=rows, parents=parents)
             else:
-                hidden = engine.decode(positions, hidden=hidden, sequence=window.sequence, logit_rows=rows)
+                hidden = engine.decode(positions, hidden=hidden, sequence=window.sequence, logit_rows=rows,
+                                       parents=parents)
         self.pending.append(PassResult(0, hidden, (0.0,) * len(self.engines)))
 
     def cancel(self, target_pass: TargetPass) -> None:

@@ -88,3 +88,49 @@ def test_a_prompt_of_several_batches_samples_the_same_tokens_with_and_without_sp
     drafting = Drafting([InstantDrafter(PromptLookupSpeculator(), 6) for _ in small_batch_chain.engines],
                         Schedule.ASYNC, 6)
     assert generate(small_batch_chain, tokens, 24, sampling, lambda token: False, drafting=drafting).tokens == plain
+
+
+# Prompts whose n-grams recur with other continuations: prompt lookup forks there.
+FORKING = [
+    "Colors: the sky is blue, the grass is green, the sun is yellow, the sky is blue, the grass is",
+    "the cat sat on the mat. the cat ate the fish. the cat sat on the mat. the cat ate the",
+]
+
+
+@pytest.fixture(scope="module")
+def tree_chain(splits):
+    """Two stages that verify token trees of up to four leaves."""
+    engines = EngineChain(splits[2], StageSettings(n_ctx=1024, tree_sequences=3))
+    yield engines
+    engines.close()
+
+
+def _tree_drafting(schedule):
+    # step 0: a row costs nothing, so the rule verifies every candidate row (the largest trees)
+    return Drafting([InstantDrafter(PromptLookupSpeculator(), 6) for _ in range(2)], schedule, 6,
+                    call_cost=0.0, step=0.0, tree_leaves=4)
+
+
+@pytest.mark.parametrize("schedule", [Schedule.SYNC, Schedule.ASYNC])
+def test_token_trees_give_the_whole_models_greedy_tokens(tree_chain, reference, is_end, schedule):
+    side_accepted = 0
+    for prompt in FORKING + [COPY]:
+        tokens = reference.tokenize(prompt)
+        expected = reference.greedy(tokens, 40).tokens
+        result = generate(tree_chain, tokens, 40, SamplingSettings(), is_end, drafting=_tree_drafting(schedule))
+        assert result.tokens == expected, prompt
+        assert result.speculation.tree_passes > 0 or prompt == COPY  # a copy has nothing to fork on
+        side_accepted += result.speculation.side_accepted
+    # the target took side branches: their tokens were fed again, the cache kept hole-free
+    assert side_accepted > 0
+
+
+def test_seeded_sampling_is_the_same_with_token_trees(tree_chain, reference):
+    sampling = SamplingSettings(temperature=0.7, top_p=0.95, seed=11)
+    for prompt in FORKING:
+        tokens = reference.tokenize(prompt)
+        plain = generate(tree_chain, tokens, 32, sampling, lambda token: False).tokens
+        for schedule in (Schedule.SYNC, Schedule.ASYNC):
+            tree = generate(tree_chain, tokens, 32, sampling, lambda token: False, drafting=_tree_drafting(schedule))
+            assert tree.tokens == plain, (prompt, schedule)
+            assert tree.speculation.tree_passes > 0

@@ -217,3 +217,46 @@ def test_a_drafter_killed_mid_generation_is_restarted_rejoins_and_changes_nothin
     assert [drafter.restarts for drafter in drafters] == [1, 0]
     assert drafters[0].lost_reason and back  # the loss is reported, and the drafter is back
     assert result.speculation.accepted_tokens > 0
+
+
+FORKING = (
+    "Colors: the sky is blue, the grass is green, the sun is yellow, the sky is blue, the grass is",
+    "the cat sat on the mat. the cat ate the fish. the cat sat on the mat. the cat ate the",
+)
+
+
+def test_token_trees_through_the_pipeline_are_exact(ray_cluster, splits, reference):
+    """Trees over the real chain (parents on the wire, a tree walked beside the
+    last stage, side branches dropped and fed again): greedy equals the whole
+    model, seeded sampling the plain pipeline, in both schedules."""
+    import llama_cpp
+
+    from orchestrator.interfaces import InstantDrafter
+
+    def is_end(token):
+        return bool(llama_cpp.llama_vocab_is_eog(reference.llama._model.vocab, token))
+
+    with Pipeline(splits[2], StageSettings(n_ctx=1024, tree_sequences=3), notify_boundaries=True) as pipeline:
+        drafters = start_drafters(pipeline, PromptLookupSpeculator, DrafterSettings(draft_max=6))
+        side_accepted = tree_passes = 0
+        try:
+            for prompt in FORKING:
+                tokens = reference.tokenize(prompt)
+                for sampling in (GREEDY, SAMPLING):
+                    if sampling is GREEDY:
+                        expected = reference.greedy(tokens, MAX_TOKENS).tokens
+                    else:
+                        expected = generate(pipeline, tokens, MAX_TOKENS, sampling, lambda token: False).tokens
+                    for schedule in (Schedule.SYNC, Schedule.ASYNC):
+                        # step 0: every candidate row pays, so the largest trees are verified
+                        drafting = Drafting(drafters, schedule, 6, first=InstantDrafter(PromptLookupSpeculator(), 6),
+                                            call_cost=0.0, step=0.0, tree_leaves=4)
+                        result = generate(pipeline, tokens, MAX_TOKENS, sampling,
+                                          is_end if sampling is GREEDY else (lambda token: False),
+                                          drafting=drafting)
+                        assert result.tokens == expected, (prompt, sampling, schedule)
+                        tree_passes += result.speculation.tree_passes
+                        side_accepted += result.speculation.side_accepted
+        finally:
+            stop_drafters(drafters)
+    assert tree_passes > 0 and side_accepted > 0
