@@ -23,18 +23,22 @@ def markdown(results: dict) -> str:
             + "\n"
         )
         lines.append("| mode | tokens/s median [min-max] | first token ms | x pipeline | x whole | passes/token "
-                     "| acceptance | accepted lengths | stage busy | drafter busy | identical |")
-        lines.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+                     "| acceptance | tokens/verified pass | trees (side rows, accepted) | accepted lengths | stage busy "
+                     "| drafter busy | identical |")
+        lines.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for row in scenario["modes"]:
             rate = row["tokens_per_second"]
             identical = "yes" if row["identical"] else '<span style="color:red">**NO**</span>'
             busy = ", ".join(f"{value:.2f}" for value in row["stage_busy_fraction"]) if row["stage_busy_fraction"] else "-"
             lengths = " ".join(f"{length}:{count}" for length, count in row["accepted_length_histogram"].items()) or "-"
             acceptance = "-" if row["acceptance_rate"] is None else f"{row['acceptance_rate']:.0%}"
+            trees = (f"{row['tree_passes']} ({row['tree_side_rows']}, {row['tree_side_accepted']})"
+                     if row.get("tree_passes") else "-")
             lines.append(
                 f"| {row['mode']} | {rate['median']:.1f} [{rate['min']:.1f}-{rate['max']:.1f}] "
                 f"| {row['time_to_first_token_ms']:.0f} | {row['ratio_to_pipeline']:.2f} | {row['ratio_to_whole']:.2f} "
-                f"| {_number(row['target_passes_per_token'])} | {acceptance} | {lengths} | {busy} "
+                f"| {_number(row['target_passes_per_token'])} | {acceptance} | {_number(row.get('committed_per_pass'))} "
+                f"| {trees} | {lengths} | {busy} "
                 f"| {_number(row['drafter_busy_fraction'], 3)} | {identical} |"
             )
         lines.append("")

@@ -8,7 +8,16 @@ order within each repetition after one warm-up run each:
 * whole: llama-cpp-python's ``Llama`` on the unsplit model (the reference);
 * whole-lookup: the same with its own ``LlamaPromptLookupDecoding``;
 * pipeline: the plain split pipeline;
-* spec-sync-KIND, spec-async-KIND: the pipeline with speculation, per kind.
+* spec-sync-KIND, spec-async-KIND: the pipeline with speculation, per kind;
+* spec-sync-ngram-tree, spec-async-ngram-tree: prompt lookup drafting token
+  trees (speculators.tree; up to BENCH_TREE_LEAVES leaves), the rows that pay
+  verified; spec-sync-ngram-tree-all: every candidate row verified, whatever
+  it costs (what a tree commits per pass where rows are nearly free, and what
+  the rule saves where they are not).
+
+When a scenario has tree modes, every stage holds the tree's extra KV ids
+(stages.engine: one unified stream) in every mode, so the modes share one
+pipeline.
 
 Every run's tokens are compared with the reference's (greedy); a mode that
 differs is flagged and makes the command fail. Methodology:
@@ -23,7 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator.defaults import BENCH_CONTEXT, DRAFT_MAX
+from orchestrator.defaults import BENCH_CONTEXT, BENCH_TREE_LEAVES, DRAFT_MAX
+from orchestrator.planning.against_bench import parse_mode
 from orchestrator.schedule import Schedule, SpeculationStats
 from stages.errors import SpecpipeError
 
@@ -31,6 +41,13 @@ SCENARIO_DIR = Path(__file__).parent / "scenarios"
 QUICK_REPETITIONS = 1
 QUICK_MAX_TOKENS = 48
 SPECULATOR_KINDS = ("ngram", "model")
+
+
+def speculative_modes(kinds: tuple[str, ...]) -> list[str]:
+    modes = [f"spec-{schedule.value}-{kind}" for kind in kinds for schedule in (Schedule.SYNC, Schedule.ASYNC)]
+    if "ngram" in kinds:
+        modes += ["spec-sync-ngram-tree", "spec-async-ngram-tree", "spec-sync-ngram-tree-all"]
+    return modes
 
 
 class ScenarioError(SpecpipeError):
@@ -161,15 +178,14 @@ def run_scenario(
     from stages.gguf_file import stage_info_of
 
     model, stage_paths = _stage_paths(scenario, workdir)
-    settings = StageSettings(n_ctx=BENCH_CONTEXT, threads=1)
+    trees = "ngram" in scenario.speculators
+    settings = StageSettings(n_ctx=BENCH_CONTEXT, threads=1, tree_sequences=BENCH_TREE_LEAVES - 1 if trees else 0)
     tokenizer = Tokenizer(stage_paths[0])
     prompts = prompts_of(tokenizer, scenario)
     whole = WholeModel(model)
     whole_lookup = WholeModel(model, prompt_lookup_tokens=DRAFT_MAX)
     draft = model if scenario.draft == "default" else scenario.draft
-    modes = ["whole", "whole-lookup", "pipeline"] + [
-        f"spec-{schedule.value}-{kind}" for kind in scenario.speculators for schedule in (Schedule.SYNC, Schedule.ASYNC)
-    ]
+    modes = ["whole", "whole-lookup", "pipeline"] + speculative_modes(scenario.speculators)
     runs: list[Run] = []
     total = scenario.repetitions * len(prompts) * len(modes)
     with Pipeline(stage_paths, settings, notify_boundaries=True) as pipeline:
@@ -183,13 +199,16 @@ def run_scenario(
                     run = (whole if mode == "whole" else whole_lookup).greedy(prompt, max_tokens)
                     return Run(mode, 0, 0, run.tokens, run.tokens_per_second, run.first_token_seconds, run.seconds)
                 drafting = None
+                clients = []
                 if mode.startswith("spec-"):
-                    _, schedule, kind = mode.split("-", 2)
+                    schedule, kind, tree = parse_mode(mode)
+                    # tree-all: rows priced at nothing, so every candidate row is verified
+                    step = 0.0 if tree == "tree-all" else steps[schedule == "async"]
                     drafting = make_drafting(kind, drafters[kind], Schedule(schedule), DRAFT_MAX, speculators[kind],
-                                             steps[schedule == "async"])
+                                             step, BENCH_TREE_LEAVES if tree else 1)
+                    clients = drafters[kind]
                 # stages sharing this machine: one core while one pass runs at a time, else a core each
                 pipeline.pin_stages(overlapping=mode.startswith("spec-async"))
-                clients = drafters.get(mode.split("-", 2)[-1], [])
                 busy_before = sum(client.busy_seconds for client in clients)
                 result = generate(pipeline, prompt, max_tokens, SamplingSettings(), tokenizer.is_end, drafting=drafting)
                 return Run(
@@ -232,7 +251,8 @@ def run_scenario(
 def draft_traces(scenario: Scenario, prompts: list[list[int]], runs: list[Run]) -> dict[str, list[str]]:
     """For prompt lookup, per prompt: what it proposes for each token of the
     whole model's output given the true text before it (simulation.DraftTrace,
-    as text). The planner replays these to predict the speculative modes."""
+    as text, with its other candidates for the trees). The planner replays
+    these to predict the speculative modes."""
     from orchestrator.planning.simulation import DraftTrace
     from speculators.prompt_lookup import PromptLookupSpeculator
 
@@ -240,7 +260,7 @@ def draft_traces(scenario: Scenario, prompts: list[list[int]], runs: list[Run]) 
         return {}
     outputs = {run.prompt_index: run.tokens for run in runs if run.mode == "whole" and run.repetition == 0}
     lookup = PromptLookupSpeculator()
-    return {"ngram": [DraftTrace.replay(lookup.extend, prompt, outputs[index]).as_text()
+    return {"ngram": [DraftTrace.replay(lookup.extend, prompt, outputs[index], lookup.candidates).as_text()
                       for index, prompt in enumerate(prompts)]}
 
 
@@ -298,6 +318,11 @@ def summarise(scenario: Scenario, modes: list[str], runs: list[Run], stage_count
             "identical": all(run.tokens == reference[(run.repetition, run.prompt_index)].tokens for run in mode_runs),
             "target_passes_per_token": sum(run.passes for run in mode_runs) / tokens if pipelined and tokens else None,
             "acceptance_rate": stats.acceptance_rate if stats.drafted_tokens else None,
+            # tokens a verified pass committed (chain against tree), and the trees among those passes
+            "committed_per_pass": stats.committed_per_window if mode.startswith("spec-") else None,
+            "tree_passes": stats.tree_passes,
+            "tree_side_rows": stats.side_rows,
+            "tree_side_accepted": stats.side_accepted,
             # The planner's inputs (orchestrator.schedule.SpeculationStats explains them).
             **draft_behaviour(stats),
             "accepted_length_histogram": {str(length): count for length, count in sorted(stats.accepted_lengths.items())},

@@ -19,6 +19,9 @@ MAX_TOKENS = 256  # tokens generated after the prompt when not told (orchestrate
 # costs a (k + 1)-token batch (8 cost 3.5x one: benchmarks.batch_cost), so a
 # longer window pays only when nearly all of it is accepted; below this the
 # draft length adapts to acceptance (speculators.draft_length).
+# Token trees of prompt lookup in `orchestrate bench` (its -tree modes): a fork's three
+# best other continuations at most (speculators.tree; the rule verifies those that pay).
+BENCH_TREE_LEAVES = 4
 DRAFT_MAX = 8
 # Seconds a synchronous draft request waits for drafting to stop by itself (a
 # prompt-lookup token takes microseconds, a small draft model's milliseconds);

@@ -102,6 +102,47 @@ class TraceDrafter(InPlaceDrafter):
         return tokens
 
 
+class TraceLookup:
+    """Prompt lookup as a trace (with forks) records it, over the real tokens
+    of ``truth``: for speculators.tree.lookup_tree, as the simulation's own."""
+
+    WRONG_OTHERS = 100_000  # other wrong candidates: ids no text holds
+
+    def __init__(self, truth: list[int], prompt_length: int, trace: DraftTrace):
+        self.truth, self.prompt_length, self.trace = truth, prompt_length, trace
+
+    def _on_truth(self, context: list[int]) -> bool:
+        return context == self.truth[: len(context)]
+
+    def extend(self, context: list[int]) -> int | None:
+        if not self._on_truth(context):
+            return TraceDrafter.WRONG
+        position = len(context) - self.prompt_length
+        proposal = self.trace.proposals[position] if position < self.trace.end else None
+        return None if proposal is None else self.truth[len(context)] if proposal else TraceDrafter.WRONG
+
+    def candidates(self, context: list[int]) -> list[int]:
+        main = self.extend(context)
+        if main is None or not self._on_truth(context):
+            return [] if main is None else [main]
+        position = len(context) - self.prompt_length
+        count, right = self.trace.forks[position] if position < len(self.trace.forks) else (0, 0)
+        return [main, *(self.truth[len(context)] if rank == right else self.WRONG_OTHERS + rank
+                        for rank in range(1, count + 1))]
+
+
+class TraceTreeDrafter(TraceDrafter):
+    """A TraceDrafter that also drafts token trees from the trace's forks (InstantDrafter.collect_tree)."""
+
+    def collect_tree(self, leaves: int):
+        from speculators.tree import lookup_tree
+
+        context, self.context = self.context, None
+        limit = min(self.draft_max, self.most or self.draft_max)
+        return lookup_tree(TraceLookup(self.truth, self.prompt_length, self.trace), context, limit, 2 * limit,
+                           leaves - 1)
+
+
 class EngineChain:
     """The stage files' engines one after another in this process: a target
     with real llama.cpp but no Ray and no sockets (one sequence per pass)."""

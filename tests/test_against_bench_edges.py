@@ -312,3 +312,32 @@ def test_the_draft_policy_is_priced_at_the_batch_cost_the_bench_measured():
     [older] = predict_scenario(profile(), {key: value for key, value in scenario.items() if key != "draft_step"},
                                runs=3)
     assert older.from_rates == predict(costs, Mode("sync", 8, call_cost=0.0), behaviour, 64, 3).tokens_per_second
+
+
+def test_bench_mode_names_are_read_with_their_tree_variant():
+    from orchestrator.planning.against_bench import parse_mode
+
+    assert parse_mode("spec-sync-ngram") == ("sync", "ngram", "")
+    assert parse_mode("spec-async-ngram-tree") == ("async", "ngram", "tree")
+    assert parse_mode("spec-sync-ngram-tree-all") == ("sync", "ngram", "tree-all")
+    assert parse_mode("spec-sync-small-draft") == ("sync", "small-draft", "")
+
+
+def test_tree_modes_are_predicted_from_the_traces_forks():
+    """A -tree mode is simulated with trees (a trace's forks), -tree-all at step 0."""
+    measured = profile()
+    proposals = ".RRRwRRRRwRRRRRRRRRRRRRRRRRRRRRRRR"
+    traces = [proposals + "|" + "".join("a" if symbol == "w" else "0" for symbol in proposals)]
+    scenario = {"scenario": "made", "max_tokens": 40, "stage_starts": [0, 15], "draft_max": 6,
+                "draft_step": {"sync": 0.4, "async": 0.4}, "draft_traces": {"ngram": traces},
+                "modes": [row("spec-sync-ngram", 20.0, mean_tokens=33.0, rates=(0.9, 1.0, 0.8, 1.0)),
+                          row("spec-sync-ngram-tree-all", 22.0, mean_tokens=33.0, rates=(0.9, 1.0, 0.8, 1.0))]}
+    chain, tree = predict_scenario(measured, scenario, runs=1)
+    costs = costs_of(measured, (0, 15), measured["drafter_seconds_per_token"]["ngram"])
+    trace = DraftTrace.from_text(traces[0])
+    assert tree.from_trace == predict(costs, Mode("sync", 6, call_cost=0.0, step=0.0, tree_leaves=4), trace, 40,
+                                      runs=1).tokens_per_second
+    assert tree.from_trace != predict(costs, Mode("sync", 6, call_cost=0.0, step=0.0), trace, 40,
+                                      runs=1).tokens_per_second
+    assert chain.from_trace == predict(costs, Mode("sync", 6, call_cost=0.0, step=0.4), trace, 40,
+                                       runs=1).tokens_per_second

@@ -7,7 +7,8 @@ import pytest
 from benchmarks.suite import ScenarioError, load_scenario, load_scenarios
 from conftest import orchestrate
 
-MODES = ["whole", "whole-lookup", "pipeline", "spec-sync-ngram", "spec-async-ngram"]
+MODES = ["whole", "whole-lookup", "pipeline", "spec-sync-ngram", "spec-async-ngram", "spec-sync-ngram-tree",
+         "spec-async-ngram-tree", "spec-sync-ngram-tree-all"]
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +49,9 @@ def test_quick_bench_writes_results_table_and_chart(quick_bench):
         assert f"## {scenario['scenario']}" in table
         assert scenario["stage_starts"] == [0, 15]
         (trace,) = scenario["draft_traces"]["ngram"]  # one quick prompt
-        assert set(trace) <= set("Rw.") and trace[0] == "."
-        assert len(trace) == round(next(row for row in scenario["modes"] if row["mode"] == "whole")["mean_tokens"])
+        proposals, forks = trace.split("|")  # what prompt lookup proposes, and its other candidates
+        assert set(proposals) <= set("Rw.") and proposals[0] == "." and len(forks) == len(proposals)
+        assert len(proposals) == round(next(row for row in scenario["modes"] if row["mode"] == "whole")["mean_tokens"])
     assert table.count("| yes |") == 2 * len(MODES)
     assert not list(out.glob("*.partial*"))
 

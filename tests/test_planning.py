@@ -493,3 +493,54 @@ class StepAtNine(FlatCosts):
 def test_the_simulated_step_compares_passes_of_one_and_of_eight_tokens_as_a_run_does():
     assert pass_step(StepAtNine(2)) == 0.0
     assert pass_step(StepAtNine(2), batch=9) == pytest.approx(1 / 8)
+
+
+def _with_forks(text: str) -> str:
+    """A trace with prompt lookup's other candidates: a right one where the
+    first candidate is wrong, two wrong ones at every seventh position, none elsewhere."""
+    forks = "".join("a" if symbol == "w" else "2" if position % 7 == 4 else "0" for position, symbol in enumerate(text))
+    return f"{text}|{forks}"
+
+
+@pytest.mark.parametrize("schedule", ["sync", "async"])
+@pytest.mark.parametrize("text", TRACES[:2])
+def test_the_simulation_makes_the_same_tree_passes_as_the_real_loop(schedule, text):
+    """Token trees (step 0: every candidate row verified): generate() with a
+    drafter replaying the trace's forks against simulate() on the same trace."""
+    from fakes import TraceTreeDrafter, truth_target
+    from orchestrator.generate import Drafting, generate
+    from orchestrator.schedule import Schedule
+
+    traced = _with_forks(text)
+    trace = DraftTrace.from_text(traced)
+    assert DraftTrace.from_text(trace.as_text()) == trace
+    prompt = [5, 6, 7, 5, 6]
+    truth = prompt + [10 + position for position in range(trace.end)] + [END_TOKEN] + [3] * 20
+    drafters = [TraceTreeDrafter(truth, len(prompt), trace, 6) for _ in range(2)]
+    drafting = Drafting(drafters, Schedule(schedule), 6, step=0.0, tree_leaves=4)
+    real = generate(truth_target([truth]), prompt, 200, SamplingSettings(), lambda token: token == END_TOKEN,
+                    drafting=drafting)
+    assert real.tokens == truth[len(prompt): len(prompt) + trace.end]
+    simulated = simulate(FlatCosts(2), Mode(schedule, 6, step=0.0, tree_leaves=4), trace, max_tokens=200)
+    _assert_same_decisions(real, simulated)
+    stats = real.speculation
+    assert (simulated.tree_passes, simulated.side_accepted) == (stats.tree_passes, stats.side_accepted)
+    assert stats.tree_passes > 0 and (stats.side_accepted > 0 or schedule == "async")
+
+
+def test_a_trace_records_the_other_candidates_of_prompt_lookup():
+    from speculators.prompt_lookup import PromptLookupSpeculator
+
+    lookup = PromptLookupSpeculator(max_ngram=2, min_ngram=1)
+    prompt = [1, 2, 3, 9, 1, 2, 4, 9, 1]
+    output = [2, 3, 9, 7]
+    trace = DraftTrace.replay(lookup.extend, prompt, output, lookup.candidates)
+    # after "1 2" prompt lookup proposes 4 (wrong) and also offers 3, the right one
+    assert trace.proposals[1] is False and trace.forks[1] == (1, 1)
+    assert trace.as_text().split("|")[1][1] == "a"
+    assert DraftTrace.from_text(trace.as_text()) == trace
+    assert DraftTrace.replay(lookup.extend, prompt, output).forks == ()
+    with pytest.raises(ValueError, match="forks hold only"):
+        DraftTrace.from_text("RR|0z")
+    with pytest.raises(ValueError, match="2 tokens with 1 forks"):
+        DraftTrace.from_text("RR|0")

@@ -16,7 +16,9 @@ For a scenario of a bench results.json:
   drafter replayed over it: ``simulation.DraftTrace``);
   the draft policy prices a wider pass at the batch cost the bench measured
   for that schedule (``draft_step``; from the profile's costs for results
-  that lack it);
+  that lack it); the -tree modes with prompt lookup's token trees, from the
+  trace's forks (a trace without them predicts a chain), -tree-all at a step
+  of 0, as the bench ran it;
 * whole: the whole model as one stage, with no hops and no coordinator of
   ours (llama-cpp-python's own loop, in the bench's process);
 * whole-lookup is not predicted: it is llama-cpp-python's own speculative
@@ -31,6 +33,7 @@ import math
 import statistics
 from dataclasses import dataclass, replace
 
+from orchestrator.defaults import BENCH_TREE_LEAVES
 from orchestrator.planning.costs import Software
 from orchestrator.planning.setup import PlanError
 from orchestrator.planning.setup_file import setup_from_profile
@@ -66,6 +69,15 @@ class ModePrediction:
         return self.from_trace if self.from_trace is not None else self.from_rates
 
 
+def parse_mode(mode: str) -> tuple[str, str, str]:
+    """A speculative bench mode's (benchmarks.suite) schedule, speculator kind and tree variant ("", "tree", "tree-all")."""
+    _, schedule, kind = mode.split("-", 2)
+    for tree in ("tree-all", "tree"):
+        if kind.endswith(f"-{tree}"):
+            return schedule, kind[: -len(tree) - 1], tree
+    return schedule, kind, ""
+
+
 def measured_behaviour(scenario: dict, kind: str) -> DraftBehaviour | None:
     """The workload's draft statistics for a speculator kind, from its sync mode."""
     for row in scenario["modes"]:
@@ -92,15 +104,16 @@ def predict_scenario(profile: dict, scenario: dict, runs: int = RUNS) -> list[Mo
         elif mode_name == "pipeline":
             setup, mode = split, Mode("plain")
         elif mode_name.startswith("spec-"):
-            _, schedule, kind = mode_name.split("-", 2)
+            schedule, kind, tree = parse_mode(mode_name)
             behaviour = measured_behaviour(scenario, kind)
             drafter_seconds = profile["drafter_seconds_per_token"].get(kind)
             if behaviour is None or drafter_seconds is None:
                 continue
             setup = replace(split, draft_seconds=[drafter_seconds] * len(starts))
             # the batch cost the run's draft policy measured (older results: from the costs)
-            step = scenario.get("draft_step", {}).get(schedule)
-            mode = Mode(schedule, scenario["draft_max"], call_cost=ask_cost(kind), step=step)
+            step = 0.0 if tree == "tree-all" else scenario.get("draft_step", {}).get(schedule)
+            mode = Mode(schedule, scenario["draft_max"], call_cost=ask_cost(kind), step=step,
+                        tree_leaves=BENCH_TREE_LEAVES if tree else 1)
             try:
                 traces = [DraftTrace.from_text(text) for text in scenario.get("draft_traces", {}).get(kind, [])]
             except ValueError as error:

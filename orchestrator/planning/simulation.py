@@ -38,6 +38,14 @@ wrong one is wrong), or replayed from a real output (``DraftTrace``).
 tests/test_planning.py checks that on traces it makes the same passes,
 drafts, acceptances and discards as generate() itself. Pure Python, no Ray,
 no llama.cpp.
+
+Token trees (``Mode.tree_leaves`` > 1) are simulated from a trace that
+records prompt lookup's other candidates at each position (``DraftTrace.forks``):
+the drafter beside stage 0 builds its tree with speculators.tree.lookup_tree
+over the simulated text, the schedule chooses the rows that pay, and the
+target walks the tree. Known approximation: where the right token is among
+the other candidates, the candidates ranked after it are not counted (the
+trace keeps one character a position); off the true text, no fork is offered.
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ from typing import Protocol
 from orchestrator.defaults import DRAFT_MAX
 from orchestrator.schedule import Schedule, Scheduler, SequenceState, relay
 from speculators.draft_length import DRAFTER_CALL_COST, step_from_timings
+from speculators.tree import DraftTree, lookup_tree
 
 class PipelineCosts(Protocol):
     """Seconds for everything the schedule waits on."""
@@ -134,30 +143,59 @@ class DraftTrace:
     token (its end-of-generation token), as the traced output did."""
 
     proposals: tuple[bool | None, ...]
+    forks: tuple[tuple[int, int], ...] = ()  # by position: (other candidates, which of them is right, 0: none)
 
     SYMBOLS = {True: "R", False: "w", None: "."}
+    MOST_FORKS = 9
 
     @classmethod
-    def replay(cls, propose: Callable[[list[int]], int | None], prompt: list[int], output: list[int]) -> DraftTrace:
+    def replay(cls, propose: Callable[[list[int]], int | None], prompt: list[int], output: list[int],
+               candidates: Callable[[list[int]], list[int]] | None = None) -> DraftTrace:
         """Ask a drafter (``propose``: context -> next token or None) for each
-        token of ``output`` given the prompt and the output before it."""
+        token of ``output`` given the prompt and the output before it; with
+        ``candidates`` (context -> ranked tokens, the first ``propose``'s), also
+        its other candidates there (``forks``)."""
         proposals: list[bool | None] = [None]  # token 0 comes from the prompt's pass
+        forks: list[tuple[int, int]] = [(0, 0)]
         for position in range(1, len(output)):
-            proposal = propose(prompt + output[:position])
+            context = prompt + output[:position]
+            proposal = propose(context)
             proposals.append(None if proposal is None else proposal == output[position])
-        return cls(tuple(proposals))
+            if candidates is not None:
+                others = [token for token in candidates(context) if token != proposal][: cls.MOST_FORKS]
+                right = others.index(output[position]) + 1 if output[position] in others else 0
+                forks.append((right if right else len(others), right))
+        return cls(tuple(proposals), tuple(forks) if candidates is not None else ())
 
     def as_text(self) -> str:
-        """One character a token: R right, w wrong, . nothing proposed."""
-        return "".join(self.SYMBOLS[proposal] for proposal in self.proposals)
+        """One character a token: R right, w wrong, . nothing proposed; with
+        forks, then "|" and one character a token: the number of other
+        candidates when none is right, else a letter for the right one (a:
+        the first other candidate)."""
+        text = "".join(self.SYMBOLS[proposal] for proposal in self.proposals)
+        if not self.forks:
+            return text
+        return text + "|" + "".join(chr(ord("a") + right - 1) if right else str(count) for count, right in self.forks)
 
     @classmethod
     def from_text(cls, text: str) -> DraftTrace:
+        proposals_text, _, forks_text = text.partition("|")
         meaning = {symbol: proposal for proposal, symbol in cls.SYMBOLS.items()}
-        unknown = set(text) - set(meaning)
+        unknown = set(proposals_text) - set(meaning)
         if unknown:
             raise ValueError(f"a draft trace holds only R, w and . (found {sorted(unknown)[0]!r})")
-        return cls(tuple(meaning[symbol] for symbol in text))
+        forks = []
+        for symbol in forks_text:
+            if symbol.isdigit():
+                forks.append((int(symbol), 0))
+            elif "a" <= symbol < chr(ord("a") + cls.MOST_FORKS):
+                right = ord(symbol) - ord("a") + 1
+                forks.append((right, right))
+            else:
+                raise ValueError(f"a draft trace's forks hold only digits and a-i (found {symbol!r})")
+        if forks and len(forks) != len(proposals_text):
+            raise ValueError(f"a draft trace of {len(proposals_text)} tokens with {len(forks)} forks")
+        return cls(tuple(meaning[symbol] for symbol in proposals_text), tuple(forks))
 
     @property
     def end(self) -> int:
@@ -189,11 +227,14 @@ class Mode:
     draft_max: int = DRAFT_MAX
     call_cost: float = DRAFTER_CALL_COST
     step: float | None = None
+    tree_leaves: int = 1  # above 1: prompt lookup's token trees (from a trace's forks)
 
     def __post_init__(self):
         object.__setattr__(self, "schedule", Schedule(self.schedule))
         if self.draft_max < 1:
             raise ValueError("draft_max must be at least 1")
+        if self.tree_leaves < 1:
+            raise ValueError("tree_leaves must be at least 1")
 
 
 @dataclass
@@ -208,6 +249,8 @@ class SimulatedRun:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     stage_busy_seconds: list[float] = field(default_factory=list)
+    tree_passes: int = 0
+    side_accepted: int = 0
 
     @property
     def tokens_per_second(self) -> float:
@@ -307,8 +350,36 @@ class _Timeline:
 
 
 # The simulated text: the true token at generated position p is _TRUE + p, a
-# wrong draft is _WRONG, and the target ends the text with _END (traces only).
+# wrong draft is _WRONG (a tree's other wrong candidates 2 .. _TRUE - 1), and
+# the target ends the text with _END (traces only).
 _END, _WRONG, _TRUE = 0, 1, 16
+
+
+def _on_truth(context: list[int]) -> bool:
+    return all(token == _TRUE + index for index, token in enumerate(context))
+
+
+class _TraceLookup:
+    """Prompt lookup over the simulated text as a trace recorded it, for
+    speculators.tree.lookup_tree: ``extend`` and ``candidates``."""
+
+    def __init__(self, trace: DraftTrace):
+        self.trace = trace
+
+    def extend(self, context: list[int]) -> int | None:
+        if not _on_truth(context):
+            return _WRONG  # after a wrong token, only wrong ones (as DraftTrace.draw)
+        position = len(context)
+        proposal = self.trace.proposals[position] if position < len(self.trace.proposals) else None
+        return None if proposal is None else _TRUE + position if proposal else _WRONG
+
+    def candidates(self, context: list[int]) -> list[int]:
+        main = self.extend(context)
+        if main is None or not _on_truth(context):
+            return [] if main is None else [main]
+        position = len(context)
+        count, right = self.trace.forks[position] if position < len(self.trace.forks) else (0, 0)
+        return [main, *(_TRUE + position if rank == right else _WRONG + rank for rank in range(1, count + 1))]
 
 
 class _Drafter:
@@ -337,6 +408,13 @@ class _Drafter:
             right = right and drawn
             self.tokens.append(_TRUE + position + len(self.tokens) if right else _WRONG)
 
+    def draft_tree(self, at: float, state: SequenceState, most: int, leaves: int) -> tuple[DraftTree, float]:
+        """A token tree from the committed text, as InstantDrafter.collect_tree
+        drafts it; (the tree, when it is ready)."""
+        limit = min(self.draft_max, most)
+        tree = lookup_tree(_TraceLookup(self.outcomes), state.committed, limit, 2 * limit, leaves - 1)  # type: ignore[arg-type]
+        return tree, at + (len(tree.tokens) - 1) * self.seconds_per_token
+
     def collect(self, at: float, wait: bool) -> tuple[list[int], float]:
         """(the tokens drafted by ``at``; when the reply is ready)."""
         if wait:
@@ -359,14 +437,20 @@ def pass_step(costs: PipelineCosts, batch: int = 8) -> float:
 
 
 def _target_tokens(window, end: int | None) -> list[int]:
-    """What verifying a window commits: the drafts equal to the true text, then the target's own token."""
-    accepted = 0
-    for position, draft in enumerate(window.drafts, start=window.first + 1):
-        if draft != _TRUE + position or (end is not None and position >= end):
+    """What verifying a window commits: the drafts on the true text (a
+    tree's path along it), then the target's own token."""
+    rows = window.inputs[window.refed:]
+    parents = window.parents or tuple(range(-1, len(rows) - 1))
+    committed, row = [], 0
+    position = window.first + window.refed + 1  # what the root row predicts
+    while end is None or position < end:
+        following = next((child for child in range(row + 1, len(rows))
+                          if parents[child] == row and rows[child] == _TRUE + position), None)
+        if following is None:
             break
-        accepted += 1
-    position = window.first + accepted + 1
-    return [*window.drafts[:accepted], _END if end is not None and position >= end else _TRUE + position]
+        committed.append(rows[following])
+        row, position = following, position + 1
+    return [*committed, _END if end is not None and position >= end else _TRUE + position]
 
 
 def simulate(costs: PipelineCosts, mode: Mode, behaviour: DraftOutcomes, max_tokens: int, seed: int = 0) -> SimulatedRun:
@@ -388,9 +472,11 @@ def simulate_many(costs: PipelineCosts, mode: Mode, workloads: list[DraftOutcome
     count = costs.stage_count
     stages = _Stages(costs)
     step = pass_step(costs) if mode.step is None else mode.step
+    trees = mode.tree_leaves > 1
     states = [SequenceState(index, [_TRUE], 0, max_tokens, mode.schedule, mode.draft_max, draft_call_cost=mode.call_cost,
-                            draft_step=step)
-              for index in range(len(workloads))]
+                            draft_step=step,
+                            tree_leaves=mode.tree_leaves if trees and getattr(workload, "forks", ()) else 1)
+              for index, workload in enumerate(workloads)]
     drafters = [[_Drafter(costs.draft_seconds(machine), mode.draft_max, workload, rng) for machine in range(count)]
                 for workload in workloads]
     last_token_time = [0.0] * len(states)
@@ -401,6 +487,11 @@ def simulate_many(costs: PipelineCosts, mode: Mode, workloads: list[DraftOutcome
     while not scheduler.done:
         for state in scheduler.drafting_first():
             drafter = drafters[state.sequence][0]
+            if state.tree_leaves > 1:
+                tree, now = drafter.draft_tree(now, state, state.drafts_wanted, state.tree_leaves)
+                now += call
+                state.drafted_tree(tree)
+                continue
             drafter.speculate(now, state, from_committed=True, most=state.drafts_wanted)
             drafted, now = drafter.collect(now, wait=True)
             now += call
@@ -436,7 +527,8 @@ def simulate_many(costs: PipelineCosts, mode: Mode, workloads: list[DraftOutcome
     return [
         SimulatedRun(tokens=state.generated, seconds=last_token_time[state.sequence], passes=state.passes,
                      discarded_passes=state.stats.discarded_passes, drafted_tokens=state.stats.drafted_tokens,
-                     accepted_tokens=state.stats.accepted_tokens, stage_busy_seconds=list(stages.busy))
+                     accepted_tokens=state.stats.accepted_tokens, stage_busy_seconds=list(stages.busy),
+                     tree_passes=state.stats.tree_passes, side_accepted=state.stats.side_accepted)
         for state in states
     ]
 
