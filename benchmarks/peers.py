@@ -31,6 +31,7 @@ CPUs; this project's stages are, by its own rule.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -56,11 +57,41 @@ START_SECONDS = 120  # a server loads and answers /health within this (a livenes
 MODES = ["whole", "cpp-whole", "pipeline", "cpp-rpc-split", "sync", "async", "cpp-lookup"]
 
 
+TOOLS = ("llama-server", "ggml-rpc-server", "llama-lookup")
+
+
 def tool(name: str) -> str:
     path = PEERS / name
     if not path.is_file():
         raise SystemExit(f"{path} is not built: run `make peers` first")
     return str(path)
+
+
+def built() -> bool:
+    """Whether `make peers` has built the tools (orchestrate bench then adds their modes)."""
+    return all((PEERS / name).is_file() for name in TOOLS)
+
+
+@contextmanager
+def servers(model: str, remote_blocks: int | None, folder: Path, context: int):
+    """llama-server on the whole model and, given remote_blocks, a second one
+    whose last remote_blocks repeating blocks run in a ggml-rpc-server on
+    loopback (llama.cpp's own layer split); yields {"cpp-whole": port,
+    "cpp-rpc-split": port}, one thread per part, flash attention off."""
+    server = [tool("llama-server"), "-m", model, "-t", "1", "-tb", "1", "-c", str(context), "-fa", "off",
+              "--parallel", "1", "--host", "127.0.0.1"]
+    ports = {"cpp-whole": free_port()}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(running(server + ["--port", str(ports["cpp-whole"])], ports["cpp-whole"],
+                                    folder / "server.log"))
+        if remote_blocks is not None:
+            rpc_port, ports["cpp-rpc-split"] = free_port(), free_port()
+            stack.enter_context(running([tool("ggml-rpc-server"), "-t", "1", "-H", "127.0.0.1", "-p", str(rpc_port)],
+                                        log=folder / "rpc.log"))
+            stack.enter_context(running(server + ["--port", str(ports["cpp-rpc-split"]), "--rpc",
+                                                  f"127.0.0.1:{rpc_port}", "-ngl", str(remote_blocks)],
+                                        ports["cpp-rpc-split"], folder / "split.log"))
+        yield ports
 
 
 def free_port() -> int:
@@ -99,20 +130,21 @@ def running(command: list[str], port: int | None = None, log: Path | None = None
             process.kill()
 
 
-def server_completion(port: int, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
-    """Greedy tokens and generation tokens/s from a llama-server."""
+def server_completion(port: int, prompt: list[int], max_tokens: int) -> tuple[list[int], float, float]:
+    """Greedy tokens, generation tokens/s and prompt seconds from a llama-server."""
     request = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0.0, "top_k": 1, "cache_prompt": False,
                "return_tokens": True, "repeat_penalty": 1.0}
     call = urllib.request.Request(f"http://127.0.0.1:{port}/completion", data=json.dumps(request).encode(),
                                   headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(call, timeout=600) as reply:
         answer = json.load(reply)
-    return list(answer["tokens"]), float(answer["timings"]["predicted_per_second"])
+    timings = answer["timings"]
+    return list(answer["tokens"]), float(timings["predicted_per_second"]), float(timings["prompt_ms"]) / 1e3
 
 
-def lookup_completion(model: str, prompt_text: str, max_tokens: int, workdir: Path) -> tuple[str, float]:
-    """llama-lookup's generated text and its printed decode speed (its
-    tokens over its decode time). It does not stop at an end token, and it may
+def lookup_completion(model: str, prompt_text: str, max_tokens: int, workdir: Path) -> tuple[str, float, float]:
+    """llama-lookup's generated text, its printed decode speed (its tokens
+    over its decode time) and its prompt seconds. It does not stop at an end token, and it may
     go on past max_tokens by the rest of an accepted draft: it is asked for
     as many tokens as the reference generated."""
     prompt_file = workdir / "prompt.txt"
@@ -124,12 +156,13 @@ def lookup_completion(model: str, prompt_text: str, max_tokens: int, workdir: Pa
     if done.returncode != 0:
         raise SystemExit(f"llama-lookup exited with {done.returncode}: {done.stderr.strip()[-300:]}")
     decoded = re.search(r"decoded\s+(\d+) tokens in\s+([0-9.]+) seconds", done.stderr)  # not "encoded" (the prompt)
+    encoded = re.search(r"encoded\s+(\d+) tokens in\s+([0-9.]+) seconds", done.stderr)
     if decoded is None or float(decoded.group(2)) <= 0:
         raise SystemExit("llama-lookup printed no decode time")
     _, found, generated = done.stdout.partition(prompt_text)  # it prints the prompt, then what it generates
     if not found:
         raise SystemExit("llama-lookup did not print the prompt it was given")
-    return generated, int(decoded.group(1)) / float(decoded.group(2))
+    return generated, int(decoded.group(1)) / float(decoded.group(2)), float(encoded.group(2)) if encoded else 0.0
 
 
 @click.command()
@@ -149,7 +182,7 @@ def main(repetitions: int) -> None:
     from stages.gguf_file import stage_info_of
     from stages.settings import StageSettings
 
-    for name in ("llama-server", "ggml-rpc-server", "llama-lookup"):
+    for name in TOOLS:
         tool(name)
     model, paths = str(default_model_path()), default_stage_paths()
     tokenizer = Tokenizer(paths[0])
@@ -161,16 +194,9 @@ def main(repetitions: int) -> None:
     rates: dict[str, list[float]] = defaultdict(list)
     differ: list[str] = []
     whole = WholeModel(model)
-    server_port, rpc_port = free_port(), free_port()
-    server = [tool("llama-server"), "-m", model, "-t", "1", "-tb", "1", "-c", str(BENCH_CONTEXT), "-fa", "off",
-              "--parallel", "1", "--host", "127.0.0.1"]
     with tempfile.TemporaryDirectory() as folder, ray_session(None), \
             Pipeline(paths, StageSettings(n_ctx=BENCH_CONTEXT, threads=1), notify_boundaries=True) as pipeline, \
-            running([tool("ggml-rpc-server"), "-t", "1", "-H", "127.0.0.1", "-p", str(rpc_port)],
-                    log=Path(folder) / "rpc.log"), \
-            running(server + ["--port", str(server_port)], server_port, Path(folder) / "server.log"), \
-            running(server + ["--port", str(server_port + 1), "--rpc", f"127.0.0.1:{rpc_port}", "-ngl",
-                              str(remote_blocks)], server_port + 1, Path(folder) / "split.log"):
+            servers(model, remote_blocks, Path(folder), BENCH_CONTEXT) as ports:
         workdir = Path(folder)
         drafters = start_drafters(pipeline, PromptLookupSpeculator, DrafterSettings(draft_max=DRAFT_MAX))
         steps = draft_steps(pipeline)
@@ -181,10 +207,12 @@ def main(repetitions: int) -> None:
                     result = whole.greedy(prompt, max_tokens)
                     return result.tokens, result.tokens_per_second
                 if mode in ("cpp-whole", "cpp-rpc-split"):
-                    tokens, rate = server_completion(server_port + (mode == "cpp-rpc-split"), prompt, max_tokens)
+                    tokens, rate, _ = server_completion(ports[mode], prompt, max_tokens)
                     return (tokens[:-1] if tokens and tokenizer.is_end(tokens[-1]) else tokens), rate  # it keeps the end token
                 if mode == "cpp-lookup":  # it does not stop at an end token: asked for the reference's length
-                    return lookup_completion(model, prompt_texts[index], min(max_tokens, lengths[index]), workdir)
+                    text, rate, _ = lookup_completion(model, prompt_texts[index], min(max_tokens, lengths[index]),
+                                                      workdir)
+                    return text, rate
                 pipeline.pin_stages(overlapping=mode == "async")
                 drafting = None if mode == "pipeline" else make_drafting(
                     "ngram", drafters, Schedule(mode), DRAFT_MAX, PromptLookupSpeculator, steps[mode == "async"])

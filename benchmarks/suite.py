@@ -11,13 +11,23 @@ order within each repetition after one warm-up run each:
 * spec-sync-KIND, spec-async-KIND: the pipeline with speculation, per kind;
 * spec-sync-ngram-tree, spec-async-ngram-tree: prompt lookup drafting token
   trees (speculators.tree; up to BENCH_TREE_LEAVES leaves), the rows that pay
-  verified; spec-sync-ngram-tree-all: every candidate row verified, whatever
-  it costs (what a tree commits per pass where rows are nearly free, and what
-  the rule saves where they are not).
+  verified; spec-sync-ngram-tree-all: every candidate side row verified,
+  whatever it costs (the same chains; what a tree adds per pass where rows
+  are nearly free, and what the rule saves where they are not).
 
 When a scenario has tree modes, every stage holds the tree's extra KV ids
 (stages.engine: one unified stream) in every mode, so the modes share one
 pipeline.
+
+When `make peers` has built llama.cpp's own tools (benchmarks.peers), each
+scenario also runs them on the same prompt tokens, one thread per part:
+
+* cpp-whole: ``llama-server`` on the whole model;
+* cpp-rpc-split (two-stage scenarios): ``llama-server`` with the last stage's
+  blocks in a ``ggml-rpc-server`` on loopback, llama.cpp's layer split;
+* cpp-lookup (scenarios with prompt lookup): ``llama-lookup``, asked for the
+  reference's length (it does not stop at an end token); it prints text, so
+  its output is compared as text (it may print a little more than asked).
 
 Every run's tokens are compared with the reference's (greedy); a mode that
 differs is flagged and makes the command fail. Methodology:
@@ -26,7 +36,10 @@ benchmarks/METHODOLOGY.md.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import statistics
+import tempfile
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,6 +54,15 @@ SCENARIO_DIR = Path(__file__).parent / "scenarios"
 QUICK_REPETITIONS = 1
 QUICK_MAX_TOKENS = 48
 SPECULATOR_KINDS = ("ngram", "model")
+
+
+def peer_modes(scenario: Scenario) -> list[str]:
+    """llama.cpp's own tools' modes for a scenario (benchmarks.peers), when they are built."""
+    from benchmarks.peers import built
+
+    if not built():
+        return []
+    return ["cpp-whole"] + ["cpp-rpc-split"] * (scenario.stages == 2) + ["cpp-lookup"] * ("ngram" in scenario.speculators)
 
 
 def speculative_modes(kinds: tuple[str, ...]) -> list[str]:
@@ -142,6 +164,8 @@ class Run:
     speculation: SpeculationStats = field(default_factory=SpeculationStats)
     stage_seconds: list[float] = field(default_factory=list)
     drafter_seconds: float = 0.0
+    text: str | None = None  # the output as text, where a tool prints text only (cpp-lookup)
+    identical: bool | None = None  # set where the output is compared as text
 
 
 def _stage_paths(scenario: Scenario, workdir: Path) -> tuple[str, list[str]]:
@@ -185,10 +209,20 @@ def run_scenario(
     whole = WholeModel(model)
     whole_lookup = WholeModel(model, prompt_lookup_tokens=DRAFT_MAX)
     draft = model if scenario.draft == "default" else scenario.draft
-    modes = ["whole", "whole-lookup", "pipeline"] + speculative_modes(scenario.speculators)
+    modes = ["whole", "whole-lookup", "pipeline"] + speculative_modes(scenario.speculators) + peer_modes(scenario)
     runs: list[Run] = []
     total = scenario.repetitions * len(prompts) * len(modes)
-    with Pipeline(stage_paths, settings, notify_boundaries=True) as pipeline:
+    texts = {tuple(prompt): tokenizer.chat_text([{"role": "user", "content": text}]) if scenario.chat else text
+             for prompt, text in zip(prompts, scenario.prompts)}
+    with contextlib.ExitStack() as peers_running, Pipeline(stage_paths, settings, notify_boundaries=True) as pipeline:
+        peer_ports = {}
+        if any(mode.startswith("cpp-") for mode in modes):
+            from benchmarks.peers import servers
+
+            folder = Path(peers_running.enter_context(tempfile.TemporaryDirectory()))
+            remote = stage_info_of(stage_paths[-1]).block_count if "cpp-rpc-split" in modes else None
+            peer_ports = peers_running.enter_context(servers(model, remote, folder, BENCH_CONTEXT))
+            lengths = {tuple(prompt): max(1, len(whole.greedy(prompt, scenario.max_tokens).tokens)) for prompt in prompts}
         speculators = {kind: speculator_factory(SpeculationSettings(speculator=kind, draft_path=draft), tokenizer, settings)
                        for kind in scenario.speculators}
         drafters = {kind: start_drafters(pipeline, speculators[kind], DrafterSettings(draft_max=DRAFT_MAX))
@@ -198,14 +232,16 @@ def run_scenario(
                 if mode in ("whole", "whole-lookup"):
                     run = (whole if mode == "whole" else whole_lookup).greedy(prompt, max_tokens)
                     return Run(mode, 0, 0, run.tokens, run.tokens_per_second, run.first_token_seconds, run.seconds)
+                if mode.startswith("cpp-"):
+                    return _peer_run(mode, prompt, max_tokens)
                 drafting = None
                 clients = []
                 if mode.startswith("spec-"):
                     schedule, kind, tree = parse_mode(mode)
-                    # tree-all: rows priced at nothing, so every candidate row is verified
-                    step = 0.0 if tree == "tree-all" else steps[schedule == "async"]
                     drafting = make_drafting(kind, drafters[kind], Schedule(schedule), DRAFT_MAX, speculators[kind],
-                                             step, BENCH_TREE_LEAVES if tree else 1)
+                                             steps[schedule == "async"], BENCH_TREE_LEAVES if tree else 1)
+                    if tree == "tree-all":  # side rows priced at nothing: every candidate is verified
+                        drafting = dataclasses.replace(drafting, side_row_step=0.0)
                     clients = drafters[kind]
                 # stages sharing this machine: one core while one pass runs at a time, else a core each
                 pipeline.pin_stages(overlapping=mode.startswith("spec-async"))
@@ -216,6 +252,19 @@ def run_scenario(
                     result.passes, result.speculation, list(result.stage_seconds),
                     sum(client.busy_seconds for client in clients) - busy_before,
                 )
+
+            def _peer_run(mode: str, prompt: list[int], max_tokens: int) -> Run:
+                from benchmarks.peers import lookup_completion, server_completion
+
+                if mode == "cpp-lookup":  # asked for the reference's length: it does not stop at an end token
+                    text, rate, prompt_seconds = lookup_completion(
+                        model, texts[tuple(prompt)], min(max_tokens, lengths[tuple(prompt)]), folder)
+                    return Run(mode, 0, 0, [], rate, prompt_seconds, prompt_seconds, text=text)
+                tokens, rate, prompt_seconds = server_completion(peer_ports[mode], prompt, max_tokens)
+                if tokens and tokenizer.is_end(tokens[-1]):  # the server keeps the end token
+                    tokens = tokens[:-1]
+                seconds = prompt_seconds + (len(tokens) - 1) / rate if rate > 0 and tokens else prompt_seconds
+                return Run(mode, 0, 0, tokens, rate, prompt_seconds, seconds)
 
             # what a wider pass costs here, measured once per scenario as a run measures it, per pinning
             steps = draft_steps(pipeline)
@@ -240,6 +289,11 @@ def run_scenario(
         finally:
             for clients in drafters.values():
                 stop_drafters(clients)
+    references = {(run.repetition, run.prompt_index): run.tokens for run in runs if run.mode == "whole"}
+    for run in runs:
+        if run.mode == "cpp-lookup":  # its text must begin with the reference's
+            reference_text = b"".join(tokenizer.piece(token) for token in references[(run.repetition, run.prompt_index)])
+            run.identical = run.text is not None and run.text.startswith(reference_text.decode(errors="replace"))
     summary = summarise(scenario, modes, runs, len(stage_paths), hop_seconds, memory)
     summary["stage_starts"] = [stage_info_of(path).first_block for path in stage_paths]
     summary["draft_max"] = DRAFT_MAX
@@ -306,7 +360,7 @@ def summarise(scenario: Scenario, modes: list[str], runs: list[Run], stage_count
         tokens = sum(len(run.tokens) for run in mode_runs)
         seconds = sum(run.seconds for run in mode_runs)
         stats = sum((run.speculation for run in mode_runs), SpeculationStats())
-        pipelined = mode not in ("whole", "whole-lookup")
+        pipelined = mode == "pipeline" or mode.startswith("spec-")
         rows.append({
             "mode": mode,
             "runs": len(mode_runs),
@@ -315,7 +369,8 @@ def summarise(scenario: Scenario, modes: list[str], runs: list[Run], stage_count
             "time_to_first_token_ms": _median([run.first_token_seconds * 1e3 for run in mode_runs]),
             "ratio_to_pipeline": ratio_to("pipeline"),
             "ratio_to_whole": ratio_to("whole"),
-            "identical": all(run.tokens == reference[(run.repetition, run.prompt_index)].tokens for run in mode_runs),
+            "identical": all(run.identical if run.identical is not None
+                             else run.tokens == reference[(run.repetition, run.prompt_index)].tokens for run in mode_runs),
             "target_passes_per_token": sum(run.passes for run in mode_runs) / tokens if pipelined and tokens else None,
             "acceptance_rate": stats.acceptance_rate if stats.drafted_tokens else None,
             # tokens a verified pass committed (chain against tree), and the trees among those passes

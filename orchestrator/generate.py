@@ -40,6 +40,8 @@ class Drafting:
     tree_leaves: above 1, ``first`` drafts token trees of up to that many
     leaves (an InstantDrafter's collect_tree; the stages need as many
     tree_sequences less one), and the schedule verifies the rows that pay.
+    side_row_step: what the tree rule prices a side row at, in one-token
+    passes (None: ``step``, as any row; the bench's tree-all mode: 0).
     """
 
     drafters: Sequence[Drafter]
@@ -49,6 +51,7 @@ class Drafting:
     call_cost: float = DRAFTER_CALL_COST
     step: float = PRIOR_STEP
     tree_leaves: int = 1
+    side_row_step: float | None = None
 
 
 @dataclass
@@ -136,6 +139,7 @@ class _Decoding:
             draft_call_cost=drafting.call_cost if drafting is not None else DRAFTER_CALL_COST,
             draft_step=drafting.step if drafting is not None else PRIOR_STEP,
             tree_leaves=drafting.tree_leaves if drafting is not None else 1,
+            side_row_step=drafting.side_row_step if drafting is not None else None,
         )
         self.result.speculation = self.state.stats
 

@@ -266,6 +266,7 @@ class SequenceState:
     draft_step: float = PRIOR_STEP  # each extra token of a pass, in one-token passes (measured by a run)
     on_a_roll: bool = False  # the last verified window accepted all its drafts
     tree_leaves: int = 1  # the most leaves a window's token tree may have (1: chains only)
+    side_row_step: float | None = None  # what the tree rule prices a side row at (None: draft_step)
     candidates: DraftTree | None = None  # the tree drafted for the next window (drafted_tree)
     ranks: RankAcceptance = field(default_factory=RankAcceptance)  # acceptance by candidate rank at forks
     refeed: int = 0  # committed tokens before the last whose cells the stages dropped: fed again next
@@ -346,7 +347,8 @@ class SequenceState:
             first = len(self.committed) - 1 - self.refeed
             tree = DraftTree.chain(self.committed[-1], self.speculation[:limit])
             if self.candidates is not None and limit > 0:
-                tree = choose_rows(self.candidates, self.policy.acceptances(), self.ranks, self.policy.step,
+                step = self.policy.step if self.side_row_step is None else self.side_row_step
+                tree = choose_rows(self.candidates, self.policy.acceptances(), self.ranks, step,
                                    forced=min(limit, len(self.speculation)))
             self.candidates = None
             window = Window(self.sequence, first, (*self.committed[first:-1], *tree.tokens), sampling=self.sampling,
@@ -398,7 +400,7 @@ class SequenceState:
         keeps the speculation that still extends the committed text, and drops
         the windows in flight that became invalid. Returns the tokens committed."""
         self.in_flight.popleft()
-        kept = window.first + len(window.inputs)  # cells the stages keep of what it fed
+        kept = None  # positions the stages keep after a decoding window: up to its main chain's accepted end
         if not window.prompt:
             # the policy and the chain counts see the main chain; a tree's side rows are counted apart
             drafts = window.main_drafts
@@ -425,7 +427,8 @@ class SequenceState:
                 self.policy.observe_window(len(drafts), accepted)
                 self.draft_limit = self.policy.limit()
         committed = self._commit(new_tokens, is_end)
-        self.refeed = max(0, len(self.committed) - 1 - kept) if not window.prompt else 0
+        self.refeed = 0 if kept is None else max(0, len(self.committed) - 1 - kept)
+        # a window in flight after one that left its main chain sits on cells the stages drop
         while self.in_flight and (self.finished or self.refeed or self.in_flight[0].first != len(self.committed) - 1
                                   or self.in_flight[0].inputs[0] != self.committed[-1]):
             self.in_flight.popleft()  # computed on a speculation that failed

@@ -324,7 +324,7 @@ def test_bench_mode_names_are_read_with_their_tree_variant():
 
 
 def test_tree_modes_are_predicted_from_the_traces_forks():
-    """A -tree mode is simulated with trees (a trace's forks), -tree-all at step 0."""
+    """A -tree mode is simulated with trees (a trace's forks), -tree-all with side rows priced at 0."""
     measured = profile()
     proposals = ".RRRwRRRRwRRRRRRRRRRRRRRRRRRRRRRRR"
     traces = [proposals + "|" + "".join("a" if symbol == "w" else "0" for symbol in proposals)]
@@ -335,9 +335,9 @@ def test_tree_modes_are_predicted_from_the_traces_forks():
     chain, tree = predict_scenario(measured, scenario, runs=1)
     costs = costs_of(measured, (0, 15), measured["drafter_seconds_per_token"]["ngram"])
     trace = DraftTrace.from_text(traces[0])
-    assert tree.from_trace == predict(costs, Mode("sync", 6, call_cost=0.0, step=0.0, tree_leaves=4), trace, 40,
-                                      runs=1).tokens_per_second
-    assert tree.from_trace != predict(costs, Mode("sync", 6, call_cost=0.0, step=0.0), trace, 40,
+    assert tree.from_trace == predict(costs, Mode("sync", 6, call_cost=0.0, step=0.4, tree_leaves=4, side_row_step=0.0),
+                                      trace, 40, runs=1).tokens_per_second
+    assert tree.from_trace != predict(costs, Mode("sync", 6, call_cost=0.0, step=0.4), trace, 40,
                                       runs=1).tokens_per_second
     assert chain.from_trace == predict(costs, Mode("sync", 6, call_cost=0.0, step=0.4), trace, 40,
                                        runs=1).tokens_per_second

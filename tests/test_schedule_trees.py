@@ -132,3 +132,18 @@ def test_a_window_started_ahead_of_a_tree_is_dropped_when_a_side_branch_wins():
     state.discarded()
     again = state.first_window()
     assert again.first == 2 and again.refed == 2 and again.inputs[:3] == (7, 8, 6)
+
+
+def test_side_rows_priced_apart_from_the_chain():
+    """side_row_step prices only the tree's side rows: the chain stays the draft policy's."""
+    from orchestrator.schedule import SequenceState
+    from speculators.tree import DraftTree
+
+    windows = {}
+    for side_row_step in (None, 0.0):
+        state = SequenceState(0, [1, 2], 1, 20, Schedule.SYNC, 4, draft_step=0.6, tree_leaves=4,
+                              side_row_step=side_row_step, draft_limit=2)
+        state.drafted_tree(DraftTree([2, 4, 5, 7, 8], [-1, 0, 1, 0, 3], [0, 1, 1, 2, 1]))
+        windows[side_row_step] = state.first_window()
+    assert windows[None].inputs == (2, 4, 5) and windows[None].parents is None  # side rows do not pay at 0.6
+    assert windows[0.0].inputs == (2, 4, 5, 7, 8) and windows[0.0].parents == (-1, 0, 1, 0, 3)

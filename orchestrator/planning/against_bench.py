@@ -17,8 +17,8 @@ For a scenario of a bench results.json:
   the draft policy prices a wider pass at the batch cost the bench measured
   for that schedule (``draft_step``; from the profile's costs for results
   that lack it); the -tree modes with prompt lookup's token trees, from the
-  trace's forks (a trace without them predicts a chain), -tree-all at a step
-  of 0, as the bench ran it;
+  trace's forks (a trace without them predicts a chain), -tree-all with side
+  rows priced at 0, as the bench ran it;
 * whole: the whole model as one stage, with no hops and no coordinator of
   ours (llama-cpp-python's own loop, in the bench's process);
 * whole-lookup is not predicted: it is llama-cpp-python's own speculative
@@ -111,9 +111,9 @@ def predict_scenario(profile: dict, scenario: dict, runs: int = RUNS) -> list[Mo
                 continue
             setup = replace(split, draft_seconds=[drafter_seconds] * len(starts))
             # the batch cost the run's draft policy measured (older results: from the costs)
-            step = 0.0 if tree == "tree-all" else scenario.get("draft_step", {}).get(schedule)
+            step = scenario.get("draft_step", {}).get(schedule)
             mode = Mode(schedule, scenario["draft_max"], call_cost=ask_cost(kind), step=step,
-                        tree_leaves=BENCH_TREE_LEAVES if tree else 1)
+                        tree_leaves=BENCH_TREE_LEAVES if tree else 1, side_row_step=0.0 if tree == "tree-all" else None)
             try:
                 traces = [DraftTrace.from_text(text) for text in scenario.get("draft_traces", {}).get(kind, [])]
             except ValueError as error:

@@ -228,6 +228,7 @@ class Mode:
     call_cost: float = DRAFTER_CALL_COST
     step: float | None = None
     tree_leaves: int = 1  # above 1: prompt lookup's token trees (from a trace's forks)
+    side_row_step: float | None = None  # the tree rule's price of a side row (None: the step)
 
     def __post_init__(self):
         object.__setattr__(self, "schedule", Schedule(self.schedule))
@@ -475,7 +476,8 @@ def simulate_many(costs: PipelineCosts, mode: Mode, workloads: list[DraftOutcome
     trees = mode.tree_leaves > 1
     states = [SequenceState(index, [_TRUE], 0, max_tokens, mode.schedule, mode.draft_max, draft_call_cost=mode.call_cost,
                             draft_step=step,
-                            tree_leaves=mode.tree_leaves if trees and getattr(workload, "forks", ()) else 1)
+                            tree_leaves=mode.tree_leaves if trees and getattr(workload, "forks", ()) else 1,
+                            side_row_step=mode.side_row_step)
               for index, workload in enumerate(workloads)]
     drafters = [[_Drafter(costs.draft_seconds(machine), mode.draft_max, workload, rng) for machine in range(count)]
                 for workload in workloads]
