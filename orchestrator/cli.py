@@ -483,9 +483,9 @@ def _plan_against_bench(profile_path: Path, bench_path: Path, as_json: bool) -> 
     def cell(prediction, value: float | None) -> str:
         return "-" if value is None else f"{value:.1f} ({prediction.error(value):+.0%})"
 
-    click.echo(f"{'scenario':14s} {'mode':18s} {'measured':>9s} {'from rates':>16s} {'from trace':>16s}  (tokens/s)")
+    click.echo(f"{'scenario':14s} {'mode':24s} {'measured':>9s} {'from rates':>16s} {'from trace':>16s}  (tokens/s)")
     for prediction in predictions:
-        click.echo(f"{prediction.scenario:14s} {prediction.mode:18s} {prediction.measured:9.1f} "
+        click.echo(f"{prediction.scenario:14s} {prediction.mode:24s} {prediction.measured:9.1f} "
                    f"{cell(prediction, prediction.from_rates):>16s} {cell(prediction, prediction.from_trace):>16s}")
 
 

@@ -77,12 +77,18 @@ def expected(profile: dict, scenario: dict, runs: int) -> list[tuple[str, float,
             out.append((name, predict(costs, Mode("plain"), DraftBehaviour(0.0), length, runs).tokens_per_second, None))
         elif name.startswith("spec-"):
             _, schedule, kind = name.split("-", 2)
+            tree = ""
+            for variant in ("-tree-all", "-tree"):  # prompt lookup's trees: every side row, or the rule's
+                if kind.endswith(variant):
+                    kind, tree = kind[: -len(variant)], variant
+                    break
             seconds = profile["drafter_seconds_per_token"].get(kind)
             if kind not in sync_rows or seconds is None:
                 continue
             costs = costs_of(profile, starts, seconds)
             mode = Mode(schedule, scenario["draft_max"], call_cost=0.0 if kind == "ngram" else DRAFTER_CALL_COST,
-                        step=scenario.get("draft_step", {}).get(schedule))
+                        step=scenario.get("draft_step", {}).get(schedule), tree_leaves=4 if tree else 1,
+                        side_row_step=0.0 if tree == "-tree-all" else None)
             traces = [DraftTrace.from_text(text) for text in scenario.get("draft_traces", {}).get(kind, [])]
             from_trace = statistics.median(predict(costs, mode, trace, scenario["max_tokens"], runs=1).tokens_per_second
                                            for trace in traces) if traces else None
@@ -153,8 +159,10 @@ def test_each_committed_scenario_is_predicted_as_worked_out_independently(name):
     scenario = scenarios()[name]
     predicted = predict_scenario(profile(), scenario, runs=3)
     assert [(one.mode, one.from_rates, one.from_trace) for one in predicted] == expected(profile(), scenario, 3)
-    # whole-lookup is llama-cpp-python's own loop: not predicted
-    assert [one.mode for one in predicted] == ["whole", "pipeline", "spec-sync-ngram", "spec-async-ngram"]
+    # whole-lookup is llama-cpp-python's own loop, the cpp- modes llama.cpp's tools: not predicted
+    assert [one.mode for one in predicted] == ["whole", "pipeline", "spec-sync-ngram", "spec-async-ngram",
+                                               "spec-sync-ngram-tree", "spec-async-ngram-tree",
+                                               "spec-sync-ngram-tree-all"]
     rows = {row["mode"]: row for row in scenario["modes"]}
     sync = rates_of(rows["spec-sync-ngram"])
     for one in predicted:
