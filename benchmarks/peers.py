@@ -100,9 +100,9 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-@contextmanager
-def running(command: list[str], port: int | None = None, log: Path | None = None):
-    """A C++ tool in the background until the block ends; with ``port``, once its /health says ok."""
+def start(command: list[str], port: int | None = None, log: Path | None = None) -> subprocess.Popen:
+    """A C++ tool in the background; with ``port``, once its /health says ok
+    (the caller stops it: ``running`` does)."""
     with open(log or os.devnull, "wb") as output:
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
     try:
@@ -121,13 +121,28 @@ def running(command: list[str], port: int | None = None, log: Path | None = None
             time.sleep(0.2)
         if port is None:  # a bare server (rpc): give it its listening socket
             time.sleep(1.0)
+    except BaseException:
+        stop(process)
+        raise
+    return process
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+@contextmanager
+def running(command: list[str], port: int | None = None, log: Path | None = None):
+    """A C++ tool in the background until the block ends (see ``start``)."""
+    process = start(command, port, log)
+    try:
         yield process
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        stop(process)
 
 
 def server_completion(port: int, prompt: list[int], max_tokens: int) -> tuple[list[int], float, float]:

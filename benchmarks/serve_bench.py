@@ -15,7 +15,12 @@ prompts, the same total threads:
   llama_cpp.server``, the unsplit model, both threads). It serves one request
   at a time; its default (``interrupt_requests``) ends a running stream early
   whenever another request waits, so it runs with ``--interrupt_requests
-  False`` (it queues instead).
+  False`` (it queues instead);
+* ``cpp-llama-server``, when `make peers` has built it (benchmarks.peers):
+  llama.cpp's own ``llama-server`` on the unsplit model, both threads, with
+  8 parallel slots (continuous batching: the slots' tokens share batches).
+  It is a peer, not held to this project's exactness: whether its output
+  under load equals its solo run is reported, not required.
 
 For each server, each repetition and each concurrency level, the load
 generator (benchmarks.serve_load, the official ``openai`` async client) sends
@@ -77,7 +82,24 @@ def _model_name(port: int) -> str:
         return json.load(reply)["data"][0]["id"]
 
 
+PEER = "cpp-llama-server"
+PEER_SLOTS = 8
+
+
+def servers_here() -> tuple[str, ...]:
+    """The servers this machine runs: llama.cpp's llama-server joins where it is built."""
+    from benchmarks.peers import built
+
+    return SERVERS + ((PEER,) if built() else ())
+
+
 def _start(server: str, stage_paths: list[str], whole_path: str, threads: int, port: int, workdir: Path):
+    if server == PEER:
+        from benchmarks.peers import start, tool
+
+        return start([tool("llama-server"), "-m", whole_path, "-t", str(threads), "-tb", str(threads),
+                      "-c", str(CONTEXT * PEER_SLOTS), "--parallel", str(PEER_SLOTS), "-fa", "off",
+                      "--host", "127.0.0.1", "--port", str(port)], port, workdir / f"{server}.log")
     if server == "specpipe-2-stages":
         return start_specpipe_server(["--model-split", *stage_paths, "--threads", str(max(1, threads // 2)),
                                       "--n-ctx", str(CONTEXT), "--max-sequences", "8"], port, workdir / f"{server}.log")
@@ -100,6 +122,8 @@ def _summary(runs: list[LoadResult]) -> dict:
         "ttft_p50": spread([run.ttft_p50 for run in runs]), "ttft_p95": spread([run.ttft_p95 for run in runs]),
         "itl_p50": spread([run.itl_p50 for run in runs]), "itl_p95": spread([run.itl_p95 for run in runs]),
         "errors": sum(run.error_count for run in runs),
+        # what went wrong, so a failed request is diagnosable from the results alone
+        "error_examples": sorted({outcome.error[:200] for run in runs for outcome in run.outcomes if outcome.error})[:3],
         "truncated": sum(run.truncated_count for run in runs),
         "tokens": sum(run.completion_tokens for run in runs),
     }
@@ -111,9 +135,10 @@ def run_serve_bench(stage_paths: list[str], whole_path: str, *, threads: int = 2
                     progress: Callable[[int, int], None] | None = None) -> dict:
     """Every server under every concurrency level; see the module docstring."""
     prompts = list(prompts or DEFAULT_PROMPTS)
-    total = (len(SERVERS) + 1) * repetitions * len(concurrencies)
+    servers = servers_here()
+    total = (len(servers) + 1) * repetitions * len(concurrencies)
     done = 0
-    runs: dict[str, dict[int, list[LoadResult]]] = {server: {level: [] for level in concurrencies} for server in SERVERS}
+    runs: dict[str, dict[int, list[LoadResult]]] = {server: {level: [] for level in concurrencies} for server in servers}
 
     def step() -> None:
         nonlocal done
@@ -122,13 +147,13 @@ def run_serve_bench(stage_paths: list[str], whole_path: str, *, threads: int = 2
             progress(done, total)
 
     runs[IN_PROCESS] = _in_process(stage_paths, prompts, concurrencies, repetitions, max_tokens, step)
-    for server in SERVERS:
+    for server in servers:
         port = _free_port()
         process = _start(server, stage_paths, whole_path, threads, port, workdir)
         try:
             base_url, model = f"http://127.0.0.1:{port}/v1", _model_name(port)
             # llama_cpp.server penalises repeats by default (1.1): greedy without it is the whole model's output
-            extra = {"repeat_penalty": 1.0} if server == "llama-cpp-server" else None
+            extra = {"repeat_penalty": 1.0} if server in ("llama-cpp-server", PEER) else None
             asyncio.run(run_load(base_url, model, prompts[:2], 2, 4, extra_body=extra))  # warm-up
             for _ in range(repetitions):
                 for level in concurrencies:
@@ -137,7 +162,7 @@ def run_serve_bench(stage_paths: list[str], whole_path: str, *, threads: int = 2
                     step()
         finally:
             stop_server(process, timeout=60)
-    return _results(runs, concurrencies, repetitions, max_tokens, threads, prompts)
+    return _results(runs, concurrencies, repetitions, max_tokens, threads, prompts, servers)
 
 
 def _in_process(stage_paths: list[str], prompts: list[str], concurrencies: tuple[int, ...], repetitions: int,
@@ -206,11 +231,11 @@ def _in_process(stage_paths: list[str], prompts: list[str], concurrencies: tuple
 
 
 def _results(runs: dict[str, dict[int, list[LoadResult]]], concurrencies: tuple[int, ...], repetitions: int,
-             max_tokens: int, threads: int, prompts: list[str]) -> dict:
+             max_tokens: int, threads: int, prompts: list[str], servers: tuple[str, ...] = SERVERS) -> dict:
     baseline = "llama-cpp-server"
     solo = {server: [outcome.text for outcome in levels[concurrencies[0]][0].outcomes] for server, levels in runs.items()}
     rows = []
-    for server in (IN_PROCESS, *SERVERS):
+    for server in (IN_PROCESS, *servers):
         levels = runs[server]
         for level, level_runs in levels.items():
             texts = [[outcome.text for outcome in run.outcomes] for run in level_runs]
@@ -225,7 +250,7 @@ def _results(runs: dict[str, dict[int, list[LoadResult]]], concurrencies: tuple[
                 "matches_solo": all(text == solo[server] for text in texts),
                 "matches_llama_cpp_server": all(text == solo[baseline] for text in texts),
             })
-    return {"servers": [IN_PROCESS, *SERVERS], "concurrencies": list(concurrencies), "repetitions": repetitions,
+    return {"servers": [IN_PROCESS, *servers], "concurrencies": list(concurrencies), "repetitions": repetitions,
             "max_tokens": max_tokens, "threads": threads, "prompts": len(prompts), "rows": rows}
 
 

@@ -357,7 +357,9 @@ def _bench_serve(out_dir: Path, quick: bool) -> None:
     results["command"] = "orchestrate bench " + " ".join(sys.argv[2:])
     for path in write_serve_results(results, out_dir):
         click.echo(str(path))
-    different = sorted({row["server"] for row in results["rows"] if not row["matches_solo"]})
+    # llama.cpp's own llama-server (a peer, benchmarks.serve_bench) is reported, not held to exactness
+    different = sorted({row["server"] for row in results["rows"] if not row["matches_solo"]
+                        and not row["server"].startswith("cpp-")})
     if different:
         click.echo(f"error: under load, output differs from the solo run in {', '.join(different)}", err=True)
         sys.exit(1)

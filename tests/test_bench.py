@@ -108,12 +108,17 @@ def test_quick_serve_bench_compares_the_servers_under_load(tmp_path):
     result = orchestrate("bench", "--serve", "--quick", "--out", out, timeout=900)
     assert result.returncode == 0, result.stderr
     results = json.loads((out / "serve.json").read_text())
+    from benchmarks.peers import built
+
     servers = ["specpipe-2-stages-no-http", "specpipe-2-stages", "specpipe-whole", "llama-cpp-server"]
+    servers += ["cpp-llama-server"] * built()  # llama.cpp's own server, where make peers built it
     assert results["servers"] == servers
     assert [(row["server"], row["concurrency"]) for row in results["rows"]] == [
         (server, level) for server in servers for level in (1, 2)]
     for row in results["rows"]:
-        assert row["errors"] == 0 and row["matches_solo"] and row["matches_llama_cpp_server"], row
+        assert row["errors"] == 0, row
+        if row["server"] != "cpp-llama-server":  # a peer: its exactness under load is reported, not required
+            assert row["matches_solo"] and row["matches_llama_cpp_server"], row
         rate = row["tokens_per_second"]
         assert rate["min"] > 0 and rate["min"] <= rate["median"] <= rate["max"]
         assert row["ttft_p50"]["median"] > 0 and row["itl_p50"]["median"] > 0
