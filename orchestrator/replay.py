@@ -54,7 +54,7 @@ class PassRecord:
     @property
     def kept_rows(self) -> int:
         """Rows whose cells stay cached once the next pass drops side branches."""
-        return main_chain_length(self.parents, len(self.positions))
+        return len(self.positions) if self.parents is None else main_chain_length(self.parents)
 
     @property
     def is_release(self) -> bool:

@@ -217,7 +217,7 @@ class Window:
     @property
     def main_rows(self) -> int:
         """Input rows on the main chain (all of a chain's): the stages keep their cells."""
-        return self.refed + main_chain_length(self.parents, len(self.inputs) - self.refed)
+        return len(self.inputs) if self.parents is None else self.refed + main_chain_length(self.parents)
 
     @property
     def main_drafts(self) -> tuple[int, ...]:
@@ -327,7 +327,7 @@ class SequenceState:
     def drafted_tree(self, tree: DraftTree) -> None:
         """What the drafter beside stage 0 drafted when awaited, as a tree:
         its main chain is the speculation, its side rows candidates for the next window."""
-        self.drafted_first(tree.drafts[: main_chain_length(tree.parents, len(tree.tokens)) - 1])
+        self.drafted_first(tree.drafts[: main_chain_length(tree.parents) - 1])
         self.candidates = tree if not tree.is_chain else None
 
     def drafted(self, tokens: list[int]) -> None:

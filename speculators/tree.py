@@ -74,10 +74,8 @@ def depths(parents: Sequence[int]) -> np.ndarray:
     return result
 
 
-def main_chain_length(parents: Sequence[int] | None, rows: int) -> int:
+def main_chain_length(parents: Sequence[int]) -> int:
     """Rows of the main chain: the leading rows that each follow the one before."""
-    if parents is None:
-        return rows
     length = 1
     while length < len(parents) and int(parents[length]) == length - 1:
         length += 1
@@ -89,10 +87,10 @@ def branch_sequences(parents: Sequence[int]) -> list[list[int]]:
     0 for the main chain's leaf, 1, 2, ... for the other leaves in preorder.
     A row attends with its first id (0 on the main chain)."""
     count = len(parents)
-    has_child = np.zeros(count, dtype=bool)
+    has_child = [False] * count
     for row in range(1, count):
         has_child[int(parents[row])] = True
-    main = main_chain_length(parents, count)
+    main = main_chain_length(parents)
     sequences: list[list[int]] = [[] for _ in range(count)]
     next_id = 1
     for row in range(count):
@@ -107,14 +105,6 @@ def branch_sequences(parents: Sequence[int]) -> list[list[int]]:
     for ids in sequences:
         ids.sort()
     return sequences
-
-
-def leaf_count(parents: Sequence[int] | None) -> int:
-    if parents is None:
-        return 1
-    has_child = np.zeros(len(parents), dtype=bool)
-    has_child[[int(parent) for parent in parents[1:]]] = True
-    return int(np.count_nonzero(~has_child))
 
 
 def walk(tokens: Sequence[int], parents: Sequence[int], logits: np.ndarray, first_position: int,
@@ -220,16 +210,12 @@ def lookup_tree(speculator, context: Sequence[int], limit: int, budget: int, bra
     side: list[tuple[int, int, list[int]]] = []  # (parent row in main, rank, branch tokens)
     room = budget - len(main)
     for row, prefix in forks:
-        if room <= 0 or branches is not None and len(side) >= branches:
-            break
-        taken = {main[row]}
         rank = 2
-        for token in candidates(prefix):
+        for token in candidates(prefix):  # distinct tokens, the main chain's among them
             if room <= 0 or branches is not None and len(side) >= branches:
                 break
-            if token in taken:
+            if token == main[row]:
                 continue
-            taken.add(token)
             branch = [token]
             room -= 1
             while room > 0 and len(branch) < limit - row:
@@ -343,7 +329,7 @@ def choose_rows(tree: DraftTree, chain_acceptance: Sequence[float], ranks: RankA
         parent = tree.parents[row]
         ordering[row] = min(values[row], ordering[parent], best_sibling.get(parent, values[row]))
         best_sibling[parent] = ordering[row]
-    forced = min(forced, main_chain_length(tree.parents, len(tree.tokens)) - 1)
+    forced = min(forced, main_chain_length(tree.parents) - 1)
     order = list(range(1, forced + 1)) + sorted(range(forced + 1, len(tree.tokens)),
                                                  key=lambda row: (-ordering[row], row))
     expected = 1.0 + sum(values[row] for row in order[:forced])

@@ -16,7 +16,6 @@ from speculators.tree import (
     check_preorder,
     choose_rows,
     depths,
-    leaf_count,
     lookup_tree,
     main_chain_length,
     row_values,
@@ -49,10 +48,7 @@ def test_preorder_is_checked():
 
 def test_shape_of_a_tree():
     assert depths(PARENTS).tolist() == [0, 1, 2, 2, 1, 2]
-    assert main_chain_length(PARENTS, 6) == 3
-    assert main_chain_length(None, 4) == 4
-    assert leaf_count(PARENTS) == 3
-    assert leaf_count(None) == 1
+    assert main_chain_length(PARENTS) == 3
     # leaves 2 (main chain: the request's own sequence 0), 3 and 5 take 1 and 2
     assert branch_sequences(PARENTS) == [[0, 1, 2], [0, 1], [0], [1], [2], [2]]
     assert branch_sequences([-1, 0, 1]) == [[0], [0], [0]]
@@ -98,7 +94,7 @@ def test_walk_commits_what_plain_decoding_would_for_any_tree(sampling):
         assert committed == plain[: len(committed)]
         rows = accepted_rows(tokens, parents, committed)
         assert len(rows) == len(committed) - 1
-        taken_side += any(row >= main_chain_length(parents, len(parents)) for row in rows)
+        taken_side += any(row >= main_chain_length(parents) for row in rows)
     assert taken_side > 10  # the walk left the main chain often enough to test it
 
 
@@ -119,7 +115,7 @@ def test_lookup_tree_keeps_the_chain_and_forks_on_other_matches():
     assert speculator.candidates(context) == [5, 3]  # most recent match first
     tree = lookup_tree(speculator, context, limit=3, budget=10)
     check_preorder(tree.parents)
-    main = main_chain_length(tree.parents, len(tree.parents))
+    main = main_chain_length(tree.parents)
     chain = []
     while len(chain) < 3 and (token := speculator.extend(context + chain)) is not None:
         chain.append(token)
