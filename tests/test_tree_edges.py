@@ -163,3 +163,10 @@ def test_the_root_holds_no_row_below_its_own_value():
     ranks = RankAcceptance([100.0, 100.0], [90.0, 0.0])
     chosen = choose_rows(tree, [0.5, 0.4], ranks, step=0.3)
     assert chosen.tokens == [0, 1, 3] and chosen.parents == [-1, 0, 0]
+
+
+def test_prompt_lookup_offers_at_most_eight_candidates_by_default():
+    lookup = PromptLookupSpeculator(max_ngram=1, min_ngram=1)
+    context = [token for follower in range(10, 20) for token in (1, follower)] + [1]  # 1 followed by ten tokens
+    assert lookup.candidates(context) == list(range(19, 11, -1))
+    assert lookup.candidates(context, most=2) == [19, 18]
