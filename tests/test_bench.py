@@ -116,9 +116,10 @@ def test_quick_serve_bench_compares_the_servers_under_load(tmp_path):
     assert [(row["server"], row["concurrency"]) for row in results["rows"]] == [
         (server, level) for server in servers for level in (1, 2)]
     for row in results["rows"]:
-        assert row["errors"] == 0, row
-        if row["server"] != "cpp-llama-server":  # a peer: its exactness under load is reported, not required
-            assert row["matches_solo"] and row["matches_llama_cpp_server"], row
+        if row["server"] == "cpp-llama-server":  # a peer: its errors and exactness are reported, not required
+            assert row["errors"] == 0 or row["error_examples"], row  # a failed request says why
+        else:
+            assert row["errors"] == 0 and row["matches_solo"] and row["matches_llama_cpp_server"], row
         rate = row["tokens_per_second"]
         assert rate["min"] > 0 and rate["min"] <= rate["median"] <= rate["max"]
         assert row["ttft_p50"]["median"] > 0 and row["itl_p50"]["median"] > 0
