@@ -16,8 +16,7 @@ import numpy as np
 from orchestrator.messages import Cancelled, PassResult
 from orchestrator.schedule import TargetPass, Window
 from speculators.sampling import SamplingSettings
-from speculators.tree import DraftTree, depths, lookup_tree, walk
-from speculators.verify import verify
+from speculators.tree import DraftTree, depths, lookup_tree, verify_rows
 
 
 class Target(Protocol):
@@ -52,10 +51,8 @@ def committed_tokens(reply: PassResult, window: Window, rows: slice, sampling: S
     a target that returns logits (the stand-ins), those its rows verify to."""
     if reply.tokens is not None:
         return reply.tokens.tolist()
-    first_position = window.first + window.logit_rows[0] + 1
-    if window.parents is not None:
-        return walk((0, *window.drafts), window.parents, reply.logits[rows], first_position, sampling)
-    return verify(window.drafts, reply.logits[rows], first_position, sampling)
+    return verify_rows(window.drafts, window.parents, reply.logits[rows], window.first + window.logit_rows[0] + 1,
+                       sampling)
 
 
 class Drafter(Protocol):

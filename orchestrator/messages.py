@@ -25,8 +25,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from speculators.sampling import SamplingSettings
-from speculators.tree import TreeError, check_preorder, walk
-from speculators.verify import verify
+from speculators.tree import TreeError, check_preorder, verify_rows
 from stages.errors import SpecpipeError
 
 WireHeader = dict[str, Any]
@@ -138,9 +137,7 @@ class TokenChoice:
 
     def tokens(self, logits: np.ndarray) -> list[int]:
         """What the rows' logits float32[rows, n_vocab] commit."""
-        if self.parents is None:
-            return verify(self.drafts.tolist(), logits, self.first_position, self.sampling)
-        return walk([0, *self.drafts.tolist()], self.parents, logits, self.first_position, self.sampling)
+        return verify_rows(self.drafts.tolist(), self.parents, logits, self.first_position, self.sampling)
 
     @classmethod
     def from_wire(cls, header: WireHeader) -> TokenChoice:

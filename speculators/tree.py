@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from speculators.sampling import SamplingSettings, choose_token
+from speculators.verify import verify
 
 
 class TreeError(ValueError):
@@ -130,6 +131,15 @@ def walk(tokens: Sequence[int], parents: Sequence[int], logits: np.ndarray, firs
         if following is None:
             return committed
         row = following
+
+
+def verify_rows(drafts: Sequence[int], parents: Sequence[int] | None, logits: np.ndarray, first_position: int,
+                sampling: SamplingSettings) -> list[int]:
+    """What a window's rows commit: speculators.verify for a chain (parents
+    None), the walk for a tree (drafts: its rows after the root)."""
+    if parents is None:
+        return verify(drafts, logits, first_position, sampling)
+    return walk([0, *drafts], parents, logits, first_position, sampling)
 
 
 def accepted_rows(tokens: Sequence[int], parents: Sequence[int] | None, committed: Sequence[int]) -> list[int]:
