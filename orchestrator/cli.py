@@ -119,6 +119,15 @@ def verify_split(model: Path, stage_files: tuple[Path, ...], threads: int) -> No
 @click.argument("files", nargs=-1, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--model-split", "model_split", is_flag=True,
               help="FILES are the stage files in order (one unsplit file runs the whole model as one stage).")
+@click.option("--model", "whole_model", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The whole model on this machine: cut into stages and shipped to the nodes that run them "
+                   "(cached there; README 'Shipping stages').")
+@click.option("--stages", "stage_count", type=click.IntRange(1),
+              help="With --model: how many stages (default: one per node of the cluster).")
+@click.option("--boundaries", help="With --model: blocks where stages 2..n start (default: chosen for the nodes' "
+                                   "free memory and, with --profile, speed).")
+@click.option("--profile", "profiles", multiple=True, metavar="ADDRESS=PROFILE.json",
+              help="With --model: a node's `orchestrate profile`, for its speed (give one for every node).")
 @click.option("--prompt", help="Prompt text.")
 @click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Read the prompt from a file.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
@@ -156,7 +165,7 @@ def verify_split(model: Path, stage_files: tuple[Path, ...], threads: int) -> No
 @click.option("--tls", is_flag=True,
               help="Encrypt the chain between stages (TLS 1.3, a certificate made for this run); README 'Security'.")
 @one_line_errors
-def run(files, model_split, prompt, prompt_file, chat, max_tokens, temperature, top_p, seed, address, place,
+def run(files, model_split, whole_model, stage_count, boundaries, profiles, prompt, prompt_file, chat, max_tokens, temperature, top_p, seed, address, place,
         threads, n_ctx, n_gpu_layers, wire_dtype, speculator, draft_path, draft_max, draft_p_min, schedule,
         draft_overlap, tree_leaves, dashboard, as_json, max_restarts, tls) -> None:
     """Generate text through a pipeline of stages (default: SmolLM2-135M split in two)."""
@@ -184,8 +193,13 @@ def run(files, model_split, prompt, prompt_file, chat, max_tokens, temperature, 
         raise click.UsageError("the prompt is empty")
     if prompt is None:
         prompt, chat = DEFAULT_PROMPT, True
-    stage_paths = [str(path) for path in files] or default_stage_paths(progress=_progress_bar("splitting default model"))
+    whole = _whole_model_settings(files, address, whole_model, stage_count, boundaries, profiles)
+    if whole is not None:
+        stage_paths = []
+    else:
+        stage_paths = [str(path) for path in files] or default_stage_paths(progress=_progress_bar("splitting default model"))
     settings = RunSettings(
+        whole_model=whole,
         stage_paths=stage_paths,
         prompt=prompt,
         chat=chat,
@@ -208,7 +222,7 @@ def run(files, model_split, prompt, prompt_file, chat, max_tokens, temperature, 
     text_out = sys.stdout
     if as_json:
         with contextlib.redirect_stdout(sys.stderr):
-            outcome = run_generation(settings)
+            outcome = run_generation(settings, on_status=lambda line: click.echo(line, err=True))
         click.echo(json.dumps(outcome.as_json()), file=text_out)
         return
 
@@ -220,6 +234,36 @@ def run(files, model_split, prompt, prompt_file, chat, max_tokens, temperature, 
         outcome = run_generation(settings, on_text=show, on_status=lambda line: click.echo(line, err=True))
     click.echo(file=text_out)
     click.echo(outcome.summary_line(), err=True)
+
+
+def _whole_model_settings(files, address, whole_model, stage_count, boundaries, profiles):
+    """--model's settings (None: stage files given). One unsplit file on a
+    cluster is a whole model too, split over the nodes when there are several."""
+    from orchestrator.planning.setup_file import read_profile
+    from orchestrator.session import WholeModelSettings
+    from stages.gguf_file import stage_info_of
+
+    if whole_model is None:
+        if stage_count is not None or boundaries is not None or profiles:
+            raise click.UsageError("--stages, --boundaries and --profile go with --model WHOLE.gguf")
+        if len(files) == 1 and address is not None and files[0].exists() and stage_info_of(str(files[0])) is None:
+            return WholeModelSettings(str(files[0]), stages=None, single_file=True)
+        return None
+    if files:
+        raise click.UsageError("give --model WHOLE.gguf or the stage files, not both")
+    if boundaries is not None and profiles:
+        raise click.UsageError("--boundaries fixes the split; --profile only helps choose one")
+    parsed = _parse_boundaries(boundaries)
+    if parsed is not None and stage_count is not None and len(parsed) != stage_count - 1:
+        raise click.UsageError(f"--stages {stage_count} needs {stage_count - 1} boundaries, got {len(parsed)}")
+    by_address = {}
+    for item in profiles:
+        address_part, separator, path = item.partition("=")
+        if not separator or not address_part or not path:
+            raise click.UsageError(f"--profile {item!r} is not ADDRESS=PROFILE.json")
+        by_address[address_part] = read_profile(path)
+    return WholeModelSettings(str(whole_model), stages=stage_count or (len(parsed) + 1 if parsed is not None else None),
+                              boundaries=parsed, profiles=by_address or None)
 
 
 @main.command()

@@ -35,6 +35,7 @@ from orchestrator.handshake import new_secret
 from orchestrator.messages import Cancelled, PassResult, TokenChoice
 from orchestrator.replay import KvLedger, PassRecord
 from orchestrator.schedule import TargetPass
+from orchestrator.shipping import Shipment, WholeModel, ship_whole_model
 from orchestrator.stage_cpus import CpuSet, stage_cpu_sets
 from orchestrator.stage_server import StageDescription, StageServer
 from orchestrator.tls import new_chain_certificate
@@ -101,6 +102,20 @@ def _stage_file_reader():
     return read_stage_file_on_node
 
 
+def _vocabulary_reader():
+    import ray
+
+    @ray.remote(num_cpus=0, max_retries=0)
+    def vocabulary_on_node(path: str) -> bytes:
+        """A GGUF file of the stage file's metadata and no tensors (stages.stage_image.vocabulary_image)."""
+        from stages.gguf_file import read_model
+        from stages.stage_image import vocabulary_image
+
+        return vocabulary_image(read_model(path)).header
+
+    return vocabulary_on_node
+
+
 def _stage_actor_class():
     import ray
 
@@ -163,7 +178,7 @@ class Pipeline:
 
     def __init__(
         self,
-        stage_paths: list[str],
+        stage_paths: list[str] | WholeModel,
         settings: StageSettings = StageSettings(),
         *,
         wire_dtype: str = "f32",
@@ -175,7 +190,10 @@ class Pipeline:
         tls: bool = False,
         overlapping: bool = False,
     ):
-        """notify_boundaries: non-last stages report each pass leaving them
+        """stage_paths: each stage's file, on the node that runs it, or a
+        WholeModel on this machine: its stages are cut and shipped to their
+        nodes first (orchestrator.shipping; ``shipments`` says what was sent).
+        notify_boundaries: non-last stages report each pass leaving them
         (await_boundary); asynchronous speculation needs it.
         pass_deadline_minimum: the least seconds a pass's result may take
         (default defaults.PASS_DEADLINE_MINIMUM_SECONDS; the chain's deadline).
@@ -188,7 +206,11 @@ class Pipeline:
         CPUs (orchestrator.stage_cpus; pin_stages changes it)."""
         import ray
 
-        self.stage_paths = list(stage_paths)
+        self.whole_model = stage_paths if isinstance(stage_paths, WholeModel) else None
+        self.split = None  # the whole model's SplitPlan, once shipped
+        self.shipments: list[Shipment] = []  # every stage file shipped, restarts' too
+        stage_count = self.whole_model.stage_count if self.whole_model else len(stage_paths)
+        self.stage_paths = [""] * stage_count if self.whole_model else list(stage_paths)
         self.settings = settings
         self.wire_dtype = wire_dtype
         self.notify_boundaries = notify_boundaries
@@ -206,8 +228,10 @@ class Pipeline:
         # authenticated calls, and every chain connection proves it holds it.
         self.secret = new_secret()
         self.certificate = new_chain_certificate() if tls else None  # --tls: every connection in TLS with it
-        self.reservation = Reservation(len(stage_paths), place)
+        self.reservation = Reservation(stage_count, place)
         try:
+            if self.whole_model is not None:
+                self._ship(range(stage_count))
             found = self._read_stage_files(range(len(self.stage_paths)))
             self.stage_files = check_stage_files_on_nodes(self.stage_paths, found)
             # Every stage on this machine: no listener needs to be reachable from another.
@@ -221,6 +245,14 @@ class Pipeline:
         except BaseException:
             self.close()
             raise
+
+    def _ship(self, indices) -> None:
+        """Stages ``indices`` of the whole model onto their nodes (only what they lack is sent)."""
+        self.split, shipments = ship_whole_model(self.whole_model, self.reservation, indices, self.secret,
+                                                 self.certificate, self.split)
+        for shipment in shipments:
+            self.stage_paths[shipment.stage_index] = shipment.path
+        self.shipments += shipments
 
     def _read_stage_files(self, indices) -> list[NodeStageFile]:
         """Each stage file of ``indices`` read on the node that will load it (the driver may not hold it)."""
@@ -237,6 +269,31 @@ class Pipeline:
             raise PipelineError(f"stage files were not read on their nodes within {ACTOR_START_SECONDS:.0f} s") from None
         except ray.exceptions.RayError as error:
             raise PipelineError(f"could not read the stage files on their nodes: {one_line(error)}") from None
+
+    def vocabulary_file(self) -> str:
+        """A file on this machine the coordinator can read the vocabulary from
+        (every stage file carries the whole vocabulary): the whole model when
+        one was shipped, else the metadata of stage 0's file, read on its node
+        and kept in this machine's cache under the source's fingerprint."""
+        import ray
+
+        from orchestrator.defaults import cache_dir
+        from stages.stage_image import StageImage, write_atomically
+
+        if self.whole_model is not None:
+            return self.whole_model.path
+        path = cache_dir() / "vocabularies" / f"{self.stage_files[0].source_fingerprint}.gguf"
+        if not path.exists():
+            reading = _vocabulary_reader().options(scheduling_strategy=self.reservation.scheduling_strategy(0))
+            try:
+                header = ray.get(reading.remote(self.stage_paths[0]), timeout=ACTOR_START_SECONDS)
+            except ray.exceptions.GetTimeoutError:
+                raise PipelineError(f"stage 0's node did not send the vocabulary within {ACTOR_START_SECONDS:.0f} s") from None
+            except ray.exceptions.RayError as error:
+                raise PipelineError(f"could not read the vocabulary on stage 0's node: {one_line(error)}") from None
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomically(StageImage(header, ()), path)
+        return str(path)
 
     def _start_stage(self, index: int):
         """A new stage actor for stage ``index`` on its node (it loads in the background)."""
@@ -492,6 +549,8 @@ class Pipeline:
         import ray
 
         ray.kill(self.actors[index])
+        if self.whole_model is not None:  # its node may be another one now
+            self._ship([index])
         [file] = self._read_stage_files([index])
         if file.problem or file.info != self.stage_files[index]:
             problem = "the file is not there" if file.problem == NOT_FOUND else file.problem or "the file there differs"

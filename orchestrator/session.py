@@ -15,6 +15,7 @@ from orchestrator.generate import Drafting, Generation, generate
 from orchestrator.metrics import GenerationMetrics, RestartMetrics
 from orchestrator.pipeline import Pipeline, StageReport, StageRestart
 from orchestrator.schedule import Schedule
+from orchestrator.shipping import Shipment, WholeModel
 from orchestrator.tokenizer import Tokenizer
 from speculators.draft_length import PRIOR_STEP, ask_cost
 from speculators.sampling import SamplingSettings
@@ -25,6 +26,7 @@ from stages.settings import StageSettings
 from stages.stage_files import check_stage_files
 
 SPECULATORS = ("none", "ngram", "model")
+MIB = 1024**2
 
 
 class RunError(SpecpipeError):
@@ -66,6 +68,22 @@ class RunSettings:
     dashboard: bool = False
     max_restarts: int = MAX_RESTARTS  # of each stage (and drafter) that dies
     tls: bool = False  # the chain and the drafters' sockets in TLS (orchestrator.tls)
+    whole_model: WholeModelSettings | None = None  # --model: stage_paths is empty, the stages are shipped
+
+
+@dataclass(frozen=True)
+class WholeModelSettings:
+    """``--model PATH``: the whole model on this machine, cut into ``stages``
+    (None: one per node the cluster has) and shipped to the nodes.
+    boundaries: first blocks of stages 2..n (None: chosen for the nodes'
+    memory, orchestrator.planning.cluster_split); profiles: node address ->
+    its ``orchestrate profile``, for the nodes' speeds."""
+
+    path: str
+    stages: int | None = None
+    boundaries: list[int] | None = None
+    profiles: dict[str, dict] | None = None
+    single_file: bool = False  # given as the one file of --model-split: on a single node it runs as it is
 
 
 @dataclass(frozen=True)
@@ -87,6 +105,7 @@ class RunOutcome:
     speculators: list[SpeculatorReport]
     hop_seconds: float
     restarts: list[StageRestart]
+    shipments: list[Shipment] = dataclasses.field(default_factory=list)
 
     def as_json(self) -> dict:
         generation = self.generation
@@ -126,6 +145,12 @@ class RunOutcome:
                 {"index": report.index, "node": report.node_id, "busy_seconds": report.busy_seconds, "lost": report.lost,
                  "restarts": report.restarts}
                 for report in self.speculators
+            ],
+            "shipped": [
+                {"stage": shipment.stage_index, "node": shipment.node_id, "host": shipment.node_address,
+                 "path": shipment.path, "bytes": shipment.size, "resumed_from": shipment.resumed_from,
+                 "bytes_sent": shipment.bytes_sent, "seconds": shipment.seconds}
+                for shipment in self.shipments
             ],
             "restarts": [
                 {"stage": restart.stage_index, "reason": restart.reason, "old_node": restart.old_node_id,
@@ -210,22 +235,16 @@ def check_draft_model(path: str, tokenizer: Tokenizer) -> None:
                          "draft tokens would mean different text")
 
 
-def vocabulary_file(stage_paths: list[str]) -> str:
-    """The first stage file on this machine: the coordinator reads the vocabulary
-    from it (every stage file carries the whole vocabulary). On a cluster this
-    machine may hold only its own stage's file."""
-    for path in stage_paths:
-        if os.path.exists(path):
-            return path
-    raise ModelFileError(
-        f"none of the stage files is on this machine ({', '.join(stage_paths)}); the coordinator reads "
-        "the vocabulary from one of them: run orchestrate on a node that holds a stage file"
-    )
+def local_vocabulary_file(stage_paths: list[str]) -> str | None:
+    """The first stage file on this machine (every stage file carries the whole
+    vocabulary), or None: then the coordinator reads the vocabulary from stage
+    0's node once the pipeline is placed (Pipeline.vocabulary_file)."""
+    return next((path for path in stage_paths if os.path.exists(path)), None)
 
 
-def check_same_model(vocabulary_path: str, stage_files: list[StageFileInfo | None]) -> None:
+def check_same_model(vocabulary_path: str | None, stage_files: list[StageFileInfo | None]) -> None:
     """The local file the vocabulary came from must be cut from the model the nodes run."""
-    local = stage_info_of(vocabulary_path)
+    local = stage_info_of(vocabulary_path) if vocabulary_path is not None else None
     on_nodes = stage_files[0]
     if local is not None and on_nodes is not None and local.source_fingerprint != on_nodes.source_fingerprint:
         raise ModelFileError(
@@ -234,38 +253,62 @@ def check_same_model(vocabulary_path: str, stage_files: list[StageFileInfo | Non
         )
 
 
+def whole_model_stages(settings: WholeModelSettings, stage: StageSettings, draft_path: str | None,
+                       on_status: Callable[[str], None] | None) -> WholeModel | None:
+    """What Pipeline needs to cut ``settings.path`` and ship its stages: how many, and where to cut for the nodes."""
+    from orchestrator.cluster import alive_nodes
+    from orchestrator.planning.cluster_split import choose_cluster_split
+    from orchestrator.planning.setup_file import model_shape_of_gguf
+    from stages.gguf_file import read_model
+    from stages.layer_rules import layer_rules
+
+    model = read_model(settings.path)
+    if stage_info_of(settings.path) is not None:
+        raise ModelFileError(f"{settings.path}: is a stage file; --model takes the whole model")
+    stage_count = settings.stages or max(1, len(alive_nodes()))
+    if settings.single_file and stage_count == 1:
+        return None
+    if stage_count > model.block_count:
+        raise RunError(f"{stage_count} stages but {settings.path} has only {model.block_count} blocks; give --stages")
+
+    def choose_starts(nodes) -> tuple[int, ...]:
+        if settings.boundaries is not None:
+            return (0, *settings.boundaries)
+        shape = model_shape_of_gguf(settings.path)
+        draft_bytes = os.path.getsize(draft_path) if draft_path else 0
+        split = choose_cluster_split(shape, nodes, context=stage.n_ctx * stage.sequences, draft_bytes=draft_bytes,
+                                     boundaries=layer_rules(model.metadata).allowed_boundaries(),
+                                     profiles=settings.profiles)
+        if on_status is not None:
+            for line in split.lines(shape.blocks, nodes):
+                on_status(line)
+        return split.starts
+
+    shown: dict[int, int] = {}  # stage -> the last tenth of its file shown
+
+    def progress(stage_index: int, done: int, total: int) -> None:
+        tenth = done * 10 // total
+        if on_status is not None and tenth > shown.get(stage_index, -1):
+            shown[stage_index] = tenth
+            on_status(f"shipping stage {stage_index}: {done / MIB:.0f} of {total / MIB:.0f} MiB")
+
+    return WholeModel(settings.path, stage_count, choose_starts, progress)
+
+
 def run_generation(
     settings: RunSettings,
     on_text: Callable[[str], None] | None = None,
     on_status: Callable[[str], None] | None = None,
 ) -> RunOutcome:
-    if settings.address is None:  # a local run: bad files fail before Ray starts
+    whole = settings.whole_model
+    if whole is None and settings.address is None:  # a local run: bad files fail before Ray starts
         check_stage_files(settings.stage_paths)
     # On a cluster each file is checked on the node that runs its stage (Pipeline).
-    vocabulary_path = vocabulary_file(settings.stage_paths)
-    tokenizer = Tokenizer(vocabulary_path)
-    tokens = prompt_tokens(tokenizer, settings.prompt, settings.chat)
-    if not tokens:
-        raise RunError("the prompt is empty")
-    drafts = settings.speculation.draft_max if settings.speculation.speculator != "none" else 0
-    if len(tokens) + settings.max_tokens + drafts > settings.stage.n_ctx:
-        raise RunError(
-            f"prompt ({len(tokens)} tokens) + --max-tokens {settings.max_tokens}"
-            f"{f' + --draft-max {drafts}' if drafts else ''} exceed the context of "
-            f"{settings.stage.n_ctx} tokens; raise --n-ctx or lower --max-tokens"
-        )
-    make_speculator = speculator_factory(settings.speculation, tokenizer, settings.stage)
-    stream = tokenizer.text_stream()
+    vocabulary_path = whole.path if whole is not None else local_vocabulary_file(settings.stage_paths)
+    prepared = _prepare(settings, Tokenizer(vocabulary_path)) if vocabulary_path else None
     pieces: list[str] = []
-
-    def emit(token: int) -> None:
-        text = stream.push(token)
-        pieces.append(text)
-        if on_text is not None and text:
-            on_text(text)
-
     speculation_settings = settings.speculation
-    asynchronous = make_speculator is not None and speculation_settings.schedule is Schedule.ASYNC
+    asynchronous = speculation_settings.speculator != "none" and speculation_settings.schedule is Schedule.ASYNC
     with ray_session(settings.address, dashboard=settings.dashboard) as where:
         if where and on_status is not None:
             on_status(f"[{where}]")
@@ -280,12 +323,27 @@ def run_generation(
         stage_settings = settings.stage
         if speculation_settings.tree_leaves > 1:
             stage_settings = dataclasses.replace(stage_settings, tree_sequences=speculation_settings.tree_leaves - 1)
+        stages = None if whole is None else whole_model_stages(
+            whole, stage_settings, speculation_settings.draft_path, on_status)
+        if stages is None:  # stage files given, or one unsplit file for a one-node cluster
+            stages, whole = settings.stage_paths or [whole.path], None
         with Pipeline(
-            settings.stage_paths, stage_settings, wire_dtype=settings.wire_dtype, place=settings.place,
+            stages, stage_settings, wire_dtype=settings.wire_dtype, place=settings.place,
             notify_boundaries=asynchronous, max_restarts=settings.max_restarts, on_restart=stage_restarted,
             tls=settings.tls, overlapping=asynchronous,
         ) as pipeline:
-            check_same_model(vocabulary_path, pipeline.stage_files)
+            check_same_model(vocabulary_path if whole is None else None, pipeline.stage_files)
+            if prepared is None:  # no stage file here: the vocabulary comes from stage 0's node
+                prepared = _prepare(settings, Tokenizer(pipeline.vocabulary_file()))
+            tokenizer, tokens, make_speculator = prepared
+            stream = tokenizer.text_stream()
+
+            def emit(token: int) -> None:
+                text = stream.push(token)
+                pieces.append(text)
+                if on_text is not None and text:
+                    on_text(text)
+
             drafters: list[DrafterClient] = []
             drafting = None
             if make_speculator is not None:
@@ -315,8 +373,26 @@ def run_generation(
             reports = pipeline.reports()
             hop_seconds = pipeline.hop_seconds
             restarts = list(pipeline.restarts)
+            shipments = list(pipeline.shipments)
     tail = stream.finish()
     pieces.append(tail)
     if on_text is not None and tail:
         on_text(tail)
-    return RunOutcome("".join(pieces), generation, reports, speculator_reports, hop_seconds, restarts)
+    return RunOutcome("".join(pieces), generation, reports, speculator_reports, hop_seconds, restarts, shipments)
+
+
+def _prepare(settings: RunSettings, tokenizer: Tokenizer):
+    """(tokenizer, the prompt's tokens, the speculator factory), once the
+    vocabulary is here: a prompt that does not fit and a draft model of
+    another vocabulary are refused before anything generates."""
+    tokens = prompt_tokens(tokenizer, settings.prompt, settings.chat)
+    if not tokens:
+        raise RunError("the prompt is empty")
+    drafts = settings.speculation.draft_max if settings.speculation.speculator != "none" else 0
+    if len(tokens) + settings.max_tokens + drafts > settings.stage.n_ctx:
+        raise RunError(
+            f"prompt ({len(tokens)} tokens) + --max-tokens {settings.max_tokens}"
+            f"{f' + --draft-max {drafts}' if drafts else ''} exceed the context of "
+            f"{settings.stage.n_ctx} tokens; raise --n-ctx or lower --max-tokens"
+        )
+    return tokenizer, tokens, speculator_factory(settings.speculation, tokenizer, settings.stage)

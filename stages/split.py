@@ -17,27 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
-from stages.gguf_file import (
-    KEY_BLOCK_COUNT,
-    KEY_FIRST_BLOCK,
-    KEY_SOURCE_FINGERPRINT,
-    KEY_SOURCE_NAME,
-    KEY_STAGE_COUNT,
-    KEY_STAGE_INDEX,
-    KEY_TOTAL_BLOCKS,
-    ModelFile,
-    ModelFileError,
-    TensorLocation,
-    read_model,
-    stage_info,
-)
-from stages.layer_rules import LayerRules, SplitRuleError, layer_rules, slice_metadata_overrides
+from stages.gguf_file import ModelFile, ModelFileError, TensorLocation, read_model, stage_info
+from stages.layer_rules import LayerRules, SplitRuleError, layer_rules
 from stages.plan import balanced_starts, stage_ranges
+from stages.stage_image import StageImage, stage_image, write_atomically
 
 BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.(.+)$")
-COPY_CHUNK_BYTES = 16 * 1024 * 1024
 
 # Called with (bytes written so far, bytes to write in all).
 ProgressCallback = Callable[[int, int], None]
@@ -111,68 +96,11 @@ def _stage_tensors(model: ModelFile, first: int, end: int) -> list[tuple[str, Te
     return selected
 
 
-def _write_stage(
-    plan: SplitPlan, stage_index: int, output: Path, progress: Callable[[int], None], *, as_stage: bool = True
-) -> None:
-    """Write blocks plan.ranges[stage_index] as a stage file, or (as_stage False)
-    as a whole model of its own (no specpipe.* keys: it runs blocks, norm and head)."""
-    from gguf import GGUFValueType, GGUFWriter
-
-    model = plan.model
-    first, end = plan.ranges[stage_index]
-    overrides = slice_metadata_overrides(model.metadata, first, end - first)
-    writer = GGUFWriter(output, model.architecture)
-    writer.data_alignment = model.alignment
-    for key, field in model.fields.items():
-        if key == "general.architecture":
-            continue
-        value = overrides.get(key, field.value)
-        sub_type = GGUFValueType(field.sub_type) if field.sub_type is not None else None
-        writer.add_key_value(key, value, GGUFValueType(field.value_type), sub_type)
-    for key, value in overrides.items():
-        if key not in model.fields:  # a sliding-window pattern the source left implicit
-            writer.add_key_value(key, value, GGUFValueType.ARRAY, GGUFValueType.BOOL)
-    if as_stage:
-        writer.add_uint32(KEY_STAGE_INDEX, stage_index)
-        writer.add_uint32(KEY_STAGE_COUNT, len(plan.ranges))
-        writer.add_uint32(KEY_FIRST_BLOCK, first)
-        writer.add_uint32(KEY_BLOCK_COUNT, end - first)
-        writer.add_uint32(KEY_TOTAL_BLOCKS, model.block_count)
-        writer.add_string(KEY_SOURCE_FINGERPRINT, model.fingerprint)
-        writer.add_string(KEY_SOURCE_NAME, model.name)
-
-    tensors = _stage_tensors(model, first, end)
-    for name, tensor in tensors:
-        # ggml order -> numpy order; the dtype argument only marks the shape as
-        # element counts (raw_dtype says what the bytes are).
-        writer.add_tensor_info(
-            name, tuple(reversed(tensor.shape)), np.dtype(np.float32), tensor.n_bytes, raw_dtype=tensor.ggml_type
-        )
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    out = writer.fout[0]
-    sources: dict[Path, object] = {}
-    try:
-        for _, tensor in tensors:
-            source = sources.get(tensor.path)
-            if source is None:
-                source = sources[tensor.path] = open(tensor.path, "rb")
-            writer.write_padding(out, out.tell())
-            source.seek(tensor.offset)  # type: ignore[attr-defined]
-            remaining = tensor.n_bytes
-            while remaining:
-                chunk = source.read(min(COPY_CHUNK_BYTES, remaining))  # type: ignore[attr-defined]
-                if not chunk:
-                    raise ModelFileError(f"{tensor.path}: ended early while copying {tensor.name}")
-                out.write(chunk)
-                remaining -= len(chunk)
-                progress(len(chunk))
-            writer.write_padding(out, tensor.n_bytes)
-    finally:
-        for source in sources.values():
-            source.close()  # type: ignore[attr-defined]
-        writer.close()
+def stage_file_image(plan: SplitPlan, stage_index: int, *, as_stage: bool = True) -> StageImage:
+    """The bytes of stage ``stage_index``'s file (stages.stage_image): as a
+    stage file, or (as_stage False) as a whole model of its own."""
+    tensors = _stage_tensors(plan.model, *plan.ranges[stage_index])
+    return stage_image(plan.model, plan.ranges, stage_index, tensors, as_stage=as_stage)
 
 
 def split_model(
@@ -224,17 +152,7 @@ def split_model(
             progress(written, total)
 
     for stage_index in stages_to_write:
-        output = output_paths[stage_index]
-        partial = output.with_name(output.name + ".partial")
-        try:
-            _write_stage(plan, stage_index, partial, advance)
-            os.replace(partial, output)
-        except OSError as error:
-            partial.unlink(missing_ok=True)
-            raise ModelFileError(f"{output}: {error.strerror or error}") from None
-        except BaseException:
-            partial.unlink(missing_ok=True)
-            raise
+        write_atomically(stage_file_image(plan, stage_index), output_paths[stage_index], advance)
     return plan
 
 
@@ -243,11 +161,4 @@ def write_first_blocks(model_path: str | os.PathLike[str], output: str | os.Path
     embedding, norm and head): a cheap, poor draft model of the same vocabulary."""
     model = read_model(model_path)
     plan = plan_split(model, 2, [block_count])
-    output = Path(output)
-    partial = output.with_name(output.name + ".partial")
-    try:
-        _write_stage(plan, 0, partial, lambda count: None, as_stage=False)
-        os.replace(partial, output)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
+    write_atomically(stage_file_image(plan, 0, as_stage=False), Path(output))

