@@ -204,7 +204,12 @@ class RayAcrossHosts:
             "--object-store-memory", str(100 * 1000**2), "--temp-dir", str(temporary), "--disable-usage-stats",
             "--block",
         ]
-        self._nodes.append((name, self.hosts.start(host, command, self.folder / f"{name}.log", self.environment)))
+        environment = {**self.environment, "SPECPIPE_STAGE_CACHE": str(self.stage_cache(name))}
+        self._nodes.append((name, self.hosts.start(host, command, self.folder / f"{name}.log", environment)))
+
+    def stage_cache(self, name: str) -> Path:
+        """Node ``name``'s own stage cache (the hosts share one file system; each node gets a folder)."""
+        return self.folder / f"{name}-stages"
 
     def start(self, timeout: float = 120.0) -> list[str]:
         """Start head and worker; return the alive nodes' addresses once both are up."""

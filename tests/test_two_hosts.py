@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from pathlib import Path
 
 import pytest
 from conftest import PROMPTS
@@ -52,9 +53,10 @@ def report_link(hosts):
 
 
 def run_across_hosts(cluster: RayAcrossHosts, stage_files: list[str], *options: str) -> dict:
-    """`orchestrate run` from the head's host; its JSON report."""
+    """`orchestrate run` from the head's host; its JSON report. No stage files: options give --model."""
+    files = ["--model-split", *stage_files] if stage_files else []
     result = cluster.driver(
-        ["-m", "orchestrator.cli", "run", "--model-split", *stage_files, "--address", cluster.address,
+        ["-m", "orchestrator.cli", "run", *files, "--address", cluster.address,
          "--prompt", PROMPTS[0], "--max-tokens", str(MAX_TOKENS), "--json", *options],
         timeout=300,
     )
@@ -78,3 +80,39 @@ def test_run_across_two_hosts_equals_whole_model(cluster, splits, reference, spe
     assert report["stages"][0]["node"] != report["stages"][1]["node"]
     if speculator == "ngram":
         assert {drafter["node"] for drafter in report["speculators"]} == {stage["node"] for stage in report["stages"]}
+
+
+def test_the_whole_model_is_shipped_to_each_host_once_and_a_broken_transfer_resumes(cluster, smollm2, splits,
+                                                                                   reference):
+    """`--model` from the driver, no stage file on either host beforehand: each
+    stage's file arrives in its own node's cache, byte for byte the split's,
+    and the tokens are the whole model's; a second run ships nothing; a file
+    cut short (what an interrupted transfer leaves) gets only its rest."""
+    first, second = cluster.hosts.first.address, cluster.hosts.second.address
+    caches = {second: cluster.stage_cache("worker"), first: cluster.stage_cache("head")}  # stage 0 on the worker
+    assert not any(cache.exists() for cache in caches.values())
+    expected = reference.greedy(reference.tokenize(PROMPTS[0]), MAX_TOKENS).tokens
+
+    report = run_across_hosts(cluster, [], "--model", smollm2)
+    assert report["tokens"] == expected
+    assert [stage["host"] for stage in report["stages"]] == [second, first]
+    assert [stage["layers"] for stage in report["stages"]] == [[0, 15], [15, 30]]
+    for item, split_file in zip(report["shipped"], splits[2]):
+        path = Path(item["path"])
+        assert item["host"] in (first, second) and path.is_relative_to(caches[item["host"]])
+        assert item["bytes_sent"] == item["bytes"] == path.stat().st_size
+        assert path.read_bytes() == Path(split_file).read_bytes()
+
+    again = run_across_hosts(cluster, [], "--model", smollm2)
+    assert again["tokens"] == expected and [item["bytes_sent"] for item in again["shipped"]] == [0, 0]
+
+    worker_file = Path(report["shipped"][0]["path"])
+    kept = worker_file.stat().st_size // 3
+    partial = worker_file.with_name(worker_file.name + ".partial")
+    partial.write_bytes(worker_file.read_bytes()[:kept])
+    worker_file.unlink()
+    resumed = run_across_hosts(cluster, [], "--model", smollm2)
+    assert resumed["tokens"] == expected
+    assert [(item["resumed_from"], item["bytes_sent"]) for item in resumed["shipped"]] == \
+        [(kept, report["shipped"][0]["bytes"] - kept), (report["shipped"][1]["bytes"], 0)]
+    assert worker_file.read_bytes() == Path(splits[2][0]).read_bytes()
