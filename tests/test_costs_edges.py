@@ -105,7 +105,7 @@ def test_a_hop_over_a_link_pays_the_software_hop_the_latency_and_the_bytes_at_th
     assert costs.hop_seconds(0, 5) == 0.5  # coordinator to stage 0: the software hop alone
     assert costs.hop_seconds(1, 5) == 0.5 + 0.25 + 5 * 8 * 4 / 32.0  # 5 rows of 8 floats
     assert costs.hop_seconds(2, 5) == 0.5 + 0.125 + 5 * 8 * 4 / 64.0
-    assert costs.hop_seconds(3, 5) == 0.5 + 0.0625 + 5 * 16 * 4 / 128.0  # logits: 5 rows of 16 floats
+    assert costs.hop_seconds(3, 5) == 0.5 + 0.0625 + 5 * 4 / 128.0  # back: 5 token ids, not logits
 
 
 def test_a_hop_on_one_machine_pays_the_software_hop_and_every_row_after_the_first_at_the_socket_rate():
@@ -113,7 +113,7 @@ def test_a_hop_on_one_machine_pays_the_software_hop_and_every_row_after_the_firs
     costs = _costs([Link(0.25, 32.0), None])
     assert costs.hop_seconds(1, 5) == 0.5 + 0.25 + 5 * 8 * 4 / 32.0
     assert costs.hop_seconds(2, 5) == 0.5 + 4 * 8 * 4 / 64.0  # 4 more rows of 8 floats at 64 bytes/s
-    assert costs.hop_seconds(3, 5) == 0.5 + 4 * 16 * 4 / 64.0  # 4 more rows of 16 floats of logits
+    assert costs.hop_seconds(3, 5) == 0.5 + 4 * 4 / 64.0  # 4 more token ids
     assert costs.hop_seconds(3, 1) == 0.5  # one row: the measured hop already carried it
 
 

@@ -210,7 +210,8 @@ def test_roofline_machine_reads_weights_once_per_pass_until_compute_bound():
     assert machine.stage_seconds(shape, 0, 5, 4096) == pytest.approx(flops / 10e12)  # compute-bound
 
 
-def test_links_carry_activations_and_logits():
+def test_links_carry_activations_and_the_chosen_tokens_back():
+    """The last stage chooses the tokens (TokenChoice): one int32 per row comes back, not a logits row."""
     shape = _shape()
     link = Link(latency_seconds=0.001, bytes_per_second=1e9)
     software = Software(0.0001, 0.0, 0.0)
@@ -218,7 +219,7 @@ def test_links_carry_activations_and_logits():
     costs = StageCosts(shape, [machine, machine], (0, 5), [link, link], software, (0.0, 0.0))
     assert costs.hop_seconds(0, 8) == pytest.approx(0.0001)
     assert costs.hop_seconds(1, 8) == pytest.approx(0.0001 + 0.001 + 8 * 1024 * 4 / 1e9)
-    assert costs.hop_seconds(2, 8) == pytest.approx(0.0001 + 0.001 + 8 * 32000 * 4 / 1e9)
+    assert costs.hop_seconds(2, 8) == pytest.approx(0.0001 + 0.001 + 8 * 4 / 1e9)
 
 
 def test_candidate_splits_cover_every_split_once():

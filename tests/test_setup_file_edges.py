@@ -524,8 +524,8 @@ def test_broken_toml_gives_the_parsers_reason(tmp_path):
     (MODEL, "missing 'machines'"),
     ("machines = []\n" + MODEL, "no machines"),
     (MODEL + MACHINE * 3 + "[[links]]\nlatency_ms = 1\nbandwidth_gbit_per_s = 1\n" * 2,
-     "3 machines need 3 links (machine i to i + 1, the last carrying logits back to machine 0), or one for all"),
-    (MODEL + MACHINE * 2, "2 machines need 2 links (machine i to i + 1, the last carrying logits back to machine 0), "
+     "3 machines need 3 links (machine i to i + 1, the last carrying the chosen tokens back to machine 0), or one for all"),
+    (MODEL + MACHINE * 2, "2 machines need 2 links (machine i to i + 1, the last carrying the chosen tokens back to machine 0), "
                           "or one for all"),
     ("max_tokens = 1\n" + MODEL + MACHINE, "max_tokens must be at least 2"),
 ])

@@ -12,9 +12,10 @@ Two sources, one shape (``StageCosts``, a ``simulation.PipelineCosts``):
   fixed overhead. Bandwidth and flops are what the machine really achieves:
   peak figures times an efficiency the user states.
 
-Links carry activations (float32, n x width per pass) between stages and one
-row of float32 logits per token from the last stage back to the coordinator,
-which runs on stage 0's machine. Pure Python; no Ray, no llama.cpp.
+Links carry activations (float32, n x width per pass) between stages and, from
+the last stage back to the coordinator (on stage 0's machine), the tokens
+chosen beside the last stage (orchestrator.messages.TokenChoice): one int32
+per row, not its logits. Pure Python; no Ray, no llama.cpp.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 FLOAT_BYTES = 4
+TOKEN_BYTES = 4  # a token id chosen beside the last stage, what travels back instead of a logits row
 
 
 @dataclass(frozen=True)
@@ -167,7 +169,7 @@ class Software:
 @dataclass(frozen=True)
 class StageCosts:
     """A pipeline of stages [starts[i], starts[i+1]) on machines[i], joined by
-    links[i] (stage i to i+1; the last link carries the logits back to stage
+    links[i] (stage i to i+1; the last link carries the chosen tokens back to stage
     0's machine, where the coordinator runs). None for a link between stages on
     the same machine: only the software hop cost is paid."""
 
@@ -196,12 +198,12 @@ class StageCosts:
         if hop == 0:  # coordinator to stage 0: same machine, token ids only
             return self.software.hop_seconds
         link = self.links[hop - 1] if hop - 1 < len(self.links) else None
-        row_width = self.model.vocab if hop == self.stage_count else self.model.width
-        payload = tokens * row_width * FLOAT_BYTES
+        row_bytes = TOKEN_BYTES if hop == self.stage_count else self.model.width * FLOAT_BYTES
+        payload = tokens * row_bytes
         if link is not None:
             return self.software.hop_seconds + link.seconds(payload)
         # on one machine the measured hop time already carried one token's row
-        return self.software.hop_seconds + (tokens - 1) * row_width * FLOAT_BYTES / self.software.local_bytes_per_second
+        return self.software.hop_seconds + (tokens - 1) * row_bytes / self.software.local_bytes_per_second
 
     def coordinator_seconds(self, tokens: int) -> float:
         # the measured time per pass already verified one row

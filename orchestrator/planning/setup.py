@@ -20,7 +20,7 @@ class PlanError(SpecpipeError):
 @dataclass(frozen=True)
 class Setup:
     """machines: in pipeline order (stage i on machines[i]). links[i] joins
-    machine i and i + 1 (the last carries logits back to machine 0); None for
+    machine i and i + 1 (the last carries the chosen tokens back to machine 0); None for
     stages on the same machine. draft_seconds: per draft token on each machine
     (None: no speculation). draft_bytes: the draft model's memory on each
     machine. starts: a fixed split (None: search). one_host_parallel_stages:

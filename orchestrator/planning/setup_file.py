@@ -277,7 +277,7 @@ def load_setup(path: str | Path) -> Setup:
         links = links * len(machines)
     if len(machines) > 1 and len(links) < len(machines):
         raise PlanError(f"{path}: {len(machines)} machines need {len(machines)} links (machine i to i + 1, the last "
-                        "carrying logits back to machine 0), or one for all")
+                        "carrying the chosen tokens back to machine 0), or one for all")
     software_table = document.get("software", {})
     if "profile" in software_table:
         software = measured_software(read_profile(base / software_table["profile"]))

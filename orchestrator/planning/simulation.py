@@ -73,7 +73,7 @@ class PipelineCosts(Protocol):
 
     def hop_seconds(self, hop: int, tokens: int) -> float:
         """Hop ``hop`` (0: coordinator to stage 0; i: stage i-1 to i; n: last stage
-        to the coordinator, carrying one row of logits per token)."""
+        to the coordinator, carrying the tokens chosen beside the last stage)."""
 
     def coordinator_seconds(self, tokens: int) -> float:
         """The coordinator's own work on a result of ``tokens`` rows."""
