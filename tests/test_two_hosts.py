@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import PROMPTS
-from network_hosts import NamespacesUnavailable, RayAcrossHosts, TwoHosts
+from benchmarks.network_hosts import NamespacesUnavailable, RayAcrossHosts, TwoHosts
 
 pytestmark = pytest.mark.hosts
 

@@ -65,13 +65,19 @@ def _check(command: list[str]) -> None:
 class TwoHosts:
     """Namespaces ``first`` (198.18.0.1) and ``second`` (198.18.0.2) joined by
     a veth pair limited to 1 Gbit/s each way, plus a 1 ms delay each way where
-    netem exists. ``link_notes`` says what the link got and what it lacks."""
+    netem exists; or, with ``delay_ms``, by two TUN devices and a relay
+    process that delays every packet that long one way
+    (benchmarks.delay_line), limited to 1 Gbit/s with tbf as well.
+    ``link_notes`` says what the link got and what it lacks."""
 
-    def __init__(self, tag: str):
-        self.first = Host(f"specpipe-{tag}-a", "veth-a", "198.18.0.1")
-        self.second = Host(f"specpipe-{tag}-b", "veth-b", "198.18.0.2")
+    def __init__(self, tag: str, delay_ms: float | None = None):
+        self.delay_ms = delay_ms
+        ends = ("tun-a", "tun-b") if delay_ms is not None else ("veth-a", "veth-b")
+        self.first = Host(f"specpipe-{tag}-a", ends[0], "198.18.0.1")
+        self.second = Host(f"specpipe-{tag}-b", ends[1], "198.18.0.2")
         self.link_notes: list[str] = []
         self.netem_available = False
+        self.delayed = False  # every packet crosses the delay line
         self._created: list[str] = []
         self._process_groups: list[subprocess.Popen] = []
         self._stopped: set[int] = set()
@@ -89,23 +95,52 @@ class TwoHosts:
         try:
             _check([tool("ip"), "netns", "add", self.second.namespace])
             self._created.append(self.second.namespace)
-            # Created straight inside the namespaces: no name clash with other runs.
-            veth = _run([tool("ip"), "link", "add", self.first.interface, "netns", self.first.namespace, "type",
-                         "veth", "peer", "name", self.second.interface, "netns", self.second.namespace])
-            if veth.returncode != 0:
-                raise NamespacesUnavailable(f"cannot create a veth pair: {veth.stderr.strip()}")
+            if self.delay_ms is not None:
+                self._open_delay_line()
+            else:
+                # Created straight inside the namespaces: no name clash with other runs.
+                veth = _run([tool("ip"), "link", "add", self.first.interface, "netns", self.first.namespace, "type",
+                             "veth", "peer", "name", self.second.interface, "netns", self.second.namespace])
+                if veth.returncode != 0:
+                    raise NamespacesUnavailable(f"cannot create a veth pair: {veth.stderr.strip()}")
             for host in (self.first, self.second):
                 _check([tool("ip"), "-n", host.namespace, "link", "set", "lo", "up"])
-                _check([tool("ip"), "-n", host.namespace, "address", "add", f"{host.address}/24", "dev", host.interface])
-                _check([tool("ip"), "-n", host.namespace, "link", "set", host.interface, "up"])
+                if self.delay_ms is None:
+                    _check([tool("ip"), "-n", host.namespace, "address", "add", f"{host.address}/24", "dev",
+                            host.interface])
+                    _check([tool("ip"), "-n", host.namespace, "link", "set", host.interface, "up"])
                 self._shape(host)
         except BaseException:
             self.close()
             raise
         return self
 
+    def _open_delay_line(self) -> None:
+        """Start the relay that makes the two TUN ends and carries packets between them."""
+        if not os.path.exists("/dev/net/tun"):
+            raise NamespacesUnavailable("no /dev/net/tun for the delay line")
+        ready = Path(tempfile.mkdtemp(prefix="specpipe-delay-")) / "ready"
+        with open(ready.with_name("delay_line.log"), "wb") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "benchmarks.delay_line", self.first.namespace, self.first.address,
+                 self.second.namespace, self.second.address, str(self.delay_ms), str(ready)],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=Path(__file__).resolve().parent.parent)
+        self._process_groups.append(process)
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise NamespacesUnavailable(f"the delay line did not start: {ready.with_name('delay_line.log').read_text()}")
+            time.sleep(0.05)
+        self.delayed = True
+
     def _shape(self, host: Host) -> None:
-        """Bandwidth limit on the host's end of the link, with a delay if netem exists."""
+        """Bandwidth limit on the host's end of the link, with a delay if netem exists
+        (or the delay line's: then tbf alone)."""
+        if self.delayed:
+            _check(host.command(tool("tc"), "qdisc", "add", "dev", host.interface, "root", *TBF_SHAPING))
+            self.link_notes.append(f"{host.interface}: tbf rate {LINK_RATE}, delay {self.delay_ms:g} ms one way "
+                                   "(benchmarks.delay_line)")
+            return
         netem = _run(host.command(tool("tc"), "qdisc", "add", "dev", host.interface, "root", *NETEM_SHAPING))
         if netem.returncode == 0:
             self.netem_available = True

@@ -1,0 +1,118 @@
+"""A plain pipeline across a link with delay, measured beside what
+`orchestrate plan` predicts for that link.
+
+    sudo .venv/bin/python -m benchmarks.delayed_link [--delay-ms 5] [--repetitions 3] [--profile P.json]
+
+Two network namespace hosts (benchmarks.network_hosts) joined by the delay
+line (benchmarks.delay_line: every packet DELAY ms one way; tbf 1 Gbit/s),
+Ray's head and the driver on the first, a worker on the second; SmolLM2 cut
+at block 15, stage 0 beside the coordinator and stage 1 across the link, so
+that two of the three hops cross it, as the planner's model of two machines
+has them. Each repetition is one `orchestrate run` of the prompts (greedy,
+tokens checked against the whole model). The prediction: `orchestrate plan`
+of two machines described by this machine's profile (made first unless
+given), the link's latency and bandwidth, the same split. Prints measured
+tokens/s (median, range) against predicted, as a ratio.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import click
+
+PROMPT = "Once upon a time, in a small village by the sea,"
+LINK_GBIT = 1.0  # network_hosts.LINK_RATE
+
+
+def setup_text(model: str, profile: str | os.PathLike, delay_ms: float, *, boundaries: list[int],
+               max_tokens: int) -> str:
+    """An `orchestrate plan` setup: two machines as profiled, joined by the delayed link both ways."""
+    return "\n".join([
+        f"max_tokens = {max_tokens}",
+        f"boundaries = {boundaries}",
+        "[model]", f"gguf = {json.dumps(str(model))}",
+        "[[machines]]", f"profile = {json.dumps(str(profile))}",
+        "[[machines]]", f"profile = {json.dumps(str(profile))}",
+        "[[links]]", f"latency_ms = {delay_ms}", f"bandwidth_gbit_per_s = {LINK_GBIT}",
+        "[software]", f"profile = {json.dumps(str(profile))}",
+        "",
+    ])
+
+
+def _orchestrate(*arguments: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *arguments], capture_output=True, text=True,
+                          timeout=1800)
+
+
+@click.command()
+@click.option("--delay-ms", default=5.0, show_default=True, type=click.FloatRange(0.0, 100.0))
+@click.option("--repetitions", default=3, show_default=True, type=click.IntRange(1))
+@click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(2))
+@click.option("--profile", "profile_path", type=click.Path(exists=True, dir_okay=False),
+              help="This machine's `orchestrate profile` (default: made now).")
+def main(delay_ms: float, repetitions: int, max_tokens: int, profile_path: str | None) -> None:
+    from benchmarks.network_hosts import RayAcrossHosts, TwoHosts
+    from benchmarks.reference import WholeModel
+    from orchestrator.defaults import default_model_path
+    from stages.split import split_model
+
+    model = str(default_model_path())
+    work = Path(tempfile.mkdtemp(prefix="specpipe-delayed-"))
+    stages = [str(work / "stage-0.gguf"), str(work / "stage-1.gguf")]
+    split_model(model, stages, [15])
+    if profile_path is None:
+        click.echo("profiling this machine (orchestrate profile)...", err=True)
+        profile_path = str(work / "profile.json")
+        made = _orchestrate("profile", "--out", profile_path)
+        if made.returncode != 0:
+            raise click.ClickException(f"orchestrate profile failed: {made.stderr.strip()[-500:]}")
+    setup = work / "setup.toml"
+    setup.write_text(setup_text(model, profile_path, delay_ms, boundaries=[15], max_tokens=max_tokens))
+    planned = _orchestrate("plan", str(setup), "--json")
+    if planned.returncode != 0:
+        raise click.ClickException(f"orchestrate plan failed: {planned.stderr.strip()}")
+    predicted = json.loads(planned.stdout)["predictions"]["plain"]["tokens_per_second"]
+
+    reference = WholeModel(model)
+    expected = reference.greedy(reference.tokenize(PROMPT), max_tokens).tokens
+    hosts = TwoHosts(f"bench{os.getpid()}", delay_ms=delay_ms).open()
+    measured, hops = [], []
+    try:
+        cluster = RayAcrossHosts(hosts)
+        try:
+            cluster.start()
+            for repetition in range(repetitions):
+                result = cluster.driver(
+                    ["-m", "orchestrator.cli", "run", "--model-split", *stages, "--address", cluster.address,
+                     "--place", f"0={hosts.first.address},1={hosts.second.address}", "--prompt", PROMPT,
+                     "--max-tokens", str(max_tokens), "--json"], timeout=600)
+                if result is None or result.returncode != 0:
+                    raise click.ClickException(f"orchestrate run failed: {result.stderr if result else 'timed out'}")
+                report = json.loads(result.stdout)
+                if report["tokens"] != expected:
+                    raise click.ClickException("the tokens differ from the whole model's")
+                measured.append(report["tokens_per_second"])
+                hops.append(report["hop_seconds"])
+                click.echo(f"repetition {repetition + 1}: {measured[-1]:.1f} tokens/s", err=True)
+        finally:
+            cluster.close()
+    finally:
+        hosts.close()
+    median = statistics.median(measured)
+    click.echo(f"link: {'; '.join(hosts.link_notes)}")
+    click.echo(f"measured {median:.1f} tokens/s [{min(measured):.1f}-{max(measured):.1f}] over {repetitions} runs "
+               f"of {max_tokens} tokens (tokens identical); hop {statistics.median(hops) * 1e3:.2f} ms")
+    click.echo(f"orchestrate plan predicted {predicted:.1f} tokens/s; measured / predicted "
+               f"{median / predicted:.2f} [{min(measured) / predicted:.2f}-{max(measured) / predicted:.2f}]; "
+               f"within 20 %: {'yes' if 0.8 <= median / predicted <= 1.2 else 'NO'}")
+
+
+if __name__ == "__main__":
+    main()
