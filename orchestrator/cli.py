@@ -70,6 +70,23 @@ def _parse_boundaries(text: str | None) -> list[int] | None:
         raise click.BadParameter(f"{text!r} is not a comma-separated list of block indices") from None
 
 
+def whole_model_options(command):
+    """--model, --stages, --boundaries, --profile: a whole model shipped to the nodes (run and serve)."""
+    for option in reversed([
+        click.option("--model", "whole_model", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                     help="The whole model on this machine: cut into stages and shipped to the nodes that run "
+                          "them (cached there; README 'Shipping stages')."),
+        click.option("--stages", "stage_count", type=click.IntRange(1),
+                     help="With --model: how many stages (default: one per node of the cluster)."),
+        click.option("--boundaries", help="With --model: blocks where stages 2..n start (default: chosen for the "
+                                          "nodes' free memory and, with --profile, speed)."),
+        click.option("--profile", "profiles", multiple=True, metavar="ADDRESS=PROFILE.json",
+                     help="With --model: a node's `orchestrate profile`, for its speed (give one for every node)."),
+    ]):
+        command = option(command)
+    return command
+
+
 @click.group()
 def main() -> None:
     """Run GGUF models split into layer stages across Ray nodes, exactly."""
@@ -119,15 +136,7 @@ def verify_split(model: Path, stage_files: tuple[Path, ...], threads: int) -> No
 @click.argument("files", nargs=-1, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--model-split", "model_split", is_flag=True,
               help="FILES are the stage files in order (one unsplit file runs the whole model as one stage).")
-@click.option("--model", "whole_model", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="The whole model on this machine: cut into stages and shipped to the nodes that run them "
-                   "(cached there; README 'Shipping stages').")
-@click.option("--stages", "stage_count", type=click.IntRange(1),
-              help="With --model: how many stages (default: one per node of the cluster).")
-@click.option("--boundaries", help="With --model: blocks where stages 2..n start (default: chosen for the nodes' "
-                                   "free memory and, with --profile, speed).")
-@click.option("--profile", "profiles", multiple=True, metavar="ADDRESS=PROFILE.json",
-              help="With --model: a node's `orchestrate profile`, for its speed (give one for every node).")
+@whole_model_options
 @click.option("--prompt", help="Prompt text.")
 @click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Read the prompt from a file.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
@@ -270,6 +279,7 @@ def _whole_model_settings(files, address, whole_model, stage_count, boundaries, 
 @click.argument("files", nargs=-1, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--model-split", "model_split", is_flag=True,
               help="FILES are the stage files in order (one unsplit file serves the whole model as one stage).")
+@whole_model_options
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on (0.0.0.0: every interface; then set an API key).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
@@ -305,7 +315,7 @@ def _whole_model_settings(files, address, whole_model, stage_count, boundaries, 
 @click.option("--tls", is_flag=True,
               help="Encrypt the chain between stages (TLS 1.3, a certificate made for this run); README 'Security'.")
 @one_line_errors
-def serve(files, model_split, host, port, api_key, model_name, max_sequences, queue_limit, n_ctx, speculator,
+def serve(files, model_split, whole_model, stage_count, boundaries, profiles, host, port, api_key, model_name, max_sequences, queue_limit, n_ctx, speculator,
           draft_path, draft_max, draft_p_min, address, place, threads, n_gpu_layers, wire_dtype, dashboard,
           max_restarts, tls) -> None:
     """Serve the model (default: SmolLM2-135M split in two) with the OpenAI API until Ctrl-C or SIGTERM."""
@@ -323,8 +333,13 @@ def serve(files, model_split, host, port, api_key, model_name, max_sequences, qu
     if max_sequences and n_ctx * max_sequences > defaults.MAX_CONTEXT:
         raise click.UsageError(f"--n-ctx {n_ctx} x --max-sequences {max_sequences} exceeds {defaults.MAX_CONTEXT} "
                                "KV cells per stage")
-    stage_paths = [str(path) for path in files] or default_stage_paths(progress=_progress_bar("splitting default model"))
+    whole = _whole_model_settings(files, address, whole_model, stage_count, boundaries, profiles)
+    if whole is not None:
+        stage_paths = []
+    else:
+        stage_paths = [str(path) for path in files] or default_stage_paths(progress=_progress_bar("splitting default model"))
     settings = ServeSettings(
+        whole_model=whole,
         stage_paths=stage_paths,
         stage=StageSettings(n_ctx=n_ctx, threads=threads, n_gpu_layers=n_gpu_layers, sequences=max_sequences or 0),
         queue_limit=queue_limit,

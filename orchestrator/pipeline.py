@@ -35,7 +35,7 @@ from orchestrator.handshake import new_secret
 from orchestrator.messages import Cancelled, PassResult, TokenChoice
 from orchestrator.replay import KvLedger, PassRecord
 from orchestrator.schedule import TargetPass
-from orchestrator.shipping import Shipment, WholeModel, ship_whole_model
+from orchestrator.shipping import Shipment, WholeModel, fetch_vocabulary, ship_whole_model
 from orchestrator.stage_cpus import CpuSet, stage_cpu_sets
 from orchestrator.stage_server import StageDescription, StageServer
 from orchestrator.tls import new_chain_certificate
@@ -100,20 +100,6 @@ def _stage_file_reader():
         return read_stage_file(path, ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id())
 
     return read_stage_file_on_node
-
-
-def _vocabulary_reader():
-    import ray
-
-    @ray.remote(num_cpus=0, max_retries=0)
-    def vocabulary_on_node(path: str) -> bytes:
-        """A GGUF file of the stage file's metadata and no tensors (stages.stage_image.vocabulary_image)."""
-        from stages.gguf_file import read_model
-        from stages.stage_image import vocabulary_image
-
-        return vocabulary_image(read_model(path)).header
-
-    return vocabulary_on_node
 
 
 def _stage_actor_class():
@@ -273,27 +259,11 @@ class Pipeline:
     def vocabulary_file(self) -> str:
         """A file on this machine the coordinator can read the vocabulary from
         (every stage file carries the whole vocabulary): the whole model when
-        one was shipped, else the metadata of stage 0's file, read on its node
-        and kept in this machine's cache under the source's fingerprint."""
-        import ray
-
-        from orchestrator.defaults import cache_dir
-        from stages.stage_image import StageImage, write_atomically
-
+        one was shipped, else stage 0's file's metadata, read on its node
+        (shipping.fetch_vocabulary)."""
         if self.whole_model is not None:
             return self.whole_model.path
-        path = cache_dir() / "vocabularies" / f"{self.stage_files[0].source_fingerprint}.gguf"
-        if not path.exists():
-            reading = _vocabulary_reader().options(scheduling_strategy=self.reservation.scheduling_strategy(0))
-            try:
-                header = ray.get(reading.remote(self.stage_paths[0]), timeout=ACTOR_START_SECONDS)
-            except ray.exceptions.GetTimeoutError:
-                raise PipelineError(f"stage 0's node did not send the vocabulary within {ACTOR_START_SECONDS:.0f} s") from None
-            except ray.exceptions.RayError as error:
-                raise PipelineError(f"could not read the vocabulary on stage 0's node: {one_line(error)}") from None
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomically(StageImage(header, ()), path)
-        return str(path)
+        return fetch_vocabulary(self.stage_paths[0], self.reservation.scheduling_strategy(0))
 
     def _start_stage(self, index: int):
         """A new stage actor for stage ``index`` on its node (it loads in the background)."""

@@ -23,6 +23,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from orchestrator.defaults import (
     MAX_RESTARTS,
@@ -32,6 +33,9 @@ from orchestrator.defaults import (
 )
 from stages.errors import SpecpipeError
 from stages.settings import StageSettings
+
+if TYPE_CHECKING:
+    from orchestrator.session import WholeModelSettings
 
 APPLICATION = "specpipe"
 
@@ -62,6 +66,8 @@ class ServeSettings:
     drain_seconds: float = SERVE_DRAIN_SECONDS
     max_restarts: int = MAX_RESTARTS  # of each stage that dies (orchestrator.pipeline)
     tls: bool = False  # the chain in TLS (orchestrator.tls)
+    whole_model: WholeModelSettings | None = None  # --model: shipped before the replica starts (place_stages)
+    vocabulary_path: str | None = None  # a file on this machine with the vocabulary (None: a local stage file)
 
 
 def kv_bytes_per_sequence(path: str, context: int) -> int:
@@ -102,11 +108,11 @@ class Coordinator:
         from orchestrator.openai_app import Backend
         from orchestrator.pipeline import Pipeline
         from orchestrator.service import Service, ServiceSettings
-        from orchestrator.session import check_same_model, vocabulary_file
+        from orchestrator.session import check_same_model
         from orchestrator.tokenizer import Tokenizer
 
         self.settings = settings
-        tokenizer = Tokenizer(vocabulary_file(settings.stage_paths))
+        tokenizer = Tokenizer(vocabulary_of(settings))
         self.draft_engine = None
         from orchestrator.metrics import RestartMetrics
 
@@ -115,7 +121,7 @@ class Coordinator:
                                  place=settings.place, max_restarts=settings.max_restarts, tls=settings.tls, overlapping=True,
                                  on_restart=lambda restart: restart_metrics.record("stage", restart.stage_index))
         try:
-            check_same_model(vocabulary_file(settings.stage_paths), self.pipeline.stage_files)
+            check_same_model(vocabulary_of(settings), self.pipeline.stage_files)
             draft_room = settings.draft_max if settings.speculator != "none" else 0
             self.service = Service(
                 self.pipeline, tokenizer.is_end,
@@ -183,8 +189,8 @@ def _deployment(settings: ServeSettings):
     import ray
     from ray import serve
 
-    # The replica runs on this node: it reads the vocabulary from a stage file
-    # here (session.vocabulary_file), which another node may not hold.
+    # The replica runs on this node: it reads the vocabulary from a file here
+    # (vocabulary_of), which another node may not hold.
     here = {f"node:{ray.util.get_node_ip_address()}": 0.001}
 
     @serve.deployment(
@@ -214,15 +220,68 @@ def _deployment(settings: ServeSettings):
     return SpecpipeDeployment
 
 
+def vocabulary_of(settings: ServeSettings) -> str:
+    """The file on this machine the vocabulary is read from (ServeError if none)."""
+    from orchestrator.session import local_vocabulary_file
+
+    path = settings.vocabulary_path or local_vocabulary_file(settings.stage_paths)
+    if path is None:
+        raise ServeError("none of the stage files is on this machine and no vocabulary was fetched")
+    return path
+
+
+def needs_placing(settings: ServeSettings) -> bool:
+    """Whether the stages must be placed before the replica starts: a whole
+    model to ship, or stage files none of which is here (the vocabulary is
+    then read on stage 0's node)."""
+    from orchestrator.session import local_vocabulary_file
+
+    return settings.whole_model is not None or (
+        settings.vocabulary_path is None and local_vocabulary_file(settings.stage_paths) is None)
+
+
+def place_stages(settings: ServeSettings, on_status: Callable[[str], None]) -> ServeSettings:
+    """With Ray up, before the replica: place the stages, ship a whole model's
+    (as ``orchestrate run --model`` does) or fetch the vocabulary from stage
+    0's node, and pin the stages to those nodes (``place``), so that the
+    replica's pipeline finds each file where it was put."""
+    from orchestrator.cluster import Reservation
+    from orchestrator.handshake import new_secret
+    from orchestrator.session import whole_model_stages
+    from orchestrator.shipping import fetch_vocabulary, probe_nodes, ship_whole_model
+    from orchestrator.tls import new_chain_certificate
+
+    whole = settings.whole_model
+    shipping = None
+    if whole is not None:
+        shipping = whole_model_stages(whole, settings.stage, settings.draft_path, on_status)
+        if shipping is None:  # one unsplit file, one node: it runs as it is
+            return replace(settings, stage_paths=[whole.path], whole_model=None, vocabulary_path=whole.path)
+    count = shipping.stage_count if shipping is not None else len(settings.stage_paths)
+    reservation = Reservation(count, settings.place)
+    try:
+        if shipping is not None:
+            _, shipments = ship_whole_model(shipping, reservation, range(count), new_secret(),
+                                            new_chain_certificate() if settings.tls else None)
+            paths, nodes, vocabulary = [item.path for item in shipments], [item.node_id for item in shipments], whole.path
+        else:
+            paths, nodes = settings.stage_paths, [node.node_id for node in probe_nodes(reservation, count)]
+            vocabulary = fetch_vocabulary(paths[0], reservation.scheduling_strategy(0))
+    finally:
+        reservation.release()
+    return replace(settings, stage_paths=paths, place=dict(enumerate(nodes)), whole_model=None,
+                   vocabulary_path=vocabulary)
+
+
 def prepare(settings: ServeSettings) -> ServeSettings:
     """Check the request before anything starts (files), and fill in the defaults
-    that depend on the model: its name, and how many sequences fit in memory."""
-    from orchestrator.session import vocabulary_file
+    that depend on the model: its name, and how many sequences fit in memory.
+    Runs before Ray starts, unless needs_placing (then after place_stages)."""
     from stages.stage_files import check_stage_files
 
-    if settings.address is None:  # a local run: bad files fail before Ray starts
-        check_stage_files(settings.stage_paths)
-    vocabulary_path = vocabulary_file(settings.stage_paths)
+    if settings.address is None and settings.whole_model is None and settings.vocabulary_path is None:
+        check_stage_files(settings.stage_paths)  # a local run: bad files fail before Ray starts
+    vocabulary_path = vocabulary_of(settings)
     if settings.model_name is None:
         settings = replace(settings, model_name=model_name_of(vocabulary_path))
     if settings.speculator == "model":  # checked here: a bad draft fails before Ray starts
@@ -244,7 +303,9 @@ def serve_until_stopped(settings: ServeSettings, on_status: Callable[[str], None
     SIGTERM, then delete it (in-flight requests drain) and stop Serve."""
     from orchestrator.cluster import ray_session
 
-    settings = prepare(settings)
+    placing = needs_placing(settings)
+    if not placing:
+        settings = prepare(settings)
     stop = threading.Event()
     with ray_session(settings.address, dashboard=settings.dashboard) as where:
         # after ray.init, which installs its own SIGTERM handler (it prints a stack and exits)
@@ -252,6 +313,8 @@ def serve_until_stopped(settings: ServeSettings, on_status: Callable[[str], None
         try:
             if where:
                 on_status(f"[{where}]")
+            if placing:
+                settings = prepare(place_stages(settings, on_status))
             _run_application(settings, on_status, stop)
         finally:
             for number, handler in previous.items():

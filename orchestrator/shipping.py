@@ -419,3 +419,34 @@ def ship_whole_model(model: WholeModel, reservation, indices, secret: bytes, cer
                                     reservation.scheduling_strategy(index), secret, nodes[index].address == driver,
                                     certificate, model.progress))
     return split, shipments
+
+
+def fetch_vocabulary(stage_path: str, scheduling_strategy) -> str:
+    """A file on this machine with the vocabulary of the stage file at
+    ``stage_path`` on the node ``scheduling_strategy`` picks: the file's
+    metadata and no tensors (stages.stage_image.vocabulary_image, a few MiB),
+    read there and kept in this machine's cache under its digest."""
+    import ray
+
+    from orchestrator.cluster import one_line
+    from stages.stage_image import StageImage, write_atomically
+
+    @ray.remote(num_cpus=0, max_retries=0)
+    def vocabulary_on_node(path: str) -> bytes:
+        from stages.gguf_file import read_model
+        from stages.stage_image import vocabulary_image
+
+        return vocabulary_image(read_model(path)).header
+
+    try:
+        header = ray.get(vocabulary_on_node.options(scheduling_strategy=scheduling_strategy).remote(stage_path),
+                         timeout=ACTOR_START_SECONDS)
+    except ray.exceptions.GetTimeoutError:
+        raise ShippingError(f"stage 0's node did not send the vocabulary within {ACTOR_START_SECONDS:.0f} s") from None
+    except ray.exceptions.RayError as error:
+        raise ShippingError(f"could not read the vocabulary of {stage_path} on stage 0's node: {one_line(error)}") from None
+    path = cache_dir() / "vocabularies" / f"{hashlib.sha256(header).hexdigest()[:32]}.gguf"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(StageImage(header, ()), path)
+    return str(path)

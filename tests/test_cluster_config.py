@@ -46,14 +46,27 @@ def test_ray_up_accepts_it(cluster):
     validate_config(prepared)
     assert prepared["provider"]["type"] == "local"
     assert prepared["provider"]["head_ip"] not in prepared["provider"]["worker_ips"]
-    assert len(prepared["provider"]["worker_ips"]) == 1
+    assert cluster["min_workers"] == cluster["max_workers"] == len(prepared["provider"]["worker_ips"])
 
 
-def test_each_machine_advertises_the_stage_it_holds(cluster):
-    head = ray_start_options(only_ray_start(cluster["head_start_ray_commands"]))
-    worker = ray_start_options(only_ray_start(cluster["worker_start_ray_commands"]))
-    assert json.loads(head["resources"]) == {stage_resource(0): 1}
-    assert json.loads(worker["resources"]) == {stage_resource(1): 1}
+def test_no_machine_is_tied_to_a_stage(cluster):
+    """Stages are placed (and their files shipped) when a run starts, so one
+    worker command serves any number of workers: no stage resource in it."""
+    for commands in (cluster["head_start_ray_commands"], cluster["worker_start_ray_commands"]):
+        options = ray_start_options(only_ray_start(commands))
+        assert "resources" not in options or not any(
+            name.startswith(stage_resource(0)[:-1]) for name in json.loads(options["resources"]))
+
+
+def test_more_workers_need_only_their_addresses(cluster):
+    """Three workers: the same file with worker_ips and the worker counts changed passes Ray's checks."""
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    more = {**cluster, "provider": {**cluster["provider"], "worker_ips": ["192.0.2.11", "192.0.2.12", "192.0.2.13"]},
+            "min_workers": 3, "max_workers": 3}
+    prepared = prepare_config(more)
+    validate_config(prepared)
+    assert len(prepared["provider"]["worker_ips"]) == 3
 
 
 def test_the_worker_joins_the_head(cluster):

@@ -115,3 +115,31 @@ def test_the_stage_image_is_the_split_file_and_the_vocabulary_image_reads_as_the
     assert os.path.getsize(vocabulary) < 4 * 1024**2
     assert Tokenizer(str(vocabulary)).vocabulary_digest() == Tokenizer(smollm2).vocabulary_digest()
     assert Tokenizer(str(vocabulary)).chat_prompt(PROMPTS[0]) == Tokenizer(smollm2).chat_prompt(PROMPTS[0])
+
+
+@pytest.mark.ray
+def test_serve_from_the_whole_model_ships_then_serves_its_tokens(smollm2, reference, tmp_path, monkeypatch):
+    """`orchestrate serve --model`: the stages shipped before the replica
+    starts (the split printed), then a greedy completion is the whole model's."""
+    import httpx
+
+    from benchmarks.serve_bench import start_specpipe_server, stop_server
+    from conftest import free_port
+
+    monkeypatch.setenv("SPECPIPE_STAGE_CACHE", str(tmp_path / "cache"))
+    port, log_path = free_port(), tmp_path / "serve.log"
+    process = start_specpipe_server(["--model", smollm2, "--stages", "2", "--max-sequences", "2", "--n-ctx", "256"],
+                                    port, log_path)
+    try:
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
+                           json={"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS,
+                                 "temperature": 0})
+        assert reply.status_code == 200, reply.text
+        expected = reference.greedy(reference.tokenize(PROMPTS[0]), MAX_TOKENS).tokens
+        assert reply.json()["choices"][0]["text"] == reference.llama.detokenize(expected).decode()
+    finally:
+        stop_server(process)
+    log = log_path.read_text()
+    assert "split: of the splits that fit" in log and "shipping stage 1" in log
+    assert sorted(path.name for path in (tmp_path / "cache").rglob("*.gguf")) == ["stage-1-of-2.gguf",
+                                                                                 "stage-2-of-2.gguf"]
