@@ -24,7 +24,7 @@ WHEEL_CACHE   ?= $(HOME)/.cache/specpipe/wheels
 LLAMA_WHEELS  := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_VERSION)-noamx-nollamafile
 LLAMA_BUILT   := $(LLAMA_WHEELS)/.complete
 
-.PHONY: install run serve test test-fast mutation peers bench bench-serve calibrate clean
+.PHONY: install run serve test test-tools test-fast mutation peers bench bench-serve calibrate clean
 
 install: $(STAMP)
 
@@ -56,7 +56,21 @@ run: install
 serve: install
 	$(BIN)/orchestrate serve
 
-test: install
+# tests/test_ray_up.py brings cluster.yaml up with `ray up` against two sshd
+# instances; it needs openssh-server and rsync. Where they are missing and
+# this user may install Debian packages (root with apt-get), they are
+# installed here; elsewhere that test skips and says why.
+test-tools:
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	    ! { [ -x /usr/sbin/sshd ] && command -v rsync >/dev/null 2>&1; }; then \
+	  echo "installing openssh-server and rsync for tests/test_ray_up.py..."; \
+	  { DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssh-server rsync >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null 2>&1 && \
+	      DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssh-server rsync >/dev/null 2>&1; }; } || \
+	  echo "could not install openssh-server and rsync: tests/test_ray_up.py will skip"; \
+	fi
+
+test: install test-tools
 	$(BIN)/python -m pytest
 
 # The pure tier only (numpy / pure Python: no model file, no llama.cpp, no Ray):
