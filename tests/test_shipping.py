@@ -101,24 +101,7 @@ def test_a_node_that_holds_the_file_receives_nothing(tmp_path, image):
 
 def interrupted(receiving: StageReceiver, image: StageImage, count: int) -> ShippingError:
     """A sender that says it starts at 0, sends ``count`` bytes and vanishes."""
-    sender_end, receiver_end = socket.socketpair()
-    outcome = {}
-
-    def receive():
-        try:
-            receiving.receive(receiver_end)
-        except ShippingError as error:
-            outcome["error"] = error
-
-    thread = threading.Thread(target=receive)
-    thread.start()
-    sender_end.recv(64)  # {"held": 0}
-    packed = msgpack.packb({"offset": 0})
-    sender_end.sendall(struct.pack("!I", len(packed)) + packed + image_bytes(image)[:count])
-    sender_end.close()
-    thread.join(timeout=30)
-    receiver_end.close()
-    return outcome["error"]
+    return raw_receiver_session(receiving, frame({"offset": 0}) + image_bytes(image)[:count])
 
 
 def test_an_interrupted_transfer_resumes_where_it_stopped(tmp_path, image):
@@ -171,6 +154,7 @@ def raw_receiver_session(receiving: StageReceiver, frames: bytes):
     thread.start()
     sender_end.recv(64)
     sender_end.sendall(frames)
+    sender_end.shutdown(socket.SHUT_WR)  # and vanishes
     thread.join(timeout=30)
     sender_end.close()
     receiver_end.close()
