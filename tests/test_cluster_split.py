@@ -98,3 +98,59 @@ def test_balanced_starts_weighs_speeds_and_skips_what_does_not_fit():
         balanced_starts(costs, 2, list(range(1, 12)), fits=lambda stage, first, end: end - first <= 5)
     with pytest.raises(ValueError, match="does not fit"):
         balanced_starts(costs, 1, [], fits=lambda stage, first, end: False)
+
+
+def test_the_reasons_say_how_the_split_was_chosen():
+    alike = choose_cluster_split(SHAPE, nodes(10_000, 10_000), context=16, draft_bytes=0, boundaries=EVERY)
+    assert alike.reason == ("of the splits that fit, the one with the block bytes most even "
+                            "(no --profile: nodes taken as alike)")
+    fast, slow = profile(0.001), profile(0.003)
+    profiled = choose_cluster_split(SHAPE, nodes(10_000, 10_000), context=16, draft_bytes=0, boundaries=EVERY,
+                                    profiles={"10.0.0.1": fast, "10.0.0.2": slow})
+    assert profiled.reason == ("of the splits that fit, the one whose slowest stage is fastest, at the speeds "
+                               "profiled (10.0.0.1 1.00 GB/s, 10.0.0.2 0.33 GB/s)")
+
+
+def test_a_nodes_speed_is_its_block_bytes_over_a_one_token_pass():
+    from orchestrator.planning.cluster_split import node_speed
+
+    uneven = {**profile(0.002), "block_seconds": [0.002, 0.0025]}  # a wider batch is not what counts
+    assert node_speed(uneven) == pytest.approx(1_000_000 / 0.002)
+
+
+@pytest.mark.parametrize("change", [{"block_seconds": [0.0, 0.0]}, {"model_shape": {"block_bytes": []}}])
+def test_a_profile_without_block_timing_is_refused(change):
+    from orchestrator.planning.cluster_split import node_speed
+
+    with pytest.raises(PlanError, match="has no block timing; run `orchestrate profile` again"):
+        node_speed({**profile(0.001), **change})
+
+
+def test_a_stage_that_fills_exactly_ninety_percent_fits():
+    draft = 7  # makes the stage's need a multiple of 9, so that 90 % of the node is exactly it
+    need = stage_memory(SHAPE, 0, 6, 1024, draft)
+    assert need % 9 == 0
+    exact = [NodeMemory("10.0.0.1", "node0", need * 10 // 9), NodeMemory("10.0.0.2", "node1", 10_000 * MIB)]
+    assert 0.9 * exact[0].available_bytes == need
+    split = choose_cluster_split(SHAPE, exact, context=1024, draft_bytes=draft, boundaries=EVERY)
+    assert split.starts == (0, 6)
+
+
+@pytest.mark.parametrize("draft_bytes, named", [(0, False), (MIB, True)])
+def test_the_refusal_lists_every_node_and_names_the_draft_model_when_there_is_one(draft_bytes, named):
+    with pytest.raises(PlanError) as refused:
+        choose_cluster_split(SHAPE, nodes(100, 100), context=1024, draft_bytes=draft_bytes, boundaries=EVERY)
+    message = str(refused.value)
+    assert "(10.0.0.1 100 MiB, 10.0.0.2 100 MiB)" in message
+    assert ("KV for 1024 positions, draft model), and" in message) == named
+    assert ("KV for 1024 positions), and" in message) == (not named)
+
+
+def test_one_stage_is_checked_against_its_node_whole():
+    assert balanced_starts([1] * 12, 1, [], fits=lambda stage, first, end: (stage, first, end) == (0, 0, 12)) == [0]
+    with pytest.raises(ValueError, match="^the model does not fit its one node$"):
+        balanced_starts([1] * 12, 1, [], fits=lambda stage, first, end: (stage, first, end) != (0, 0, 12))
+
+
+def test_of_equally_slow_splits_the_earliest_cut_wins():
+    assert balanced_starts([1, 10, 1], 2, [1, 2]) == [0, 1]  # [1] + [10, 1] and [1, 10] + [1] both cost 11
