@@ -78,6 +78,10 @@ class ShippingError(SpecpipeError):
     """A stage file could not be shipped; the message names the stage and node."""
 
 
+class DigestRefused(ShippingError):
+    """The node deleted the file it received: its SHA-256 was not the sender's (ship_stage sends it again)."""
+
+
 def transfer_role(stage_index: int) -> str:
     """The handshake role of the connection that carries stage ``stage_index``'s file."""
     return f"stage file of stage {stage_index}"
@@ -248,7 +252,8 @@ def send_stage(sock: socket.socket, image: StageImage, progress: Callable[[int],
     _send_frame(sock, {"sha256": digest.digest()})
     problem = _receive_frame(sock, "problem", str)
     if problem:
-        raise ShippingError(f"the node refused the file: {problem}")
+        refused = DigestRefused if problem.startswith(DIGEST_REFUSED) else ShippingError
+        raise refused(f"the node refused the file: {problem}")
     return Sent(offset, size - offset)
 
 
@@ -364,9 +369,11 @@ def ship_stage(image: StageImage, entry: CacheEntry, node: NodeMemory, schedulin
             raise ShippingError(f"{where}: the receiver did not answer within {ACTOR_START_SECONDS:.0f} s") from None
         except ray.exceptions.RayError as error:
             raise ShippingError(f"{where}: its file could not be shipped: {one_line(error)}") from None
-        except ShippingError as error:
-            if attempt == 0 and DIGEST_REFUSED in str(error):
+        except DigestRefused as error:
+            if attempt == 0:
                 continue
+            raise ShippingError(f"{where}: its file could not be shipped: {error}") from None
+        except ShippingError as error:
             raise ShippingError(f"{where}: its file could not be shipped: {error}") from None
         except HandshakeError as error:
             raise ShippingError(f"{where}: its file could not be shipped: {error}") from None

@@ -15,6 +15,7 @@ import pytest
 
 from orchestrator.shipping import (
     DIGEST_REFUSED,
+    DigestRefused,
     CacheEntry,
     ShippingError,
     StageReceiver,
@@ -123,7 +124,7 @@ def test_a_partial_that_differs_from_the_source_is_refused_and_deleted(tmp_path,
     corrupt[1234] ^= 1
     first.partial.write_bytes(bytes(corrupt))
     sent, received = transfer(receiver(tmp_path, image), image)
-    assert isinstance(sent, ShippingError) and DIGEST_REFUSED in str(sent)
+    assert isinstance(sent, DigestRefused) and DIGEST_REFUSED in str(sent)
     assert isinstance(received, ShippingError) and DIGEST_REFUSED in str(received)
     assert not first.partial.exists() and not first.path.exists()
     sent, path = transfer(receiver(tmp_path, image), image)  # from zero, as ship_stage retries
