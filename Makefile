@@ -52,7 +52,7 @@ run: install
 	$(BIN)/orchestrate run
 
 # The default model as an OpenAI-compatible service on http://127.0.0.1:8000/v1
-# (Ray Serve; Ctrl-C stops it). README "Serving" shows curl and the openai client.
+# (Ray Serve; Ctrl-C stops it). README and docs/serving.md show curl and the openai client.
 serve: install
 	$(BIN)/orchestrate serve
 
@@ -79,7 +79,7 @@ test-fast: install
 	$(BIN)/python -m pytest -m pure -q
 
 # Mutation testing of the pure packages against the pure tier (issue 14; not in
-# `make test`: it takes most of an hour on 2 cores, README "Mutation testing").
+# `make test`: it takes most of an hour on 2 cores, docs/testing.md "Mutation testing").
 # mutmut ([tool.mutmut] in pyproject.toml) works in mutants/ (git-ignored), a
 # worker per core, each mutant
 # against the pure tests that call its function; then the killed share per
@@ -97,7 +97,7 @@ mutation: $(MUTATION_STAMP)
 	$(BIN)/python tools/mutation_report.py
 
 # llama.cpp's own C++ tools, the peers `orchestrate bench` sets beside this
-# project (README "Peers"): built from the very llama.cpp source that
+# project (docs/measurements.md "Peers"): built from the very llama.cpp source that
 # llama-cpp-python $(LLAMA_VERSION) vendors (its sdist from PyPI), with the same
 # kernels off (no AMX, no llamafile), static, into the cache folder. About 10
 # minutes on 2 cores; not part of `make test`. The bench finds them there.
@@ -123,16 +123,16 @@ $(PEERS_BUILT): | $(BIN)/python
 	touch $(PEERS_BUILT)
 
 # Every mode side by side on every scenario (benchmarks/scenarios), into
-# benchmarks/results: results.json, results.md (README's tables), chart.png.
+# benchmarks/results: results.json, results.md (docs/measurements.md tables), chart.png.
 bench: install
 	$(BIN)/orchestrate bench --out benchmarks/results
 
-# Servers under concurrent load (README "Serving"): this server with 2 stages
+# Servers under concurrent load (docs/measurements.md "Serving under load"): this server with 2 stages
 # and whole, and llama-cpp-python's own server; serve.json, serve.md, serve.png.
 bench-serve: install
 	$(BIN)/orchestrate bench --serve --out benchmarks/results
 
-# Planner against measurement (README "Planning a cluster"): profile this
+# Planner against measurement (docs/planning.md): profile this
 # machine, run the bench suite, and put the simulation's predictions beside it.
 calibrate: install
 	$(BIN)/orchestrate profile --out benchmarks/results/profile.json

@@ -22,7 +22,7 @@ CONTEXT = 200
 @click.command()
 @click.option("--repetitions", default=15, show_default=True, type=click.IntRange(1))
 def main(repetitions: int) -> None:
-    from orchestrator.defaults import default_stage_paths
+    from orchestrator.config import default_stage_paths
     from stages.engine import StageEngine
     from stages.settings import StageSettings
 

@@ -15,7 +15,7 @@ import click
 
 from orchestrator.output import write_whole
 from orchestrator.planning.against_bench import ModePrediction, predict_scenario
-from orchestrator.planning.setup_file import read_profile
+from orchestrator.planning.loaders import read_profile
 
 
 def markdown(rows: list[ModePrediction], command: str) -> str:

@@ -1,7 +1,7 @@
 """Cancelling invalidated passes, against running them in full, side by side.
 
 A pass started ahead (async) on a speculation that a rejection then
-invalidates is cancelled (orchestrator.stage_server): dropped by stages it
+invalidates is cancelled (orchestrator.workers.stage_server): dropped by stages it
 has not reached, stopped mid-graph where it runs. Here the same async runs
 also go without it (Pipeline.cancel a no-op: every such pass runs on every
 stage, as before 2026-12-01), beside sync and the plain pipeline, on the
@@ -32,14 +32,14 @@ MODES = ["pipeline", "sync", "async", "async-uncancelled"]
 @click.command()
 @click.option("--repetitions", default=3, show_default=True, type=click.IntRange(1))
 def main(repetitions: int) -> None:
-    from orchestrator.cluster import ray_session
-    from orchestrator.defaults import BENCH_CONTEXT
-    from orchestrator.drafters import DrafterSettings, start_drafters, stop_drafters
-    from orchestrator.generate import generate
-    from orchestrator.pipeline import Pipeline
-    from orchestrator.schedule import Schedule
-    from orchestrator.session import make_drafting
-    from orchestrator.tokenizer import Tokenizer
+    from orchestrator.cluster.connect import ray_session
+    from orchestrator.config import BENCH_CONTEXT
+    from orchestrator.cluster.drafters import DrafterSettings, start_drafters, stop_drafters
+    from orchestrator.decoding.loop import generate
+    from orchestrator.cluster.pipeline import Pipeline
+    from orchestrator.decoding.schedule import Schedule
+    from orchestrator.run import make_drafting
+    from stages.tokenizer import Tokenizer
     from speculators.prompt_lookup import PromptLookupSpeculator
     from speculators.sampling import SamplingSettings
     from stages.settings import StageSettings

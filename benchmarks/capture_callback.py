@@ -75,7 +75,7 @@ def _pass_seconds(engine, start: int, passes: int) -> float:
 @click.option("--passes", default=300, show_default=True, type=click.IntRange(10))
 @click.option("--repetitions", default=5, show_default=True, type=click.IntRange(1))
 def main(passes: int, repetitions: int) -> None:
-    from orchestrator.defaults import default_stage_paths
+    from orchestrator.config import default_stage_paths
     from stages.engine import StageEngine
     from stages.settings import StageSettings
 

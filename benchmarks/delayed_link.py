@@ -60,7 +60,7 @@ def _orchestrate(*arguments: str) -> subprocess.CompletedProcess:
 def main(delay_ms: float, repetitions: int, max_tokens: int, profile_path: str | None) -> None:
     from benchmarks.network_hosts import RayAcrossHosts, TwoHosts
     from benchmarks.reference import WholeModel
-    from orchestrator.defaults import default_model_path
+    from orchestrator.config import default_model_path
     from stages.split import split_model
 
     model = str(default_model_path())

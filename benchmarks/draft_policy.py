@@ -51,14 +51,14 @@ class DoublingRule:
 @click.option("--repetitions", default=3, show_default=True, type=click.IntRange(1))
 @click.option("--schedules", default="sync,async", show_default=True)
 def main(repetitions: int, schedules: str) -> None:
-    from orchestrator.cluster import ray_session
-    from orchestrator.defaults import BENCH_CONTEXT, default_stage_paths
-    from orchestrator.drafters import DrafterSettings, start_drafters, stop_drafters
-    from orchestrator.generate import generate
-    from orchestrator.pipeline import Pipeline
-    from orchestrator.schedule import Schedule
-    from orchestrator.session import make_drafting
-    from orchestrator.tokenizer import Tokenizer
+    from orchestrator.cluster.connect import ray_session
+    from orchestrator.config import BENCH_CONTEXT, default_stage_paths
+    from orchestrator.cluster.drafters import DrafterSettings, start_drafters, stop_drafters
+    from orchestrator.decoding.loop import generate
+    from orchestrator.cluster.pipeline import Pipeline
+    from orchestrator.decoding.schedule import Schedule
+    from orchestrator.run import make_drafting
+    from stages.tokenizer import Tokenizer
     from speculators.prompt_lookup import PromptLookupSpeculator
     from speculators.sampling import SamplingSettings
     from stages.settings import StageSettings
@@ -81,7 +81,7 @@ def main(repetitions: int, schedules: str) -> None:
                     drafting = make_drafting("ngram", drafters, Schedule(schedule), DRAFT_MAX, PromptLookupSpeculator,
                                              steps[schedule == "async"])
                 rule_class = DoublingRule if mode.endswith("doubling") else None
-                with mock.patch("orchestrator.schedule.DraftPolicy", rule_class) if rule_class else nullcontext():
+                with mock.patch("orchestrator.decoding.schedule.DraftPolicy", rule_class) if rule_class else nullcontext():
                     return generate(pipeline, prompt, max_tokens, SamplingSettings(), tokenizer.is_end, drafting=drafting)
 
             rates, passes = measure(scenarios, lambda scenario: prompts_of(tokenizer, scenario), modes, run,

@@ -184,14 +184,14 @@ def lookup_completion(model: str, prompt_text: str, max_tokens: int, workdir: Pa
 @click.option("--repetitions", default=3, show_default=True, type=click.IntRange(1))
 def main(repetitions: int) -> None:
     from benchmarks.reference import WholeModel
-    from orchestrator.cluster import ray_session
-    from orchestrator.defaults import BENCH_CONTEXT, default_model_path, default_stage_paths
-    from orchestrator.drafters import DrafterSettings, start_drafters, stop_drafters
-    from orchestrator.generate import generate
-    from orchestrator.pipeline import Pipeline
-    from orchestrator.schedule import Schedule
-    from orchestrator.session import make_drafting
-    from orchestrator.tokenizer import Tokenizer
+    from orchestrator.cluster.connect import ray_session
+    from orchestrator.config import BENCH_CONTEXT, default_model_path, default_stage_paths
+    from orchestrator.cluster.drafters import DrafterSettings, start_drafters, stop_drafters
+    from orchestrator.decoding.loop import generate
+    from orchestrator.cluster.pipeline import Pipeline
+    from orchestrator.decoding.schedule import Schedule
+    from orchestrator.run import make_drafting
+    from stages.tokenizer import Tokenizer
     from speculators.prompt_lookup import PromptLookupSpeculator
     from speculators.sampling import SamplingSettings
     from stages.gguf_file import stage_info_of

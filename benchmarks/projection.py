@@ -12,8 +12,8 @@ from dataclasses import replace
 
 import click
 
-from orchestrator.planning.recommend import recommend
-from orchestrator.planning.setup_file import load_setup
+from orchestrator.planning.search import recommend
+from orchestrator.planning.loaders import load_setup
 from orchestrator.planning.simulation import DraftBehaviour
 
 

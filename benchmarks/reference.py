@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from orchestrator.defaults import BENCH_CONTEXT
+from orchestrator.config import BENCH_CONTEXT
 
 
 @dataclass(frozen=True)

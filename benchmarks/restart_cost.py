@@ -41,9 +41,9 @@ def _one_pass_seconds(pipeline, tokens: np.ndarray) -> float:
 @click.option("--contexts", default="64,512,1536", show_default=True, help="Tokens held when the stage dies.")
 @click.option("--repetitions", default=3, show_default=True, type=click.IntRange(1))
 def main(contexts: str, repetitions: int) -> None:
-    from orchestrator.cluster import ray_session
-    from orchestrator.defaults import default_stage_paths
-    from orchestrator.pipeline import Pipeline
+    from orchestrator.cluster.connect import ray_session
+    from orchestrator.config import default_stage_paths
+    from orchestrator.cluster.pipeline import Pipeline
     from stages.settings import StageSettings
 
     lengths = [int(length) for length in contexts.split(",")]

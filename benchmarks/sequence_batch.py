@@ -1,7 +1,7 @@
 """Does one pass with several requests' tokens cost less than a pass each?
 
-The measurement behind the service's choice of one window per pass (README,
-"Serving"). On the whole model, with one KV stream per sequence as the stages
+The measurement behind the service's choice of one window per pass (docs/serving.md,
+"Many requests in the pipeline, not in one batch"). On the whole model, with one KV stream per sequence as the stages
 keep them (stages.engine), after PROFILE_CONTEXT tokens of context in each
 sequence, it times k sequences' next token decoded
 
@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from orchestrator.defaults import PROFILE_CONTEXT, PROFILE_REPETITIONS, default_model_path
+from orchestrator.config import PROFILE_CONTEXT, PROFILE_REPETITIONS, default_model_path
 
 SEQUENCE_COUNTS = (1, 2, 4, 8)
 

@@ -8,7 +8,7 @@ prompts, the same total threads:
 * ``specpipe-whole``: ``orchestrate serve`` over the unsplit model as one
   stage with both threads;
 * ``specpipe-2-stages-no-http``: the same pipeline and service loop
-  (orchestrator.service) driven in this process, without HTTP, Serve or the
+  (orchestrator.decoding.service) driven in this process, without HTTP, Serve or the
   client: what the pipeline itself gives, and so what the serving layers on
   the same two cores take from it;
 * ``llama-cpp-server``: llama-cpp-python's own server (``python -m
@@ -172,10 +172,10 @@ def _in_process(stage_paths: list[str], prompts: list[str], concurrencies: tuple
     import threading
 
     from benchmarks.serve_load import RequestOutcome
-    from orchestrator.cluster import ray_session
-    from orchestrator.pipeline import Pipeline
-    from orchestrator.service import Progress, Service, ServiceRequest, ServiceSettings
-    from orchestrator.tokenizer import Tokenizer
+    from orchestrator.cluster.connect import ray_session
+    from orchestrator.cluster.pipeline import Pipeline
+    from orchestrator.decoding.service import Progress, Service, ServiceRequest, ServiceSettings
+    from stages.tokenizer import Tokenizer
     from speculators.sampling import SamplingSettings
     from stages.settings import StageSettings
 

@@ -45,9 +45,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator.defaults import BENCH_CONTEXT, BENCH_TREE_LEAVES, DRAFT_MAX
+from orchestrator.config import BENCH_CONTEXT, BENCH_TREE_LEAVES, DRAFT_MAX
 from orchestrator.planning.against_bench import parse_mode
-from orchestrator.schedule import Schedule, SpeculationStats
+from orchestrator.decoding.schedule import Schedule, SpeculationStats
 from stages.errors import SpecpipeError
 
 SCENARIO_DIR = Path(__file__).parent / "scenarios"
@@ -169,7 +169,7 @@ class Run:
 
 
 def _stage_paths(scenario: Scenario, workdir: Path) -> tuple[str, list[str]]:
-    from orchestrator.defaults import default_model_path
+    from orchestrator.config import default_model_path
     from stages.split import split_model
 
     model = str(default_model_path()) if scenario.model == "default" else scenario.model
@@ -192,12 +192,12 @@ def run_scenario(
     """Run every mode of a scenario; return its figures (see summarise)."""
     from benchmarks.reference import WholeModel
     from benchmarks.side_by_side import draft_steps
-    from orchestrator.drafters import DrafterSettings, start_drafters, stop_drafters
-    from orchestrator.generate import generate
-    from orchestrator.pipeline import Pipeline
+    from orchestrator.cluster.drafters import DrafterSettings, start_drafters, stop_drafters
+    from orchestrator.decoding.loop import generate
+    from orchestrator.cluster.pipeline import Pipeline
     from speculators.sampling import SamplingSettings
-    from orchestrator.session import SpeculationSettings, make_drafting, speculator_factory
-    from orchestrator.tokenizer import Tokenizer
+    from orchestrator.run import SpeculationSettings, make_drafting, speculator_factory
+    from stages.tokenizer import Tokenizer
     from stages.settings import StageSettings
     from stages.gguf_file import stage_info_of
 
@@ -378,7 +378,7 @@ def summarise(scenario: Scenario, modes: list[str], runs: list[Run], stage_count
             "tree_passes": stats.tree_passes,
             "tree_side_rows": stats.side_rows,
             "tree_side_accepted": stats.side_accepted,
-            # The planner's inputs (orchestrator.schedule.SpeculationStats explains them).
+            # The planner's inputs (orchestrator.decoding.schedule.SpeculationStats explains them).
             **draft_behaviour(stats),
             "accepted_length_histogram": {str(length): count for length, count in sorted(stats.accepted_lengths.items())},
             "stage_busy_fraction": [sum(run.stage_seconds[index] for run in mode_runs) / seconds

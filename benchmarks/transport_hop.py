@@ -5,13 +5,13 @@ sent, received and decoded there. An echo relay in a child process receives
 each message and sends it back, as a stage hands its pass on; a hop is half a
 round trip. The transports:
 
-    socket chain        orchestrator.wire over a tuned plain TCP socket (today's chain)
-    socket chain + TLS  the same in TLS 1.3 (orchestrator.tls, the per-run certificate)
+    socket chain        orchestrator.transport.wire over a tuned plain TCP socket (today's chain)
+    socket chain + TLS  the same in TLS 1.3 (orchestrator.transport.tls, the per-run certificate)
     zmq                 pyzmq PAIR sockets, no security
     zmq CURVE           pyzmq PAIR sockets with CURVE: encrypted, both ends' keys pinned (ZAP)
 
-Every transport carries the messages of orchestrator.messages: the socket
-chains through orchestrator.wire, zmq as two frames (the msgpack header, then
+Every transport carries the messages of orchestrator.transport.messages: the socket
+chains through orchestrator.transport.wire, zmq as two frames (the msgpack header, then
 the array from its own memory, zero-copy on both sides). The messages: a
 decode step's hidden state (1 x 576 float32, SmolLM2-135M's n_embd), a
 9-token batch's, and a result's logits (1 x 49152 float32). A repetition is
@@ -42,8 +42,10 @@ import click
 import msgpack
 import numpy as np
 
-from orchestrator import tls, wire
-from orchestrator.messages import Message, PassResult, ProtocolError, Shutdown, StageBatch
+from orchestrator.transport import tls
+
+from orchestrator.transport import wire
+from orchestrator.transport.messages import Message, PassResult, ProtocolError, Shutdown, StageBatch
 
 N_EMBD, N_VOCAB = 576, 49152  # SmolLM2-135M
 WARMUP_ROUND_TRIPS = 50
@@ -111,12 +113,12 @@ class End:
 
 
 def socket_chain(end: End) -> Link:
-    """Today's chain: orchestrator.wire on a tuned plain TCP socket."""
+    """Today's chain: orchestrator.transport.wire on a tuned plain TCP socket."""
     return _wire_link(end.tcp_socket())
 
 
 def socket_chain_tls(end: End) -> Link:
-    """The same in TLS 1.3 (orchestrator.tls)."""
+    """The same in TLS 1.3 (orchestrator.transport.tls)."""
     sock = end.tcp_socket()
     sock = tls.server_side(sock, end.certificate) if end.accepting else tls.client_side(sock, end.certificate)
     return _wire_link(sock, note=f"{sock.version()} {sock.cipher()[0]}")

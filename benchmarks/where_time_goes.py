@@ -4,9 +4,9 @@ Greedy decoding of the same tokens, one token per pass, in three ways:
 
     whole        the unsplit model in one stage engine, in this process
     in process   the stage engines one after another in this process (no Ray, no sockets)
-    pipeline     the stage actors and the socket chain (orchestrator.pipeline),
+    pipeline     the stage actors and the socket chain (orchestrator.cluster.pipeline),
                  twice: with the stage processes pinned as a run pins them
-                 (orchestrator.stage_cpus: both on one core, one pass at a
+                 (orchestrator.cluster.stage_cpus: both on one core, one pass at a
                  time) and unpinned (the kernel picks their cores)
 
 Last, what a synchronous window pays before its pass to ask the drafter
@@ -102,7 +102,7 @@ def _time_pipeline(pipeline, prompt: np.ndarray, count: int, figures, label: str
 
 
 def _time_asks(pipeline, prompt: np.ndarray, count: int) -> list[float]:
-    from orchestrator.drafters import DrafterSettings, start_drafters, stop_drafters
+    from orchestrator.cluster.drafters import DrafterSettings, start_drafters, stop_drafters
     from speculators.prompt_lookup import PromptLookupSpeculator
 
     drafters = start_drafters(pipeline, PromptLookupSpeculator, DrafterSettings(draft_max=8))
@@ -124,10 +124,10 @@ def _time_asks(pipeline, prompt: np.ndarray, count: int) -> list[float]:
 @click.option("--tokens", default=64, show_default=True, type=click.IntRange(2))
 @click.option("--repetitions", default=3, show_default=True, type=click.IntRange(1))
 def main(tokens: int, repetitions: int) -> None:
-    from orchestrator.cluster import ray_session
-    from orchestrator.defaults import default_model_path, default_stage_paths
-    from orchestrator.pipeline import Pipeline
-    from orchestrator.tokenizer import Tokenizer
+    from orchestrator.cluster.connect import ray_session
+    from orchestrator.config import default_model_path, default_stage_paths
+    from orchestrator.cluster.pipeline import Pipeline
+    from stages.tokenizer import Tokenizer
     from stages.engine import StageEngine
     from stages.settings import StageSettings
 

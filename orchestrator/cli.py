@@ -1,4 +1,4 @@
-"""The ``orchestrate`` command: split, verify-split, run.
+"""The ``orchestrate`` command: split, verify-split, run, serve, bench, profile, plan.
 
 Each command builds its settings and calls library code; expected failures
 (bad files, bad boundaries, a cluster that cannot place the stages: every
@@ -10,21 +10,21 @@ each command imports what it uses.
 
 from __future__ import annotations
 
-import functools
 import contextlib
+import functools
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
 
-from orchestrator import defaults
-from orchestrator.schedule import Schedule
+from orchestrator import config
+from orchestrator.decoding.schedule import Schedule
 from speculators.sampling import SamplingSettings
 from stages.errors import SpecpipeError
 from stages.settings import DEFAULT_CONTEXT
-
 
 
 def one_line_errors(command):
@@ -70,21 +70,135 @@ def _parse_boundaries(text: str | None) -> list[int] | None:
         raise click.BadParameter(f"{text!r} is not a comma-separated list of block indices") from None
 
 
-def whole_model_options(command):
-    """--model, --stages, --boundaries, --profile: a whole model shipped to the nodes (run and serve)."""
-    for option in reversed([
-        click.option("--model", "whole_model", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-                     help="The whole model on this machine: cut into stages and shipped to the nodes that run "
-                          "them (cached there; README 'Shipping stages')."),
-        click.option("--stages", "stage_count", type=click.IntRange(1),
-                     help="With --model: how many stages (default: one per node of the cluster)."),
-        click.option("--boundaries", help="With --model: blocks where stages 2..n start (default: chosen for the "
-                                          "nodes' free memory and, with --profile, speed)."),
-        click.option("--profile", "profiles", multiple=True, metavar="ADDRESS=PROFILE.json",
-                     help="With --model: a node's `orchestrate profile`, for its speed (give one for every node)."),
-    ]):
+def _options(command, options):
+    """Apply click options given in the order they are listed in --help."""
+    for option in reversed(options):
         command = option(command)
     return command
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """What ``run`` and ``serve`` share about the model and the pipeline (pipeline_options)."""
+
+    files: list[str]  # the stage files given ([]: the default model's, or --model)
+    whole_model: object  # orchestrator.cluster.model_files.WholeModelSettings, or None: the stage files
+    address: str | None
+    place: dict[int, str] | None
+    threads: int
+    n_gpu_layers: int
+    wire_dtype: str
+    max_restarts: int
+    tls: bool
+
+    def settings_fields(self) -> dict:
+        """The fields RunSettings and ServeSettings take from these options
+        (splitting the default model on first use: after every check of the options)."""
+        from orchestrator.config import default_stage_paths
+
+        stage_paths = self.files
+        if not stage_paths and self.whole_model is None:
+            stage_paths = default_stage_paths(progress=_progress_bar("splitting default model"))
+        return dict(stage_paths=stage_paths, whole_model=self.whole_model, address=self.address,
+                    place=self.place, wire_dtype=self.wire_dtype, max_restarts=self.max_restarts, tls=self.tls)
+
+
+def pipeline_options(what: str):
+    """FILES, --model-split, --model (and --stages, --boundaries, --profile),
+    --address, --place, --threads, --n-gpu-layers, --wire-dtype,
+    --max-restarts, --tls: written once for run and serve, passed to the
+    command as ``pipeline``, a PipelineOptions. ``what``: "runs" or "serves"."""
+
+    def decorate(command):
+        @functools.wraps(command)
+        @one_line_errors
+        def wrapper(*args, files, model_split, whole_model, stage_count, boundaries, profiles, address, place,
+                    threads, n_gpu_layers, wire_dtype, max_restarts, tls, **kwargs):
+            from orchestrator.cluster.placement import parse_place
+
+            if model_split and not files:
+                raise click.UsageError("--model-split needs the stage files, e.g. --model-split a.gguf b.gguf")
+            whole = _whole_model_settings(files, address, whole_model, stage_count, boundaries, profiles)
+            pipeline = PipelineOptions([] if whole is not None else [str(path) for path in files], whole, address, parse_place(place) if place else None, threads,
+                                       n_gpu_layers, wire_dtype, max_restarts, tls)
+            return command(*args, pipeline=pipeline, **kwargs)
+
+        return _options(wrapper, [
+            click.argument("files", nargs=-1, type=click.Path(dir_okay=False, path_type=Path)),
+            click.option("--model-split", "model_split", is_flag=True,
+                         help=f"FILES are the stage files in order (one unsplit file {what} the whole model as one "
+                              "stage)."),
+            click.option("--model", "whole_model", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                         help="The whole model on this machine: cut into stages and shipped to the nodes that run "
+                              "them (cached there; docs/cluster.md)."),
+            click.option("--stages", "stage_count", type=click.IntRange(1),
+                         help="With --model: how many stages (default: one per node of the cluster)."),
+            click.option("--boundaries", help="With --model: blocks where stages 2..n start (default: chosen for the "
+                                              "nodes' free memory and, with --profile, speed)."),
+            click.option("--profile", "profiles", multiple=True, metavar="ADDRESS=PROFILE.json",
+                         help="With --model: a node's `orchestrate profile`, for its speed (give one for every node)."),
+            click.option("--address", help="Ray cluster to use ('auto' honours RAY_ADDRESS); default: start a local "
+                                           "Ray."),
+            click.option("--place", help="Stage placement, e.g. '0=10.0.0.1,1=10.0.0.2' (node address or id)."),
+            click.option("--threads", default=1, show_default=True, type=click.IntRange(1, config.MAX_THREADS),
+                         help="Threads per stage."),
+            click.option("--n-gpu-layers", default=0, show_default=True, type=click.IntRange(0)),
+            click.option("--wire-dtype", type=click.Choice(["f32", "f16"]), default="f32", show_default=True,
+                         help="Activations between stages; f16 halves traffic but is LOSSY (output may differ from "
+                              "the whole model)."),
+            click.option("--max-restarts", default=config.MAX_RESTARTS, show_default=True,
+                         type=click.IntRange(0, 100),
+                         help="Restarts of each stage (and drafter) that dies; a restarted stage is rebuilt by replay."),
+            click.option("--tls", is_flag=True, help="Encrypt the chain between stages (TLS 1.3, a certificate made "
+                                                     "for this run); docs/security.md."),
+        ])
+
+    return decorate
+
+
+def speculation_options(overlap: bool):
+    """--speculator, --draft, --draft-max, --draft-p-min, --schedule,
+    --tree-leaves (and, with drafter actors, --draft-overlap): written once for
+    run and serve, passed to the command as ``speculation``, a SpeculationSettings."""
+
+    def decorate(command):
+        @functools.wraps(command)
+        def wrapper(*args, speculator, draft_path, draft_max, draft_p_min, schedule, tree_leaves,
+                    draft_overlap=False, **kwargs):
+            from orchestrator.decoding.drafting import SpeculationError, SpeculationSettings
+
+            try:
+                speculation = SpeculationSettings(speculator, draft_path, Schedule(schedule), draft_max, draft_p_min,
+                                                  draft_overlap, tree_leaves)
+            except SpeculationError as error:
+                raise click.UsageError(str(error)) from None
+            return command(*args, speculation=speculation, **kwargs)
+
+        options = [
+            click.option("--speculator", type=click.Choice(["none", "ngram", "model"]), default="none",
+                         show_default=True,
+                         help="Drafts for speculative decoding: prompt lookup (ngram) or a draft model (model, with "
+                              "--draft)."),
+            click.option("--draft", "draft_path", type=click.Path(dir_okay=False),
+                         help="Draft model (whole GGUF, same vocabulary)."),
+            click.option("--draft-max", default=config.DRAFT_MAX, show_default=True, type=click.IntRange(1, 64),
+                         help="Most draft tokens per target pass."),
+            click.option("--draft-p-min", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0),
+                         help="A draft model stops drafting below this probability."),
+            click.option("--schedule", type=click.Choice([Schedule.ASYNC.value, Schedule.SYNC.value]),
+                         default=Schedule.ASYNC.value, show_default=True,
+                         help="async: draft on machines while their stage is idle, and start windows ahead; sync: "
+                              "draft, then verify."),
+            click.option("--tree-leaves", default=1, show_default=True, type=click.IntRange(1, 16),
+                         help="Above 1: prompt lookup drafts token trees of up to this many leaves (other matches' "
+                              "continuations); the rows that pay are verified in one pass. 1: chains."),
+        ]
+        if overlap:
+            options.append(click.option("--draft-overlap", is_flag=True,
+                                        help="Let drafters run while their own stage computes too."))
+        return _options(wrapper, options)
+
+    return decorate
 
 
 @click.group()
@@ -114,7 +228,7 @@ def split(model: Path, outputs: tuple[Path, ...], boundaries: str | None, only: 
 @main.command("verify-split")
 @click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
 @click.argument("stage_files", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--threads", default=1, show_default=True, type=click.IntRange(1, defaults.MAX_THREADS),
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(1, config.MAX_THREADS),
               help="Threads per stage.")
 @one_line_errors
 def verify_split(model: Path, stage_files: tuple[Path, ...], threads: int) -> None:
@@ -133,98 +247,36 @@ def verify_split(model: Path, stage_files: tuple[Path, ...], threads: int) -> No
 
 
 @main.command()
-@click.argument("files", nargs=-1, type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--model-split", "model_split", is_flag=True,
-              help="FILES are the stage files in order (one unsplit file runs the whole model as one stage).")
-@whole_model_options
+@pipeline_options("runs")
 @click.option("--prompt", help="Prompt text.")
 @click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Read the prompt from a file.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
-@click.option("--max-tokens", default=defaults.MAX_TOKENS, show_default=True, type=click.IntRange(1))
+@click.option("--max-tokens", default=config.MAX_TOKENS, show_default=True, type=click.IntRange(1))
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0.0), help="0 is greedy.")
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True))
 @click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--address", help="Ray cluster to use ('auto' honours RAY_ADDRESS); default: start a local Ray.")
-@click.option("--place", help="Stage placement, e.g. '0=10.0.0.1,1=10.0.0.2' (node address or id).")
-@click.option("--threads", default=1, show_default=True, type=click.IntRange(1, defaults.MAX_THREADS),
-              help="Threads per stage.")
-@click.option("--n-ctx", default=DEFAULT_CONTEXT, show_default=True, type=click.IntRange(16, defaults.MAX_CONTEXT),
+@click.option("--n-ctx", default=DEFAULT_CONTEXT, show_default=True, type=click.IntRange(16, config.MAX_CONTEXT),
               help="Context per stage.")
-@click.option("--n-gpu-layers", default=0, show_default=True, type=click.IntRange(0))
-@click.option("--wire-dtype", type=click.Choice(["f32", "f16"]), default="f32", show_default=True,
-              help="Activations between stages; f16 halves traffic but is LOSSY (output may differ from the whole model).")
-@click.option("--speculator", type=click.Choice(["none", "ngram", "model"]), default="none", show_default=True,
-              help="Drafts for speculative decoding: prompt lookup (ngram) or a draft model (model, with --draft).")
-@click.option("--draft", "draft_path", type=click.Path(dir_okay=False), help="Draft model (whole GGUF, same vocabulary).")
-@click.option("--draft-max", default=defaults.DRAFT_MAX, show_default=True, type=click.IntRange(1, 64),
-              help="Most draft tokens per target pass.")
-@click.option("--draft-p-min", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0),
-              help="A draft model stops drafting below this probability.")
-@click.option("--schedule", type=click.Choice([Schedule.ASYNC.value, Schedule.SYNC.value]), default=Schedule.ASYNC.value,
-              show_default=True,
-              help="async: draft on machines while their stage is idle; sync: draft, then verify.")
-@click.option("--draft-overlap", is_flag=True, help="Let drafters run while their own stage computes too.")
-@click.option("--tree-leaves", default=1, show_default=True, type=click.IntRange(1, 16),
-              help="Above 1: prompt lookup drafts token trees of up to this many leaves (other matches' "
-                   "continuations); the rows that pay are verified in one pass. 1: chains.")
+@speculation_options(overlap=True)
 @click.option("--dashboard", is_flag=True, help="Start the Ray dashboard with the local Ray instance.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
-@click.option("--max-restarts", default=defaults.MAX_RESTARTS, show_default=True, type=click.IntRange(0, 100),
-              help="Restarts of each stage (and drafter) that dies; a restarted stage is rebuilt by replay.")
-@click.option("--tls", is_flag=True,
-              help="Encrypt the chain between stages (TLS 1.3, a certificate made for this run); README 'Security'.")
 @one_line_errors
-def run(files, model_split, whole_model, stage_count, boundaries, profiles, prompt, prompt_file, chat, max_tokens, temperature, top_p, seed, address, place,
-        threads, n_ctx, n_gpu_layers, wire_dtype, speculator, draft_path, draft_max, draft_p_min, schedule,
-        draft_overlap, tree_leaves, dashboard, as_json, max_restarts, tls) -> None:
+def run(pipeline: PipelineOptions, speculation, prompt, prompt_file, chat, max_tokens, temperature, top_p, seed,
+        n_ctx, dashboard, as_json) -> None:
     """Generate text through a pipeline of stages (default: SmolLM2-135M split in two)."""
-    from orchestrator.defaults import DEFAULT_PROMPT, default_stage_paths
-    from orchestrator.placement import parse_place
-    from orchestrator.session import RunSettings, SpeculationSettings, run_generation
+    from orchestrator.run import RunSettings, run_generation
     from stages.settings import StageSettings
 
-    if speculator == "model" and not draft_path:
-        raise click.UsageError("--speculator model needs --draft DRAFT.gguf")
-    if draft_path and speculator != "model":
-        raise click.UsageError("--draft is only used with --speculator model")
-    if tree_leaves > 1 and speculator != "ngram":
-        raise click.UsageError("--tree-leaves needs --speculator ngram (prompt lookup drafts the trees)")
-    if model_split and not files:
-        raise click.UsageError("--model-split needs the stage files, e.g. --model-split a.gguf b.gguf")
-    if prompt is not None and prompt_file is not None:
-        raise click.UsageError("give --prompt or --prompt-file, not both")
-    if prompt_file is not None:
-        try:
-            prompt = prompt_file.read_text(encoding="utf-8")
-        except UnicodeDecodeError as error:
-            raise click.UsageError(f"{prompt_file} is not UTF-8 text (byte {error.start})") from None
-    if prompt is not None and not prompt.strip():
-        raise click.UsageError("the prompt is empty")
-    if prompt is None:
-        prompt, chat = DEFAULT_PROMPT, True
-    whole = _whole_model_settings(files, address, whole_model, stage_count, boundaries, profiles)
-    if whole is not None:
-        stage_paths = []
-    else:
-        stage_paths = [str(path) for path in files] or default_stage_paths(progress=_progress_bar("splitting default model"))
+    prompt, chat = _prompt_of(prompt, prompt_file, chat)
     settings = RunSettings(
-        whole_model=whole,
-        stage_paths=stage_paths,
+        **pipeline.settings_fields(),
         prompt=prompt,
         chat=chat,
         max_tokens=max_tokens,
         sampling=SamplingSettings(temperature=temperature, top_p=top_p, seed=seed),
-        stage=StageSettings(n_ctx=n_ctx, threads=threads, n_gpu_layers=n_gpu_layers),
-        speculation=SpeculationSettings(
-            speculator=speculator, draft_path=draft_path, schedule=Schedule(schedule), draft_max=draft_max,
-            draft_p_min=draft_p_min, overlap=draft_overlap, tree_leaves=tree_leaves,
-        ),
-        address=address,
-        place=parse_place(place) if place else None,
-        wire_dtype=wire_dtype,
+        stage=StageSettings(n_ctx=n_ctx, threads=pipeline.threads, n_gpu_layers=pipeline.n_gpu_layers),
+        speculation=speculation,
         dashboard=dashboard,
-        max_restarts=max_restarts,
-        tls=tls,
     )
     # Ray prints its own notices (such as a worker that died, before its stage
     # is restarted) to the driver's sys.stdout; stdout is kept for the text.
@@ -245,11 +297,29 @@ def run(files, model_split, whole_model, stage_count, boundaries, profiles, prom
     click.echo(outcome.summary_line(), err=True)
 
 
+def _prompt_of(prompt: str | None, prompt_file: Path | None, chat: bool) -> tuple[str, bool]:
+    """(the prompt, chat): --prompt, --prompt-file, or the default chat prompt."""
+    from orchestrator.config import DEFAULT_PROMPT
+
+    if prompt is not None and prompt_file is not None:
+        raise click.UsageError("give --prompt or --prompt-file, not both")
+    if prompt_file is not None:
+        try:
+            prompt = prompt_file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as error:
+            raise click.UsageError(f"{prompt_file} is not UTF-8 text (byte {error.start})") from None
+    if prompt is not None and not prompt.strip():
+        raise click.UsageError("the prompt is empty")
+    if prompt is None:
+        return DEFAULT_PROMPT, True
+    return prompt, chat
+
+
 def _whole_model_settings(files, address, whole_model, stage_count, boundaries, profiles):
     """--model's settings (None: stage files given). One unsplit file on a
     cluster is a whole model too, split over the nodes when there are several."""
-    from orchestrator.planning.setup_file import read_profile
-    from orchestrator.session import WholeModelSettings
+    from orchestrator.planning.loaders import read_profile
+    from orchestrator.cluster.model_files import WholeModelSettings
     from stages.gguf_file import stage_info_of
 
     if whole_model is None:
@@ -276,10 +346,7 @@ def _whole_model_settings(files, address, whole_model, stage_count, boundaries, 
 
 
 @main.command()
-@click.argument("files", nargs=-1, type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--model-split", "model_split", is_flag=True,
-              help="FILES are the stage files in order (one unsplit file serves the whole model as one stage).")
-@whole_model_options
+@pipeline_options("serves")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on (0.0.0.0: every interface; then set an API key).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
@@ -288,67 +355,34 @@ def _whole_model_settings(files, address, whole_model, stage_count, boundaries, 
 @click.option("--model-name", help="The model's name in the API (default: the GGUF file's name without .gguf).")
 @click.option("--max-sequences", type=click.IntRange(1, 256),
               help=f"Requests decoded at once, each holding a KV sequence in every stage (default: what fits in "
-                   f"{defaults.SERVE_KV_MEMORY_SHARE:.0%} of free memory, at most {defaults.SERVE_MAX_SEQUENCES}).")
-@click.option("--queue", "queue_limit", default=defaults.SERVE_QUEUE, show_default=True, type=click.IntRange(0),
+                   f"{config.SERVE_KV_MEMORY_SHARE:.0%} of free memory, at most {config.SERVE_MAX_SEQUENCES}).")
+@click.option("--queue", "queue_limit", default=config.SERVE_QUEUE, show_default=True, type=click.IntRange(0),
               help="Requests that may wait for a free sequence; more get 429.")
-@click.option("--n-ctx", default=defaults.SERVE_CONTEXT, show_default=True,
-              type=click.IntRange(16, defaults.MAX_CONTEXT), help="Context of each sequence (prompt + reply).")
-@click.option("--speculator", type=click.Choice(["none", "ngram", "model"]), default="none", show_default=True,
-              help="Drafts per request, verified in the next pass (sync): prompt lookup (ngram) or a draft model "
-                   "(model, with --draft; it runs beside the coordinator, a KV sequence per request).")
-@click.option("--draft", "draft_path", type=click.Path(dir_okay=False), help="Draft model (whole GGUF, same vocabulary).")
-@click.option("--draft-max", default=defaults.DRAFT_MAX, show_default=True, type=click.IntRange(1, 64),
-              help="Most draft tokens per target pass.")
-@click.option("--draft-p-min", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0),
-              help="A draft model stops drafting below this probability.")
-@click.option("--address", help="Ray cluster to use ('auto' honours RAY_ADDRESS); default: start a local Ray.")
-@click.option("--place", help="Stage placement, e.g. '0=10.0.0.1,1=10.0.0.2' (node address or id).")
-@click.option("--threads", default=1, show_default=True, type=click.IntRange(1, defaults.MAX_THREADS),
-              help="Threads per stage.")
-@click.option("--n-gpu-layers", default=0, show_default=True, type=click.IntRange(0))
-@click.option("--wire-dtype", type=click.Choice(["f32", "f16"]), default="f32", show_default=True,
-              help="Activations between stages; f16 halves traffic but is LOSSY (output may differ from the whole model).")
+@click.option("--n-ctx", default=config.SERVE_CONTEXT, show_default=True,
+              type=click.IntRange(16, config.MAX_CONTEXT), help="Context of each sequence (prompt + reply).")
+@speculation_options(overlap=False)
 @click.option("--dashboard/--no-dashboard", default=True, show_default=True,
               help="Start the Ray dashboard with a local Ray (its Serve page shows the service).")
-@click.option("--max-restarts", default=defaults.MAX_RESTARTS, show_default=True, type=click.IntRange(0, 100),
-              help="Restarts of each stage (and drafter) that dies; a restarted stage is rebuilt by replay.")
-@click.option("--tls", is_flag=True,
-              help="Encrypt the chain between stages (TLS 1.3, a certificate made for this run); README 'Security'.")
 @one_line_errors
-def serve(files, model_split, whole_model, stage_count, boundaries, profiles, host, port, api_key, model_name, max_sequences, queue_limit, n_ctx, speculator,
-          draft_path, draft_max, draft_p_min, address, place, threads, n_gpu_layers, wire_dtype, dashboard,
-          max_restarts, tls) -> None:
-    """Serve the model (default: SmolLM2-135M split in two) with the OpenAI API until Ctrl-C or SIGTERM."""
-    from orchestrator.defaults import default_stage_paths
-    from orchestrator.placement import parse_place
-    from orchestrator.serving import ServeSettings, serve_until_stopped
+def serve(pipeline: PipelineOptions, speculation, host, port, api_key, model_name, max_sequences, queue_limit, n_ctx,
+          dashboard) -> None:
+    """Serve the model (default: SmolLM2-135M split in two) with the OpenAI API until Ctrl-C or SIGTERM.
+    Requests draft as ``run`` does (in this process: prompt lookup, or a draft model with a KV sequence per request)."""
+    from orchestrator.serving.deployment import ServeSettings, serve_until_stopped
     from stages.settings import StageSettings
 
-    if model_split and not files:
-        raise click.UsageError("--model-split needs the stage files, e.g. --model-split a.gguf b.gguf")
-    if speculator == "model" and not draft_path:
-        raise click.UsageError("--speculator model needs --draft DRAFT.gguf")
-    if draft_path and speculator != "model":
-        raise click.UsageError("--draft is only used with --speculator model")
-    if max_sequences and n_ctx * max_sequences > defaults.MAX_CONTEXT:
-        raise click.UsageError(f"--n-ctx {n_ctx} x --max-sequences {max_sequences} exceeds {defaults.MAX_CONTEXT} "
+    if max_sequences and n_ctx * max_sequences > config.MAX_CONTEXT:
+        raise click.UsageError(f"--n-ctx {n_ctx} x --max-sequences {max_sequences} exceeds {config.MAX_CONTEXT} "
                                "KV cells per stage")
-    whole = _whole_model_settings(files, address, whole_model, stage_count, boundaries, profiles)
-    if whole is not None:
-        stage_paths = []
-    else:
-        stage_paths = [str(path) for path in files] or default_stage_paths(progress=_progress_bar("splitting default model"))
     settings = ServeSettings(
-        whole_model=whole,
-        stage_paths=stage_paths,
-        stage=StageSettings(n_ctx=n_ctx, threads=threads, n_gpu_layers=n_gpu_layers, sequences=max_sequences or 0),
+        **pipeline.settings_fields(),
+        stage=StageSettings(n_ctx=n_ctx, threads=pipeline.threads, n_gpu_layers=pipeline.n_gpu_layers,
+                            sequences=max_sequences or 0),
         queue_limit=queue_limit,
         model_name=model_name,
-        speculator=speculator, draft_path=draft_path, draft_p_min=draft_p_min, draft_max=draft_max,
+        speculation=speculation,
         host=host, port=port, api_key=api_key or None,
-        address=address, place=parse_place(place) if place else None, wire_dtype=wire_dtype, dashboard=dashboard,
-        max_restarts=max_restarts,
-        tls=tls,
+        dashboard=dashboard,
     )
     serve_until_stopped(settings, on_status=lambda line: click.echo(line, err=True))
 
@@ -373,7 +407,7 @@ def bench(out_dir: Path, quick: bool, names: tuple[str, ...], folder: Path | Non
 
     from benchmarks.report import write_results
     from benchmarks.suite import SCENARIO_DIR, load_scenarios, run_scenario
-    from orchestrator.cluster import ray_session
+    from orchestrator.cluster.connect import ray_session
 
     if serving:
         _bench_serve(out_dir, quick)
@@ -406,7 +440,7 @@ def _bench_serve(out_dir: Path, quick: bool) -> None:
     import tempfile
 
     from benchmarks.serve_bench import run_serve_bench, write_serve_results
-    from orchestrator.defaults import default_model_path, default_stage_paths
+    from orchestrator.config import default_model_path, default_stage_paths
 
     stage_paths = default_stage_paths(progress=_progress_bar("splitting default model"))
     shape = dict(concurrencies=(1, 2), repetitions=1, max_tokens=8) if quick else {}
@@ -430,14 +464,14 @@ def _bench_serve(out_dir: Path, quick: bool) -> None:
               help="The unsplit model STAGE_FILES were cut from (default: the default model).")
 @click.option("--draft", "draft_path", type=click.Path(exists=True, dir_okay=False), help="Also time this draft model.")
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Profile JSON to write.")
-@click.option("--repetitions", default=defaults.PROFILE_REPETITIONS, show_default=True, type=click.IntRange(1),
+@click.option("--repetitions", default=config.PROFILE_REPETITIONS, show_default=True, type=click.IntRange(1),
               help="Timings per batch size (median).")
-@click.option("--threads", default=1, show_default=True, type=click.IntRange(1, defaults.MAX_THREADS),
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(1, config.MAX_THREADS),
               help="Threads per stage.")
 @one_line_errors
 def profile(stage_files, whole_path, draft_path, out_path, repetitions, threads) -> None:
     """Measure this machine for `orchestrate plan`: stage time per batch of 1..64 tokens, drafter, hop."""
-    from orchestrator.defaults import default_model_path, default_stage_paths
+    from orchestrator.config import default_model_path, default_stage_paths
     from orchestrator.output import write_whole
     from orchestrator.profile import ProfileSettings, profile_machine
     from stages.gguf_file import ModelFileError, read_model
@@ -488,9 +522,9 @@ def plan(setup_file, profile_path, acceptance, first_acceptance, availability, c
     """Predict tokens/s of the plain pipeline and both speculative schedules; recommend a split and draft length."""
     from dataclasses import replace
 
-    from orchestrator.planning.recommend import recommend
+    from orchestrator.planning.search import recommend
     from orchestrator.planning.report import plan_json, plan_lines
-    from orchestrator.planning.setup_file import load_setup, read_profile, setup_from_profile
+    from orchestrator.planning.loaders import load_setup, read_profile, setup_from_profile
     from orchestrator.planning.simulation import DraftBehaviour
 
     if (setup_file is None) == (profile_path is None):
@@ -529,7 +563,7 @@ def _plan_against_bench(profile_path: Path, bench_path: Path, as_json: bool) -> 
     from dataclasses import asdict
 
     from orchestrator.planning.against_bench import predict_scenario
-    from orchestrator.planning.setup_file import read_profile
+    from orchestrator.planning.loaders import read_profile
 
     profile = read_profile(profile_path)
     try:

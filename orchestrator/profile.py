@@ -15,7 +15,7 @@
   that answers at once), the time to verify one more logits row, and one
   drafting request's round trip to a drafter in another process.
 
-The profile is one JSON file; orchestrator.planning.setup_file reads it.
+The profile is one JSON file; orchestrator.planning.loaders reads it.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from orchestrator.defaults import PROFILE_CONTEXT, PROFILE_REPETITIONS
+from orchestrator.config import PROFILE_CONTEXT, PROFILE_REPETITIONS
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -93,8 +93,8 @@ def measure_pipeline(settings: ProfileSettings, progress: Callable[[int, int], N
     (as they do in a run, beside the coordinator and each other), and the
     pipeline takes wall time minus compute as transport. The hop time comes
     from the one-token passes. Every pass is rolled back (keep = context)."""
-    from orchestrator.cluster import ray_session
-    from orchestrator.pipeline import Pipeline
+    from orchestrator.cluster.connect import ray_session
+    from orchestrator.cluster.pipeline import Pipeline
     from stages.settings import StageSettings
 
     rng = np.random.default_rng(0)
@@ -149,9 +149,9 @@ def measure_drafters(settings: ProfileSettings) -> dict:
 
 
 def measure_socket_bandwidth(payload_bytes: int = 8 * 1024 * 1024, repetitions: int = 5) -> float:
-    """Bytes per second of one large frame over a local TCP socket (orchestrator.wire)."""
-    from orchestrator import wire
-    from orchestrator.messages import PassResult
+    """Bytes per second of one large frame over a local TCP socket (orchestrator.transport.wire)."""
+    from orchestrator.transport import wire
+    from orchestrator.transport.messages import PassResult
 
     listener = wire.listen("127.0.0.1")
     received = threading.Event()
@@ -195,8 +195,8 @@ def measure_verification(vocab: int) -> float:
 
 def _serve_prompt_lookup(connection, secret: bytes) -> None:
     """In a child process: a prompt-lookup drafter server until told to stop."""
-    from orchestrator.defaults import DRAFT_MAX
-    from orchestrator.drafter_server import DrafterServer
+    from orchestrator.config import DRAFT_MAX
+    from orchestrator.workers.drafter_server import DrafterServer
     from speculators.prompt_lookup import PromptLookupSpeculator
 
     server = DrafterServer(PromptLookupSpeculator, "127.0.0.1", draft_max=DRAFT_MAX, secret=secret)
@@ -210,12 +210,12 @@ def measure_drafter_call(context_length: int, calls: int = 200) -> float:
     finds nothing: the messaging cost alone."""
     import multiprocessing
 
-    from orchestrator import wire
-    from orchestrator.chain import PipelineError
-    from orchestrator.messages import CollectDraft, Shutdown, SpeculateFrom
+    from orchestrator.transport import wire
+    from orchestrator.transport.chain import PipelineError
+    from orchestrator.transport.messages import CollectDraft, Shutdown, SpeculateFrom
 
-    from orchestrator.defaults import CONNECT_SECONDS
-    from orchestrator.handshake import connect_peer, drafter_role, new_secret
+    from orchestrator.config import CONNECT_SECONDS
+    from orchestrator.transport.handshake import connect_peer, drafter_role, new_secret
 
     secret = new_secret()
     spawn = multiprocessing.get_context("spawn")
@@ -252,8 +252,8 @@ def measure_drafter_call(context_length: int, calls: int = 200) -> float:
 def measure_coordinator(vocab: int, tokens: int = 400) -> float:
     """Seconds of the decoding loop's own work per plain pass (verification of
     one row, bookkeeping), with a target that takes no time."""
-    from orchestrator.generate import generate
-    from orchestrator.interfaces import InstantTarget
+    from orchestrator.decoding.loop import generate
+    from orchestrator.decoding.targets import InstantTarget
     from speculators.sampling import SamplingSettings
 
     target = InstantTarget(vocab)
@@ -270,7 +270,7 @@ def profile_machine(settings: ProfileSettings, progress: Callable[[int, int], No
     from dataclasses import asdict
 
     from orchestrator.planning.costs import split_costs
-    from orchestrator.planning.setup_file import PROFILE_KIND, PROFILE_VERSION, model_shape_of_gguf
+    from orchestrator.planning.loaders import PROFILE_KIND, PROFILE_VERSION, model_shape_of_gguf
 
     status("timing the whole model, then the stages through a pipeline on a local Ray")
     whole = measure_whole(settings, progress)

@@ -46,7 +46,7 @@ def _through(engines: list[StageEngine], positions: np.ndarray, tokens: np.ndarr
 
 def compare_split(model_path: str, stage_paths: list[str], *, threads: int = 1) -> SplitComparison:
     """Logits of every probe position, then GREEDY_STEPS greedy tokens, both ways."""
-    from orchestrator.tokenizer import Tokenizer
+    from stages.tokenizer import Tokenizer
 
     check_stage_files(stage_paths)
     infos = check_stage_files([model_path])

@@ -50,7 +50,7 @@ drafting raises the estimates again until the next pass tries a draft: a
 change of text (the user starts quoting) is found again within a few
 passes, at the price of an occasional probe.
 
-Pure: no I/O. The schedule (orchestrator.schedule) tells it every verified
+Pure: no I/O. The schedule (orchestrator.decoding.schedule) tells it every verified
 window and asks it for the next window's length.
 """
 
@@ -71,7 +71,7 @@ DRAFTER_CALL_COST = 0.045
 def ask_cost(speculator: str) -> float:
     """What asking the drafter before a window costs a run, in one-token
     passes: nothing for prompt lookup, which a run asks in the coordinator
-    (orchestrator.session.make_drafting), a drafter actor's round trip else."""
+    (orchestrator.run.make_drafting), a drafter actor's round trip else."""
     return 0.0 if speculator == "ngram" else DRAFTER_CALL_COST
 
 

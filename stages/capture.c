@@ -42,7 +42,7 @@ bool specpipe_capture_node(const void *tensor, bool ask, void *user_data) {
 
 /* llama.cpp's abort callback: the CPU backend calls it after every graph node
  * and stops the graph when it returns true. The flag is an int another thread
- * sets when the pass running here was cancelled (orchestrator.stage_server). */
+ * sets when the pass running here was cancelled (orchestrator.workers.stage_server). */
 bool specpipe_abort_requested(void *flag) {
     return __atomic_load_n((const int *)flag, __ATOMIC_RELAXED) != 0;
 }

@@ -2,7 +2,7 @@
 from each file's header as read on the node that is to run its stage.
 
 Pure: headers only (stages.gguf_file), no llama.cpp, no Ray. The Ray task that
-reads a header on its node is in orchestrator.pipeline.
+reads a header on its node is in orchestrator.cluster.pipeline.
 """
 
 from __future__ import annotations

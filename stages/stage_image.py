@@ -1,7 +1,7 @@
 """The bytes of a stage file, described before any is written: a header, then
 each tensor's bytes as a range of the source file, with zero padding between.
 
-``split`` writes an image to disk and ``orchestrator.shipping`` streams one to
+``split`` writes an image to disk and ``orchestrator.cluster.shipping`` streams one to
 another machine from any offset (a resumed transfer), both reading the source
 in chunks: no stage is ever held in memory whole. The header (metadata and
 tensor table, a few MiB at most: the vocabulary is the largest part) is made

@@ -18,10 +18,16 @@ PROMPTS = [
     "Once upon a time, in a small village by the sea,",
 ]
 
+# Prompts where prompt lookup finds several matches with different continuations: token trees fork on them.
+FORKING = [
+    "Colors: the sky is blue, the grass is green, the sun is yellow, the sky is blue, the grass is",
+    "the cat sat on the mat. the cat ate the fish. the cat sat on the mat. the cat ate the",
+]
+
 
 @pytest.fixture(scope="session")
 def smollm2() -> str:
-    from orchestrator.defaults import default_model_path
+    from orchestrator.config import default_model_path
 
     return str(default_model_path())
 

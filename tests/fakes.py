@@ -5,8 +5,8 @@
   import this module).
 * Drafters for the decoding loop without a drafter process: ``TraceDrafter``
   (replays a planner trace); a speculator called in this process is
-  ``orchestrator.interfaces.InstantDrafter`` (the service drafts with it).
-* Targets without Ray: ``orchestrator.interfaces.InstantTarget`` (shared with
+  ``orchestrator.decoding.targets.InstantDrafter`` (the service drafts with it).
+* Targets without Ray: ``orchestrator.decoding.targets.InstantTarget`` (shared with
   ``orchestrate profile``, re-exported here), ``truth_target``, and
   ``EngineChain``, the real stage engines one after another in this process.
 """
@@ -16,10 +16,10 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from orchestrator.interfaces import InPlaceDrafter, InstantTarget
-from orchestrator.messages import PassResult
+from orchestrator.decoding.targets import InPlaceDrafter, InstantTarget
+from orchestrator.transport.messages import PassResult
 from orchestrator.planning.simulation import DraftTrace
-from orchestrator.schedule import TargetPass
+from orchestrator.decoding.schedule import TargetPass
 
 
 class ScriptedSpeculator:

@@ -21,7 +21,7 @@ import pytest
 
 from orchestrator.planning.against_bench import IN_PROCESS, RUNS, ModePrediction, measured_behaviour, predict_scenario
 from orchestrator.planning.costs import BatchCurve, MeasuredMachine, ModelShape, Software, StageCosts
-from orchestrator.planning.setup import PlanError
+from orchestrator.planning.inputs import PlanError
 from orchestrator.planning.simulation import DraftBehaviour, DraftTrace, Mode, predict
 from speculators.draft_length import DRAFTER_CALL_COST
 

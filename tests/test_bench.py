@@ -168,7 +168,8 @@ def test_bench_prints_no_and_exits_1_when_a_modes_output_differs(tmp_path, monke
     from click.testing import CliRunner
 
     from benchmarks import suite
-    from orchestrator import cli, cluster
+    from orchestrator import cli
+    from orchestrator.cluster import connect as cluster
 
     def canned_scenario(scenario, workdir, progress=None):
         summary = suite.summarise(scenario, MODES, fake_runs(MODES, "pipeline"), 2, 0.001, {"stage-0": 100.0})

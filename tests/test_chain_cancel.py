@@ -1,4 +1,4 @@
-"""The coordinator's end of the chain (orchestrator.chain.SocketChain) facing
+"""The coordinator's end of the chain (orchestrator.transport.chain.SocketChain) facing
 a last stage that answers with ``Cancelled``: believed only for a pass it
 cancelled, with one time per stage up to the one that dropped it; the KV
 ledger then holds only what every stage agrees on. A socketpair plays the
@@ -9,10 +9,10 @@ import socket
 import numpy as np
 import pytest
 
-from orchestrator import wire
-from orchestrator.chain import PipelineError, SocketChain
-from orchestrator.messages import Cancel, Cancelled
-from orchestrator.replay import PassRecord
+from orchestrator.transport import wire
+from orchestrator.transport.chain import PipelineError, SocketChain
+from orchestrator.transport.messages import Cancel, Cancelled
+from orchestrator.transport.ledger import PassRecord
 
 pytestmark = pytest.mark.pure
 

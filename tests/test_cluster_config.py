@@ -1,6 +1,6 @@
 """cluster.yaml: valid for `ray up` (Ray's own checks) and right for this project.
 
-No network and no ssh: `ray up` itself is walked through in the README.
+No network and no ssh: `ray up` itself is walked through in docs/cluster.md.
 """
 
 import json
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.placement import stage_resource
+from orchestrator.cluster.placement import stage_resource
 
 pytestmark = pytest.mark.pure
 

@@ -8,7 +8,7 @@ import pytest
 
 from orchestrator.planning.cluster_split import MIB, NodeMemory, choose_cluster_split, stage_memory
 from orchestrator.planning.costs import ModelShape
-from orchestrator.planning.setup import PlanError
+from orchestrator.planning.inputs import PlanError
 from stages.plan import balanced_starts
 
 pytestmark = pytest.mark.pure

@@ -5,14 +5,15 @@ Every schedule gives the whole model's tokens, greedy and sampled alike."""
 import pytest
 
 from fakes import EngineChain
-from orchestrator.interfaces import InstantDrafter
-from orchestrator.generate import Drafting, generate
-from orchestrator.schedule import Schedule
+from orchestrator.decoding.targets import InstantDrafter
+from orchestrator.decoding.drafting import Drafting
+from orchestrator.decoding.loop import generate
+from orchestrator.decoding.schedule import Schedule
 from speculators.prompt_lookup import PromptLookupSpeculator
 from speculators.sampling import SamplingSettings
 from stages.settings import StageSettings
 
-from conftest import PROMPTS
+from conftest import FORKING, PROMPTS
 
 pytestmark = pytest.mark.model
 
@@ -91,12 +92,6 @@ def test_a_prompt_of_several_batches_samples_the_same_tokens_with_and_without_sp
 
 
 # Prompts whose n-grams recur with other continuations: prompt lookup forks there.
-FORKING = [
-    "Colors: the sky is blue, the grass is green, the sun is yellow, the sky is blue, the grass is",
-    "the cat sat on the mat. the cat ate the fish. the cat sat on the mat. the cat ate the",
-]
-
-
 @pytest.fixture(scope="module")
 def tree_chain(splits):
     """Two stages that verify token trees of up to four leaves."""

@@ -8,10 +8,10 @@ import time
 import pytest
 
 import fakes
-from orchestrator import wire
-from orchestrator.drafter_server import DrafterServer
-from orchestrator.drafters import DrafterClient
-from orchestrator.handshake import connect_peer, drafter_role
+from orchestrator.transport import wire
+from orchestrator.workers.drafter_server import DrafterServer
+from orchestrator.cluster.drafters import DrafterClient
+from orchestrator.transport.handshake import connect_peer, drafter_role
 from speculators.prompt_lookup import PromptLookupSpeculator
 
 pytestmark = pytest.mark.pure

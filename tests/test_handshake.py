@@ -1,4 +1,4 @@
-"""The data plane's handshake (orchestrator.handshake) over real sockets: the
+"""The data plane's handshake (orchestrator.transport.handshake) over real sockets: the
 peer holding the secret for the role gets through; strangers, wrong secrets,
 wrong roles and stalled peers are dropped, and the real peer still gets in."""
 
@@ -12,9 +12,11 @@ import msgpack
 import numpy as np
 import pytest
 
-from orchestrator import handshake, wire
-from orchestrator.handshake import HandshakeError, accept_peer, connect_peer
-from orchestrator.messages import Boundary, StageBatch
+from orchestrator.transport import handshake
+
+from orchestrator.transport import wire
+from orchestrator.transport.handshake import HandshakeError, accept_peer, connect_peer
+from orchestrator.transport.messages import Boundary, StageBatch
 
 pytestmark = pytest.mark.pure
 

@@ -6,13 +6,14 @@ import urllib.request
 
 import pytest
 
-from orchestrator.drafters import DrafterSettings, start_drafters, stop_drafters
-from orchestrator.generate import Drafting, generate
-from orchestrator.schedule import Schedule
-from orchestrator.metrics import GenerationMetrics
-from orchestrator.pipeline import Pipeline
+from orchestrator.cluster.drafters import DrafterSettings, start_drafters, stop_drafters
+from orchestrator.decoding.drafting import Drafting
+from orchestrator.decoding.loop import generate
+from orchestrator.decoding.schedule import Schedule
+from orchestrator.cluster.metrics import GenerationMetrics
+from orchestrator.cluster.pipeline import Pipeline
 from speculators.sampling import SamplingSettings
-from orchestrator.tokenizer import Tokenizer
+from stages.tokenizer import Tokenizer
 from speculators.prompt_lookup import PromptLookupSpeculator
 from stages.settings import StageSettings
 
@@ -87,8 +88,8 @@ def test_service_metrics_appear_while_requests_are_served(ray_cluster, splits):
     first token, inter-token latency, sequences each stage holds) reaches the endpoint."""
     import threading
 
-    from orchestrator.metrics import ServiceMetrics
-    from orchestrator.service import Service, ServiceRequest, ServiceSettings
+    from orchestrator.cluster.metrics import ServiceMetrics
+    from orchestrator.decoding.service import Service, ServiceRequest, ServiceSettings
 
     tokenizer = Tokenizer(splits[2][0])
     ended = threading.Semaphore(0)
@@ -130,7 +131,7 @@ def test_a_stage_restart_is_counted_at_the_metrics_endpoint(ray_cluster, splits)
 
     import numpy as np
 
-    from orchestrator.metrics import RestartMetrics
+    from orchestrator.cluster.metrics import RestartMetrics
 
     metrics = RestartMetrics()
     with Pipeline(splits[2], StageSettings(n_ctx=64),

@@ -1,4 +1,4 @@
-"""OpenAI requests and replies (orchestrator.openai_protocol): checks, stop strings, reply shapes. Pure."""
+"""OpenAI requests and replies (orchestrator.serving.protocol): checks, stop strings, reply shapes. Pure."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from orchestrator.openai_protocol import (
+from orchestrator.serving.protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS, ApiError, Reply, TextAssembler, decode_body, parse_request, sse,
 )
 

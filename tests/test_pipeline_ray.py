@@ -10,11 +10,11 @@ import numpy as np
 import psutil
 import pytest
 
-from orchestrator.generate import generate
-from orchestrator.pipeline import Pipeline, PipelineError
-from orchestrator.placement import PlacementError
+from orchestrator.decoding.loop import generate
+from orchestrator.cluster.pipeline import Pipeline, PipelineError
+from orchestrator.cluster.placement import PlacementError
 from speculators.sampling import SamplingSettings
-from orchestrator.tokenizer import Tokenizer
+from stages.tokenizer import Tokenizer
 from stages.settings import StageSettings
 from stages.gguf_file import ModelFileError
 
@@ -54,7 +54,7 @@ def test_greedy_pipeline_equals_llama_and_stages_land_on_distinct_nodes(ray_clus
 def stage_actors() -> dict[str, dict]:
     """Ray's own table of stage actors, by actor id (ray.util.state needs the
     dashboard, which this cluster has not). The class is named by its
-    qualified name (defined inside orchestrator.pipeline._stage_actor_class)."""
+    qualified name (defined inside orchestrator.cluster.stage_actors.stage_actor_class)."""
     from ray._private.state import actors
 
     return {actor_id: actor for actor_id, actor in actors().items()
@@ -129,12 +129,12 @@ def alive_nodes_in_order():
 def test_a_stage_file_missing_on_its_node_fails_before_any_stage_loads(ray_cluster, splits, tmp_path, monkeypatch):
     """Each file is read on the node that is to run it. (All nodes here share one
     file system, so "missing on that node" is a path that exists nowhere.)"""
-    from orchestrator import pipeline as pipeline_module
+    from orchestrator.cluster import stage_actors as actors_module
 
     def no_stage_may_load():
         raise AssertionError("a stage began loading before the files were checked")
 
-    monkeypatch.setattr(pipeline_module, "_stage_actor_class", no_stage_may_load)
+    monkeypatch.setattr(actors_module, "stage_actor_class", no_stage_may_load)
     nodes = alive_nodes_in_order()
     missing = str(tmp_path / "b.gguf")
     with pytest.raises(ModelFileError) as raised:
@@ -267,9 +267,9 @@ def test_a_killed_stage_is_restarted_and_replayed_and_the_output_is_unchanged(ra
 def test_a_stage_killed_during_asynchronous_speculation_through_three_stages(ray_cluster, splits, reference):
     """Passes in flight, boundary notices half taken, drafts relayed: a killed
     middle stage still changes no token."""
-    from orchestrator.drafters import DrafterSettings, start_drafters, stop_drafters
-    from orchestrator.generate import Drafting
-    from orchestrator.schedule import Schedule
+    from orchestrator.cluster.drafters import DrafterSettings, start_drafters, stop_drafters
+    from orchestrator.decoding.drafting import Drafting
+    from orchestrator.decoding.schedule import Schedule
     from speculators.prompt_lookup import PromptLookupSpeculator
 
     tokens = reference.tokenize(PROMPTS[1]) * 2  # prompt lookup finds drafts in a repeated prompt
@@ -315,7 +315,7 @@ def strangers_at(host, port, forged) -> list:
     well-formed batch of its own tokens."""
     import socket
 
-    from orchestrator import wire
+    from orchestrator.transport import wire
 
     silent = socket.create_connection((host, port))
     garbage = socket.create_connection((host, port))
@@ -331,12 +331,12 @@ def test_strangers_at_every_port_neither_hijack_nor_block_the_run(ray_cluster, s
     real peer; then again at every port during decoding, where they wait in
     the backlog until a stage is killed and the chain is wired anew through
     them. Each is dropped; the output is the whole model's."""
-    from orchestrator import chain as chain_module
-    from orchestrator import drafters as drafters_module
-    from orchestrator.drafters import DrafterSettings, start_drafters, stop_drafters
-    from orchestrator.generate import Drafting
-    from orchestrator.messages import StageBatch
-    from orchestrator.schedule import Schedule
+    from orchestrator.transport import chain as chain_module
+    from orchestrator.cluster import drafters as drafters_module
+    from orchestrator.cluster.drafters import DrafterSettings, start_drafters, stop_drafters
+    from orchestrator.decoding.drafting import Drafting
+    from orchestrator.transport.messages import StageBatch
+    from orchestrator.decoding.schedule import Schedule
     from speculators.prompt_lookup import PromptLookupSpeculator
 
     forged = StageBatch(1, 0, np.arange(3, dtype=np.int32), np.array([2], np.int32), tokens=np.array([7, 7, 7], np.int32))
@@ -392,9 +392,9 @@ def test_a_tls_chain_with_drafters_equals_the_whole_model_and_survives_a_lost_st
     before and after a stage is killed and rewired (in TLS again)."""
     import ssl
 
-    from orchestrator.drafters import DrafterSettings, start_drafters, stop_drafters
-    from orchestrator.generate import Drafting
-    from orchestrator.schedule import Schedule
+    from orchestrator.cluster.drafters import DrafterSettings, start_drafters, stop_drafters
+    from orchestrator.decoding.drafting import Drafting
+    from orchestrator.decoding.schedule import Schedule
     from speculators.prompt_lookup import PromptLookupSpeculator
 
     tokens = reference.tokenize(PROMPTS[1]) * 2

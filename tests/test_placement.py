@@ -1,6 +1,6 @@
 import pytest
 
-from orchestrator.placement import NodeInfo, PlacementError, parse_place, plan_placement, stage_resource
+from orchestrator.cluster.placement import NodeInfo, PlacementError, parse_place, plan_placement, stage_resource
 
 pytestmark = pytest.mark.pure
 

@@ -3,7 +3,7 @@ and the limits of --place and of advertised stages."""
 
 import pytest
 
-from orchestrator.placement import NodeInfo, PlacementError, advertised_stages, parse_place, plan_placement
+from orchestrator.cluster.placement import NodeInfo, PlacementError, advertised_stages, parse_place, plan_placement
 
 pytestmark = pytest.mark.pure
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.planning.costs import Link, Machine, ModelShape, Software
-from orchestrator.planning.recommend import Recommendation
+from orchestrator.planning.search import Recommendation
 from orchestrator.planning.report import MODE_NAMES, plan_json, plan_lines
-from orchestrator.planning.setup import Setup
+from orchestrator.planning.inputs import Setup
 from orchestrator.planning.simulation import DraftBehaviour, Mode, Prediction
 
 pytestmark = pytest.mark.pure

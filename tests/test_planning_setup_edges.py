@@ -1,4 +1,4 @@
-"""What a Setup hands the simulation (orchestrator.planning.setup.Setup.costs).
+"""What a Setup hands the simulation (orchestrator.planning.inputs.Setup.costs).
 
 Guards the draft times when none are given (free, one per machine), the
 draft times when given, and a profile's setup whose stages all run on one
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.planning.costs import Link, Machine, ModelShape, Software
-from orchestrator.planning.setup import DRAFT_LENGTHS, Setup
+from orchestrator.planning.inputs import DRAFT_LENGTHS, Setup
 from orchestrator.planning.simulation import DraftBehaviour
 
 pytestmark = pytest.mark.pure

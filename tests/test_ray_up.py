@@ -219,7 +219,7 @@ def test_ray_up_then_run_the_whole_model_then_ray_down(boxes, reference):
     assert down.returncode == 0, f"ray down failed:\n{down.stdout[-2000:]}\n{down.stderr[-2000:]}"
     assert boxes.processes(head) == [], "ray down left Ray running on the head"
     # The local provider's `ray down` stops Ray on the head only (its
-    # terminate_node just marks the worker terminated): README's step 7 has
+    # terminate_node just marks the worker terminated): docs/cluster.md's walkthrough has
     # the worker stopped by hand, as here.
     stopped = boxes.ssh(worker, "~/specpipe/.venv/bin/ray stop")
     assert stopped.returncode == 0, stopped.stderr

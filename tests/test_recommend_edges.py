@@ -1,4 +1,4 @@
-"""The split search and the recommendation (orchestrator.planning.recommend).
+"""The split search and the recommendation (orchestrator.planning.search).
 
 Toy setups whose costs are worked out by hand: blocks of 1 GB, machines that
 either read their weights at a stated number of seconds per GB (a pass costs
@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.planning.costs import Machine, ModelShape, Software
-from orchestrator.planning.recommend import (
+from orchestrator.planning.search import (
     SEARCH_RUNS,
     TIE,
     candidate_splits,
@@ -29,7 +29,7 @@ from orchestrator.planning.recommend import (
     predict_modes,
     recommend,
 )
-from orchestrator.planning.setup import PlanError, Setup
+from orchestrator.planning.inputs import PlanError, Setup
 from orchestrator.planning.simulation import DraftBehaviour, Mode, predict, simulate
 
 pytestmark = pytest.mark.pure

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.replay import KvLedger, PassRecord
+from orchestrator.transport.ledger import KvLedger, PassRecord
 
 pytestmark = pytest.mark.pure
 

@@ -1,11 +1,11 @@
-"""The decoding schedule's rules (orchestrator.schedule), with plain Python alone."""
+"""The decoding schedule's rules (orchestrator.decoding.schedule), with plain Python alone."""
 
 from collections import deque
 
 import pytest
 
 from speculators.draft_length import DraftPolicy
-from orchestrator.schedule import Handoff, Schedule, Scheduler, SequenceState, relay
+from orchestrator.decoding.schedule import Handoff, Schedule, Scheduler, SequenceState, relay
 
 pytestmark = pytest.mark.pure
 

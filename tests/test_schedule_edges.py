@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from orchestrator.schedule import Schedule, Scheduler, SequenceState, SpeculationStats, Window
+from orchestrator.decoding.schedule import Schedule, Scheduler, SequenceState, SpeculationStats, Window
 from speculators.draft_length import DraftPolicy
 from speculators.sampling import SamplingSettings
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 
 from fakes import truth_target
-from orchestrator.generate import Drafting, generate
-from orchestrator.interfaces import InstantDrafter
-from orchestrator.messages import ProtocolError, StageBatch, TokenChoice
-from orchestrator.schedule import Schedule, Window
+from orchestrator.decoding.drafting import Drafting
+from orchestrator.decoding.loop import generate
+from orchestrator.decoding.targets import InstantDrafter
+from orchestrator.transport.messages import ProtocolError, StageBatch, TokenChoice
+from orchestrator.decoding.schedule import Schedule, Window
 from speculators.prompt_lookup import PromptLookupSpeculator
 from speculators.sampling import SamplingSettings
 
@@ -111,7 +112,7 @@ def test_a_window_started_ahead_of_a_tree_is_dropped_when_a_side_branch_wins():
     """The window ahead extends the tree's main chain; once the target takes a
     side branch it sits on cells the stages dropped, even where its position
     and first token happen to match the committed text."""
-    from orchestrator.schedule import SequenceState
+    from orchestrator.decoding.schedule import SequenceState
     from speculators.tree import DraftTree
 
     state = SequenceState(0, [1, 2], 1, 20, Schedule.ASYNC, 4, draft_step=0.0, tree_leaves=4)
@@ -136,7 +137,7 @@ def test_a_window_started_ahead_of_a_tree_is_dropped_when_a_side_branch_wins():
 
 def test_side_rows_priced_apart_from_the_chain():
     """side_row_step prices only the tree's side rows: the chain stays the draft policy's."""
-    from orchestrator.schedule import SequenceState
+    from orchestrator.decoding.schedule import SequenceState
     from speculators.tree import DraftTree
 
     windows = {}

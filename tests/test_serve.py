@@ -74,7 +74,7 @@ def server(splits, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tokenizer(splits):
-    from orchestrator.tokenizer import Tokenizer
+    from stages.tokenizer import Tokenizer
 
     return Tokenizer(splits[2][0])
 

@@ -1,4 +1,4 @@
-"""The service's loop (orchestrator.service) over a stand-in target: many
+"""The service's loop (orchestrator.decoding.service) over a stand-in target: many
 requests at once, each getting what it gets alone; queue, cancel, shutdown and
 a failing target. Pure: the target is a small deterministic "model" with a
 KV cache per sequence (``CountingModel``), no llama.cpp, no Ray."""
@@ -11,9 +11,9 @@ import threading
 import numpy as np
 import pytest
 
-from orchestrator.messages import PassResult
-from orchestrator.schedule import TargetPass
-from orchestrator.service import (
+from orchestrator.transport.messages import PassResult
+from orchestrator.decoding.schedule import TargetPass
+from orchestrator.decoding.service import (
     Progress, QueueFull, RequestTooLong, Service, ServiceRequest, ServiceSettings, ShuttingDown,
 )
 from speculators.prompt_lookup import PromptLookupSpeculator

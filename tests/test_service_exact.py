@@ -10,13 +10,13 @@ import threading
 import pytest
 
 from fakes import EngineChain
-from orchestrator.service import Progress, Service, ServiceRequest, ServiceSettings
+from orchestrator.decoding.service import Progress, Service, ServiceRequest, ServiceSettings
 from speculators.model import ModelSpeculator, load_draft_engine
 from speculators.prompt_lookup import PromptLookupSpeculator
 from speculators.sampling import SamplingSettings
 from stages.settings import StageSettings
 
-from conftest import PROMPTS
+from conftest import FORKING, PROMPTS
 
 pytestmark = pytest.mark.model
 
@@ -104,3 +104,89 @@ def test_a_seeded_request_samples_the_same_tokens_alone_and_beside_others(chain,
         service.close(drain_seconds=5)
     assert beside == alone
     assert alone != reference.greedy(sampled.prompt_tokens, 32).tokens  # the temperature really changed the draw
+
+
+class Watched:
+    """A target's passes as submitted: the most windows of one sequence in flight at once, and the tree windows."""
+
+    def __init__(self, target):
+        self.target = target
+        self.n_batch = target.n_batch
+        self.in_flight: dict[int, int] = {}
+        self.most_in_flight = 0
+        self.tree_windows = 0
+        self.order: list[int] = []
+
+    def submit(self, target_pass):
+        (window,) = target_pass.windows
+        self.in_flight[window.sequence] = self.in_flight.get(window.sequence, 0) + 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight[window.sequence])
+        self.tree_windows += window.parents is not None
+        self.order.append(window.sequence)
+        self.target.submit(target_pass)
+
+    def receive(self):
+        self.in_flight[self.order.pop(0)] -= 1
+        return self.target.receive()
+
+    def cancel(self, target_pass):
+        self.target.cancel(target_pass)
+
+    def await_boundary(self, stage_index):
+        return self.target.await_boundary(stage_index)
+
+    def release(self, sequence):
+        self.target.release(sequence)
+
+
+@pytest.mark.parametrize("schedule", ["sync", "async"])
+def test_serve_drafts_with_prompt_lookup_sync_and_async_and_every_request_gets_the_whole_models_tokens(
+        chain, greedy_work, is_end, schedule):
+    """The service turns orchestrate run's loop: async drafting relays along the
+    stages and starts windows ahead (a sequence with two windows in flight)."""
+    from orchestrator.decoding.schedule import Schedule
+
+    watched = Watched(chain)
+    service = Service(watched, is_end, ServiceSettings(
+        max_sequences=8, queue_limit=0, context=1024, speculator=lambda sequence: PromptLookupSpeculator(),
+        draft_max=6, schedule=Schedule(schedule), stage_count=len(chain.engines)))
+    try:
+        got = run_all(service, [request for request, _ in greedy_work])
+    finally:
+        service.close(drain_seconds=5)
+    assert got == [expected for _, expected in greedy_work]
+    assert (watched.most_in_flight > 1) == (schedule == "async")  # windows started ahead only in async
+
+
+@pytest.fixture(scope="module")
+def tree_chain(splits):
+    engines = EngineChain(splits[2], StageSettings(n_ctx=1024, n_batch=128, sequences=1, tree_sequences=3))
+    yield engines
+    engines.close()
+
+
+def test_serve_drafts_token_trees_and_a_request_gets_its_solo_and_whole_model_tokens(tree_chain, reference, is_end):
+    """Prompt lookup's trees (every candidate row verified: side_row_step 0),
+    async, one sequence: greedy requests get the whole model's tokens, and a
+    seeded one the tokens it samples with no drafting at all."""
+    from orchestrator.decoding.schedule import Schedule
+
+    settings = ServiceSettings(max_sequences=1, queue_limit=8, context=1024,
+                               speculator=lambda sequence: PromptLookupSpeculator(), draft_max=6,
+                               schedule=Schedule.ASYNC, stage_count=2, tree_leaves=4, side_row_step=0.0)
+    greedy = [ServiceRequest(reference.tokenize(prompt), 40, SamplingSettings()) for prompt in FORKING]
+    seeded = ServiceRequest(reference.tokenize(FORKING[1]), 32, SamplingSettings(temperature=0.7, seed=11))
+    watched = Watched(tree_chain)
+    service = Service(watched, is_end, settings)
+    try:
+        got = run_all(service, [*greedy, seeded])
+    finally:
+        service.close(drain_seconds=5)
+    plain = Service(tree_chain, is_end, ServiceSettings(max_sequences=1, queue_limit=0, context=1024))
+    try:
+        (seeded_alone,) = run_all(plain, [seeded])
+    finally:
+        plain.close(drain_seconds=5)
+    assert got[:2] == [reference.greedy(request.prompt_tokens, 40).tokens for request in greedy]
+    assert got[2] == seeded_alone
+    assert watched.tree_windows > 0

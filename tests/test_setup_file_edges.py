@@ -1,4 +1,4 @@
-"""Setup files, profiles and GGUF headers read in-process (orchestrator.planning.setup_file).
+"""Setup files, profiles and GGUF headers read in-process (orchestrator.planning.loaders).
 
 What `orchestrate plan` builds from a setup TOML, a profile JSON or a GGUF
 header: every parsed value, the figures computed from them (checked against
@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from orchestrator.planning.costs import BatchCurve, Link, Machine, MeasuredMachine, ModelShape, Software
-from orchestrator.planning.setup import PlanError
-from orchestrator.planning.setup_file import (
+from orchestrator.planning.inputs import PlanError
+from orchestrator.planning.loaders import (
     DEFAULT_SOFTWARE,
     PROFILE_KEYS,
     load_setup,

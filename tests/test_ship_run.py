@@ -98,7 +98,7 @@ def test_a_model_that_fits_no_node_is_refused_with_the_numbers(smollm2):
 
 @pytest.mark.model
 def test_the_stage_image_is_the_split_file_and_the_vocabulary_image_reads_as_the_model(smollm2, splits, tmp_path):
-    from orchestrator.tokenizer import Tokenizer
+    from stages.tokenizer import Tokenizer
     from stages.gguf_file import read_model
     from stages.split import plan_split, stage_file_image
     from stages.stage_image import vocabulary_image, write_atomically

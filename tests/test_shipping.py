@@ -1,4 +1,4 @@
-"""The stage-file transfer (orchestrator.shipping) between a sender and a
+"""The stage-file transfer (orchestrator.cluster.shipping) between a sender and a
 receiver on a socket pair: complete, resumed after an interruption, refused
 for a wrong digest, and strict about what it reads. The file is a synthetic
 StageImage over a temporary source (pure: no model, no Ray)."""
@@ -13,7 +13,7 @@ import threading
 import msgpack
 import pytest
 
-from orchestrator.shipping import (
+from orchestrator.cluster.shipping import (
     DIGEST_REFUSED,
     DigestRefused,
     CacheEntry,

@@ -13,12 +13,13 @@ import threading
 import pytest
 
 import fakes
-from orchestrator.drafters import DrafterSettings, start_drafters, stop_drafters
-from orchestrator.generate import Drafting, generate
-from orchestrator.schedule import Schedule
-from orchestrator.pipeline import Pipeline
+from orchestrator.cluster.drafters import DrafterSettings, start_drafters, stop_drafters
+from orchestrator.decoding.drafting import Drafting
+from orchestrator.decoding.loop import generate
+from orchestrator.decoding.schedule import Schedule
+from orchestrator.cluster.pipeline import Pipeline
 from speculators.sampling import SamplingSettings
-from orchestrator.tokenizer import Tokenizer
+from stages.tokenizer import Tokenizer
 from speculators.model import ModelSpeculator
 from speculators.prompt_lookup import PromptLookupSpeculator
 from stages.settings import StageSettings

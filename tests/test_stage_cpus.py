@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from orchestrator.stage_cpus import stage_cpu_sets
+from orchestrator.cluster.stage_cpus import stage_cpu_sets
 
 
 @pytest.mark.pure
@@ -47,7 +47,7 @@ def _allowed_cpus(process_id: int) -> set[frozenset[int]]:
 
 @pytest.mark.ray
 def test_a_pipeline_pins_every_thread_of_its_stage_processes(ray_cluster, splits):
-    from orchestrator.pipeline import Pipeline
+    from orchestrator.cluster.pipeline import Pipeline
     from stages.settings import StageSettings
 
     every = frozenset(os.sched_getaffinity(0))

@@ -13,10 +13,10 @@ import msgpack
 import numpy as np
 import pytest
 
-from orchestrator import wire
-from orchestrator.handshake import accept_peer, cancel_role, connect_peer, upstream_role
-from orchestrator.messages import Boundary, Cancel, Cancelled, StageBatch, StageFailure
-from orchestrator.stage_server import StageServer
+from orchestrator.transport import wire
+from orchestrator.transport.handshake import accept_peer, cancel_role, connect_peer, upstream_role
+from orchestrator.transport.messages import Boundary, Cancel, Cancelled, StageBatch, StageFailure
+from orchestrator.workers.stage_server import StageServer
 from stages.settings import StageSettings
 
 pytestmark = pytest.mark.model

@@ -1,4 +1,4 @@
-"""The chain's optional TLS (orchestrator.tls) over real loopback sockets:
+"""The chain's optional TLS (orchestrator.transport.tls) over real loopback sockets:
 messages both ways, the HMAC handshake inside it, a peer with another run's
 certificate refused in one line, and no plaintext on the wire."""
 
@@ -13,8 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from orchestrator import handshake, tls, wire
-from orchestrator.messages import PassResult, StageBatch
+from orchestrator.transport import handshake
+
+from orchestrator.transport import tls
+
+from orchestrator.transport import wire
+from orchestrator.transport.messages import PassResult, StageBatch
 
 pytestmark = pytest.mark.pure
 

@@ -4,9 +4,9 @@ a result, and a real pipeline choosing exactly what verifying its logits gives."
 import numpy as np
 import pytest
 
-from orchestrator.chain import result_problem
-from orchestrator.messages import PassResult, ProtocolError, StageBatch, TokenChoice
-from orchestrator.replay import PassRecord
+from orchestrator.transport.chain import result_problem
+from orchestrator.transport.messages import PassResult, ProtocolError, StageBatch, TokenChoice
+from orchestrator.transport.ledger import PassRecord
 from speculators.sampling import SamplingSettings
 from speculators.verify import verify
 
@@ -95,9 +95,9 @@ def test_logits_where_tokens_were_asked_and_the_reverse_are_refused():
 @pytest.mark.ray
 @pytest.mark.parametrize("sampling", [SamplingSettings(), SamplingSettings(temperature=0.9, top_p=0.95, seed=11)])
 def test_the_last_stage_chooses_what_verifying_its_logits_here_gives(ray_cluster, splits, sampling):
-    from orchestrator.pipeline import Pipeline
-    from orchestrator.schedule import TargetPass, Window
-    from orchestrator.tokenizer import Tokenizer
+    from orchestrator.cluster.pipeline import Pipeline
+    from orchestrator.decoding.schedule import TargetPass, Window
+    from stages.tokenizer import Tokenizer
     from stages.settings import StageSettings
 
     tokens = Tokenizer(splits[2][0]).tokenize("The capital of France is Paris. The capital of Italy is")

@@ -5,10 +5,11 @@ cluster's CPUs while that module runs."""
 
 import pytest
 
-from orchestrator.drafters import DrafterSettings, start_drafters, stop_drafters
-from orchestrator.generate import Drafting, generate
-from orchestrator.pipeline import Pipeline
-from orchestrator.schedule import Schedule
+from orchestrator.cluster.drafters import DrafterSettings, start_drafters, stop_drafters
+from orchestrator.decoding.drafting import Drafting
+from orchestrator.decoding.loop import generate
+from orchestrator.cluster.pipeline import Pipeline
+from orchestrator.decoding.schedule import Schedule
 from speculators.prompt_lookup import PromptLookupSpeculator
 from speculators.sampling import SamplingSettings
 from stages.settings import StageSettings
@@ -29,7 +30,7 @@ def test_token_trees_through_the_pipeline_are_exact(ray_cluster, splits, referen
     """Greedy equals the whole model, seeded sampling the plain pipeline, in both schedules."""
     import llama_cpp
 
-    from orchestrator.interfaces import InstantDrafter
+    from orchestrator.decoding.targets import InstantDrafter
 
     def is_end(token):
         return bool(llama_cpp.llama_vocab_is_eog(reference.llama._model.vocab, token))

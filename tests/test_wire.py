@@ -13,8 +13,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from orchestrator import wire
-from orchestrator.messages import (
+from orchestrator.transport import wire
+from orchestrator.transport.messages import (
     MESSAGE_TYPES,
     Boundary,
     Cancel,

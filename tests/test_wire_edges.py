@@ -12,9 +12,11 @@ import msgpack
 import numpy as np
 import pytest
 
-from orchestrator import tls, wire
-from orchestrator.defaults import KEEPALIVE_IDLE_SECONDS, KEEPALIVE_INTERVAL_SECONDS, KEEPALIVE_PROBES
-from orchestrator.messages import MESSAGE_TYPES, PassResult, ProtocolError, Shutdown, SpeculateFrom, StageFailure
+from orchestrator.transport import tls
+
+from orchestrator.transport import wire
+from orchestrator.config import KEEPALIVE_IDLE_SECONDS, KEEPALIVE_INTERVAL_SECONDS, KEEPALIVE_PROBES
+from orchestrator.transport.messages import MESSAGE_TYPES, PassResult, ProtocolError, Shutdown, SpeculateFrom, StageFailure
 from test_wire import receive_raw
 
 pytestmark = pytest.mark.pure
@@ -23,7 +25,7 @@ LIVENESS_SECONDS = 30
 """Fail instead of hanging when a frame never completes; not a speed limit."""
 
 KNOWN_KINDS = ", ".join(message_class.KIND for message_class in MESSAGE_TYPES)
-"""The kinds of orchestrator.messages.MESSAGE_TYPES, in its order, comma-separated
+"""The kinds of orchestrator.transport.messages.MESSAGE_TYPES, in its order, comma-separated
 ("batch, result, failure, shutdown, boundary, ..."): the list grows with the messages."""
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux socket options")

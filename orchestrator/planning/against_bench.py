@@ -33,10 +33,10 @@ import math
 import statistics
 from dataclasses import dataclass, replace
 
-from orchestrator.defaults import BENCH_TREE_LEAVES
+from orchestrator.config import BENCH_TREE_LEAVES
 from orchestrator.planning.costs import Software
-from orchestrator.planning.setup import PlanError
-from orchestrator.planning.setup_file import setup_from_profile
+from orchestrator.planning.inputs import PlanError
+from orchestrator.planning.loaders import setup_from_profile
 from orchestrator.planning.simulation import DraftBehaviour, DraftTrace, Mode, predict
 from speculators.draft_length import ask_cost
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orchestrator.planning.costs import ModelShape
-from orchestrator.planning.recommend import MEMORY_HEADROOM
-from orchestrator.planning.setup import PlanError
-from orchestrator.planning.setup_file import measured_machine
+from orchestrator.planning.search import MEMORY_HEADROOM
+from orchestrator.planning.inputs import PlanError
+from orchestrator.planning.loaders import measured_machine
 from stages.plan import balanced_starts
 
 MIB = 1024**2

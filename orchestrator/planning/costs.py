@@ -14,7 +14,7 @@ Two sources, one shape (``StageCosts``, a ``simulation.PipelineCosts``):
 
 Links carry activations (float32, n x width per pass) between stages and, from
 the last stage back to the coordinator (on stage 0's machine), the tokens
-chosen beside the last stage (orchestrator.messages.TokenChoice): one int32
+chosen beside the last stage (orchestrator.transport.messages.TokenChoice): one int32
 per row, not its logits. Pure Python; no Ray, no llama.cpp.
 """
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from orchestrator.planning.recommend import Recommendation
-from orchestrator.planning.setup import Setup
+from orchestrator.planning.search import Recommendation
+from orchestrator.planning.inputs import Setup
 
 MODE_NAMES = {"plain": "plain pipeline", "sync": "sync speculation", "async": "async speculation"}
 

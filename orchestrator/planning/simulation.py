@@ -1,7 +1,8 @@
 """A discrete-event simulation of the coordinator's decoding loop.
 
-It makes the decoding loop's decisions with the same pure functions the real
-loop (orchestrator.generate) calls, those of orchestrator.schedule: the same
+It turns the real decoding loop (orchestrator.decoding.loop), whose decisions
+are those of orchestrator.decoding.schedule, against simulated stages and
+drafters: the same
 windows, the same drafting before a pass, the same async relay of drafters at
 stage boundaries, the same window started ahead after a fully accepted one,
 the same discarding of a window started on a failed speculation, the same
@@ -58,8 +59,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from orchestrator.defaults import DRAFT_MAX
-from orchestrator.schedule import Schedule, Scheduler, SequenceState, relay
+from orchestrator.config import DRAFT_MAX
+from orchestrator.decoding.drafting import Drafting
+from orchestrator.decoding.loop import Decoding, DecodingLoop, Listener
+from orchestrator.decoding.schedule import Schedule, SequenceState, TargetPass, Window
 from speculators.draft_length import DRAFTER_CALL_COST, step_from_timings
 from speculators.tree import DraftTree, lookup_tree
 
@@ -218,7 +221,7 @@ class DraftOutcomes(Protocol):
 @dataclass(frozen=True)
 class Mode:
     """A schedule (a ``Schedule`` or its name), its draft_max, and what the
-    draft policy prices (orchestrator.generate.Drafting): asking the drafter
+    draft policy prices (orchestrator.decoding.loop.Drafting): asking the drafter
     before a window (call_cost), and each extra token of a pass, in one-token
     passes (step; None: from the costs, as a run measures it before it
     starts, ``pass_step``)."""
@@ -383,47 +386,114 @@ class _TraceLookup:
         return [main, *(_TRUE + position if rank == right else _WRONG + rank for rank in range(1, count + 1))]
 
 
-class _Drafter:
-    """A drafter beside one stage: drafts from ``speculate`` until ``collect``."""
+class _Clock:
+    """The simulation's virtual time, shared by its target and its drafters."""
 
-    def __init__(self, seconds_per_token: float, draft_max: int, outcomes: DraftOutcomes, rng: random.Random):
+    def __init__(self):
+        self.now = 0.0
+
+
+class _SimulatedDrafter:
+    """A drafter beside one stage, in virtual time: drafts from ``speculate``
+    until ``collect``, one token per ``seconds_per_token``; every collect
+    costs the coordinator a round trip (``call_seconds``)."""
+
+    def __init__(self, clock: _Clock, seconds_per_token: float, call_seconds: float, draft_max: int,
+                 outcomes: DraftOutcomes, rng: random.Random):
+        self.clock = clock
         self.seconds_per_token = seconds_per_token
+        self.call_seconds = call_seconds
         self.draft_max = draft_max
         self.outcomes = outcomes
         self.rng = rng
+        self.state: SequenceState | None = None  # the sequence it drafts for (set once made)
         self.started = 0.0
+        self.context: list[int] = []
+        self.most: int | None = None
         self.tokens: list[int] = []  # what it would draft before stopping by itself
 
-    def speculate(self, at: float, state: SequenceState, *, from_committed: bool = False,
-                  most: int | None = None) -> None:
-        """Start drafting after the sequence's text (or its committed text alone), at most ``most`` tokens."""
-        speculation = [] if from_committed else state.speculation
-        position = len(state.committed) + len(speculation)
-        right = all(token == _TRUE + index for index, token in enumerate(speculation, start=len(state.committed)))
-        self.started = at
+    def speculate(self, context: list[int], most: int | None = None) -> None:
+        """Start drafting after ``context`` (the committed text, or it and the speculation)."""
+        fresh = len(context) == len(self.state.committed)  # type: ignore[union-attr]
+        right = _on_truth(context)
+        self.started, self.context, self.most = self.clock.now, list(context), most
         self.tokens = []
         while len(self.tokens) < min(self.draft_max, most or self.draft_max):
-            drawn = self.outcomes.draw(position + len(self.tokens), right, not speculation and not self.tokens, self.rng)
+            drawn = self.outcomes.draw(len(context) + len(self.tokens), right, fresh and not self.tokens, self.rng)
             if drawn is None:
                 break
             right = right and drawn
-            self.tokens.append(_TRUE + position + len(self.tokens) if right else _WRONG)
+            self.tokens.append(_TRUE + len(context) + len(self.tokens) if right else _WRONG)
 
-    def draft_tree(self, at: float, state: SequenceState, most: int, leaves: int) -> tuple[DraftTree, float]:
-        """A token tree from the committed text, as InstantDrafter.collect_tree
-        drafts it; (the tree, when it is ready)."""
-        limit = min(self.draft_max, most)
-        tree = lookup_tree(_TraceLookup(self.outcomes), state.committed, limit, 2 * limit, leaves - 1)  # type: ignore[arg-type]
-        return tree, at + (len(tree.tokens) - 1) * self.seconds_per_token
-
-    def collect(self, at: float, wait: bool) -> tuple[list[int], float]:
-        """(the tokens drafted by ``at``; when the reply is ready)."""
+    def collect(self, wait: bool = False) -> list[int]:
+        """The tokens drafted by now (with ``wait``: all, once drafted)."""
         if wait:
-            return self.tokens, max(at, self.started + len(self.tokens) * self.seconds_per_token)
-        if self.seconds_per_token <= 0:
-            return self.tokens, at
-        done = int(max(0.0, at - self.started) / self.seconds_per_token)
-        return self.tokens[:done], at
+            self.clock.now = max(self.clock.now, self.started + len(self.tokens) * self.seconds_per_token)
+            drafted = self.tokens
+        elif self.seconds_per_token <= 0:
+            drafted = self.tokens
+        else:
+            drafted = self.tokens[:int(max(0.0, self.clock.now - self.started) / self.seconds_per_token)]
+        self.clock.now += self.call_seconds
+        return list(drafted)
+
+    def collect_tree(self, leaves: int) -> DraftTree:
+        """A token tree from the committed text, as InstantDrafter.collect_tree drafts it."""
+        limit = min(self.draft_max, self.most or self.draft_max)
+        tree = lookup_tree(_TraceLookup(self.outcomes), self.context, limit, 2 * limit, leaves - 1)  # type: ignore[arg-type]
+        self.clock.now += (len(tree.tokens) - 1) * self.seconds_per_token + self.call_seconds
+        return tree
+
+
+@dataclass(frozen=True)
+class _Result:
+    """A simulated pass's result: its tokens come from the text (_target_tokens), its stages' seconds are not kept."""
+
+    stage_seconds: tuple[float, ...] = ()
+
+
+class _SimulatedTarget:
+    """The stages in virtual time: a pass's result comes when its timeline says."""
+
+    n_batch = 1 << 30
+
+    def __init__(self, costs: PipelineCosts, clock: _Clock):
+        self.stages = _Stages(costs)
+        self.clock = clock
+        self.timings: deque[tuple[TargetPass, _Timeline]] = deque()  # each pass in flight, in submission order
+
+    def submit(self, target_pass: TargetPass) -> None:
+        self.timings.append((target_pass, self.stages.run(self.clock.now, target_pass.tokens)))
+
+    def cancel(self, target_pass: TargetPass) -> None:
+        index = next(index for index, (flying, _) in enumerate(self.timings) if flying is target_pass)
+        self.timings[index] = (target_pass, self.stages.cancel(self.timings[index][1], self.clock.now))
+
+    def await_boundary(self, stage_index: int) -> int:
+        self.clock.now = max(self.clock.now, self.timings[0][1].boundaries[stage_index])
+        return 0
+
+    def receive(self) -> _Result:
+        _, timeline = self.timings.popleft()
+        self.clock.now = max(self.clock.now, timeline.result)
+        return _Result()
+
+    def release(self, sequence: int) -> None:
+        """Nothing to free."""
+
+
+class _Timekeeper(Listener):
+    """The coordinator's own work after each verified window, and when a sequence's last token came."""
+
+    def __init__(self, costs: PipelineCosts, clock: _Clock):
+        self.costs = costs
+        self.clock = clock
+        self.last_token_time = 0.0
+
+    def verified(self, window: Window, tokens: list[int]) -> None:
+        self.clock.now += self.costs.coordinator_seconds(len(window.inputs))
+        if tokens:
+            self.last_token_time = self.clock.now
 
 
 def pass_step(costs: PipelineCosts, batch: int = 8) -> float:
@@ -465,73 +535,37 @@ def simulate_many(costs: PipelineCosts, mode: Mode, workloads: list[DraftOutcome
     (their windows share passes), from the first generated token on: the
     prompt's pass is not simulated; as in the real loop, the first window
     waits for the drafter beside stage 0.
-    The loop is orchestrator.generate's, with the schedule's decisions
-    (orchestrator.schedule) carried out in virtual time."""
+    The loop is orchestrator.decoding.loop's own, turned against simulated
+    stages and drafters in virtual time."""
     if max_tokens < 2:  # the first token is where the simulation starts: it would never end
         raise ValueError(f"max_tokens must be at least 2, not {max_tokens}")
     rng = random.Random(seed)
-    count = costs.stage_count
-    stages = _Stages(costs)
+    clock = _Clock()
+    target = _SimulatedTarget(costs, clock)
     step = pass_step(costs) if mode.step is None else mode.step
-    trees = mode.tree_leaves > 1
-    states = [SequenceState(index, [_TRUE], 0, max_tokens, mode.schedule, mode.draft_max, draft_call_cost=mode.call_cost,
-                            draft_step=step,
-                            tree_leaves=mode.tree_leaves if trees and getattr(workload, "forks", ()) else 1,
-                            side_row_step=mode.side_row_step)
-              for index, workload in enumerate(workloads)]
-    drafters = [[_Drafter(costs.draft_seconds(machine), mode.draft_max, workload, rng) for machine in range(count)]
-                for workload in workloads]
-    last_token_time = [0.0] * len(states)
-    scheduler = Scheduler(states)
-    timings: deque[_Timeline] = deque()  # each pass in flight, in the order of scheduler.in_flight
-    now = 0.0
-    call = costs.draft_call_seconds()
-    while not scheduler.done:
-        for state in scheduler.drafting_first():
-            drafter = drafters[state.sequence][0]
-            if state.tree_leaves > 1:
-                tree, now = drafter.draft_tree(now, state, state.drafts_wanted, state.tree_leaves)
-                now += call
-                state.drafted_tree(tree)
-                continue
-            drafter.speculate(now, state, from_committed=True, most=state.drafts_wanted)
-            drafted, now = drafter.collect(now, wait=True)
-            now += call
-            state.drafted_first(list(drafted))
-        for target_pass in scheduler.next_passes():
-            timings.append(stages.run(now, target_pass.tokens))
-        timeline = timings.popleft()
-        boundaries, result_time = timeline.boundaries, timeline.result
-        relaying = scheduler.relaying()
-        handoffs = relay(count) if relaying else ()
-        for moment, handoff in enumerate(handoffs):
-            if moment == len(handoffs) - 1:
-                now = max(now, result_time)
-            elif moment > 0:
-                now = max(now, boundaries[moment - 1])
-            for state in relaying:
-                machines = drafters[state.sequence]
-                if handoff.collect is not None:
-                    state.drafted(machines[handoff.collect].collect(now, wait=False)[0])
-                    now += call
-                if handoff.start is not None:
-                    machines[handoff.start].speculate(now, state)
-        now = max(now, result_time)
-        for state, window, rows in scheduler.received():
-            if rows is None:
-                continue
-            now += costs.coordinator_seconds(len(window.inputs))
-            if state.verified(window, _target_tokens(window, workloads[state.sequence].end), _is_end):
-                last_token_time[state.sequence] = now
-        for target_pass in scheduler.invalid_passes():
-            index = next(index for index, flying in enumerate(scheduler.in_flight) if flying is target_pass)
-            timings[index] = stages.cancel(timings[index], now)
+    ends = [workload.end for workload in workloads]
+    loop = DecodingLoop(target, _is_end, choose=lambda reply, window, rows: _target_tokens(window, ends[window.sequence]))
+    keepers = []
+    for index, workload in enumerate(workloads):
+        tree_leaves = mode.tree_leaves if mode.tree_leaves > 1 and getattr(workload, "forks", ()) else 1
+        drafters = [_SimulatedDrafter(clock, costs.draft_seconds(machine), costs.draft_call_seconds(), mode.draft_max,
+                                      workload, rng) for machine in range(costs.stage_count)]
+        drafting = Drafting(drafters, mode.schedule, mode.draft_max, call_cost=mode.call_cost, step=step,
+                            tree_leaves=tree_leaves, side_row_step=mode.side_row_step)
+        state = SequenceState(index, [_TRUE], 0, max_tokens, mode.schedule, mode.draft_max,
+                              draft_call_cost=mode.call_cost, draft_step=step, tree_leaves=tree_leaves,
+                              side_row_step=mode.side_row_step)
+        for drafter in drafters:
+            drafter.state = state
+        keepers.append(_Timekeeper(costs, clock))
+        loop.add(Decoding(state, drafting if mode.schedule.speculative else None, keepers[-1]))
+    loop.run()
     return [
-        SimulatedRun(tokens=state.generated, seconds=last_token_time[state.sequence], passes=state.passes,
+        SimulatedRun(tokens=state.generated, seconds=keeper.last_token_time, passes=state.passes,
                      discarded_passes=state.stats.discarded_passes, drafted_tokens=state.stats.drafted_tokens,
-                     accepted_tokens=state.stats.accepted_tokens, stage_busy_seconds=list(stages.busy),
+                     accepted_tokens=state.stats.accepted_tokens, stage_busy_seconds=list(target.stages.busy),
                      tree_passes=state.stats.tree_passes, side_accepted=state.stats.side_accepted)
-        for state in states
+        for state, keeper in zip((decoding.state for decoding in loop.decodings.values()), keepers)
     ]
 
 

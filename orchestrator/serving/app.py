@@ -2,9 +2,9 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET
 /v1/models``, ``GET /health``. The requests are checked by the pure
-orchestrator.openai_protocol; this module only does HTTP: the API key, the
+orchestrator.serving.protocol; this module only does HTTP: the API key, the
 event stream, the client going away. Ray Serve runs the app as the ingress of
-the deployment (orchestrator.serving), but nothing here needs Ray.
+the deployment (orchestrator.serving.deployment), but nothing here needs Ray.
 
 Each request's tokens come from the service's thread; its sink hands them to
 this event loop (``call_soon_threadsafe``), never blocking the service. A
@@ -23,8 +23,8 @@ from typing import Any, Protocol
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from orchestrator.openai_protocol import FINISH_REASONS, ApiError, Reply, TextAssembler, decode_body, parse_request, sse
-from orchestrator.service import Progress, QueueFull, RequestTooLong, Service, ServiceError, ServiceRequest, ShuttingDown
+from orchestrator.serving.protocol import FINISH_REASONS, ApiError, Reply, TextAssembler, decode_body, parse_request, sse
+from orchestrator.decoding.service import Progress, QueueFull, RequestTooLong, Service, ServiceError, ServiceRequest, ShuttingDown
 
 RETRY_AFTER_SECONDS = 1  # told to a client refused with 429: a sequence frees within a few passes
 

@@ -1,7 +1,7 @@
 """``orchestrate serve``: the split model as a long-lived OpenAI-compatible service on Ray Serve.
 
 The coordinator is one Ray Serve deployment (``specpipe``) whose ingress is the
-FastAPI app of orchestrator.openai_app; it appears on the Ray dashboard's
+FastAPI app of orchestrator.serving.app; it appears on the Ray dashboard's
 Serve page, with Serve's request metrics, and ``serve status`` describes it.
 Its replica owns what ``orchestrate run`` starts for one prompt, started once:
 the stage actors and their socket chain (``Pipeline``), and the ``Service``
@@ -25,17 +25,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from orchestrator.defaults import (
+from orchestrator.config import (
     MAX_RESTARTS,
     SERVE_DRAIN_SECONDS,
     SERVE_KV_MEMORY_SHARE,
     SERVE_MAX_SEQUENCES,
 )
+from orchestrator.decoding.drafting import SpeculationSettings
 from stages.errors import SpecpipeError
 from stages.settings import StageSettings
 
 if TYPE_CHECKING:
-    from orchestrator.session import WholeModelSettings
+    from orchestrator.cluster.model_files import WholeModelSettings
 
 APPLICATION = "specpipe"
 
@@ -52,10 +53,7 @@ class ServeSettings:
     stage: StageSettings
     queue_limit: int
     model_name: str | None = None  # None: the GGUF file's name (model_name_of)
-    speculator: str = "none"  # none, ngram, or model (draft_path)
-    draft_path: str | None = None
-    draft_p_min: float = 0.0
-    draft_max: int = 8
+    speculation: SpeculationSettings = SpeculationSettings()
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
@@ -64,15 +62,15 @@ class ServeSettings:
     wire_dtype: str = "f32"
     dashboard: bool = True
     drain_seconds: float = SERVE_DRAIN_SECONDS
-    max_restarts: int = MAX_RESTARTS  # of each stage that dies (orchestrator.pipeline)
-    tls: bool = False  # the chain in TLS (orchestrator.tls)
+    max_restarts: int = MAX_RESTARTS  # of each stage that dies (orchestrator.cluster.pipeline)
+    tls: bool = False  # the chain in TLS (orchestrator.transport.tls)
     whole_model: WholeModelSettings | None = None  # --model: shipped before the replica starts (place_stages)
     vocabulary_path: str | None = None  # a file on this machine with the vocabulary (None: a local stage file)
 
 
 def kv_bytes_per_sequence(path: str, context: int) -> int:
     """KV cache bytes one sequence of ``context`` positions takes in the stage file at path."""
-    from orchestrator.planning.setup_file import model_shape_of_gguf
+    from orchestrator.planning.loaders import model_shape_of_gguf
 
     shape = model_shape_of_gguf(path)
     return shape.blocks * shape.kv_bytes_per_token * context
@@ -104,30 +102,33 @@ class Coordinator:
     """What the Serve replica holds: tokenizer, pipeline, service, and the app over them."""
 
     def __init__(self, settings: ServeSettings):
-        from orchestrator.metrics import ServiceMetrics
-        from orchestrator.openai_app import Backend
-        from orchestrator.pipeline import Pipeline
-        from orchestrator.service import Service, ServiceSettings
-        from orchestrator.session import check_same_model
-        from orchestrator.tokenizer import Tokenizer
+        from orchestrator.cluster.metrics import ServiceMetrics
+        from orchestrator.serving.app import Backend
+        from orchestrator.cluster.pipeline import Pipeline
+        from orchestrator.decoding.service import Service, ServiceSettings
+        from orchestrator.cluster.model_files import check_same_model
+        from stages.tokenizer import Tokenizer
 
         self.settings = settings
         tokenizer = Tokenizer(vocabulary_of(settings))
         self.draft_engine = None
-        from orchestrator.metrics import RestartMetrics
+        from orchestrator.cluster.metrics import RestartMetrics
 
         restart_metrics = RestartMetrics()
+        speculation = settings.speculation
         self.pipeline = Pipeline(settings.stage_paths, settings.stage, wire_dtype=settings.wire_dtype,
                                  place=settings.place, max_restarts=settings.max_restarts, tls=settings.tls, overlapping=True,
+                                 notify_boundaries=speculation.relays,
                                  on_restart=lambda restart: restart_metrics.record("stage", restart.stage_index))
         try:
             check_same_model(vocabulary_of(settings), self.pipeline.stage_files)
-            draft_room = settings.draft_max if settings.speculator != "none" else 0
             self.service = Service(
                 self.pipeline, tokenizer.is_end,
                 ServiceSettings(
                     max_sequences=settings.stage.sequences, queue_limit=settings.queue_limit,
-                    context=settings.stage.n_ctx, speculator=self._speculator(), draft_max=settings.draft_max,
+                    context=settings.stage.n_ctx, speculator=self._speculator(), draft_max=speculation.draft_max,
+                    schedule=speculation.schedule, stage_count=len(settings.stage_paths),
+                    tree_leaves=speculation.tree_leaves,
                 ),
                 observer=ServiceMetrics(),
             )
@@ -136,7 +137,7 @@ class Coordinator:
             if self.draft_engine is not None:
                 self.draft_engine.close()
             raise
-        self.backend = Backend(self.service, tokenizer, settings.model_name, settings.stage.n_ctx, draft_room,
+        self.backend = Backend(self.service, tokenizer, settings.model_name, settings.stage.n_ctx, speculation.draft_room,
                                stage_load=self.stage_load, api_key=settings.api_key)
         self._closed = False
 
@@ -146,13 +147,13 @@ class Coordinator:
         from speculators.model import ModelSpeculator, load_draft_engine
         from speculators.prompt_lookup import PromptLookupSpeculator
 
-        settings = self.settings
-        if settings.speculator == "ngram":
+        settings, speculation = self.settings, self.settings.speculation
+        if speculation.speculator == "ngram":
             return lambda sequence: PromptLookupSpeculator()
-        if settings.speculator == "model":
-            self.draft_engine = load_draft_engine(settings.draft_path, n_ctx=settings.stage.n_ctx + settings.draft_max,
+        if speculation.speculator == "model":
+            self.draft_engine = load_draft_engine(speculation.draft_path, n_ctx=settings.stage.n_ctx + speculation.draft_max,
                                                   threads=settings.stage.threads, sequences=settings.stage.sequences)
-            engine, p_min = self.draft_engine, settings.draft_p_min
+            engine, p_min = self.draft_engine, speculation.draft_p_min
             return lambda sequence: ModelSpeculator.on(engine, sequence, p_min)
         return None
 
@@ -167,7 +168,7 @@ class Coordinator:
                 for index, load in enumerate(loads)]
 
     def app(self):
-        from orchestrator.openai_app import build_app
+        from orchestrator.serving.app import build_app
 
         return build_app(self.backend)
 
@@ -222,7 +223,7 @@ def _deployment(settings: ServeSettings):
 
 def vocabulary_of(settings: ServeSettings) -> str:
     """The file on this machine the vocabulary is read from (ServeError if none)."""
-    from orchestrator.session import local_vocabulary_file
+    from orchestrator.cluster.model_files import local_vocabulary_file
 
     path = settings.vocabulary_path or local_vocabulary_file(settings.stage_paths)
     if path is None:
@@ -234,7 +235,7 @@ def needs_placing(settings: ServeSettings) -> bool:
     """Whether the stages must be placed before the replica starts: a whole
     model to ship, or stage files none of which is here (the vocabulary is
     then read on stage 0's node)."""
-    from orchestrator.session import local_vocabulary_file
+    from orchestrator.cluster.model_files import local_vocabulary_file
 
     return settings.whole_model is not None or (
         settings.vocabulary_path is None and local_vocabulary_file(settings.stage_paths) is None)
@@ -245,16 +246,16 @@ def place_stages(settings: ServeSettings, on_status: Callable[[str], None]) -> S
     (as ``orchestrate run --model`` does) or fetch the vocabulary from stage
     0's node, and pin the stages to those nodes (``place``), so that the
     replica's pipeline finds each file where it was put."""
-    from orchestrator.cluster import Reservation
-    from orchestrator.handshake import new_secret
-    from orchestrator.session import whole_model_stages
-    from orchestrator.shipping import fetch_vocabulary, probe_nodes, ship_whole_model
-    from orchestrator.tls import new_chain_certificate
+    from orchestrator.cluster.connect import Reservation
+    from orchestrator.transport.handshake import new_secret
+    from orchestrator.cluster.model_files import whole_model_stages
+    from orchestrator.cluster.shipping import fetch_vocabulary, probe_nodes, ship_whole_model
+    from orchestrator.transport.tls import new_chain_certificate
 
     whole = settings.whole_model
     shipping = None
     if whole is not None:
-        shipping = whole_model_stages(whole, settings.stage, settings.draft_path, on_status)
+        shipping = whole_model_stages(whole, settings.stage, settings.speculation.draft_path, on_status)
         if shipping is None:  # one unsplit file, one node: it runs as it is
             return replace(settings, stage_paths=[whole.path], whole_model=None, vocabulary_path=whole.path)
     count = shipping.stage_count if shipping is not None else len(settings.stage_paths)
@@ -284,13 +285,17 @@ def prepare(settings: ServeSettings) -> ServeSettings:
     vocabulary_path = vocabulary_of(settings)
     if settings.model_name is None:
         settings = replace(settings, model_name=model_name_of(vocabulary_path))
-    if settings.speculator == "model":  # checked here: a bad draft fails before Ray starts
-        from orchestrator.session import check_draft_model
-        from orchestrator.tokenizer import Tokenizer
+    speculation = settings.speculation
+    if speculation.speculator == "model":  # checked here: a bad draft fails before Ray starts
+        from orchestrator.cluster.model_files import check_draft_model
+        from stages.tokenizer import Tokenizer
 
-        if not settings.draft_path:
-            raise ServeError("--speculator model needs --draft DRAFT.gguf")
-        check_draft_model(settings.draft_path, Tokenizer(vocabulary_path))
+        check_draft_model(speculation.draft_path, Tokenizer(vocabulary_path))
+    if speculation.tree_leaves > 1:  # a stage holds a tree's branches beside one sequence only (stages.engine)
+        if settings.stage.sequences > 1:
+            raise ServeError("token trees (--tree-leaves) need --max-sequences 1")
+        settings = replace(settings, stage=replace(settings.stage, sequences=1,
+                                                   tree_sequences=speculation.tree_leaves - 1))
     if settings.stage.sequences < 1:  # not given: what fits in memory
         kv_bytes = kv_bytes_per_sequence(vocabulary_path, settings.stage.n_ctx)
         settings = replace(settings, stage=replace(settings.stage, sequences=default_max_sequences(
@@ -301,7 +306,7 @@ def prepare(settings: ServeSettings) -> ServeSettings:
 def serve_until_stopped(settings: ServeSettings, on_status: Callable[[str], None]) -> None:
     """Start Ray (or join --address), run the deployment, serve until SIGINT or
     SIGTERM, then delete it (in-flight requests drain) and stop Serve."""
-    from orchestrator.cluster import ray_session
+    from orchestrator.cluster.connect import ray_session
 
     placing = needs_placing(settings)
     if not placing:
@@ -326,7 +331,7 @@ def _run_application(settings: ServeSettings, on_status: Callable[[str], None], 
 
     from ray import serve
 
-    from orchestrator.cluster import one_line
+    from orchestrator.cluster.connect import one_line
 
     # Serve logs every step at INFO on the console; this command prints its own
     # (Serve's own logs stay in /tmp/ray/session_latest/logs/serve/).

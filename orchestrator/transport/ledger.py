@@ -2,14 +2,14 @@
 stage can be rebuilt by replay (Petals' recovery, exact).
 
 Pure: no Ray, no sockets, no llama.cpp. Each pass the coordinator sends is a
-``PassRecord``; the chain (orchestrator.chain) keeps the records of passes in
+``PassRecord``; the chain (orchestrator.transport.chain) keeps the records of passes in
 flight and, when a pass's result comes back, settles it into a ``KvLedger``.
 Every stage applies a pass the same way (stages.engine): drop the sequence's
 cached positions >= keep, then cache the pass's tokens at its positions. So
 after the settled passes every stage holds, for each sequence, exactly the
 ledger's (position, token) pairs, and their KV values are a function of those
 tokens alone: a batch's KV is bit-identical whatever the batching (the
-Makefile's build flags; README "How it works").
+Makefile's build flags; docs/architecture.md, "Failure handling").
 
 When a stage is lost, a fresh chain is rebuilt by ``rebuild`` (each sequence's
 held tokens in chunks of n_batch, the first with keep 0, which also clears
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from orchestrator.messages import TokenChoice
+from orchestrator.transport.messages import TokenChoice
 from speculators.tree import main_chain_length
 
 

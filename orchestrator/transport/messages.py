@@ -4,14 +4,14 @@ The per-token path is a chain of TCP sockets: coordinator -> stage 0 -> stage 1
 -> ... -> last stage -> coordinator. Each pass is one ``StageBatch`` going down
 the chain (its ``hidden`` replaced at every hop) and one ``PassResult`` (or a
 ``StageFailure``) coming back to the coordinator. ``Shutdown`` travels the same
-way and closes every stage's loop. ``orchestrator.wire`` frames them.
+way and closes every stage's loop. ``orchestrator.transport.wire`` frames them.
 
 Every message declares its own wire form, so adding one touches only this file:
 ``KIND`` names it on the wire, ``to_wire()`` returns its msgpack header entries
 (without ``kind``) and its one large array (or None), and ``from_wire(header,
 array)`` builds it back from them. Small int32 arrays ride inside the header as
 bytes; the large array (hidden states, logits, a drafting context) is framed
-raw by ``orchestrator.wire``. ``MESSAGE_TYPES`` lists every message class; the
+raw by ``orchestrator.transport.wire``. ``MESSAGE_TYPES`` lists every message class; the
 wire decodes by it. ``from_wire`` checks every field's type, and the lengths
 and shapes that must agree, before building a message: a violation is one
 ``ProtocolError`` naming the field.

@@ -3,7 +3,7 @@
 ``parse_request`` checks a decoded JSON body of ``/v1/completions`` or
 ``/v1/chat/completions`` and returns a ``CompletionRequest`` or raises an
 ``ApiError`` (status, one-line message, the offending field): the HTTP layer
-(orchestrator.openai_app) only turns it into OpenAI's error JSON. Fields that
+(orchestrator.serving.app) only turns it into OpenAI's error JSON. Fields that
 would change the result and are not supported (``n`` > 1, ``logprobs``,
 ``tools``, ``response_format`` other than text, ...) are refused, never
 silently ignored. ``TextAssembler`` turns committed tokens into text and

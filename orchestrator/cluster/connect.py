@@ -7,7 +7,7 @@ import logging
 import os
 from collections.abc import Iterator
 
-from orchestrator.placement import NodeInfo
+from orchestrator.cluster.placement import NodeInfo
 from stages.errors import SpecpipeError
 
 # Ray otherwise tries to report usage over the network, which these machines lack.
@@ -121,8 +121,8 @@ class Reservation:
     def __init__(self, stage_count: int, place: dict[int, str] | None = None):
         import ray
 
-        from orchestrator.defaults import PLACEMENT_SECONDS
-        from orchestrator.placement import plan_placement
+        from orchestrator.config import PLACEMENT_SECONDS
+        from orchestrator.cluster.placement import plan_placement
 
         self.stage_count = stage_count
         self.plan = plan_placement(alive_nodes(), stage_count, ray.get_runtime_context().get_node_id(), place)

@@ -12,7 +12,7 @@ the serving loop. A pass cancelled before it reaches the stage is dropped
 without reaching llama.cpp; one the stage is running is stopped after its current
 graph node (``StageEngine.abort``). Either way a ``Cancelled`` goes downstream
 in its place and later stages forward it. The stages' caches stay consistent
-without more: a cancelled pass is settled as not decoded (orchestrator.replay),
+without more: a cancelled pass is settled as not decoded (orchestrator.transport.ledger),
 and the sequence's next pass drops every position from its keep on, at every
 stage, whatever each held of the cancelled one.
 """
@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from orchestrator import wire
-from orchestrator.defaults import CONNECT_SECONDS
-from orchestrator.handshake import (
+from orchestrator.transport import wire
+from orchestrator.config import CONNECT_SECONDS
+from orchestrator.transport.handshake import (
     RESULT_ROLE,
     HandshakeError,
     accept_peer,
@@ -40,12 +40,12 @@ from orchestrator.handshake import (
     connect_peer,
     upstream_role,
 )
-from orchestrator.messages import Boundary, Cancel, Cancelled, PassResult, Shutdown, StageBatch, StageFailure
+from orchestrator.transport.messages import Boundary, Cancel, Cancelled, PassResult, Shutdown, StageBatch, StageFailure
 from stages.engine import PassAborted, StageEngine, StageError
 from stages.settings import StageSettings
 
 if TYPE_CHECKING:
-    from orchestrator.tls import ChainCertificate
+    from orchestrator.transport.tls import ChainCertificate
 
 WIRE_DTYPES = {"f32": np.float32, "f16": np.float16}
 
@@ -58,7 +58,7 @@ class StageDescription:
     first_block, end_block: the stage's blocks [first_block, end_block) of the whole model.
     host, port: its listening socket for the upstream peer.
     process_id: the stage's process on its node (to name it, or to stop it in tests).
-    cpus: the CPUs its process could run on when it started (orchestrator.stage_cpus pins it to some).
+    cpus: the CPUs its process could run on when it started (orchestrator.cluster.stage_cpus pins it to some).
     """
 
     stage_index: int
@@ -78,8 +78,8 @@ class StageServer:
 
     def __init__(self, path: str, settings: StageSettings, host: str, node_id: str, wire_dtype: str = "f32", *,
                  secret: bytes, certificate: ChainCertificate | None = None):
-        """secret: the pipeline's, for the handshake of every connection (orchestrator.handshake);
-        certificate: the pipeline's with --tls (orchestrator.tls), else None."""
+        """secret: the pipeline's, for the handshake of every connection (orchestrator.transport.handshake);
+        certificate: the pipeline's with --tls (orchestrator.transport.tls), else None."""
         self.secret = secret
         self.certificate = certificate
         self.engine = StageEngine(path, settings)

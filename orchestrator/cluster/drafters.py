@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from orchestrator import wire
-from orchestrator.handshake import HandshakeError, connect_peer, drafter_role
-from orchestrator.defaults import (
+from orchestrator.transport import wire
+from orchestrator.transport.handshake import HandshakeError, connect_peer, drafter_role
+from orchestrator.config import (
     ACTOR_START_SECONDS,
     CONNECT_SECONDS,
     DRAFT_MAX,
@@ -28,8 +28,8 @@ from orchestrator.defaults import (
     DRAFTER_WAIT_SECONDS,
     MAX_RESTARTS,
 )
-from orchestrator.drafter_server import DrafterServer, Speculator
-from orchestrator.messages import CollectDraft, DraftReply, Shutdown, SpeculateFrom
+from orchestrator.workers.drafter_server import DrafterServer, Speculator
+from orchestrator.transport.messages import CollectDraft, DraftReply, Shutdown, SpeculateFrom
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ def _drafter_actor_class():
             )
 
         def peak_rss_mb(self) -> float:
-            from orchestrator.cluster import peak_rss_mb
+            from orchestrator.cluster.connect import peak_rss_mb
 
             return peak_rss_mb()
 
@@ -147,7 +147,7 @@ class DrafterClient:
         try:
             launched = self._relaunch()  # type: ignore[misc]
         except Exception as error:  # noqa: BLE001 - any failure to start leaves the drafter lost, never the run
-            from orchestrator.cluster import one_line
+            from orchestrator.cluster.connect import one_line
 
             self.lost_reason = f"{self.lost_reason}; the restart failed: {one_line(error)}"
             return
@@ -236,7 +236,7 @@ def start_drafters(pipeline, make_speculator: Callable[[], Speculator], settings
     """
     import ray
 
-    from orchestrator.cluster import one_line
+    from orchestrator.cluster.connect import one_line
 
     actor_class = _drafter_actor_class()
 

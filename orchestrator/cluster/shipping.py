@@ -13,7 +13,7 @@ tensor table) and the boundaries, so a node that holds the right file
 receives nothing, and another split of the same model is another file.
 
 One transfer, on a socket of its own that opens with the data plane's
-handshake (orchestrator.handshake; in TLS with ``--tls``), the role naming
+handshake (orchestrator.transport.handshake; in TLS with ``--tls``), the role naming
 the stage; every frame is checked and every read has a deadline::
 
     receiver -> sender:  {"held": n}         bytes of <file>.partial it holds (0: none)
@@ -52,14 +52,14 @@ from typing import TYPE_CHECKING
 
 import msgpack
 
-from orchestrator.defaults import ACTOR_START_SECONDS, CONNECT_SECONDS, cache_dir
-from orchestrator.handshake import HandshakeError, accept_peer, connect_peer
+from orchestrator.config import ACTOR_START_SECONDS, CONNECT_SECONDS, cache_dir
+from orchestrator.transport.handshake import HandshakeError, accept_peer, connect_peer
 from orchestrator.planning.cluster_split import NodeMemory
 from stages.errors import SpecpipeError
 from stages.stage_image import CHUNK_BYTES, StageImage
 
 if TYPE_CHECKING:
-    from orchestrator.tls import ChainCertificate
+    from orchestrator.transport.tls import ChainCertificate
 
 STAGE_CACHE_VARIABLE = "SPECPIPE_STAGE_CACHE"
 TRANSFER_IDLE_SECONDS = 60.0  # the longest a transfer's socket may stay silent
@@ -289,7 +289,7 @@ def _receiver_actor_class():
 
         def open(self) -> tuple[str, str, int, int]:
             """(path, listening host, its port, bytes held): port 0 when the file is here whole."""
-            from orchestrator import wire
+            from orchestrator.transport import wire
 
             if self.receiver.complete():
                 return str(self.receiver.path), "", 0, self.receiver.size
@@ -323,7 +323,7 @@ def probe_nodes(reservation, stage_count: int) -> list[NodeMemory]:
     """Each stage's node (as the reservation places it): its address, id and the memory it has available."""
     import ray
 
-    from orchestrator.cluster import one_line
+    from orchestrator.cluster.connect import one_line
 
     @ray.remote(num_cpus=0, max_retries=0)
     def node_memory() -> NodeMemory:
@@ -350,7 +350,7 @@ def ship_stage(image: StageImage, entry: CacheEntry, node: NodeMemory, schedulin
     from zero, once. loopback: the node is this machine."""
     import ray
 
-    from orchestrator.cluster import one_line
+    from orchestrator.cluster.connect import one_line
 
     started = time.monotonic()
     where = f"stage {entry.stage_index} on node {node.address} ({node.node_id[:8]})"
@@ -435,7 +435,7 @@ def fetch_vocabulary(stage_path: str, scheduling_strategy) -> str:
     read there and kept in this machine's cache under its digest."""
     import ray
 
-    from orchestrator.cluster import one_line
+    from orchestrator.cluster.connect import one_line
     from stages.stage_image import StageImage, write_atomically
 
     @ray.remote(num_cpus=0, max_retries=0)

@@ -8,13 +8,13 @@ wrapped in TLS 1.3 before anything else is said on it: the accepting side
 shows the certificate (``server_side``), the connecting side accepts that one
 certificate and no other (``client_side``; the hosts are IP addresses, so the
 pin is the check, not a host name). The accepting side asks for no client
-certificate: the HMAC handshake (orchestrator.handshake), which runs inside
+certificate: the HMAC handshake (orchestrator.transport.handshake), which runs inside
 TLS, proves the connector. A TLS handshake that fails or stalls is one
 ``TLSError`` (a ``HandshakeError``: an acceptor drops such a stranger and waits
 for its peer, as for any peer that does not prove itself).
 
 Each side's ``ssl.SSLContext`` is built once per certificate (cached), not
-per connection. ``orchestrator.wire`` frames messages on a TLS socket as on a
+per connection. ``orchestrator.transport.wire`` frames messages on a TLS socket as on a
 plain one. The per-hop cost is measured by ``benchmarks.transport_hop``.
 """
 
@@ -28,8 +28,8 @@ import ssl
 import tempfile
 from dataclasses import dataclass, field
 
-from orchestrator import handshake
-from orchestrator.handshake import HandshakeError
+from orchestrator.transport import handshake
+from orchestrator.transport.handshake import HandshakeError
 
 VALID_FOR = datetime.timedelta(days=30)  # a pipeline's certificate; past it, no new connection is made with it
 CLOCK_SKEW = datetime.timedelta(minutes=5)  # valid from a little before now: the hosts' clocks differ

@@ -1,6 +1,6 @@
 """A speculator behind a socket, drafting in a thread, best effort.
 
-Plain class, no Ray (the Ray actor in orchestrator.pipeline builds one beside
+Plain class, no Ray (the Ray actor in orchestrator.cluster.pipeline builds one beside
 its stage). The coordinator connects and sends:
 
 * ``SpeculateFrom(epoch, context, most)``: start extending ``context`` now,
@@ -24,10 +24,10 @@ from typing import Protocol
 
 import numpy as np
 
-from orchestrator import wire
-from orchestrator.handshake import HandshakeError, accept_peer, drafter_role
-from orchestrator.defaults import CONNECT_SECONDS, DRAFTER_WAIT_SECONDS
-from orchestrator.messages import CollectDraft, DraftReply, Shutdown, SpeculateFrom
+from orchestrator.transport import wire
+from orchestrator.transport.handshake import HandshakeError, accept_peer, drafter_role
+from orchestrator.config import CONNECT_SECONDS, DRAFTER_WAIT_SECONDS
+from orchestrator.transport.messages import CollectDraft, DraftReply, Shutdown, SpeculateFrom
 
 
 class Speculator(Protocol):

@@ -55,7 +55,7 @@ import tomllib
 from pathlib import Path
 
 from orchestrator.planning.costs import BatchCurve, Link, Machine, MeasuredMachine, ModelShape, Software
-from orchestrator.planning.setup import PlanError, Setup
+from orchestrator.planning.inputs import PlanError, Setup
 from orchestrator.planning.simulation import DraftBehaviour
 
 PROFILE_KIND = "specpipe-profile"

@@ -1,11 +1,11 @@
 """The decoding schedule: which windows the target runs, as pure decisions.
 
-The real decoding loop (orchestrator.generate) and the planner's simulation
+The real decoding loop (orchestrator.decoding.loop) and the planner's simulation
 (orchestrator.planning.simulation) both follow these rules; they differ only
 in what a pass and a draft cost (real I/O, or virtual time). No I/O here: no
 Ray, no sockets, no llama.cpp.
 
-Terms (README, "Glossary"): a sequence's *text* is its committed tokens
+Terms (README, "Glossary"; docs/architecture.md): a sequence's *text* is its committed tokens
 followed by its *speculation* (draft tokens not yet verified). A *window* is
 the part of one sequence a target pass feeds: the last committed token (or,
 for a window started ahead, a speculated one) and the drafts after it. A
@@ -489,11 +489,11 @@ class Scheduler:
     ahead; or, with ``window_per_pass``, a pass for each window), which
     sequences relay their drafters while the oldest pass runs (``relaying``),
     and hands the oldest pass's result back (``received``). A long-lived loop
-    (orchestrator.service) also ``add``s sequences as they arrive and
+    (orchestrator.decoding.service) also ``add``s sequences as they arrive and
     ``remove``s them once settled.
 
     window_per_pass: a pass carries one window, so a pipeline's stages work on
-    different sequences at once (README, "Serving", says why this CPU does not
+    different sequences at once (docs/serving.md says why this CPU does not
     batch sequences together).
     """
 

@@ -4,51 +4,27 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from orchestrator.cluster import ray_session
-from orchestrator.defaults import DRAFT_MAX, MAX_RESTARTS
-from orchestrator.drafters import DrafterClient, DrafterSettings, start_drafters, stop_drafters
-from orchestrator.generate import Drafting, Generation, generate
-from orchestrator.metrics import GenerationMetrics, RestartMetrics
-from orchestrator.pipeline import Pipeline, StageReport, StageRestart
-from orchestrator.schedule import Schedule
-from orchestrator.shipping import Shipment, WholeModel
-from orchestrator.tokenizer import Tokenizer
+from orchestrator.cluster.connect import ray_session
+from orchestrator.config import MAX_RESTARTS
+from orchestrator.cluster.drafters import DrafterClient, DrafterSettings, start_drafters, stop_drafters
+from orchestrator.decoding.drafting import Drafting, SpeculationSettings
+from orchestrator.decoding.loop import Generation, generate
+from orchestrator.cluster.metrics import GenerationMetrics, RestartMetrics
+from orchestrator.cluster.pipeline import Pipeline, StageReport, StageRestart
+from orchestrator.decoding.schedule import Schedule
+from orchestrator.cluster.shipping import Shipment
+from stages.tokenizer import Tokenizer
+from orchestrator.cluster.model_files import (RunError, WholeModelSettings, check_draft_model, check_same_model,
+                                              local_vocabulary_file, whole_model_stages)
 from speculators.draft_length import PRIOR_STEP, ask_cost
 from speculators.sampling import SamplingSettings
-from stages.engine import StageError
-from stages.errors import SpecpipeError
-from stages.gguf_file import ModelFileError, StageFileInfo, stage_info_of
 from stages.settings import StageSettings
 from stages.stage_files import check_stage_files
 
-SPECULATORS = ("none", "ngram", "model")
 MIB = 1024**2
-
-
-class RunError(SpecpipeError):
-    """A run that cannot be done as asked; the message is one line."""
-
-
-@dataclass(frozen=True)
-class SpeculationSettings:
-    """speculator: none, ngram (prompt lookup) or model (draft_path, a whole GGUF model).
-    schedule: async (draft on idle machines) or sync (draft, then verify).
-    draft_max: most draft tokens per target pass; draft_p_min: a model draft stops
-    below this probability; overlap: draft even while the machine's own stage runs.
-    tree_leaves: above 1, prompt lookup drafts token trees of up to that many
-    leaves (speculators.tree) and every stage holds as many KV ids less one."""
-
-    speculator: str = "none"
-    draft_path: str | None = None
-    schedule: Schedule = Schedule.ASYNC
-    draft_max: int = DRAFT_MAX
-    draft_p_min: float = 0.0
-    overlap: bool = False
-    tree_leaves: int = 1
 
 
 @dataclass(frozen=True)
@@ -67,23 +43,8 @@ class RunSettings:
     wire_dtype: str = "f32"
     dashboard: bool = False
     max_restarts: int = MAX_RESTARTS  # of each stage (and drafter) that dies
-    tls: bool = False  # the chain and the drafters' sockets in TLS (orchestrator.tls)
+    tls: bool = False  # the chain and the drafters' sockets in TLS (orchestrator.transport.tls)
     whole_model: WholeModelSettings | None = None  # --model: stage_paths is empty, the stages are shipped
-
-
-@dataclass(frozen=True)
-class WholeModelSettings:
-    """``--model PATH``: the whole model on this machine, cut into ``stages``
-    (None: one per node the cluster has) and shipped to the nodes.
-    boundaries: first blocks of stages 2..n (None: chosen for the nodes'
-    memory, orchestrator.planning.cluster_split); profiles: node address ->
-    its ``orchestrate profile``, for the nodes' speeds."""
-
-    path: str
-    stages: int | None = None
-    boundaries: list[int] | None = None
-    profiles: dict[str, dict] | None = None
-    single_file: bool = False  # given as the one file of --model-split: on a single node it runs as it is
 
 
 @dataclass(frozen=True)
@@ -195,13 +156,9 @@ def speculator_factory(settings: SpeculationSettings, tokenizer: Tokenizer, stag
     from speculators.model import ModelSpeculator
     from speculators.prompt_lookup import PromptLookupSpeculator
 
-    if settings.speculator not in SPECULATORS:
-        raise ValueError(f"unknown speculator {settings.speculator!r} (choose {', '.join(SPECULATORS)})")
     if settings.speculator == "ngram":
         return PromptLookupSpeculator
     if settings.speculator == "model":
-        if not settings.draft_path:
-            raise ValueError("--speculator model needs --draft DRAFT.gguf")
         check_draft_model(settings.draft_path, tokenizer)
         return functools.partial(
             ModelSpeculator, settings.draft_path, p_min=settings.draft_p_min, n_ctx=stage.n_ctx, threads=stage.threads
@@ -215,7 +172,7 @@ def make_drafting(kind: str, drafters: list, schedule: Schedule, draft_max: int,
     process (no round trip; the actors beside the stages still relay in
     async), a draft model beside stage 0. step: Pipeline.draft_step's.
     tree_leaves: prompt lookup's trees (a draft model drafts chains)."""
-    from orchestrator.interfaces import InstantDrafter
+    from orchestrator.decoding.targets import InstantDrafter
 
     if kind == "ngram":
         return Drafting(drafters, schedule, draft_max, first=InstantDrafter(make_speculator(), draft_max),
@@ -223,76 +180,6 @@ def make_drafting(kind: str, drafters: list, schedule: Schedule, draft_max: int,
     if tree_leaves > 1:
         raise RunError("token trees are drafted by prompt lookup (--speculator ngram); a draft model drafts chains")
     return Drafting(drafters, schedule, draft_max, call_cost=ask_cost(kind), step=step)
-
-
-def check_draft_model(path: str, tokenizer: Tokenizer) -> None:
-    """A draft model must be a whole model with the target's vocabulary, token for token."""
-    info = check_stage_files([path])[0]
-    if info is not None:
-        raise ModelFileError(f"{path}: a draft model must be a whole model, not a stage file")
-    if Tokenizer(path).vocabulary_digest() != tokenizer.vocabulary_digest():
-        raise StageError(f"{path}: the draft model's vocabulary differs from the target's; "
-                         "draft tokens would mean different text")
-
-
-def local_vocabulary_file(stage_paths: list[str]) -> str | None:
-    """The first stage file on this machine (every stage file carries the whole
-    vocabulary), or None: then the coordinator reads the vocabulary from stage
-    0's node once the pipeline is placed (Pipeline.vocabulary_file)."""
-    return next((path for path in stage_paths if os.path.exists(path)), None)
-
-
-def check_same_model(vocabulary_path: str | None, stage_files: list[StageFileInfo | None]) -> None:
-    """The local file the vocabulary came from must be cut from the model the nodes run."""
-    local = stage_info_of(vocabulary_path) if vocabulary_path is not None else None
-    on_nodes = stage_files[0]
-    if local is not None and on_nodes is not None and local.source_fingerprint != on_nodes.source_fingerprint:
-        raise ModelFileError(
-            f"{vocabulary_path} on this machine was cut from another model ({local.source_name}) than "
-            f"the stage files on the nodes ({on_nodes.source_name})"
-        )
-
-
-def whole_model_stages(settings: WholeModelSettings, stage: StageSettings, draft_path: str | None,
-                       on_status: Callable[[str], None] | None) -> WholeModel | None:
-    """What Pipeline needs to cut ``settings.path`` and ship its stages: how many, and where to cut for the nodes."""
-    from orchestrator.cluster import alive_nodes
-    from orchestrator.planning.cluster_split import choose_cluster_split
-    from orchestrator.planning.setup_file import model_shape_of_gguf
-    from stages.gguf_file import read_model
-    from stages.layer_rules import layer_rules
-
-    model = read_model(settings.path)
-    if stage_info_of(settings.path) is not None:
-        raise ModelFileError(f"{settings.path}: is a stage file; --model takes the whole model")
-    stage_count = settings.stages or max(1, len(alive_nodes()))
-    if settings.single_file and stage_count == 1:
-        return None
-    if stage_count > model.block_count:
-        raise RunError(f"{stage_count} stages but {settings.path} has only {model.block_count} blocks; give --stages")
-
-    def choose_starts(nodes) -> tuple[int, ...]:
-        if settings.boundaries is not None:
-            return (0, *settings.boundaries)
-        shape = model_shape_of_gguf(settings.path)
-        draft_bytes = os.path.getsize(draft_path) if draft_path else 0
-        split = choose_cluster_split(shape, nodes, context=stage.n_ctx * stage.sequences, draft_bytes=draft_bytes,
-                                     boundaries=layer_rules(model.metadata).allowed_boundaries(),
-                                     profiles=settings.profiles)
-        if on_status is not None:
-            for line in split.lines(shape.blocks, nodes):
-                on_status(line)
-        return split.starts
-
-    shown: dict[int, int] = {}  # stage -> the last tenth of its file shown
-
-    def progress(stage_index: int, done: int, total: int) -> None:
-        tenth = done * 10 // total
-        if on_status is not None and tenth > shown.get(stage_index, -1):
-            shown[stage_index] = tenth
-            on_status(f"shipping stage {stage_index}: {done / MIB:.0f} of {total / MIB:.0f} MiB")
-
-    return WholeModel(settings.path, stage_count, choose_starts, progress)
 
 
 def run_generation(

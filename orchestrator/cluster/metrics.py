@@ -2,7 +2,7 @@
 
 Ray serves them at ``http://<node>:<metrics-export-port>/metrics`` with a
 ``ray_`` prefix (e.g. ``ray_specpipe_generated_tokens_total``); the dashboard's
-Metrics page shows them through Prometheus and Grafana (README, "Watching a
+Metrics page shows them through Prometheus and Grafana (docs/usage.md, "Watching a
 run"). The coordinator records the generation's figures after every pass;
 each stage actor records its own pass latency and KV cells in use.
 """
@@ -73,7 +73,7 @@ TOKEN_SECONDS_BOUNDARIES = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.
 
 
 class ServiceMetrics:
-    """Recorded by the service (orchestrator.service.ServiceObserver) in the Serve replica."""
+    """Recorded by the service (orchestrator.decoding.service.ServiceObserver) in the Serve replica."""
 
     def __init__(self):
         from ray.util.metrics import Gauge, Histogram

@@ -1,4 +1,4 @@
-"""What the decoding loop (orchestrator.generate) assumes of a target and of a drafter.
+"""What the decoding loop (orchestrator.decoding.loop) assumes of a target and of a drafter.
 
 The loop never knows who computes or who drafts: a ``Pipeline`` of Ray
 actors, or a stand-in (``InstantTarget`` below; tests/fakes.py has more); drafter
@@ -13,9 +13,8 @@ from typing import Protocol
 
 import numpy as np
 
-from orchestrator.messages import Cancelled, PassResult
-from orchestrator.schedule import TargetPass, Window
-from speculators.sampling import SamplingSettings
+from orchestrator.transport.messages import Cancelled, PassResult
+from orchestrator.decoding.schedule import TargetPass, Window
 from speculators.tree import DraftTree, depths, lookup_tree, verify_rows
 
 
@@ -46,13 +45,14 @@ class Target(Protocol):
         """Free a KV sequence in every stage, after the passes submitted before."""
 
 
-def committed_tokens(reply: PassResult, window: Window, rows: slice, sampling: SamplingSettings) -> list[int]:
+def committed_tokens(reply: PassResult, window: Window, rows: slice) -> list[int]:
     """What a verified window commits: the tokens the target chose, or, from
-    a target that returns logits (the stand-ins), those its rows verify to."""
+    a target that returns logits (the stand-ins), those its rows verify to
+    under the window's sampling."""
     if reply.tokens is not None:
         return reply.tokens.tolist()
     return verify_rows(window.drafts, window.parents, reply.logits[rows], window.first + window.logit_rows[0] + 1,
-                       sampling)
+                       window.sampling)
 
 
 class Drafter(Protocol):

@@ -4,9 +4,9 @@ coordinator -> stage 0 -> stage 1 -> ... -> last stage -> coordinator. The
 coordinator sends each pass to stage 0 and reads the logits back from the last
 stage; with boundary notices, each non-last stage also reports every pass
 leaving it (async drafting uses the moment). Each stage also keeps a
-connection on which the coordinator cancels passes (orchestrator.stage_server).
+connection on which the coordinator cancels passes (orchestrator.workers.stage_server).
 Ray is not on this path: a plain actor call costs ~1-2 ms on these machines,
-as much as a whole stage of a small model (orchestrator.wire frames the
+as much as a whole stage of a small model (orchestrator.transport.wire frames the
 messages).
 """
 
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from orchestrator import wire
-from orchestrator.handshake import (
+from orchestrator.transport import wire
+from orchestrator.transport.handshake import (
     RESULT_ROLE,
     HandshakeError,
     accept_peer,
@@ -31,14 +31,14 @@ from orchestrator.handshake import (
     connect_peer,
     upstream_role,
 )
-from orchestrator.defaults import (
+from orchestrator.config import (
     CONNECT_SECONDS,
     PASS_DEADLINE_FACTOR,
     PASS_DEADLINE_MINIMUM_SECONDS,
     SHUTDOWN_SECONDS,
 )
-from orchestrator.messages import Boundary, Cancel, Cancelled, PassResult, Shutdown, StageBatch, StageFailure
-from orchestrator.replay import KvLedger, PassRecord
+from orchestrator.transport.messages import Boundary, Cancel, Cancelled, PassResult, Shutdown, StageBatch, StageFailure
+from orchestrator.transport.ledger import KvLedger, PassRecord
 from speculators.tree import accepted_rows
 from stages.errors import SpecpipeError
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from orchestrator.planning.setup import PlanError, Setup
+from orchestrator.planning.inputs import PlanError, Setup
 from orchestrator.planning.simulation import DraftBehaviour, Mode, Prediction, predict
-from orchestrator.schedule import Schedule
+from orchestrator.decoding.schedule import Schedule
 
 MEMORY_HEADROOM = 0.9  # of each machine's memory, the share the model, its KV cache and the draft may use
 SEARCH_RUNS = 8

@@ -1,20 +1,23 @@
 """Many requests through one target: the decoding loop of ``orchestrate serve``.
 
-A plain class, no Ray and no HTTP: the service (orchestrator.serving) builds
+A plain class, no Ray and no HTTP: the service (orchestrator.serving.deployment) builds
 one over a ``Pipeline``, the tests over the stage engines in this process.
-Requests arrive from any thread (``submit``); one thread runs the loop:
+Requests arrive from any thread (``submit``); one thread turns the decoding
+loop (orchestrator.decoding.loop, the same as ``orchestrate run``'s):
 
     admit queued requests while a KV sequence is free
-    -> submit every ready sequence's next window, one pass each
-    -> receive the oldest pass, verify it, hand the committed tokens to the
-       request's sink -> free the KV of every request that ended -> again
+    -> one turn of the loop (drafting, passes, relay, verification)
+    -> hand each request's committed tokens to its sink
+    -> free the KV of every request that ended -> again
 
 Each admitted request holds its own KV sequence (0 .. max_sequences - 1) in
 every stage; its windows carry that id, so every stage keeps its positions
 apart (stages.engine), and a request's tokens are what it would get alone.
 A pass carries one window, so while stage 1 computes request A's pass, stage 0
-computes request B's (README, "Serving", says why passes do not batch several
-requests on this CPU). A request ends by an end token, by its token limit, or
+computes request B's (docs/serving.md says why passes do not batch several
+requests on this CPU). A request drafts as ``orchestrate run`` does: with
+prompt lookup in this process, sync or async (the relay hands drafting along
+the stages while a pass runs, and windows start ahead), chains or trees. A request ends by an end token, by its token limit, or
 cancelled (client gone, stop string); its KV is then released in every stage,
 in order with the passes around it, and its id goes back to the free list.
 """
@@ -28,8 +31,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from orchestrator.interfaces import InstantDrafter, Target, committed_tokens
-from orchestrator.schedule import Schedule, Scheduler, SequenceState
+from orchestrator.decoding.drafting import Drafting
+
+from orchestrator.decoding.loop import Decoding, DecodingLoop, Listener, sequence_state
+from orchestrator.decoding.schedule import Schedule, SequenceState, Window
+from orchestrator.decoding.targets import InstantDrafter, Target
 from speculators.sampling import SamplingSettings
 from stages.errors import SpecpipeError
 
@@ -82,17 +88,37 @@ class ServiceSettings:
     context: positions of one sequence (prompt + generated + a window of drafts).
     speculator: builds the speculator of a request from its KV sequence id (a
     draft model drafts in that sequence of its own cache), or None: no drafting.
-    draft_max: the most drafts a window carries."""
+    draft_max: the most drafts a window carries.
+    schedule: sync or async (orchestrator.decoding.schedule), with a speculator.
+    stage_count: the target's stages; async drafting relays along them.
+    tree_leaves: above 1, the speculator (prompt lookup) drafts token trees
+    (the stages hold tree_leaves - 1 more KV ids); side_row_step: what the
+    tree rule prices a side row at (None: as any row; 0: every candidate)."""
 
     max_sequences: int
     queue_limit: int
     context: int
     speculator: Callable[[int], object] | None = None
     draft_max: int = 8
+    schedule: Schedule = Schedule.SYNC
+    stage_count: int = 1
+    tree_leaves: int = 1
+    side_row_step: float | None = None
+
+    def drafting(self, sequence: int) -> Drafting | None:
+        """How the request in KV sequence ``sequence`` drafts: its speculator
+        asked in this process, before a window and (async) at every stage boundary."""
+        if self.speculator is None:
+            return None
+        speculator = self.speculator(sequence)
+        first = InstantDrafter(speculator, self.draft_max)
+        machines = [InstantDrafter(speculator, self.draft_max) for _ in range(self.stage_count)]
+        return Drafting(machines, self.schedule, self.draft_max, first=first, call_cost=0.0,
+                        tree_leaves=self.tree_leaves, side_row_step=self.side_row_step)
 
 
 class ServiceObserver:
-    """What the service reports as it goes (orchestrator.metrics.ServiceMetrics
+    """What the service reports as it goes (orchestrator.cluster.metrics.ServiceMetrics
     records it as Ray metrics); these defaults record nothing."""
 
     def first_token(self, seconds: float) -> None:
@@ -106,17 +132,21 @@ class ServiceObserver:
 
 
 @dataclass
-class _Ticket:
+class _Ticket(Listener):
     """A request in the service: queued (state None), then decoding."""
 
     number: int
     request: ServiceRequest
     sink: Sink
+    service: Service
     submitted: float = field(default_factory=time.perf_counter)
     state: SequenceState | None = None
-    drafter: InstantDrafter | None = None
     last_delivery: float | None = None
     error: str = ""
+
+    def verified(self, window: Window, tokens: list[int]) -> None:
+        if tokens:
+            self.service._deliver(self, tokens)
 
 
 class Service:
@@ -130,8 +160,7 @@ class Service:
         self.is_end = is_end
         self.settings = settings
         self.observer = observer or ServiceObserver()
-        self.schedule = Schedule.SYNC if settings.speculator is not None else Schedule.PLAIN
-        self.scheduler = Scheduler(window_per_pass=True)
+        self.loop = DecodingLoop(target, is_end, window_per_pass=True)
         self._free = collections.deque(range(settings.max_sequences))  # KV sequence ids
         self._queue: collections.deque[_Ticket] = collections.deque()
         self._active: dict[int, _Ticket] = {}  # by KV sequence id
@@ -166,7 +195,7 @@ class Service:
             if len(self._queue) >= self.settings.queue_limit + len(self._free):  # the free ones take the first
                 raise QueueFull(f"all {self.settings.max_sequences} sequences are busy and "
                                 f"{len(self._queue) - len(self._free)} requests are waiting")
-            ticket = _Ticket(next(self._numbers), request, sink)
+            ticket = _Ticket(next(self._numbers), request, sink, self)
             self._queue.append(ticket)
             self._tickets[ticket.number] = ticket
             self._wake.notify()
@@ -206,40 +235,15 @@ class Service:
     def _step(self) -> bool:
         """One turn of the loop; False once closed and drained."""
         self._take_orders()
-        self._cancel_invalid()  # of the requests just cancelled
+        self.loop.cancel_invalid()  # the passes of the requests just cancelled
         self._settle()
         if self._closing and not self._active and not self._queue:
             return False
-        for state in self.scheduler.drafting_first():
-            ticket = self._active[state.sequence]
-            ticket.drafter.speculate(state.committed, state.drafts_wanted)  # type: ignore[union-attr]
-            state.drafted_first(ticket.drafter.collect(wait=True))  # type: ignore[union-attr]
-        for target_pass in self.scheduler.next_passes():
-            self.target.submit(target_pass)
-        if not self.scheduler.in_flight:
+        if not self.loop.step():  # nothing in flight: wait for a request
             with self._wake:
                 if not (self._queue and self._free) and not self._cancelled and not self._closing:
                     self._wake.wait(timeout=1.0)
-            return True
-        reply = self.target.receive()
-        for state, window, rows in self.scheduler.received():
-            if rows is None:
-                continue
-            if not state.gives_token(window):  # an earlier chunk of the prompt: it only filled the cache
-                state.verified(window, [], self.is_end)
-                continue
-            ticket = self._active[state.sequence]
-            new_tokens = committed_tokens(reply, window, rows, ticket.request.sampling)
-            committed = state.verified(window, new_tokens, self.is_end)
-            if committed:
-                self._deliver(ticket, committed)
-        self._cancel_invalid()
         return True
-
-    def _cancel_invalid(self) -> None:
-        """Stop computing passes whose windows a rejection or a cancelled request invalidated."""
-        for target_pass in self.scheduler.invalid_passes():
-            self.target.cancel(target_pass)
 
     def _take_orders(self) -> None:
         """Cancellations, the shutdown deadline, and admissions, under the lock."""
@@ -270,15 +274,11 @@ class Service:
 
     def _admit(self, ticket: _Ticket, sequence: int) -> None:
         request = ticket.request
-        ticket.state = SequenceState(
-            sequence, list(request.prompt_tokens), len(request.prompt_tokens), request.max_tokens,
-            self.schedule, self.settings.draft_max, prompt_from=0, prompt_chunk=self.target.n_batch,
-            sampling=request.sampling, draft_call_cost=0.0,  # the speculators run in this process
-        )
-        if self.settings.speculator is not None:
-            ticket.drafter = InstantDrafter(self.settings.speculator(sequence), self.settings.draft_max)
+        drafting = self.settings.drafting(sequence)
+        ticket.state = sequence_state(sequence, request.prompt_tokens, request.max_tokens, request.sampling, drafting,
+                                      self.target.n_batch)
         self._active[sequence] = ticket
-        self.scheduler.add(ticket.state)
+        self.loop.add(Decoding(ticket.state, drafting, ticket))
 
     def _settle(self) -> None:
         """Free the KV of every request that ended and tell its client."""
@@ -286,7 +286,7 @@ class Service:
             state = ticket.state
             if state is None or not state.settled:
                 continue
-            self.scheduler.remove(sequence)
+            self.loop.remove(sequence)
             self.target.release(sequence)  # in order: the sequence's next user's passes come after it
             with self._wake:
                 del self._active[sequence]

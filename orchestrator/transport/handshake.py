@@ -26,11 +26,11 @@ import socket
 import time
 from typing import TYPE_CHECKING
 
-from orchestrator import wire
+from orchestrator.transport import wire
 from stages.errors import SpecpipeError
 
 if TYPE_CHECKING:
-    from orchestrator.tls import ChainCertificate
+    from orchestrator.transport.tls import ChainCertificate
 
 MAGIC = b"specpipe-1"
 NONCE_BYTES = 32
@@ -140,7 +140,7 @@ def accept_peer(listener: socket.socket, secret: bytes, role: str, deadline_seco
             continue
         try:
             if certificate is not None:
-                from orchestrator.tls import server_side
+                from orchestrator.transport.tls import server_side
 
                 connection = server_side(wire.tune(connection), certificate)
             verify(connection, secret, role)
@@ -157,7 +157,7 @@ def connect_peer(host: str, port: int, secret: bytes, role: str, timeout: float,
     sock = wire.connect(host, port, timeout=timeout)
     try:
         if certificate is not None:
-            from orchestrator.tls import client_side
+            from orchestrator.transport.tls import client_side
 
             sock = client_side(sock, certificate, timeout)
         introduce(sock, secret, role, timeout)

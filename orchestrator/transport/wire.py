@@ -1,7 +1,7 @@
 """Framing of pipeline messages on a TCP socket.
 
 A frame is ``u32 header length | msgpack header | raw array bytes``. Each
-message class in ``orchestrator.messages`` declares its own header entries and
+message class in ``orchestrator.transport.messages`` declares its own header entries and
 its one large array (``to_wire`` / ``from_wire``); this module adds the
 header's ``kind`` entry, frames the message, and decodes a frame through
 ``MESSAGE_CLASS_BY_KIND``. Small arrays (tokens, positions, rows) ride inside
@@ -9,7 +9,7 @@ the header as bytes; the one large array of a message (hidden states, logits,
 a drafting context) follows as a raw frame described by the header's ``array``
 entry ``[dtype, shape]``, written with one ``sendmsg`` from the array's own
 memory and read with ``recv_into`` straight into a new array: no copy through
-Python objects (a TLS socket, orchestrator.tls, has no ``sendmsg``: there a
+Python objects (a TLS socket, orchestrator.transport.tls, has no ``sendmsg``: there a
 frame that fits one TLS record goes as one ``sendall``, a larger one header
 then array). Measured on these machines: a msgpack header plus a raw frame
 costs microseconds whatever the size, while packing ``tobytes()`` into msgpack
@@ -28,7 +28,7 @@ import struct
 import msgpack
 import numpy as np
 
-from orchestrator.messages import MESSAGE_TYPES, Message, ProtocolError
+from orchestrator.transport.messages import MESSAGE_TYPES, Message, ProtocolError
 
 _LENGTH = struct.Struct("!I")
 
@@ -53,7 +53,7 @@ class ConnectionClosed(ConnectionError):
 def send_message(sock: socket.socket, message: Message) -> None:
     message_class = type(message)
     if MESSAGE_CLASS_BY_KIND.get(getattr(message_class, "KIND", None)) is not message_class:
-        raise TypeError(f"cannot send {message_class.__name__}: not a message class of orchestrator.messages.MESSAGE_TYPES")
+        raise TypeError(f"cannot send {message_class.__name__}: not a message class of orchestrator.transport.messages.MESSAGE_TYPES")
     fields, array = message.to_wire()
     header = {"kind": message.KIND, **fields}
     if array is not None:
@@ -67,7 +67,7 @@ def send_message(sock: socket.socket, message: Message) -> None:
 
 
 def _send_all(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
-    if isinstance(sock, ssl.SSLSocket):  # orchestrator.tls; joined, a small frame is one record and one segment
+    if isinstance(sock, ssl.SSLSocket):  # orchestrator.transport.tls; joined, a small frame is one record and one segment
         if sum(len(part) for part in parts) <= TLS_RECORD_BYTES:
             sock.sendall(b"".join(parts))
         else:
@@ -152,7 +152,7 @@ def listen(host: str) -> socket.socket:
 def tune(sock: socket.socket) -> socket.socket:
     """Small messages must leave at once: no Nagle delay. A peer gone silent
     (a partitioned node) is found by TCP keepalive probes."""
-    from orchestrator.defaults import KEEPALIVE_IDLE_SECONDS, KEEPALIVE_INTERVAL_SECONDS, KEEPALIVE_PROBES
+    from orchestrator.config import KEEPALIVE_IDLE_SECONDS, KEEPALIVE_INTERVAL_SECONDS, KEEPALIVE_PROBES
 
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)

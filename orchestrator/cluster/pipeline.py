@@ -1,0 +1,313 @@
+"""The stages of a model in Ray actors, joined by a chain of sockets.
+
+A ``Pipeline`` puts three parts together: where each stage runs (a
+``connect.Reservation`` over the pure ``placement`` decision, made up front),
+the stage actors (orchestrator.cluster.stage_actors), and the per-token path
+(orchestrator.transport.chain.SocketChain). Ray places the actors and carries
+the control calls (describe, connect, stats); the tokens do not go through
+Ray. Before any stage loads, each stage file's header is read on the node
+that is to run it (the driver may not hold the other machines' files), and
+the set is validated from those readings (stages.stage_files). A stage actor
+that dies is restarted and its cache rebuilt by replay
+(orchestrator.cluster.recovery): the caller sees a late result, never a
+wrong one.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from orchestrator.cluster import recovery
+from orchestrator.cluster.connect import Reservation
+from orchestrator.cluster.recovery import StageRestart
+from orchestrator.cluster.shipping import Shipment, WholeModel, fetch_vocabulary, ship_whole_model
+from orchestrator.cluster.stage_actors import LOOPBACK, StageActors, StageLoad, StageReport
+from orchestrator.cluster.stage_cpus import CpuSet, stage_cpu_sets
+from orchestrator.config import MAX_RESTARTS
+from orchestrator.decoding.schedule import TargetPass, Window
+from orchestrator.transport.chain import PassLate, PipelineError, SocketChain
+from orchestrator.transport.handshake import new_secret
+from orchestrator.transport.ledger import KvLedger, PassRecord
+from orchestrator.transport.messages import Cancelled, PassResult, TokenChoice
+from orchestrator.transport.tls import new_chain_certificate
+from speculators.tree import depths
+from stages.settings import StageSettings
+from stages.stage_files import NOT_FOUND, check_stage_files_on_nodes
+
+__all__ = ["Pipeline", "PipelineError", "StageLoad", "StageReport", "StageRestart"]
+
+
+class Pipeline:
+    """A running pipeline (an orchestrator.decoding.targets.Target): ``forward`` sends one batch through every stage."""
+
+    def __init__(
+        self,
+        stage_paths: list[str] | WholeModel,
+        settings: StageSettings = StageSettings(),
+        *,
+        wire_dtype: str = "f32",
+        place: dict[int, str] | None = None,
+        notify_boundaries: bool = False,
+        pass_deadline_minimum: float | None = None,
+        max_restarts: int = MAX_RESTARTS,
+        on_restart: Callable[[StageRestart], None] | None = None,
+        tls: bool = False,
+        overlapping: bool = False,
+    ):
+        """stage_paths: each stage's file, on the node that runs it, or a
+        WholeModel on this machine: its stages are cut and shipped to their
+        nodes first (orchestrator.cluster.shipping; ``shipments`` says what was sent).
+        notify_boundaries: non-last stages report each pass leaving them
+        (await_boundary); asynchronous speculation needs it.
+        pass_deadline_minimum: the least seconds a pass's result may take
+        (default defaults.PASS_DEADLINE_MINIMUM_SECONDS; the chain's deadline).
+        max_restarts: how often each stage may be restarted after it died;
+        on_restart: told of each restart (the metrics).
+        tls: every chain and drafter connection in TLS, with a certificate made
+        for this pipeline (orchestrator.transport.tls), handed to the actors through Ray.
+        overlapping: several stages compute at once (asynchronous speculation,
+        a service); it decides how stages sharing a machine are pinned to its
+        CPUs (orchestrator.cluster.stage_cpus; pin_stages changes it)."""
+        import ray
+
+        self.whole_model = stage_paths if isinstance(stage_paths, WholeModel) else None
+        self.split = None  # the whole model's SplitPlan, once shipped
+        self.shipments: list[Shipment] = []  # every stage file shipped, restarts' too
+        stage_count = self.whole_model.stage_count if self.whole_model else len(stage_paths)
+        self.stage_paths = [""] * stage_count if self.whole_model else list(stage_paths)
+        self.settings = settings
+        self.wire_dtype = wire_dtype
+        self.notify_boundaries = notify_boundaries
+        self.n_batch = settings.n_batch
+        self.max_restarts = max_restarts
+        self.on_restart = on_restart
+        self.restarts: list[StageRestart] = []
+        self.stage_cpus: list[CpuSet | None] = []  # each stage process's CPUs; None: any
+        self.chain: SocketChain | None = None
+        self.ledger = KvLedger()  # what every stage caches, for a replay after a loss
+        # every pass sent and not yet answered, oldest first, with the TargetPass it carries (None: forward's)
+        self._passes: collections.deque[tuple[TargetPass | None, PassRecord]] = collections.deque()
+        # The data plane's secret: it reaches the actors only through Ray's
+        # authenticated calls, and every chain connection proves it holds it.
+        self.secret = new_secret()
+        self.certificate = new_chain_certificate() if tls else None  # --tls: every connection in TLS with it
+        self.reservation = Reservation(stage_count, place)
+        self.actors = StageActors(self.reservation, settings, wire_dtype, self.secret, self.certificate)
+        try:
+            if self.whole_model is not None:
+                self._ship(range(stage_count))
+            found = self.actors.read_stage_files(self.stage_paths, range(stage_count))
+            self.stage_files = check_stage_files_on_nodes(self.stage_paths, found)
+            # Every stage on this machine: no listener needs to be reachable from another.
+            self.loopback = all(file.node_address == ray.util.get_node_ip_address() for file in found)
+            self.stages = self.actors.start(self.stage_paths, self.loopback)
+            self.n_vocab = self.stages[-1].n_vocab
+            self.chain = self._wire()
+            self.pin_stages(overlapping)
+            if pass_deadline_minimum is not None:
+                self.chain.deadline_minimum = pass_deadline_minimum
+        except BaseException:
+            self.close()
+            raise
+
+    def _ship(self, indices) -> None:
+        """Stages ``indices`` of the whole model onto their nodes (only what they lack is sent)."""
+        self.split, shipments = ship_whole_model(self.whole_model, self.reservation, indices, self.secret,
+                                                 self.certificate, self.split)
+        for shipment in shipments:
+            self.stage_paths[shipment.stage_index] = shipment.path
+        self.shipments += shipments
+
+    def vocabulary_file(self) -> str:
+        """A file on this machine the coordinator can read the vocabulary from
+        (every stage file carries the whole vocabulary): the whole model when
+        one was shipped, else stage 0's file's metadata, read on its node
+        (shipping.fetch_vocabulary)."""
+        if self.whole_model is not None:
+            return self.whole_model.path
+        return fetch_vocabulary(self.stage_paths[0], self.reservation.scheduling_strategy(0))
+
+    def _wire(self) -> SocketChain:
+        """A new chain: each stage connects to the next, the last to us; then we connect to the first."""
+        import ray
+
+        host = LOOPBACK if self.loopback else ray.util.get_node_ip_address()
+        chain = SocketChain(host, self.secret, self.n_vocab, self.ledger, self.certificate)
+        try:
+            self.actors.wire(chain, self.stages, self.notify_boundaries)
+        except BaseException:
+            chain.close()
+            raise
+        return chain
+
+    def pin_stages(self, overlapping: bool) -> None:
+        """Pin the stage processes for a schedule whose passes overlap or not
+        (orchestrator.cluster.stage_cpus.stage_cpu_sets); a no-op when nothing changes."""
+        # a stage's host is its machine's address (loopback: the driver's machine)
+        machine_cpus = {stage.host: stage.cpus for stage in reversed(self.stages)}
+        self.set_stage_cpus(stage_cpu_sets([stage.host for stage in self.stages], machine_cpus,
+                                           self.settings.threads, overlapping))
+
+    def set_stage_cpus(self, cpu_sets: list[CpuSet | None]) -> None:
+        """Pin each stage's process to its CPUs (None: any of its node's)."""
+        if cpu_sets != self.stage_cpus:
+            self.actors.pin(cpu_sets)
+            self.stage_cpus = list(cpu_sets)
+
+    def actor_options(self, index: int, *, num_cpus: float) -> dict:
+        """Ray options that put an actor on stage ``index``'s node (drafters use them too)."""
+        return self.reservation.actor_options(index, num_cpus=num_cpus)
+
+    # -- the hot path -------------------------------------------------------
+    def forward(
+        self, positions: np.ndarray, tokens: np.ndarray, keep: int, logit_rows: np.ndarray | None = None,
+        sequence: int = 0,
+    ) -> PassResult:
+        """Run one KV sequence's tokens int32[n] at positions int32[n] through every stage.
+
+        keep: each stage first drops the sequence's cached positions >= keep.
+        Returns the logits float32[len(logit_rows), n_vocab] (default: last row).
+        """
+        if logit_rows is None:
+            logit_rows = np.array([len(tokens) - 1], dtype=np.int32)
+        record = PassRecord(sequence, keep, np.asarray(positions, np.int32), np.asarray(tokens, np.int32),
+                            np.asarray(logit_rows, np.int32))
+        self._passes.append((None, record))
+        self._send(record)
+        return self.receive()
+
+    def draft_step(self, batch: int = 8, repetitions: int = 3, sequence: int = 0) -> float:
+        """What each extra token of a batch costs a pass here, in one-token
+        passes (speculators.draft_length.step_from_timings): passes of one and
+        of ``batch`` tokens, wall time, in ``sequence``, which the next pass
+        with keep 0 clears (a generation's first)."""
+        from speculators.draft_length import step_from_timings
+
+        timings: dict[int, list[float]] = {1: [], batch: []}
+        for _ in range(repetitions + 1):  # the first of each only warms up
+            for tokens in timings:
+                started = time.perf_counter()
+                self.forward(np.arange(tokens, dtype=np.int32), np.ones(tokens, np.int32), 0, sequence=sequence)
+                timings[tokens].append(time.perf_counter() - started)
+        return step_from_timings(timings[1][1:], timings[batch][1:], batch)
+
+    def submit(self, target_pass: TargetPass) -> None:
+        """Start a pass of one sequence's window (its ``sequence`` is the KV
+        sequence in every stage); results come back in submission order
+        through receive(). Passes may overlap: the stages run them in order.
+        A pass carries one window: a stage decodes one sequence per llama.cpp
+        call (stages.engine), and separate passes let the stages work on
+        different sequences at once (docs/serving.md). A window with
+        sampling settings has its tokens chosen beside the last stage: the
+        result carries them, not logits."""
+        if len(target_pass.windows) != 1:
+            raise PipelineError(f"a pass of {len(target_pass.windows)} sequences; this pipeline carries one per pass")
+        record = _record_of(target_pass.windows[0])
+        self._passes.append((target_pass, record))
+        self._send(record)
+
+    def cancel(self, target_pass: TargetPass) -> None:
+        """The pass is no longer wanted (a rejection invalidated its windows):
+        stages that have not started it drop it, one running it stops it.
+        Its receive() is then a ``Cancelled``, or its result if the stages
+        were done before the cancel reached them."""
+        for submitted, record in self._passes:
+            if submitted is target_pass:
+                self.chain.cancel(record)
+                return
+
+    def release(self, sequence: int) -> None:
+        """Free a KV sequence in every stage, in order with the passes around it."""
+        self._send(PassRecord.release(sequence))
+
+    def receive(self) -> PassResult | Cancelled:
+        """The result of the oldest pass in flight (or its ``Cancelled``). Past
+        the chain's deadline, or if the chain breaks, a dead stage is restarted
+        and the pass comes late; a hung stage (or one out of restarts) is
+        named in a PipelineError."""
+        while True:
+            try:
+                return self.chain.receive()
+            except PassLate as late:
+                recovery.recover(self, late)
+            finally:  # answered (or failed) passes can no longer be cancelled
+                while self._passes and not self.chain.holds(self._passes[0][1]):
+                    self._passes.popleft()
+
+    def await_boundary(self, stage_index: int) -> int:
+        """Block until the next pass has left stage ``stage_index``; return its id
+        (needs notify_boundaries)."""
+        while True:
+            try:
+                return self.chain.await_boundary(stage_index)
+            except PassLate as late:
+                recovery.recover(self, late)
+
+    def _send(self, record: PassRecord) -> None:
+        try:
+            self.chain.send(record)
+        except PassLate as late:  # the record stays in flight: the new chain sends it again
+            recovery.recover(self, late)
+
+    # -- a lost stage (orchestrator.cluster.recovery) ---------------------
+    def restart_stage(self, index: int) -> None:
+        """A new actor for stage ``index`` in its placement (the same node while
+        it lives), once its file there is the one the stage ran."""
+        if self.whole_model is not None:  # its node may be another one now
+            self._ship([index])
+        [file] = self.actors.read_stage_files(self.stage_paths, [index])
+        if file.problem or file.info != self.stage_files[index]:
+            problem = "the file is not there" if file.problem == NOT_FOUND else file.problem or "the file there differs"
+            raise PipelineError(f"stage {index} cannot be restarted on node {file.node_address} "
+                                f"({file.node_id[:8]}): {problem}")
+        self.stages[index] = self.actors.restart(index, self.stage_paths[index], self.loopback,
+                                                 self.stage_cpus[index] if self.stage_cpus else None)
+
+    @property
+    def hop_seconds(self) -> float:
+        """Mean transport time of one hop, over the passes that ran alone so far."""
+        return self.chain.hop_seconds
+
+    # -- reporting and shutdown ------------------------------------------
+    def reports(self) -> list[StageReport]:
+        return [StageReport(stage.stage_index, stage.first_block, stage.end_block, stage.node_id, stage.host, *counts)
+                for stage, counts in zip(self.stages, self.actors.stats())]
+
+    def load_calls(self) -> list:
+        """Ray object refs of each stage's StageLoad (ray.get or await them)."""
+        return self.actors.load_calls()
+
+    def peak_rss_mb(self) -> list[float]:
+        """Peak resident memory of each stage's process, in MiB."""
+        return self.actors.peak_rss_mb()
+
+    def close(self) -> None:
+        if self.chain is not None:
+            self.chain.close()
+            self.chain = None
+        self.actors.kill()
+        self.reservation.release()
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def _record_of(window: Window) -> PassRecord:
+    """The pass that carries one window, as the ledger keeps it and the chain
+    sends it: rows at their positions (a tree's at its depths), and the
+    target's choice made beside the last stage when the window has sampling."""
+    parents = None if window.parents is None else np.asarray(window.batch_parents, np.int32)
+    positions = (np.arange(window.first, window.first + len(window.inputs), dtype=np.int32) if parents is None
+                 else (window.first + depths(parents)).astype(np.int32))
+    choice = None if window.sampling is None else TokenChoice(
+        np.asarray(window.drafts, np.int32), window.first + window.logit_rows[0] + 1, window.sampling,
+        None if window.parents is None else np.asarray(window.parents, np.int32))
+    return PassRecord(window.sequence, window.first, positions, np.asarray(window.inputs, np.int32),
+                      np.asarray(window.logit_rows, np.int32), choice, parents)

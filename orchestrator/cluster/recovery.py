@@ -1,0 +1,121 @@
+"""A lost stage brought back without a wrong or lost token.
+
+When a pass is late (``PassLate``: the chain broke, or its deadline passed),
+every stage actor is asked whether it lives. Each one that died is restarted
+on its node (its placement bundle), the chain is wired anew through it and
+the survivors, every live sequence's cache is rebuilt by replaying its
+tokens (orchestrator.transport.ledger), and the passes that were in flight
+are sent again: the caller sees a late result, never a wrong one. A stage
+that hangs is named and the pipeline fails: it may still hold its node's
+memory, and a second copy beside it could not load.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from orchestrator.cluster.connect import one_line
+from orchestrator.config import STAGE_ANSWER_SECONDS
+from orchestrator.transport.chain import PassLate, PipelineError
+from orchestrator.transport.ledger import PassRecord
+
+if TYPE_CHECKING:
+    from orchestrator.cluster.pipeline import Pipeline
+
+
+@dataclass(frozen=True)
+class StageRestart:
+    """A lost stage brought back: which, why it was lost (one line), the nodes
+    before and after, the seconds from noticing the loss to the chain carrying
+    passes again (reload, rewiring and replay), and of those the replay's
+    (rebuilding every live sequence's cache)."""
+
+    stage_index: int
+    reason: str
+    old_node_id: str
+    node_id: str
+    seconds: float
+    replay_seconds: float
+
+
+def recover(pipeline: Pipeline, late: PassLate) -> None:
+    """Restart every stage that died, wire a new chain, rebuild every
+    sequence's cache and send the unanswered passes again; or raise the
+    PipelineError that names the stage at fault."""
+    noticed = time.perf_counter()
+    chain = pipeline.chain
+    unanswered, notices, cancelled = chain.unanswered(), chain.notices_taken_in_flight(), chain.cancelled_unanswered()
+    restarted: list[tuple[int, str, str]] = []  # (index, why, old node)
+    while True:
+        dead = dead_stages(pipeline, late, restarted)
+        old_chain = pipeline.chain
+        old_chain.close(shutdown=False)
+        for index, reason in dead:
+            restarted.append((index, reason, pipeline.stages[index].node_id))
+            pipeline.restart_stage(index)
+        pipeline.chain = pipeline._wire()
+        pipeline.chain.take_timing_from(old_chain)
+        replaying = time.perf_counter()
+        try:
+            replay(pipeline, unanswered, notices, cancelled)
+            break
+        except PassLate as again:  # lost again while replaying: the ledger still holds only settled passes
+            late = again
+    done = time.perf_counter()
+    for index, reason, old_node in restarted:
+        restart = StageRestart(index, reason, old_node, pipeline.stages[index].node_id, done - noticed,
+                               done - replaying)
+        pipeline.restarts.append(restart)
+        if pipeline.on_restart is not None:
+            pipeline.on_restart(restart)
+
+
+def dead_stages(pipeline: Pipeline, late: PassLate, restarting: list[tuple[int, str, str]]) -> list[tuple[int, str]]:
+    """(index, why) of each stage actor that died; a PipelineError naming
+    the stage if one does not answer, if none died (one may be stuck inside
+    llama.cpp), or if one died more often than max_restarts."""
+    import ray
+
+    calls = [actor.describe.remote() for actor in pipeline.actors]
+    dead = []
+    for stage, call in zip(pipeline.stages, calls):
+        where = f"stage {stage.stage_index} on node {stage.node_id[:8]} ({stage.host}, process {stage.process_id})"
+        try:
+            ray.get(call, timeout=STAGE_ANSWER_SECONDS)
+        except ray.exceptions.GetTimeoutError:
+            raise PipelineError(f"{late}: {where} does not answer within {STAGE_ANSWER_SECONDS:.0f} s "
+                                "(hung or stopped)") from None
+        except ray.exceptions.RayError as error:
+            reason = one_line(error)
+            used = sum(restart.stage_index == stage.stage_index for restart in pipeline.restarts) + sum(
+                index == stage.stage_index for index, _, _ in restarting)
+            if used >= pipeline.max_restarts:
+                raise PipelineError(f"{late}: {where} died ({reason}); restarted {used} times already "
+                                    f"(--max-restarts {pipeline.max_restarts})") from None
+            dead.append((stage.stage_index, reason))
+    if not dead:
+        raise PipelineError(f"{late}; every stage still answers (one may be stuck inside llama.cpp)")
+    return dead
+
+
+def replay(pipeline: Pipeline, unanswered: list[PassRecord], notices: list[int], cancelled: list[PassRecord]) -> None:
+    """Rebuild every sequence's cache in the new chain (at most one pass per
+    stage in flight, so results never pile up unread), then send the
+    unanswered passes again (cancelling again those ``cancelled``) and
+    take the boundary notices of theirs the caller already awaited."""
+    chain = pipeline.chain
+    for record in pipeline.ledger.rebuild(pipeline.n_batch):
+        if chain.in_flight >= len(pipeline.stages):
+            chain.receive()
+        chain.send(record)
+    while chain.in_flight:
+        chain.receive()
+    for record in unanswered:
+        chain.send(record)
+    for record in cancelled:
+        chain.cancel(record)
+    for stage_index, count in enumerate(notices):
+        for _ in range(count):
+            chain.await_boundary(stage_index)

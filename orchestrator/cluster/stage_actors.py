@@ -1,0 +1,261 @@
+"""The stage actors of a pipeline: thin Ray shells over
+orchestrator.workers.stage_server.StageServer, each in its stage's placement
+bundle (orchestrator.cluster.connect.Reservation), with the calls the
+pipeline makes of them: read a stage file on its node, start, describe, pin,
+report, kill. Ray carries only these control calls; the tokens go through
+the chain's sockets (orchestrator.transport.chain)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from orchestrator.cluster.connect import Reservation, one_line, peak_rss_mb
+from orchestrator.config import ACTOR_START_SECONDS, STAGE_ANSWER_SECONDS
+from orchestrator.transport.chain import PipelineError
+from orchestrator.workers.stage_server import StageDescription, StageServer
+from stages.settings import StageSettings
+from stages.stage_files import NodeStageFile, read_stage_file
+
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class StageReport:
+    """What a stage did over a run: its blocks [first_block, end_block), its
+    node, its busy time, the passes it ran, and the cancelled passes it
+    dropped unstarted or stopped mid-graph."""
+
+    stage_index: int
+    first_block: int
+    end_block: int
+    node_id: str
+    host: str
+    busy_seconds: float
+    passes: int
+    dropped_passes: int = 0
+    stopped_passes: int = 0
+
+
+class StageLoad(NamedTuple):
+    """What a stage holds now: KV cells and sequences after its last pass, its
+    process's resident memory in MiB and id, and how often the stage was
+    restarted (filled in by the coordinator, which restarts it)."""
+
+    kv_cells: int
+    sequences: int
+    rss_mb: float
+    process_id: int = 0
+    restarts: int = 0
+
+
+def stage_file_reader():
+    import ray
+
+    @ray.remote(num_cpus=0, max_retries=0)
+    def read_stage_file_on_node(path: str) -> NodeStageFile:
+        return read_stage_file(path, ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id())
+
+    return read_stage_file_on_node
+
+
+def stage_actor_class():
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class StageActor:
+        """Thin Ray shell over a StageServer (see orchestrator.workers.stage_server)."""
+
+        def __init__(self, path: str, settings: StageSettings, wire_dtype: str, secret: bytes, loopback: bool,
+                     certificate):
+            """loopback: every peer is on this machine; listen on 127.0.0.1 only.
+            certificate: the pipeline's tls.ChainCertificate with --tls, else None."""
+            from orchestrator.cluster.metrics import StageMetrics
+
+            context = ray.get_runtime_context()
+            host = LOOPBACK if loopback else ray.util.get_node_ip_address()
+            self.server = StageServer(path, settings, host, context.get_node_id(), wire_dtype, secret=secret,
+                                      certificate=certificate)
+            self.server.on_pass = StageMetrics(self.server.description.stage_index).record
+
+        def describe(self) -> StageDescription:
+            return self.server.description
+
+        def connect_downstream(self, host: str, port: int) -> None:
+            self.server.connect_downstream(host, port)
+
+        def pin(self, cpus) -> None:
+            self.server.pin(cpus)
+
+        def connect_notify(self, host: str, port: int) -> None:
+            self.server.connect_notify(host, port)
+
+        def connect_cancel(self, host: str, port: int) -> None:
+            self.server.connect_cancel(host, port)
+
+        def stats(self) -> tuple[float, int, int, int]:
+            server = self.server
+            return server.busy_seconds, server.passes, server.dropped_passes, server.stopped_passes
+
+        def load(self) -> StageLoad:
+            import psutil
+
+            process = psutil.Process()
+            return StageLoad(self.server.kv_cells, self.server.kv_sequences, process.memory_info().rss / 1024**2,
+                             process.pid)
+
+        def peak_rss_mb(self) -> float:
+            return peak_rss_mb()
+
+        def __repr__(self) -> str:  # the name shown on the Ray dashboard and in logs
+            if not hasattr(self, "server"):
+                return "stage (loading)"
+            stage = self.server.description
+            return f"stage-{stage.stage_index} [blocks {stage.first_block}-{stage.end_block})"
+
+    return StageActor
+
+
+class StageActors:
+    """One actor per stage, each started in its stage's placement bundle with
+    the pipeline's settings, secret and certificate (handed over by Ray's
+    authenticated calls)."""
+
+    def __init__(self, reservation: Reservation, settings: StageSettings, wire_dtype: str, secret: bytes,
+                 certificate):
+        self.reservation = reservation
+        self.settings = settings
+        self.wire_dtype = wire_dtype
+        self.secret = secret
+        self.certificate = certificate
+        self.actors: list = []
+
+    def __getitem__(self, index: int):
+        return self.actors[index]
+
+    def __iter__(self):
+        return iter(self.actors)
+
+    def read_stage_files(self, paths: list[str], indices) -> list[NodeStageFile]:
+        """Each stage file of ``indices`` read on the node that will load it (the driver may not hold it)."""
+        import ray
+
+        reader = stage_file_reader()
+        readings = [reader.options(scheduling_strategy=self.reservation.scheduling_strategy(index)).remote(paths[index])
+                    for index in indices]
+        try:
+            return ray.get(readings, timeout=ACTOR_START_SECONDS)
+        except ray.exceptions.GetTimeoutError:
+            raise PipelineError(f"stage files were not read on their nodes within {ACTOR_START_SECONDS:.0f} s") from None
+        except ray.exceptions.RayError as error:
+            raise PipelineError(f"could not read the stage files on their nodes: {one_line(error)}") from None
+
+    def _new(self, index: int, path: str, loopback: bool):
+        """A new stage actor for stage ``index`` on its node (it loads in the background)."""
+        return stage_actor_class().options(**self.reservation.actor_options(index, num_cpus=1)).remote(
+            path, self.settings, self.wire_dtype, self.secret, loopback, self.certificate)
+
+    def start(self, paths: list[str], loopback: bool) -> list[StageDescription]:
+        """Every stage's actor, once each has loaded its file."""
+        import ray
+
+        self.actors = [self._new(index, path, loopback) for index, path in enumerate(paths)]
+        try:
+            return ray.get([actor.describe.remote() for actor in self.actors], timeout=ACTOR_START_SECONDS)
+        except ray.exceptions.GetTimeoutError:
+            raise PipelineError(f"stages did not start within {ACTOR_START_SECONDS:.0f} s") from None
+        except ray.exceptions.RayError as error:
+            raise PipelineError(f"a stage failed to start: {self._why_not_started(error)}") from None
+
+    def _why_not_started(self, first: Exception) -> str:
+        """The most telling start-up error: Ray may report a stage as cancelled
+        before it ran when another stage's failure came first; ask each."""
+        import ray
+
+        reasons = []
+        for actor in self.actors:
+            try:
+                ray.get(actor.describe.remote(), timeout=STAGE_ANSWER_SECONDS)
+            except ray.exceptions.RayError as error:  # GetTimeoutError included: a stage still loading
+                reasons.append(one_line(error))
+        telling = [reason for reason in reasons if "never ran" not in reason and "did not finish" not in reason]
+        return (telling or reasons or [one_line(first)])[0]
+
+    def restart(self, index: int, path: str, loopback: bool, cpus) -> StageDescription:
+        """Kill stage ``index``'s actor and start a new one in its placement (pinned to ``cpus`` if given)."""
+        import ray
+
+        ray.kill(self.actors[index])
+        self.actors[index] = self._new(index, path, loopback)
+        try:
+            described = ray.get(self.actors[index].describe.remote(), timeout=ACTOR_START_SECONDS)
+            if cpus is not None:
+                ray.get(self.actors[index].pin.remote(cpus), timeout=STAGE_ANSWER_SECONDS)
+        except ray.exceptions.GetTimeoutError:
+            raise PipelineError(f"stage {index} did not restart within {ACTOR_START_SECONDS:.0f} s") from None
+        except ray.exceptions.RayError as error:
+            raise PipelineError(f"stage {index} could not be restarted: {one_line(error)}") from None
+        return described
+
+    def wire(self, chain, stages: list[StageDescription], notify_boundaries: bool) -> None:
+        """Join the stages into ``chain`` (a new orchestrator.transport.chain.SocketChain):
+        each stage connects to the next and the last to the chain, then the
+        chain to the first; each non-last stage's boundary notices (with
+        ``notify_boundaries``) and every stage's cancels reach the chain too."""
+        import ray
+
+        from concurrent.futures import ThreadPoolExecutor
+
+        try:
+            # Every connection is proved by a handshake, so each acceptor must be
+            # listening while its peer connects: the chain's run in a thread meanwhile.
+            with ThreadPoolExecutor(1) as accepting:
+                last = accepting.submit(chain.accept_last, len(stages))
+                downstream = [(stage.host, stage.port) for stage in stages[1:]] + [chain.address]
+                ray.get([actor.connect_downstream.remote(*address) for actor, address in zip(self.actors, downstream)],
+                        timeout=ACTOR_START_SECONDS)
+                last.result()
+                chain.connect_first(stages[0].host, stages[0].port)
+                if notify_boundaries:
+                    for actor in self.actors[:-1]:  # one at a time, in stage order
+                        boundary = accepting.submit(chain.accept_boundary)
+                        ray.get(actor.connect_notify.remote(*chain.address), timeout=ACTOR_START_SECONDS)
+                        boundary.result()
+                for actor in self.actors:  # one at a time, in stage order
+                    cancels = accepting.submit(chain.accept_cancel)
+                    ray.get(actor.connect_cancel.remote(*chain.address), timeout=ACTOR_START_SECONDS)
+                    cancels.result()
+        except ray.exceptions.RayError as error:
+            raise PipelineError(f"the chain could not be set up: {one_line(error)}") from None
+
+    def pin(self, cpu_sets: list) -> None:
+        """Pin each stage's process to its CPUs (None: any of its node's)."""
+        import ray
+
+        try:
+            ray.get([actor.pin.remote(cpus) for actor, cpus in zip(self.actors, cpu_sets)],
+                    timeout=STAGE_ANSWER_SECONDS)
+        except ray.exceptions.RayError as error:
+            raise PipelineError(f"the stages could not be pinned to their CPUs: {one_line(error)}") from None
+
+    def stats(self) -> list[tuple[float, int, int, int]]:
+        import ray
+
+        return ray.get([actor.stats.remote() for actor in self.actors])
+
+    def load_calls(self) -> list:
+        """Ray object refs of each stage's StageLoad (ray.get or await them)."""
+        return [actor.load.remote() for actor in self.actors]
+
+    def peak_rss_mb(self) -> list[float]:
+        """Peak resident memory of each stage's process, in MiB."""
+        import ray
+
+        return ray.get([actor.peak_rss_mb.remote() for actor in self.actors])
+
+    def kill(self) -> None:
+        import ray
+
+        for actor in self.actors:
+            ray.kill(actor)
+        self.actors = []

@@ -1,0 +1,96 @@
+"""How sequences draft: what a user chose (``SpeculationSettings``, the same
+record for ``orchestrate run`` and ``orchestrate serve``) and what the
+decoding loop is given for each sequence (``Drafting``: its drafters, its
+schedule and the draft policy's prices)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from orchestrator.config import DRAFT_MAX
+from orchestrator.decoding.schedule import Schedule
+from orchestrator.decoding.targets import Drafter
+from speculators.draft_length import DRAFTER_CALL_COST, PRIOR_STEP
+
+SPECULATORS = ("none", "ngram", "model")
+
+
+class SpeculationError(ValueError):
+    """Speculation asked for in a way that cannot work; the message is one line."""
+
+
+@dataclass(frozen=True)
+class SpeculationSettings:
+    """speculator: none, ngram (prompt lookup) or model (draft_path, a whole GGUF model).
+    schedule: async (draft on idle machines, windows started ahead) or sync (draft, then verify).
+    draft_max: most draft tokens per target pass; draft_p_min: a model draft stops
+    below this probability; overlap: draft even while the machine's own stage
+    runs (drafter actors only).
+    tree_leaves: above 1, prompt lookup drafts token trees of up to that many
+    leaves (speculators.tree) and every stage holds as many KV ids less one."""
+
+    speculator: str = "none"
+    draft_path: str | None = None
+    schedule: Schedule = Schedule.ASYNC
+    draft_max: int = DRAFT_MAX
+    draft_p_min: float = 0.0
+    overlap: bool = False
+    tree_leaves: int = 1
+
+    def __post_init__(self):
+        if self.speculator not in SPECULATORS:
+            raise SpeculationError(f"unknown speculator {self.speculator!r} (choose {', '.join(SPECULATORS)})")
+        if self.speculator == "model" and not self.draft_path:
+            raise SpeculationError("--speculator model needs --draft DRAFT.gguf")
+        if self.draft_path and self.speculator != "model":
+            raise SpeculationError("--draft is only used with --speculator model")
+        if self.tree_leaves > 1 and self.speculator != "ngram":
+            raise SpeculationError("--tree-leaves needs --speculator ngram (prompt lookup drafts the trees)")
+
+    @property
+    def drafts(self) -> bool:
+        return self.speculator != "none"
+
+    @property
+    def relays(self) -> bool:
+        """Drafting hands on along the stages while a pass runs (the pipeline reports its boundaries)."""
+        return self.drafts and self.schedule.relays
+
+    @property
+    def draft_room(self) -> int:
+        """Positions a window of drafts may take beyond the generated tokens."""
+        return self.draft_max if self.drafts else 0
+
+
+@dataclass(frozen=True)
+class Drafting:
+    """How a sequence drafts: drafters[i] sits beside stage i (one per
+    stage), the schedule, and the most drafts a window carries.
+
+    first: the drafter the loop waits for before a window (the schedule's
+    drafts_first); None: the one beside stage 0. Prompt lookup runs here, in
+    this process: it costs microseconds, where asking an actor costs a round
+    trip each window.
+    call_cost: what that ask costs, in one-token passes (the draft policy's).
+    step: what each extra token of a pass costs, in one-token passes
+    (Pipeline.draft_step measures it before a run).
+    tree_leaves: above 1, ``first`` drafts token trees of up to that many
+    leaves (collect_tree; the stages need as many tree_sequences less one),
+    and the schedule verifies the rows that pay.
+    side_row_step: what the tree rule prices a side row at, in one-token
+    passes (None: ``step``, as any row; the bench's tree-all mode: 0).
+    """
+
+    drafters: Sequence[Drafter]
+    schedule: Schedule
+    draft_max: int
+    first: Drafter | None = None
+    call_cost: float = DRAFTER_CALL_COST
+    step: float = PRIOR_STEP
+    tree_leaves: int = 1
+    side_row_step: float | None = None
+
+    @property
+    def drafter_first(self) -> Drafter:
+        return self.first or self.drafters[0]

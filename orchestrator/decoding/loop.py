@@ -1,0 +1,296 @@
+"""The one decoding loop: the schedule's decisions (orchestrator.decoding.schedule)
+carried out against a target and its drafters.
+
+``orchestrate run`` (``generate``), ``orchestrate serve``'s service
+(orchestrator.decoding.service) and the planner's simulation
+(orchestrator.planning.simulation) all turn this loop; they differ only in
+the target it drives (a socket pipeline, stages in this process, simulated
+stages in virtual time) and where its sequences come from. One turn
+(``DecodingLoop.step``):
+
+    drafters beside stage 0 draft for the sequences that wait for them
+    -> submit the passes the schedule makes (first windows, windows ahead)
+    -> wait for the oldest pass, relaying async drafting at every boundary
+    -> verify each window it carried and commit its tokens
+    -> cancel the passes a rejection made worthless
+
+Each window feeds [last committed token, draft_1, ..., draft_k] at positions
+len(committed) - 1 onward; every stage first drops cached positions from there
+on (rolling back whatever the previous pass speculated). The window's logit
+rows are verified (speculators.tree.verify_rows; a pipeline does it beside its
+last stage, so only token ids come back) and the accepted drafts plus the
+target's own token are committed. Plain decoding is the case k = 0.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from orchestrator.decoding.schedule import (
+    Scheduler,
+    SequenceState,
+    SpeculationStats,
+    Window,
+    relay,
+)
+from orchestrator.decoding.drafting import Drafting
+from orchestrator.decoding.targets import Target, committed_tokens
+from speculators.sampling import SamplingSettings
+
+
+def sequence_state(sequence: int, prompt_tokens: list[int], max_tokens: int, sampling: SamplingSettings | None,
+                   drafting: Drafting | None, prompt_chunk: int) -> SequenceState:
+    """The schedule's state of a new sequence that drafts as ``drafting`` says (None: plain)."""
+    if drafting is None:
+        return SequenceState(sequence, list(prompt_tokens), len(prompt_tokens), max_tokens, prompt_from=0,
+                             prompt_chunk=prompt_chunk, sampling=sampling)
+    return SequenceState(
+        sequence, list(prompt_tokens), len(prompt_tokens), max_tokens, drafting.schedule, drafting.draft_max,
+        prompt_from=0, prompt_chunk=prompt_chunk, sampling=sampling, draft_call_cost=drafting.call_cost,
+        draft_step=drafting.step, tree_leaves=drafting.tree_leaves, side_row_step=drafting.side_row_step,
+    )
+
+
+class Listener:
+    """What the loop tells about one sequence as it goes; these defaults do nothing."""
+
+    def pass_returned(self, stage_seconds: Sequence[float]) -> None:
+        """A pass that carried a window of it came back (discarded ones too)."""
+
+    def verified(self, window: Window, tokens: list[int]) -> None:
+        """A window that gives tokens was verified; ``tokens`` it committed (maybe none, at the end)."""
+
+
+@dataclass
+class Decoding:
+    """One sequence in the loop: its schedule state, how it drafts (None:
+    plain decoding), and who hears of its passes and tokens."""
+
+    state: SequenceState
+    drafting: Drafting | None = None
+    listener: Listener = field(default_factory=Listener)
+
+
+Choose = Callable[[object, Window, slice], list[int]]
+"""(a pass's result, one of its windows, that window's rows) -> the tokens it commits."""
+
+
+class DecodingLoop:
+    """The sequences being decoded through one target, and the turns that decode them.
+
+    window_per_pass: a pass carries one window, so a pipeline's stages work on
+    different sequences at once (docs/serving.md says why passes do not batch
+    sequences on this CPU). choose: how a result's window becomes tokens (the
+    real targets': ``committed_tokens``; the simulation knows its text).
+    """
+
+    def __init__(self, target: Target, is_end: Callable[[int], bool], *, window_per_pass: bool = False,
+                 choose: Choose = committed_tokens):
+        self.target = target
+        self.is_end = is_end
+        self.choose = choose
+        self.scheduler = Scheduler(window_per_pass=window_per_pass)
+        self.decodings: dict[int, Decoding] = {}
+
+    def add(self, decoding: Decoding) -> None:
+        self.scheduler.add(decoding.state)
+        self.decodings[decoding.state.sequence] = decoding
+
+    def remove(self, sequence: int) -> Decoding:
+        """Forget a settled sequence (its id may then be reused)."""
+        self.scheduler.remove(sequence)
+        return self.decodings.pop(sequence)
+
+    @property
+    def done(self) -> bool:
+        """Every sequence finished, nothing in flight."""
+        return self.scheduler.done
+
+    @property
+    def in_flight(self) -> bool:
+        return bool(self.scheduler.in_flight)
+
+    def run(self) -> None:
+        """Turn until every sequence has finished."""
+        while not self.done:
+            self.step()
+
+    def step(self) -> bool:
+        """One turn; False if nothing was in flight (every sequence idle or finished)."""
+        self._draft_first()
+        for target_pass in self.scheduler.next_passes():
+            self.target.submit(target_pass)
+        if not self.scheduler.in_flight:
+            return False
+        reply = self._receive_relaying()
+        for state, window, rows in self.scheduler.received():
+            decoding = self.decodings[state.sequence]
+            decoding.listener.pass_returned(reply.stage_seconds)
+            if rows is None:
+                continue
+            if not state.gives_token(window):  # an earlier chunk of the prompt: it only filled the cache
+                state.verified(window, [], self.is_end)
+                continue
+            committed = state.verified(window, self.choose(reply, window, rows), self.is_end)
+            decoding.listener.verified(window, committed)
+        self.cancel_invalid()
+        return True
+
+    def cancel_invalid(self) -> None:
+        """Stop computing the passes whose every window a rejection or a cancel made invalid."""
+        for target_pass in self.scheduler.invalid_passes():
+            self.target.cancel(target_pass)
+
+    def _draft_first(self) -> None:
+        """The sequences whose next window waits for the drafter beside stage 0 (schedule.drafts_first)."""
+        for state in self.scheduler.drafting_first():
+            drafter = self.decodings[state.sequence].drafting.drafter_first  # type: ignore[union-attr]
+            drafter.speculate(state.committed, state.drafts_wanted)
+            if state.tree_leaves > 1:
+                state.drafted_tree(drafter.collect_tree(state.tree_leaves))  # type: ignore[attr-defined]
+            else:
+                state.drafted_first(drafter.collect(wait=True))
+
+    def _receive_relaying(self):
+        """The oldest pass's result; meanwhile async sequences hand drafting from
+        machine to machine as the pass leaves each stage (schedule.relay)."""
+        relaying = self.scheduler.relaying()
+        if not relaying:
+            return self.target.receive()
+        machines = [self.decodings[state.sequence].drafting.drafters for state in relaying]  # type: ignore[union-attr]
+        handoffs = relay(len(machines[0]))
+        reply = None
+        for moment, handoff in enumerate(handoffs):
+            if moment == len(handoffs) - 1:
+                reply = self.target.receive()
+            elif moment > 0:
+                self.target.await_boundary(moment - 1)
+            for state, drafters in zip(relaying, machines):
+                if handoff.collect is not None:
+                    state.drafted(drafters[handoff.collect].collect())
+                if handoff.start is not None:
+                    drafters[handoff.start].speculate(state.text)
+        return reply
+
+
+# -- orchestrate run: a fixed set of sequences, each with its Generation ------
+
+@dataclass
+class Generation:
+    """What one generation produced and how long it took.
+
+    tokens: generated ids (an end-of-generation token is not included).
+    prefill_seconds: from start to the first generated token.
+    decode_seconds: from the first generated token to the last.
+    passes: target passes that carried it after the prompt (discarded ones too);
+    stage_seconds: each stage's busy seconds over the passes that carried it.
+    """
+
+    prompt_tokens: list[int]
+    tokens: list[int] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    passes: int = 0
+    stage_seconds: list[float] = field(default_factory=list)
+    stopped_by: str = "length"
+    speculation: SpeculationStats = field(default_factory=SpeculationStats)
+
+    @property
+    def seconds(self) -> float:
+        return self.prefill_seconds + self.decode_seconds
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generation phase: tokens after the first over the time they took."""
+        if len(self.tokens) < 2 or self.decode_seconds <= 0:
+            return 0.0
+        return (len(self.tokens) - 1) / self.decode_seconds
+
+    def account(self, stage_seconds: Sequence[float]) -> None:
+        if not self.stage_seconds:
+            self.stage_seconds = [0.0] * len(stage_seconds)
+        for index, seconds in enumerate(stage_seconds):
+            self.stage_seconds[index] += seconds
+
+
+@dataclass
+class Request:
+    """One sequence to decode: its prompt, how many tokens, how they are chosen
+    and drafted. on_token: called with each committed token; on_pass: called
+    after each verified window with the running Generation and the tokens it committed."""
+
+    prompt_tokens: list[int]
+    max_tokens: int
+    sampling: SamplingSettings
+    drafting: Drafting | None = None
+    on_token: Callable[[int], None] | None = None
+    on_pass: Callable[[Generation, int], None] | None = None
+
+
+class _Recorder(Listener):
+    """A Generation kept as the loop goes: tokens, clocks, stage seconds, callbacks."""
+
+    def __init__(self, request: Request, state: SequenceState):
+        self.request = request
+        self.state = state
+        self.result = Generation(list(request.prompt_tokens), speculation=state.stats)
+        self.started = time.perf_counter()
+        self.first_token_time: float | None = None
+
+    def pass_returned(self, stage_seconds: Sequence[float]) -> None:
+        self.result.account(stage_seconds)
+
+    def verified(self, window: Window, tokens: list[int]) -> None:
+        for token in tokens:
+            now = time.perf_counter()
+            if self.first_token_time is None:
+                self.first_token_time = now
+                self.result.prefill_seconds = now - self.started
+            self.result.decode_seconds = now - self.first_token_time
+            self.result.tokens.append(token)
+            if self.request.on_token is not None:
+                self.request.on_token(token)
+        self.result.passes = self.state.passes
+        if not window.prompt and self.request.on_pass is not None:
+            self.request.on_pass(self.result, len(tokens))
+
+    def finish(self) -> Generation:
+        self.result.stopped_by = self.state.stopped_by
+        self.result.passes = self.state.passes
+        return self.result
+
+
+def generate(
+    target: Target,
+    prompt_tokens: list[int],
+    max_tokens: int,
+    sampling: SamplingSettings,
+    is_end: Callable[[int], bool],
+    *,
+    on_token: Callable[[int], None] | None = None,
+    on_pass: Callable[[Generation, int], None] | None = None,
+    drafting: Drafting | None = None,
+) -> Generation:
+    """Decode up to max_tokens after the prompt through ``target`` (a Pipeline)."""
+    request = Request(list(prompt_tokens), max_tokens, sampling, drafting, on_token, on_pass)
+    return generate_many(target, [request], is_end)[0]
+
+
+def generate_many(target: Target, requests: list[Request], is_end: Callable[[int], bool], *,
+                  window_per_pass: bool = False) -> list[Generation]:
+    """Decode several sequences at once through ``target``, each as ``generate`` would
+    (their windows share passes, or with ``window_per_pass`` each has its own)."""
+    if any(not request.prompt_tokens for request in requests):
+        raise ValueError("the prompt is empty")
+    loop = DecodingLoop(target, is_end, window_per_pass=window_per_pass)
+    recorders = []
+    for index, request in enumerate(requests):
+        state = sequence_state(index, request.prompt_tokens, request.max_tokens, request.sampling, request.drafting,
+                               target.n_batch)
+        recorders.append(_Recorder(request, state))
+        loop.add(Decoding(state, request.drafting, recorders[-1]))
+    loop.run()
+    return [recorder.finish() for recorder in recorders]
+

@@ -1,0 +1,1 @@
+"""Serving: the OpenAI API (pure protocol, FastAPI app) on Ray Serve (``orchestrate serve``)."""
