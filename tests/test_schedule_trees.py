@@ -100,12 +100,14 @@ def test_tree_fields_are_checked_on_the_wire():
             StageBatch.from_wire(header, array)
 
 
-def test_a_tree_choice_walks_the_tree():
+def test_the_rows_of_a_tree_are_walked_and_those_of_a_chain_verified():
+    """What the last stage commits from a TokenChoice's fields (speculators.tree.verify_rows)."""
+    from speculators.tree import verify_rows
+
     logits = np.zeros((3, 8), np.float32)
     logits[0, 5] = logits[2, 6] = 1.0  # the target: 5 after the root, then 6
-    choice = TokenChoice(np.array([4, 5], np.int32), 3, SamplingSettings(), np.array([-1, 0, 0], np.int32))
-    assert choice.tokens(logits) == [5, 6]
-    assert TokenChoice(np.array([4, 5], np.int32), 3, SamplingSettings()).tokens(logits) == [5]
+    assert verify_rows([4, 5], np.array([-1, 0, 0], np.int32), logits, 3, SamplingSettings()) == [5, 6]
+    assert verify_rows([4, 5], None, logits, 3, SamplingSettings()) == [5]
 
 
 def test_a_window_started_ahead_of_a_tree_is_dropped_when_a_side_branch_wins():

@@ -15,7 +15,6 @@ wrong one.
 
 from __future__ import annotations
 
-import collections
 import time
 from collections.abc import Callable
 
@@ -89,8 +88,6 @@ class Pipeline:
         self.stage_cpus: list[CpuSet | None] = []  # each stage process's CPUs; None: any
         self.chain: SocketChain | None = None
         self.ledger = KvLedger()  # what every stage caches, for a replay after a loss
-        # every pass sent and not yet answered, oldest first, with the TargetPass it carries (None: forward's)
-        self._passes: collections.deque[tuple[TargetPass | None, PassRecord]] = collections.deque()
         # The data plane's secret: it reaches the actors only through Ray's
         # authenticated calls, and every chain connection proves it holds it.
         self.secret = new_secret()
@@ -176,7 +173,6 @@ class Pipeline:
             logit_rows = np.array([len(tokens) - 1], dtype=np.int32)
         record = PassRecord(sequence, keep, np.asarray(positions, np.int32), np.asarray(tokens, np.int32),
                             np.asarray(logit_rows, np.int32))
-        self._passes.append((None, record))
         self._send(record)
         return self.receive()
 
@@ -206,19 +202,14 @@ class Pipeline:
         result carries them, not logits."""
         if len(target_pass.windows) != 1:
             raise PipelineError(f"a pass of {len(target_pass.windows)} sequences; this pipeline carries one per pass")
-        record = _record_of(target_pass.windows[0])
-        self._passes.append((target_pass, record))
-        self._send(record)
+        self._send(_record_of(target_pass.windows[0], origin=target_pass))
 
     def cancel(self, target_pass: TargetPass) -> None:
         """The pass is no longer wanted (a rejection invalidated its windows):
         stages that have not started it drop it, one running it stops it.
         Its receive() is then a ``Cancelled``, or its result if the stages
         were done before the cancel reached them."""
-        for submitted, record in self._passes:
-            if submitted is target_pass:
-                self.chain.cancel(record)
-                return
+        self.chain.cancel_origin(target_pass)
 
     def release(self, sequence: int) -> None:
         """Free a KV sequence in every stage, in order with the passes around it."""
@@ -234,9 +225,6 @@ class Pipeline:
                 return self.chain.receive()
             except PassLate as late:
                 recovery.recover(self, late)
-            finally:  # answered (or failed) passes can no longer be cancelled
-                while self._passes and not self.chain.holds(self._passes[0][1]):
-                    self._passes.popleft()
 
     def await_boundary(self, stage_index: int) -> int:
         """Block until the next pass has left stage ``stage_index``; return its id
@@ -299,7 +287,7 @@ class Pipeline:
         self.close()
 
 
-def _record_of(window: Window) -> PassRecord:
+def _record_of(window: Window, origin: TargetPass) -> PassRecord:
     """The pass that carries one window, as the ledger keeps it and the chain
     sends it: rows at their positions (a tree's at its depths), and the
     target's choice made beside the last stage when the window has sampling."""
@@ -310,4 +298,4 @@ def _record_of(window: Window) -> PassRecord:
         np.asarray(window.drafts, np.int32), window.first + window.logit_rows[0] + 1, window.sampling,
         None if window.parents is None else np.asarray(window.parents, np.int32))
     return PassRecord(window.sequence, window.first, positions, np.asarray(window.inputs, np.int32),
-                      np.asarray(window.logit_rows, np.int32), choice, parents)
+                      np.asarray(window.logit_rows, np.int32), choice, parents, origin)

@@ -204,6 +204,13 @@ class SocketChain:
                         pass
                 return
 
+    def cancel_origin(self, origin: object) -> None:
+        """Cancel the pass in flight that carries out ``origin`` (PassRecord.origin), if any."""
+        for entry in self._in_flight:
+            if entry.record.origin is origin:
+                self.cancel(entry.record)
+                return
+
     def holds(self, record: PassRecord) -> bool:
         """``record`` was sent and its result has not been received."""
         return any(entry.record is record for entry in self._in_flight)

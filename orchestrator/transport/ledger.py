@@ -21,7 +21,7 @@ would have returned.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -41,6 +41,8 @@ class PassRecord:
     (messages.TokenChoice) instead of the rows.
     parents: int32[n], the rows form a token tree (messages.StageBatch); the
     stages keep only its main chain's cells after it (stages.engine).
+    origin: the decision the pass carries out (the loop's TargetPass), so a
+    cancel finds it among the chain's passes in flight; never sent.
     """
 
     sequence: int
@@ -50,6 +52,7 @@ class PassRecord:
     logit_rows: np.ndarray
     choice: TokenChoice | None = None
     parents: np.ndarray | None = None
+    origin: object | None = field(default=None, compare=False, repr=False)
 
     @property
     def kept_rows(self) -> int:

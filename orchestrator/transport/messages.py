@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from speculators.sampling import SamplingSettings
-from speculators.tree import TreeError, check_preorder, verify_rows
+from speculators.tree import TreeError, check_preorder
 from stages.errors import SpecpipeError
 
 WireHeader = dict[str, Any]
@@ -113,8 +113,8 @@ def _array(array: np.ndarray | None, name: str, rank: int, dtypes: tuple[str, ..
 
 @dataclass(frozen=True)
 class TokenChoice:
-    """How the last stage turns a pass's logit rows into tokens
-    (speculators.verify), so that only token ids travel back.
+    """What the last stage needs to turn a pass's logit rows into tokens
+    (speculators.tree.verify_rows, called beside it), so that only token ids travel back.
 
     drafts: int32[rows - 1], the draft tokens the rows after the first verify.
     first_position: the absolute position the first logit row predicts.
@@ -134,10 +134,6 @@ class TokenChoice:
     def to_wire(self) -> WireHeader:
         return {"drafts": _int32_bytes(self.drafts), "first": self.first_position, "parents": _int32_bytes(self.parents),
                 "temperature": self.sampling.temperature, "top_p": self.sampling.top_p, "seed": self.sampling.seed}
-
-    def tokens(self, logits: np.ndarray) -> list[int]:
-        """What the rows' logits float32[rows, n_vocab] commit."""
-        return verify_rows(self.drafts.tolist(), self.parents, logits, self.first_position, self.sampling)
 
     @classmethod
     def from_wire(cls, header: WireHeader) -> TokenChoice:

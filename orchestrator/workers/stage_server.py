@@ -41,6 +41,7 @@ from orchestrator.transport.handshake import (
     upstream_role,
 )
 from orchestrator.transport.messages import Boundary, Cancel, Cancelled, PassResult, Shutdown, StageBatch, StageFailure
+from speculators.tree import verify_rows
 from stages.engine import PassAborted, StageEngine, StageError
 from stages.settings import StageSettings
 
@@ -302,7 +303,9 @@ class StageServer:
                 output = engine.decode(batch.positions, tokens=batch.tokens, hidden=hidden,
                                        sequence=batch.sequence, logit_rows=batch.logit_rows, parents=batch.parents)
             if engine.is_last and batch.choice is not None:  # choose here: token ids travel back, not logits
-                chosen = np.array(batch.choice.tokens(output), np.int32)
+                choice = batch.choice
+                chosen = np.array(verify_rows(choice.drafts.tolist(), choice.parents, output, choice.first_position,
+                                              choice.sampling), np.int32)
         except PassAborted:
             self.stopped_passes += 1
             return Cancelled(batch.pass_id, engine.stage_index,
