@@ -3,8 +3,8 @@
 
     sudo .venv/bin/python -m benchmarks.delayed_link [--delay-ms 5] [--repetitions 3] [--profile P.json]
 
-Two network namespace hosts (benchmarks.network_hosts) joined by the delay
-line (benchmarks.delay_line: every packet DELAY ms one way; tbf 1 Gbit/s),
+Two network namespace hosts (tests/support/network_hosts.py) joined by the delay
+line (tests/support/delay_line.py: every packet DELAY ms one way; tbf 1 Gbit/s),
 Ray's head and the driver on the first, a worker on the second; SmolLM2 cut
 at block 15, stage 0 beside the coordinator and stage 1 across the link, so
 that two of the three hops cross it, as the planner's model of two machines
@@ -58,7 +58,7 @@ def _orchestrate(*arguments: str) -> subprocess.CompletedProcess:
 @click.option("--profile", "profile_path", type=click.Path(exists=True, dir_okay=False),
               help="This machine's `orchestrate profile` (default: made now).")
 def main(delay_ms: float, repetitions: int, max_tokens: int, profile_path: str | None) -> None:
-    from benchmarks.network_hosts import RayAcrossHosts, TwoHosts
+    from tests.support.network_hosts import RayAcrossHosts, TwoHosts
     from benchmarks.reference import WholeModel
     from orchestrator.config import default_model_path
     from stages.split import split_model

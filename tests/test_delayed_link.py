@@ -1,5 +1,5 @@
 """`orchestrate run` across two namespace hosts whose link delays every packet
-5 ms one way (benchmarks.delay_line: this kernel has no netem) and caps it at
+5 ms one way (support.delay_line: this kernel has no netem) and caps it at
 1 Gbit/s (tbf): the tokens stay the whole model's, plain and speculative.
 
 The run's speed is set beside what `orchestrate plan` predicts for that link
@@ -16,7 +16,7 @@ import warnings
 import pytest
 from conftest import PROMPTS, orchestrate
 
-from benchmarks.network_hosts import NamespacesUnavailable, RayAcrossHosts, TwoHosts
+from support.network_hosts import NamespacesUnavailable, RayAcrossHosts, TwoHosts
 
 pytestmark = pytest.mark.hosts
 

@@ -1,5 +1,5 @@
 """`ray up cluster.yaml` end to end: a head and a worker, each an sshd in a
-network namespace of its own (benchmarks.network_hosts, joined by the veth
+network namespace of its own (support.network_hosts, joined by the veth
 link), brought up by `ray up` from the head's host, then `orchestrate run
 --model` on the head through `ray exec`, then `ray down`.
 
@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from benchmarks.network_hosts import NODES_PROBE, NamespacesUnavailable, TwoHosts, tool
+from support.network_hosts import NODES_PROBE, NamespacesUnavailable, TwoHosts, tool
 from conftest import PROMPTS
 
 pytestmark = pytest.mark.hosts

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import PROMPTS
-from benchmarks.network_hosts import NamespacesUnavailable, RayAcrossHosts, TwoHosts
+from support.network_hosts import NamespacesUnavailable, RayAcrossHosts, TwoHosts
 
 pytestmark = pytest.mark.hosts
 

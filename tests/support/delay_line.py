@@ -6,7 +6,7 @@ Rate limits stay with ``tc`` (tbf on each device, as on the veth link).
 
 Run as root by ``network_hosts.TwoHosts(delay_ms=...)``:
 
-    python -m benchmarks.delay_line NAMESPACE_A ADDRESS_A NAMESPACE_B ADDRESS_B DELAY_MS READY_FILE
+    python tests/support/delay_line.py NAMESPACE_A ADDRESS_A NAMESPACE_B ADDRESS_B DELAY_MS READY_FILE
 
 It creates the devices, moves them into the namespaces (``tun-a``, ``tun-b``,
 addresses /24, MTU 16000), writes READY_FILE and relays until killed. The

@@ -23,6 +23,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+REPOSITORY = Path(__file__).resolve().parents[2]  # where drivers run `-m orchestrator.cli`
+DELAY_LINE = Path(__file__).resolve().with_name("delay_line.py")
+
 LINK_RATE = "1gbit"
 LINK_DELAY = "1ms"  # one way, applied only where the kernel has netem
 TBF_SHAPING = ["tbf", "rate", LINK_RATE, "burst", "256kb", "latency", "50ms"]
@@ -67,7 +70,7 @@ class TwoHosts:
     a veth pair limited to 1 Gbit/s each way, plus a 1 ms delay each way where
     netem exists; or, with ``delay_ms``, by two TUN devices and a relay
     process that delays every packet that long one way
-    (benchmarks.delay_line), limited to 1 Gbit/s with tbf as well.
+    (delay_line.py beside this file), limited to 1 Gbit/s with tbf as well.
     ``link_notes`` says what the link got and what it lacks."""
 
     def __init__(self, tag: str, delay_ms: float | None = None):
@@ -122,9 +125,9 @@ class TwoHosts:
         ready = Path(tempfile.mkdtemp(prefix="specpipe-delay-")) / "ready"
         with open(ready.with_name("delay_line.log"), "wb") as log:
             process = subprocess.Popen(
-                [sys.executable, "-m", "benchmarks.delay_line", self.first.namespace, self.first.address,
+                [sys.executable, str(DELAY_LINE), self.first.namespace, self.first.address,
                  self.second.namespace, self.second.address, str(self.delay_ms), str(ready)],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=Path(__file__).resolve().parent.parent)
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPOSITORY)
         self._process_groups.append(process)
         deadline = time.monotonic() + 30
         while not ready.exists():
@@ -139,7 +142,7 @@ class TwoHosts:
         if self.delayed:
             _check(host.command(tool("tc"), "qdisc", "add", "dev", host.interface, "root", *TBF_SHAPING))
             self.link_notes.append(f"{host.interface}: tbf rate {LINK_RATE}, delay {self.delay_ms:g} ms one way "
-                                   "(benchmarks.delay_line)")
+                                   "(tests/support/delay_line.py)")
             return
         netem = _run(host.command(tool("tc"), "qdisc", "add", "dev", host.interface, "root", *NETEM_SHAPING))
         if netem.returncode == 0:
@@ -279,7 +282,7 @@ class RayAcrossHosts:
         try:
             return subprocess.run(
                 self.hosts.first.command(sys.executable, *arguments), capture_output=True, text=True,
-                env=self.environment, timeout=timeout, cwd=Path(__file__).resolve().parent.parent,
+                env=self.environment, timeout=timeout, cwd=REPOSITORY,
             )
         except subprocess.TimeoutExpired:
             return None
