@@ -196,7 +196,8 @@ def run_scenario(
     from orchestrator.decoding.loop import generate
     from orchestrator.cluster.pipeline import Pipeline
     from speculators.sampling import SamplingSettings
-    from orchestrator.run import SpeculationSettings, make_drafting, speculator_factory
+    from orchestrator.decoding.drafting import SpeculationSettings
+    from orchestrator.run import make_drafting, speculator_factory
     from stages.tokenizer import Tokenizer
     from stages.settings import StageSettings
     from stages.gguf_file import stage_info_of
@@ -223,7 +224,8 @@ def run_scenario(
             remote = stage_info_of(stage_paths[-1]).block_count if "cpp-rpc-split" in modes else None
             peer_ports = peers_running.enter_context(servers(model, remote, folder, BENCH_CONTEXT))
             lengths = {tuple(prompt): max(1, len(whole.greedy(prompt, scenario.max_tokens).tokens)) for prompt in prompts}
-        speculators = {kind: speculator_factory(SpeculationSettings(speculator=kind, draft_path=draft), tokenizer, settings)
+        speculators = {kind: speculator_factory(SpeculationSettings(kind, draft if kind == "model" else None),
+                                                tokenizer, settings)
                        for kind in scenario.speculators}
         drafters = {kind: start_drafters(pipeline, speculators[kind], DrafterSettings(draft_max=DRAFT_MAX))
                     for kind in scenario.speculators}
