@@ -177,8 +177,6 @@ def make_drafting(kind: str, drafters: list, schedule: Schedule, draft_max: int,
     if kind == "ngram":
         return Drafting(drafters, schedule, draft_max, first=InstantDrafter(make_speculator(), draft_max),
                         call_cost=ask_cost(kind), step=step, tree_leaves=tree_leaves)
-    if tree_leaves > 1:
-        raise RunError("token trees are drafted by prompt lookup (--speculator ngram); a draft model drafts chains")
     return Drafting(drafters, schedule, draft_max, call_cost=ask_cost(kind), step=step)
 
 
@@ -187,85 +185,102 @@ def run_generation(
     on_text: Callable[[str], None] | None = None,
     on_status: Callable[[str], None] | None = None,
 ) -> RunOutcome:
+    """Connect Ray, start the pipeline (shipping the stages with --model) and
+    the drafters, generate, and report what each part did."""
     whole = settings.whole_model
     if whole is None and settings.address is None:  # a local run: bad files fail before Ray starts
         check_stage_files(settings.stage_paths)
     # On a cluster each file is checked on the node that runs its stage (Pipeline).
     vocabulary_path = whole.path if whole is not None else local_vocabulary_file(settings.stage_paths)
     prepared = _prepare(settings, Tokenizer(vocabulary_path)) if vocabulary_path else None
-    pieces: list[str] = []
-    speculation_settings = settings.speculation
-    asynchronous = speculation_settings.speculator != "none" and speculation_settings.schedule is Schedule.ASYNC
+    relays = settings.speculation.relays
     with ray_session(settings.address, dashboard=settings.dashboard) as where:
         if where and on_status is not None:
             on_status(f"[{where}]")
         restart_metrics = RestartMetrics()
-
-        def stage_restarted(restart: StageRestart) -> None:
-            restart_metrics.record("stage", restart.stage_index)
-            if on_status is not None:
-                on_status(f"[stage {restart.stage_index} died ({restart.reason}); restarted and replayed "
-                          f"in {restart.seconds:.1f} s]")
-
-        stage_settings = settings.stage
-        if speculation_settings.tree_leaves > 1:
-            stage_settings = dataclasses.replace(stage_settings, tree_sequences=speculation_settings.tree_leaves - 1)
-        stages = None if whole is None else whole_model_stages(
-            whole, stage_settings, speculation_settings.draft_path, on_status)
+        stage_settings = _stage_settings(settings)
+        stages = None if whole is None else whole_model_stages(whole, stage_settings, settings.speculation.draft_path,
+                                                               on_status)
         if stages is None:  # stage files given, or one unsplit file for a one-node cluster
             stages, whole = settings.stage_paths or [whole.path], None
         with Pipeline(
             stages, stage_settings, wire_dtype=settings.wire_dtype, place=settings.place,
-            notify_boundaries=asynchronous, max_restarts=settings.max_restarts, on_restart=stage_restarted,
-            tls=settings.tls, overlapping=asynchronous,
+            notify_boundaries=relays, max_restarts=settings.max_restarts,
+            on_restart=_restart_reporter(restart_metrics, on_status), tls=settings.tls, overlapping=relays,
         ) as pipeline:
             check_same_model(vocabulary_path if whole is None else None, pipeline.stage_files)
             if prepared is None:  # no stage file here: the vocabulary comes from stage 0's node
                 prepared = _prepare(settings, Tokenizer(pipeline.vocabulary_file()))
-            tokenizer, tokens, make_speculator = prepared
-            stream = tokenizer.text_stream()
+            return _generate_through(pipeline, settings, prepared, restart_metrics, on_text)
 
-            def emit(token: int) -> None:
-                text = stream.push(token)
-                pieces.append(text)
-                if on_text is not None and text:
-                    on_text(text)
 
-            drafters: list[DrafterClient] = []
-            drafting = None
-            if make_speculator is not None:
-                drafters = start_drafters(
-                    pipeline, make_speculator,
-                    DrafterSettings(draft_max=speculation_settings.draft_max, overlap=speculation_settings.overlap,
-                                    max_restarts=settings.max_restarts),
-                    on_restart=lambda index: restart_metrics.record("drafter", index),
-                )
-                drafting = make_drafting(speculation_settings.speculator, drafters, speculation_settings.schedule,
-                                         speculation_settings.draft_max, make_speculator, pipeline.draft_step(),
-                                         speculation_settings.tree_leaves)
-            live = GenerationMetrics()
-            try:
-                generation = generate(
-                    pipeline, tokens, settings.max_tokens, settings.sampling, tokenizer.is_end,
-                    on_token=emit, drafting=drafting,
-                    on_pass=lambda running, committed: live.record(running, committed, pipeline.hop_seconds, drafters),
-                )
-            finally:
-                speculator_reports = [
-                    SpeculatorReport(client.index, client.node_id, client.busy_seconds,
-                                     client.lost_reason, client.restarts)
-                    for client in drafters
-                ]
-                stop_drafters(drafters)
-            reports = pipeline.reports()
-            hop_seconds = pipeline.hop_seconds
-            restarts = list(pipeline.restarts)
-            shipments = list(pipeline.shipments)
-    tail = stream.finish()
-    pieces.append(tail)
-    if on_text is not None and tail:
-        on_text(tail)
-    return RunOutcome("".join(pieces), generation, reports, speculator_reports, hop_seconds, restarts, shipments)
+def _stage_settings(settings: RunSettings) -> StageSettings:
+    """The stages' settings: token trees need a KV id per side leaf."""
+    leaves = settings.speculation.tree_leaves
+    return dataclasses.replace(settings.stage, tree_sequences=leaves - 1) if leaves > 1 else settings.stage
+
+
+def _restart_reporter(restart_metrics: RestartMetrics, on_status: Callable[[str], None] | None):
+    def stage_restarted(restart: StageRestart) -> None:
+        restart_metrics.record("stage", restart.stage_index)
+        if on_status is not None:
+            on_status(f"[stage {restart.stage_index} died ({restart.reason}); restarted and replayed "
+                      f"in {restart.seconds:.1f} s]")
+
+    return stage_restarted
+
+
+class _Text:
+    """The generated text, streamed token by token (on_text) and kept whole."""
+
+    def __init__(self, tokenizer: Tokenizer, on_text: Callable[[str], None] | None):
+        self.stream = tokenizer.text_stream()
+        self.on_text = on_text
+        self.pieces: list[str] = []
+
+    def push(self, token: int) -> None:
+        self._add(self.stream.push(token))
+
+    def finish(self) -> str:
+        self._add(self.stream.finish())
+        return "".join(self.pieces)
+
+    def _add(self, text: str) -> None:
+        self.pieces.append(text)
+        if self.on_text is not None and text:
+            self.on_text(text)
+
+
+def _generate_through(pipeline: Pipeline, settings: RunSettings, prepared, restart_metrics: RestartMetrics,
+                      on_text: Callable[[str], None] | None) -> RunOutcome:
+    """Start the drafters beside the stages (with a speculator), generate, stop them, and report."""
+    tokenizer, tokens, make_speculator = prepared
+    speculation = settings.speculation
+    text = _Text(tokenizer, on_text)
+    drafters: list[DrafterClient] = []
+    drafting = None
+    if make_speculator is not None:
+        drafters = start_drafters(
+            pipeline, make_speculator,
+            DrafterSettings(draft_max=speculation.draft_max, overlap=speculation.overlap,
+                            max_restarts=settings.max_restarts),
+            on_restart=lambda index: restart_metrics.record("drafter", index),
+        )
+        drafting = make_drafting(speculation.speculator, drafters, speculation.schedule, speculation.draft_max,
+                                 make_speculator, pipeline.draft_step(), speculation.tree_leaves)
+    live = GenerationMetrics()
+    try:
+        generation = generate(
+            pipeline, tokens, settings.max_tokens, settings.sampling, tokenizer.is_end, on_token=text.push,
+            drafting=drafting,
+            on_pass=lambda running, committed: live.record(running, committed, pipeline.hop_seconds, drafters),
+        )
+    finally:
+        speculator_reports = [SpeculatorReport(client.index, client.node_id, client.busy_seconds, client.lost_reason,
+                                               client.restarts) for client in drafters]
+        stop_drafters(drafters)
+    return RunOutcome(text.finish(), generation, pipeline.reports(), speculator_reports, pipeline.hop_seconds,
+                      list(pipeline.restarts), list(pipeline.shipments))
 
 
 def _prepare(settings: RunSettings, tokenizer: Tokenizer):

@@ -94,6 +94,9 @@ def ray_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
+    from orchestrator.cluster.connect import ray_environment
+
+    ray_environment()
     ports = [free_port() for _ in range(3)]
     cluster = Cluster(
         initialize_head=True,

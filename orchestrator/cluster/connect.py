@@ -10,13 +10,15 @@ from collections.abc import Iterator
 from orchestrator.cluster.placement import NodeInfo
 from stages.errors import SpecpipeError
 
-# Ray otherwise tries to report usage over the network, which these machines lack.
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-# A local Ray started here runs its workers (the stages) at nice 0, not Ray's
-# default 15: the stages are the work, and at nice 15 any other process on the
-# machine (a load generator, a build) takes their CPU first. cluster.yaml sets
-# the same for `ray start`.
-os.environ.setdefault("RAY_worker_niceness", "0")
+def ray_environment() -> None:
+    """Ray's settings for a Ray this process starts (called before ray.init;
+    a variable already set wins). Ray otherwise tries to report usage over the
+    network, which these machines lack; and it runs its workers (the stages)
+    at nice 15, where any other process on the machine (a load generator, a
+    build) takes their CPU first: the stages are the work, so nice 0.
+    cluster.yaml sets the same for `ray start`."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_worker_niceness", "0")
 
 
 class ClusterError(SpecpipeError):
@@ -32,6 +34,7 @@ def ray_session(address: str | None, *, dashboard: bool = False, num_cpus: int |
     with a dashboard, the metrics endpoint (None when there is neither). An
     already initialised Ray (tests share one per session) is used as it is.
     """
+    ray_environment()
     import ray
 
     # Ray's token authentication stays on (its default); only its start-up

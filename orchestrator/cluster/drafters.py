@@ -28,7 +28,8 @@ from orchestrator.config import (
     DRAFTER_WAIT_SECONDS,
     MAX_RESTARTS,
 )
-from orchestrator.workers.drafter_server import DrafterServer, Speculator
+from orchestrator.workers.drafter_server import DrafterServer
+from speculators import Speculator
 from orchestrator.transport.messages import CollectDraft, DraftReply, Shutdown, SpeculateFrom
 
 

@@ -186,10 +186,6 @@ class SocketChain:
             raise PassLate(f"the chain broke while sending pass {batch.pass_id} ({error})") from None
         return self._pass_id
 
-    def release(self, sequence: int) -> None:
-        """Every stage drops all of a KV sequence's cache (in order with the passes around it)."""
-        self.send(PassRecord.release(sequence))
-
     def cancel(self, record: PassRecord) -> None:
         """Tell every stage that the pass in flight of ``record`` is no longer
         wanted (nothing if its result is in, or it is a release). Best effort:

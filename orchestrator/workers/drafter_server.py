@@ -20,19 +20,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
 
 import numpy as np
 
 from orchestrator.transport import wire
+from speculators import Speculator
 from orchestrator.transport.handshake import HandshakeError, accept_peer, drafter_role
 from orchestrator.config import CONNECT_SECONDS, DRAFTER_WAIT_SECONDS
 from orchestrator.transport.messages import CollectDraft, DraftReply, Shutdown, SpeculateFrom
-
-
-class Speculator(Protocol):
-    def extend(self, context: list[int]) -> int | None:
-        """The next draft token after context, or None to stop drafting."""
 
 
 class DrafterServer:

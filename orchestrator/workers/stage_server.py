@@ -1,6 +1,6 @@
 """A stage's serving loop: receive a batch, decode it, pass the result on.
 
-Plain class, no Ray: the Ray actor in ``orchestrator.actors`` only builds one
+Plain class, no Ray: the Ray actor in ``orchestrator.cluster.stage_actors`` only builds one
 and runs ``serve`` in a thread. The upstream peer (the coordinator for stage 0,
 the previous stage otherwise) connects to this stage's listening socket; this
 stage connects to its downstream peer (the next stage, or the coordinator after
