@@ -103,6 +103,20 @@ def one_line(error: BaseException) -> str:
     return lines[-1].strip() if lines else type(error).__name__
 
 
+def ray_get(refs, seconds: float, error: type[SpecpipeError], late: str, failed: str):
+    """``ray.get(refs)`` within ``seconds``: past them ``error("<late> within N s")``,
+    on any other Ray error ``error("<failed>: <its one line>")``, so every
+    wait on an actor has a deadline and every failure one line that names it."""
+    import ray
+
+    try:
+        return ray.get(refs, timeout=seconds)
+    except ray.exceptions.GetTimeoutError:
+        raise error(f"{late} within {seconds:.0f} s") from None
+    except ray.exceptions.RayError as cause:
+        raise error(f"{failed}: {one_line(cause)}") from None
+
+
 def peak_rss_mb() -> float:
     """Peak resident memory of this process, in MiB."""
     import resource

@@ -323,7 +323,7 @@ def probe_nodes(reservation, stage_count: int) -> list[NodeMemory]:
     """Each stage's node (as the reservation places it): its address, id and the memory it has available."""
     import ray
 
-    from orchestrator.cluster.connect import one_line
+    from orchestrator.cluster.connect import ray_get
 
     @ray.remote(num_cpus=0, max_retries=0)
     def node_memory() -> NodeMemory:
@@ -334,12 +334,8 @@ def probe_nodes(reservation, stage_count: int) -> list[NodeMemory]:
 
     probes = [node_memory.options(scheduling_strategy=reservation.scheduling_strategy(index)).remote()
               for index in range(stage_count)]
-    try:
-        return ray.get(probes, timeout=ACTOR_START_SECONDS)
-    except ray.exceptions.GetTimeoutError:
-        raise ShippingError(f"the stages' nodes did not answer within {ACTOR_START_SECONDS:.0f} s") from None
-    except ray.exceptions.RayError as error:
-        raise ShippingError(f"could not ask the stages' nodes for their memory: {one_line(error)}") from None
+    return ray_get(probes, ACTOR_START_SECONDS, ShippingError, "the stages' nodes did not answer",
+                   "could not ask the stages' nodes for their memory")
 
 
 def ship_stage(image: StageImage, entry: CacheEntry, node: NodeMemory, scheduling_strategy, secret: bytes,
@@ -435,7 +431,7 @@ def fetch_vocabulary(stage_path: str, scheduling_strategy) -> str:
     read there and kept in this machine's cache under its digest."""
     import ray
 
-    from orchestrator.cluster.connect import one_line
+    from orchestrator.cluster.connect import ray_get
     from stages.stage_image import StageImage, write_atomically
 
     @ray.remote(num_cpus=0, max_retries=0)
@@ -445,13 +441,9 @@ def fetch_vocabulary(stage_path: str, scheduling_strategy) -> str:
 
         return vocabulary_image(read_model(path)).header
 
-    try:
-        header = ray.get(vocabulary_on_node.options(scheduling_strategy=scheduling_strategy).remote(stage_path),
-                         timeout=ACTOR_START_SECONDS)
-    except ray.exceptions.GetTimeoutError:
-        raise ShippingError(f"stage 0's node did not send the vocabulary within {ACTOR_START_SECONDS:.0f} s") from None
-    except ray.exceptions.RayError as error:
-        raise ShippingError(f"could not read the vocabulary of {stage_path} on stage 0's node: {one_line(error)}") from None
+    header = ray_get(vocabulary_on_node.options(scheduling_strategy=scheduling_strategy).remote(stage_path),
+                     ACTOR_START_SECONDS, ShippingError, "stage 0's node did not send the vocabulary",
+                     f"could not read the vocabulary of {stage_path} on stage 0's node")
     path = cache_dir() / "vocabularies" / f"{hashlib.sha256(header).hexdigest()[:32]}.gguf"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)

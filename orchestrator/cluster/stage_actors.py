@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from orchestrator.cluster.connect import Reservation, one_line, peak_rss_mb
+from orchestrator.cluster.connect import Reservation, one_line, peak_rss_mb, ray_get
 from orchestrator.config import ACTOR_START_SECONDS, STAGE_ANSWER_SECONDS
 from orchestrator.transport.chain import PipelineError
 from orchestrator.workers.stage_server import StageDescription, StageServer
@@ -138,17 +138,11 @@ class StageActors:
 
     def read_stage_files(self, paths: list[str], indices) -> list[NodeStageFile]:
         """Each stage file of ``indices`` read on the node that will load it (the driver may not hold it)."""
-        import ray
-
         reader = stage_file_reader()
         readings = [reader.options(scheduling_strategy=self.reservation.scheduling_strategy(index)).remote(paths[index])
                     for index in indices]
-        try:
-            return ray.get(readings, timeout=ACTOR_START_SECONDS)
-        except ray.exceptions.GetTimeoutError:
-            raise PipelineError(f"stage files were not read on their nodes within {ACTOR_START_SECONDS:.0f} s") from None
-        except ray.exceptions.RayError as error:
-            raise PipelineError(f"could not read the stage files on their nodes: {one_line(error)}") from None
+        return ray_get(readings, ACTOR_START_SECONDS, PipelineError, "stage files were not read on their nodes",
+                       "could not read the stage files on their nodes")
 
     def _new(self, index: int, path: str, loopback: bool):
         """A new stage actor for stage ``index`` on its node (it loads in the background)."""
@@ -187,14 +181,10 @@ class StageActors:
 
         ray.kill(self.actors[index])
         self.actors[index] = self._new(index, path, loopback)
-        try:
-            described = ray.get(self.actors[index].describe.remote(), timeout=ACTOR_START_SECONDS)
-            if cpus is not None:
-                ray.get(self.actors[index].pin.remote(cpus), timeout=STAGE_ANSWER_SECONDS)
-        except ray.exceptions.GetTimeoutError:
-            raise PipelineError(f"stage {index} did not restart within {ACTOR_START_SECONDS:.0f} s") from None
-        except ray.exceptions.RayError as error:
-            raise PipelineError(f"stage {index} could not be restarted: {one_line(error)}") from None
+        late, failed = f"stage {index} did not restart", f"stage {index} could not be restarted"
+        described = ray_get(self.actors[index].describe.remote(), ACTOR_START_SECONDS, PipelineError, late, failed)
+        if cpus is not None:
+            ray_get(self.actors[index].pin.remote(cpus), STAGE_ANSWER_SECONDS, PipelineError, late, failed)
         return described
 
     def wire(self, chain, stages: list[StageDescription], notify_boundaries: bool) -> None:
@@ -230,18 +220,12 @@ class StageActors:
 
     def pin(self, cpu_sets: list) -> None:
         """Pin each stage's process to its CPUs (None: any of its node's)."""
-        import ray
-
-        try:
-            ray.get([actor.pin.remote(cpus) for actor, cpus in zip(self.actors, cpu_sets)],
-                    timeout=STAGE_ANSWER_SECONDS)
-        except ray.exceptions.RayError as error:
-            raise PipelineError(f"the stages could not be pinned to their CPUs: {one_line(error)}") from None
+        ray_get([actor.pin.remote(cpus) for actor, cpus in zip(self.actors, cpu_sets)], STAGE_ANSWER_SECONDS,
+                PipelineError, "the stages were not pinned to their CPUs", "the stages could not be pinned to their CPUs")
 
     def stats(self) -> list[tuple[float, int, int, int]]:
-        import ray
-
-        return ray.get([actor.stats.remote() for actor in self.actors])
+        return ray_get([actor.stats.remote() for actor in self.actors], STAGE_ANSWER_SECONDS, PipelineError,
+                       "the stages did not report", "the stages could not report")
 
     def load_calls(self) -> list:
         """Ray object refs of each stage's StageLoad (ray.get or await them)."""
@@ -249,9 +233,8 @@ class StageActors:
 
     def peak_rss_mb(self) -> list[float]:
         """Peak resident memory of each stage's process, in MiB."""
-        import ray
-
-        return ray.get([actor.peak_rss_mb.remote() for actor in self.actors])
+        return ray_get([actor.peak_rss_mb.remote() for actor in self.actors], STAGE_ANSWER_SECONDS, PipelineError,
+                       "the stages did not report their memory", "the stages could not report their memory")
 
     def kill(self) -> None:
         import ray
