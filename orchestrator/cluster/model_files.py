@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from orchestrator.cluster.shipping import WholeModel
+from orchestrator.cluster.shipping import ModelToShip
 from stages.errors import SpecpipeError
 from stages.engine import StageError
 from stages.gguf_file import ModelFileError, StageFileInfo, stage_info_of
@@ -67,7 +67,7 @@ def check_same_model(vocabulary_path: str | None, stage_files: list[StageFileInf
 
 
 def whole_model_stages(settings: WholeModelSettings, stage: StageSettings, draft_path: str | None,
-                       on_status: Callable[[str], None] | None) -> WholeModel | None:
+                       on_status: Callable[[str], None] | None) -> ModelToShip | None:
     """What Pipeline needs to cut ``settings.path`` and ship its stages: how many, and where to cut for the nodes."""
     from orchestrator.cluster.connect import alive_nodes
     from orchestrator.planning.cluster_split import choose_cluster_split
@@ -105,4 +105,4 @@ def whole_model_stages(settings: WholeModelSettings, stage: StageSettings, draft
             shown[stage_index] = tenth
             on_status(f"shipping stage {stage_index}: {done / MIB:.0f} of {total / MIB:.0f} MiB")
 
-    return WholeModel(settings.path, stage_count, choose_starts, progress)
+    return ModelToShip(settings.path, stage_count, choose_starts, progress)

@@ -23,7 +23,7 @@ import numpy as np
 from orchestrator.cluster import recovery
 from orchestrator.cluster.connect import Reservation
 from orchestrator.cluster.recovery import StageRestart
-from orchestrator.cluster.shipping import Shipment, WholeModel, fetch_vocabulary, ship_whole_model
+from orchestrator.cluster.shipping import Shipment, ModelToShip, fetch_vocabulary, ship_whole_model
 from orchestrator.cluster.stage_actors import LOOPBACK, StageActors, StageLoad, StageReport
 from orchestrator.cluster.stage_cpus import CpuSet, stage_cpu_sets
 from orchestrator.config import MAX_RESTARTS
@@ -45,7 +45,7 @@ class Pipeline:
 
     def __init__(
         self,
-        stage_paths: list[str] | WholeModel,
+        stage_paths: list[str] | ModelToShip,
         settings: StageSettings = StageSettings(),
         *,
         wire_dtype: str = "f32",
@@ -58,7 +58,7 @@ class Pipeline:
         overlapping: bool = False,
     ):
         """stage_paths: each stage's file, on the node that runs it, or a
-        WholeModel on this machine: its stages are cut and shipped to their
+        ModelToShip on this machine: its stages are cut and shipped to their
         nodes first (orchestrator.cluster.shipping; ``shipments`` says what was sent).
         notify_boundaries: non-last stages report each pass leaving them
         (await_boundary); asynchronous speculation needs it.
@@ -73,7 +73,7 @@ class Pipeline:
         CPUs (orchestrator.cluster.stage_cpus; pin_stages changes it)."""
         import ray
 
-        self.whole_model = stage_paths if isinstance(stage_paths, WholeModel) else None
+        self.whole_model = stage_paths if isinstance(stage_paths, ModelToShip) else None
         self.split = None  # the whole model's SplitPlan, once shipped
         self.shipments: list[Shipment] = []  # every stage file shipped, restarts' too
         stage_count = self.whole_model.stage_count if self.whole_model else len(stage_paths)

@@ -387,7 +387,7 @@ def _send_to(image: StageImage, host: str, port: int, stage_index: int, secret: 
 
 
 @dataclass(frozen=True)
-class WholeModel:
+class ModelToShip:
     """``--model``: the whole model on this machine, cut into ``stage_count``
     stages, each shipped to its node. choose_starts(nodes): each stage's first
     block, for the stages' nodes in order (orchestrator.planning.cluster_split,
@@ -399,7 +399,7 @@ class WholeModel:
     progress: ShipProgress = lambda stage_index, done, total: None
 
 
-def ship_whole_model(model: WholeModel, reservation, indices, secret: bytes, certificate: ChainCertificate | None,
+def ship_whole_model(model: ModelToShip, reservation, indices, secret: bytes, certificate: ChainCertificate | None,
                      split=None):
     """Ship stages ``indices`` of ``model`` to the nodes ``reservation`` puts
     them on. split: the SplitPlan already chosen (a restart), else chosen now
