@@ -1,18 +1,20 @@
-"""Modes of decoding run side by side on the bench's prompts, in one run.
+"""Modes run side by side in one run: the repetition loop every probe shares
+(benchmarks.probe), and the draft step the bench measures.
 
-The loop the focused benchmarks share (benchmarks.draft_policy,
-benchmarks.cancellation): a warm-up of every mode, then for each repetition
-and prompt every mode in turn, starting one mode later each time (so no mode
-always runs first on a warm machine), every mode's tokens checked against
-the first mode's; medians of tokens/s and their ranges, as ratios to the
-first mode, and passes per token.
+The loop: a warm-up of every mode where the caller gives one, then for each
+repetition every mode in turn, starting one mode later each time (so no mode
+always runs first on a warm machine, and a slow spell of the machine falls
+on all of them alike). Each run gives its figures (name -> value) and, where
+the modes must agree, an output, checked against the first mode's of the
+same repetition. Every figure is reported the same way: its median over the
+repetitions and their range, ``median (min-max)``.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 
 def draft_steps(pipeline) -> dict[bool, float]:
@@ -25,37 +27,69 @@ def draft_steps(pipeline) -> dict[bool, float]:
     return steps
 
 
-def measure(scenarios, prompts_of: Callable, modes: list[str], run: Callable, repetitions: int):
-    """run(mode, prompt tokens, max_tokens) -> Generation. Returns (tokens/s,
-    passes per token), each {(scenario name, mode): [one per prompt and repetition]};
-    SystemExit if two modes' tokens differ."""
-    rates: dict[tuple[str, str], list[float]] = defaultdict(list)
-    passes: dict[tuple[str, str], list[float]] = defaultdict(list)
-    for scenario in scenarios:
-        prompts = prompts_of(scenario)
-        for mode in modes:  # warm-up
-            run(mode, prompts[0], 8)
-        for repetition in range(repetitions):
-            for index, prompt in enumerate(prompts):
-                shift = (repetition + index) % len(modes)
-                outputs = {}
-                for mode in modes[shift:] + modes[:shift]:
-                    result = run(mode, prompt, scenario.max_tokens)
-                    outputs[mode] = result.tokens
-                    rates[scenario.name, mode].append(result.tokens_per_second)
-                    passes[scenario.name, mode].append(result.passes / max(1, len(result.tokens)))
-                if any(tokens != outputs[modes[0]] for tokens in outputs.values()):
-                    raise SystemExit(f"{scenario.name}: the modes produced different tokens")
-    return rates, passes
+@dataclass(frozen=True)
+class Outcome:
+    """One run of one mode: its figures and, where modes must agree, its output."""
+
+    figures: dict[str, float]
+    output: object = None
 
 
-def print_table(scenarios, modes: list[str], rates, passes, repetitions: int) -> None:
-    print(f"| scenario | mode | tokens/s median (range) | x {modes[0]} | passes/token |  ({repetitions} repetitions)")
-    print("| --- | --- | ---: | ---: | ---: |")
-    for scenario in scenarios:
-        first = statistics.median(rates[scenario.name, modes[0]])
+@dataclass
+class Samples:
+    """Every figure of every mode, one value per repetition, in repetition order."""
+
+    modes: list[str]
+    repetitions: int = 0
+    values: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # mode -> figure -> values
+
+    def add(self, mode: str, figures: dict[str, float]) -> None:
+        for name, value in figures.items():
+            self.values.setdefault(mode, {}).setdefault(name, []).append(value)
+
+    def of(self, mode: str, figure: str) -> list[float]:
+        return self.values[mode][figure]
+
+    def figures(self, mode: str) -> list[str]:
+        return list(self.values.get(mode, {}))
+
+    def median(self, mode: str, figure: str) -> float:
+        return statistics.median(self.of(mode, figure))
+
+    def spread(self, mode: str, figure: str, scale: float = 1.0, digits: int = 2) -> str:
+        return spread(self.of(mode, figure), scale, digits)
+
+    def as_json(self) -> dict:
+        return {mode: {name: {"median": statistics.median(values), "min": min(values), "max": max(values),
+                              "values": values}
+                       for name, values in figures.items()}
+                for mode, figures in self.values.items()}
+
+
+def spread(values: list[float], scale: float = 1.0, digits: int = 2) -> str:
+    """``median (min-max)`` of values times scale."""
+    scaled = [value * scale for value in values]
+    return f"{statistics.median(scaled):.{digits}f} ({min(scaled):.{digits}f}-{max(scaled):.{digits}f})"
+
+
+def side_by_side(modes: list[str], repetitions: int, run: Callable[[str, int], Outcome],
+                 warm_up: Callable[[str], object] | None = None) -> Samples:
+    """run(mode, repetition) -> Outcome, for every mode in every repetition,
+    the order rotating by one mode a repetition. SystemExit if two modes'
+    outputs (those not None) differ within a repetition."""
+    if warm_up is not None:
         for mode in modes:
-            values = rates[scenario.name, mode]
-            print(f"| {scenario.name} | {mode} | {statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f}) "
-                  f"| {statistics.median(values) / first:.2f} | {statistics.median(passes[scenario.name, mode]):.2f} |")
-    print(f"\nevery mode's tokens identical to the {modes[0]}'s")
+            warm_up(mode)
+    samples = Samples(list(modes), repetitions)
+    for repetition in range(repetitions):
+        shift = repetition % len(modes)
+        outputs = {}
+        for mode in modes[shift:] + modes[:shift]:
+            outcome = run(mode, repetition)
+            samples.add(mode, outcome.figures)
+            if outcome.output is not None:
+                outputs[mode] = outcome.output
+        first = next((outputs[mode] for mode in modes if mode in outputs), None)
+        if any(output != first for output in outputs.values()):
+            raise SystemExit(f"repetition {repetition + 1}: the modes produced different outputs")
+    return samples

@@ -5,7 +5,7 @@
 The run's speed is set beside what `orchestrate plan` predicts for that link
 (this machine's profile on both machines, the link's latency and bandwidth):
 printed, and a warning past 20 %, never a failure (no timing threshold in a
-test: `python -m benchmarks.delayed_link` measures it with repetitions)."""
+test: `python -m benchmarks.probe delayed-link` measures it with repetitions)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def delayed_run(cluster: RayAcrossHosts, stage_files: list[str], *options: str) 
 
 def planned_tokens_per_second(smollm2: str, profile_path, tmp_path, delay_ms: float) -> float:
     """`orchestrate plan` of two machines like this one, joined by the link the test made."""
-    from benchmarks.delayed_link import setup_text
+    from benchmarks.probe.delayed_link import setup_text
 
     setup = tmp_path / "delayed.toml"
     setup.write_text(setup_text(smollm2, profile_path, delay_ms, boundaries=[15], max_tokens=MAX_TOKENS))
@@ -85,4 +85,4 @@ def test_a_delayed_link_keeps_the_tokens_and_the_planner_predicts_its_speed(dela
     assert plain["hop_seconds"] >= 2 * DELAY_MS / 1000 / 3
     if not 0.8 <= measured / predicted <= 1.2:
         warnings.warn(f"delayed link: measured {measured:.1f} tokens/s is {measured / predicted:.2f}x the "
-                      f"planner's {predicted:.1f} (one run; benchmarks.delayed_link repeats it)", stacklevel=1)
+                      f"planner's {predicted:.1f} (one run; benchmarks.probe delayed-link repeats it)", stacklevel=1)

@@ -48,7 +48,7 @@ def test_greedy_pipeline_equals_llama_and_stages_land_on_distinct_nodes(ray_clus
         assert all(report.busy_seconds > 0 and report.passes > 0 for report in reports)
         # the node each stage reports is where Ray's own actor table has its process
         assert [report.node_id for report in reports] == [actor_nodes()[stage.process_id] for stage in pipeline.stages]
-        assert pipeline.hop_seconds > 0  # measured; its size is benchmarks.transport_hop's business
+        assert pipeline.hop_seconds > 0  # measured; its size is benchmarks.probe transport-hop's business
 
 
 def stage_actors() -> dict[str, dict]:

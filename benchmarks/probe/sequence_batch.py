@@ -9,23 +9,26 @@ sequence, it times k sequences' next token decoded
 * together: one llama_decode call of k tokens, one per sequence,
 
 and, for comparison, k tokens of one sequence in one call (what a window of
-drafts costs, as ``orchestrate profile`` measures). Medians over repetitions,
-in one run:
+drafts costs, as ``orchestrate profile`` measures). For each k the three
+take turns repetition by repetition (benchmarks.side_by_side); medians and
+ranges over the repetitions, in one run:
 
-    python -m benchmarks.sequence_batch [--threads 1] [--repetitions 7]
+    python -m benchmarks.probe sequence-batch [--threads 1] [--repetitions 7]
 """
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import time
 
+import click
 import numpy as np
 
+from benchmarks.probe.harness import Report, probe, table
+from benchmarks.side_by_side import Outcome, Samples, side_by_side
 from orchestrator.config import PROFILE_CONTEXT, PROFILE_REPETITIONS, default_model_path
 
 SEQUENCE_COUNTS = (1, 2, 4, 8)
+WAYS = ["separate", "together", "one_sequence"]
 
 
 class Decoder:
@@ -71,51 +74,49 @@ class Decoder:
         self.llama_cpp.llama_model_free(self.model)
 
 
-def measure(path: str, threads: int, repetitions: int) -> list[dict]:
+def measure(path: str, threads: int, repetitions: int) -> dict[int, Samples]:
+    """For each k, the seconds of each way ("seconds"), one per repetition."""
     rng = np.random.default_rng(0)
     decoder = Decoder(path, max(SEQUENCE_COUNTS), threads, PROFILE_CONTEXT + 16)
     try:
         for sequence in range(max(SEQUENCE_COUNTS)):  # the same context length in every sequence
             prompt = rng.integers(100, 20000, PROFILE_CONTEXT)
             decoder.decode([(int(token), position, sequence) for position, token in enumerate(prompt)])
-        rows = []
+        results = {}
         for count in SEQUENCE_COUNTS:
-            timings: dict[str, list[float]] = {"separate": [], "together": [], "one_sequence": []}
-            for _ in range(repetitions):
-                for mode in timings:
+            def run(mode: str, repetition: int, count: int = count) -> Outcome:
+                for sequence in range(count):
+                    decoder.drop(sequence, PROFILE_CONTEXT)
+                started = time.perf_counter()
+                if mode == "separate":
                     for sequence in range(count):
-                        decoder.drop(sequence, PROFILE_CONTEXT)
-                    started = time.perf_counter()
-                    if mode == "separate":
-                        for sequence in range(count):
-                            decoder.decode([(500, PROFILE_CONTEXT, sequence)])
-                    elif mode == "together":
-                        decoder.decode([(500, PROFILE_CONTEXT, sequence) for sequence in range(count)])
-                    else:
-                        decoder.decode([(500, PROFILE_CONTEXT + row, 0) for row in range(count)])
-                    timings[mode].append(time.perf_counter() - started)
-            medians = {mode: statistics.median(values) for mode, values in timings.items()}
-            rows.append({"sequences": count, **medians, "together_over_separate": medians["together"] / medians["separate"]})
-        return rows
+                        decoder.decode([(500, PROFILE_CONTEXT, sequence)])
+                elif mode == "together":
+                    decoder.decode([(500, PROFILE_CONTEXT, sequence) for sequence in range(count)])
+                else:
+                    decoder.decode([(500, PROFILE_CONTEXT + row, 0) for row in range(count)])
+                return Outcome({"seconds": time.perf_counter() - started})
+
+            results[count] = side_by_side(WAYS, repetitions, run)
+        return results
     finally:
         decoder.close()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repetitions", type=int, default=PROFILE_REPETITIONS)
-    arguments = parser.parse_args()
-    rows = measure(str(default_model_path()), arguments.threads, arguments.repetitions)
-    print(f"SmolLM2-135M whole, {arguments.threads} thread(s), {PROFILE_CONTEXT} tokens of context per sequence, "
-          f"median of {arguments.repetitions}")
-    print("| sequences k | k passes of 1 (ms) | 1 pass of k sequences (ms) | together / separate "
-          "| k tokens of 1 sequence (ms) |")
-    print("|---:|---:|---:|---:|---:|")
-    for row in rows:
-        print(f"| {row['sequences']} | {row['separate'] * 1e3:.1f} | {row['together'] * 1e3:.1f} "
-              f"| {row['together_over_separate']:.2f} | {row['one_sequence'] * 1e3:.1f} |")
-
-
-if __name__ == "__main__":
-    main()
+@probe("sequence-batch", repetitions=PROFILE_REPETITIONS)
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(1))
+def sequence_batch(repetitions: int, threads: int) -> Report:
+    """One llama.cpp call of k sequences' next tokens against k calls of one,
+    and k tokens of one sequence (the whole default model, no Ray)."""
+    results = measure(str(default_model_path()), threads, repetitions)
+    rows = []
+    for count, samples in results.items():
+        ratio = samples.median("together", "seconds") / samples.median("separate", "seconds")
+        rows.append([str(count), samples.spread("separate", "seconds", 1e3, 1),
+                     samples.spread("together", "seconds", 1e3, 1), f"{ratio:.2f}",
+                     samples.spread("one_sequence", "seconds", 1e3, 1)])
+    lines = table(["sequences k", "k passes of 1 (ms)", "1 pass of k sequences (ms)", "together / separate",
+                   "k tokens of 1 sequence (ms)"], rows)
+    return Report(f"SmolLM2-135M whole, {threads} thread(s), {PROFILE_CONTEXT} tokens of context per sequence; "
+                  "together / separate is a ratio of medians", lines,
+                  {f"{count} sequences": samples for count, samples in results.items()})

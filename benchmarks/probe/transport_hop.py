@@ -16,24 +16,23 @@ the array from its own memory, zero-copy on both sides). The messages: a
 decode step's hidden state (1 x 576 float32, SmolLM2-135M's n_embd), a
 9-token batch's, and a result's logits (1 x 49152 float32). A repetition is
 ROUND_TRIPS of each, after a warm-up; repetitions go round every transport
-in turn, so load from other processes falls on all of them alike.
-Per-hop time: median and min-max over the repetitions.
+in turn, the order rotating (benchmarks.side_by_side), so load from other
+processes falls on all of them alike. Per-hop time: median and min-max over
+the repetitions.
 
-    python -m benchmarks.transport_hop [--repetitions 5] [--json PATH]
+    python -m benchmarks.probe transport-hop [--repetitions 5] [--transport NAME ...] [--json PATH]
 
-Needs pyzmq (not a dependency of specpipe: ``pip install pyzmq``).
+The zmq transports need pyzmq (not a dependency of specpipe: ``pip install
+pyzmq``); ``--transport "socket chain" --transport "socket chain + TLS"``
+runs without it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import multiprocessing
-import os
-import platform
 import socket
 import ssl
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,9 +41,9 @@ import click
 import msgpack
 import numpy as np
 
-from orchestrator.transport import tls
-
-from orchestrator.transport import wire
+from benchmarks.probe.harness import Report, probe, table
+from benchmarks.side_by_side import Outcome, Samples, side_by_side, spread
+from orchestrator.transport import tls, wire
 from orchestrator.transport.messages import Message, PassResult, ProtocolError, Shutdown, StageBatch
 
 N_EMBD, N_VOCAB = 576, 49152  # SmolLM2-135M
@@ -240,13 +239,19 @@ def hop_seconds(link: Link, message: Message, round_trips: int) -> float:
     return (time.perf_counter() - started) / round_trips / 2
 
 
+def _uses_zmq(transports: list[str]) -> bool:
+    return any(name.startswith("zmq") for name in transports)
+
+
 @contextlib.contextmanager
 def opened(transports: list[str]):
     """Every transport's link to its own relay, open at once; Shutdown and close at the end."""
-    import zmq
+    keys = {"curve_server": (b"", b""), "curve_client": (b"", b"")}
+    if _uses_zmq(transports):
+        import zmq
 
-    common = dict(certificate=tls.new_chain_certificate(), curve_server=zmq.curve_keypair(),
-                  curve_client=zmq.curve_keypair())
+        keys = {"curve_server": zmq.curve_keypair(), "curve_client": zmq.curve_keypair()}
+    common = dict(certificate=tls.new_chain_certificate(), **keys)
     links: dict[str, Link] = {}
     ends: list[End] = []
     try:
@@ -265,80 +270,54 @@ def opened(transports: list[str]):
                 end.relay.join(10)
 
 
-def measure(repetitions: int, transports: list[str]) -> dict:
-    samples = {message: {name: [] for name in transports} for message in MESSAGES}
+def measure(repetitions: int, transports: list[str]) -> tuple[Samples, dict]:
+    """Per-hop seconds of every message (a figure each) for every transport
+    (a mode each), and what each transport negotiated."""
     with opened(transports) as links:
-        for _ in range(repetitions):
-            for name, link in links.items():
-                for message_name, (message, round_trips) in MESSAGES.items():
-                    samples[message_name][name].append(hop_seconds(link, message, round_trips))
+        def run(name: str, repetition: int) -> Outcome:
+            return Outcome({message_name: hop_seconds(links[name], message, round_trips)
+                            for message_name, (message, round_trips) in MESSAGES.items()})
+
+        samples = side_by_side(transports, repetitions, run)
         notes = {name: link.note for name, link in links.items() if link.note}
-    results = {}
-    for message_name, by_transport in samples.items():
-        baseline = statistics.median(by_transport[BASELINE]) if BASELINE in by_transport else None
-        results[message_name] = {
-            name: {
-                "median_us": statistics.median(values) * 1e6,
-                "min_us": min(values) * 1e6,
-                "max_us": max(values) * 1e6,
-                "per_repetition_us": [value * 1e6 for value in values],
-                "ratio_to_socket_chain": statistics.median(values) / baseline if baseline else None,
-                "round_trips_per_repetition": MESSAGES[message_name][1],
-            }
-            for name, values in by_transport.items()
-        }
-    return {"results": results, "notes": notes}
+    return samples, notes
 
 
-def environment() -> dict:
-    import zmq
+def versions(transports: list[str]) -> dict:
+    found = {"openssl": ssl.OPENSSL_VERSION}
+    if _uses_zmq(transports):
+        import zmq
 
-    return {
-        "cpus": os.cpu_count(),
-        "load_average_1min": os.getloadavg()[0],
-        "python": platform.python_version(),
-        "openssl": ssl.OPENSSL_VERSION,
-        "pyzmq": zmq.pyzmq_version(),
-        "libzmq": zmq.zmq_version(),
-        "platform": platform.platform(),
-    }
+        found.update(pyzmq=zmq.pyzmq_version(), libzmq=zmq.zmq_version())
+    return found
 
 
-def table(results: dict, transports: list[str]) -> str:
-    """Markdown: per-hop median (min-max) in microseconds, and the ratio to today's chain."""
-    lines = ["| message | " + " | ".join(transports) + " |", "|---|" + "---:|" * len(transports)]
-    for message_name, by_transport in results.items():
-        cells = []
+def rows(samples: Samples, transports: list[str]) -> list[list[str]]:
+    """Per message: each transport's per-hop median (min-max) in microseconds, and its ratio to today's chain."""
+    found = []
+    for message_name in MESSAGES:
+        cells = [message_name]
+        baseline = samples.median(BASELINE, message_name) if BASELINE in transports else None
         for name in transports:
-            entry = by_transport[name]
-            cell = f"{entry['median_us']:.1f} µs ({entry['min_us']:.1f}–{entry['max_us']:.1f})"
-            if name != BASELINE and entry["ratio_to_socket_chain"] is not None:
-                cell += f", {entry['ratio_to_socket_chain']:.2f}×"
+            cell = spread(samples.of(name, message_name), 1e6, 1)
+            if name != BASELINE and baseline:
+                cell += f", {samples.median(name, message_name) / baseline:.2f}x"
             cells.append(cell)
-        lines.append(f"| {message_name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        found.append(cells)
+    return found
 
 
-@click.command()
-@click.option("--repetitions", default=5, show_default=True, type=click.IntRange(1))
+@probe("transport-hop", repetitions=5)
 @click.option("--transport", "chosen", multiple=True, type=click.Choice(list(TRANSPORTS)),
               help="Only these (repeatable; default: all). The ratio needs 'socket chain'.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the numbers here too.")
-def main(repetitions: int, chosen: tuple[str, ...], json_path: str | None) -> None:
+def transport_hop(repetitions: int, chosen: tuple[str, ...]) -> Report:
+    """One hop of the chain (a message to another process over loopback TCP
+    and decoded there) per transport: plain sockets, TLS, zmq, zmq CURVE."""
     transports = list(chosen) or list(TRANSPORTS)
-    before = environment()
-    measured = measure(repetitions, transports)
-    report = {"repetitions": repetitions, "environment": before,
-              "load_average_1min_after": os.getloadavg()[0], **measured}
-    click.echo(f"Per-hop time (round trip / 2) over loopback TCP between two processes; median (min–max) of "
-               f"{repetitions} repetitions; × = median against '{BASELINE}'. {before['cpus']} CPUs, load "
-               f"{before['load_average_1min']:.2f} -> {report['load_average_1min_after']:.2f}; "
-               + "; ".join(f"{name}: {note}" for name, note in measured["notes"].items()) + "\n")
-    click.echo(table(measured["results"], transports))
-    if json_path:
-        with open(json_path, "w") as file:
-            json.dump(report, file, indent=2)
-
-
-if __name__ == "__main__":
-    main()
+    samples, notes = measure(repetitions, transports)
+    lines = table(["message (per-hop us)", *transports], rows(samples, transports))
+    title = (f"Per-hop time (round trip / 2) over loopback TCP between two processes; x = median against "
+             f"'{BASELINE}'. " + "; ".join(f"{name}: {note}" for name, note in notes.items()))
+    round_trips = {message_name: count for message_name, (_, count) in MESSAGES.items()}
+    return Report(title, lines, {"": samples},
+                  {"versions": versions(transports), "notes": notes, "round_trips_per_repetition": round_trips})

@@ -11,17 +11,18 @@ Greedy decoding of the same tokens, one token per pass, in three ways:
 
 Last, what a synchronous window pays before its pass to ask the drafter
 beside stage 0 (prompt lookup, an actor: speculate, then collect with wait),
-timed between one-token passes of the pinned pipeline, as a share of the
-pass: the draft policy's call cost (speculators.draft_length).
+timed between one-token passes of the pinned pipeline, right after that
+mode's passes, as a share of the pass: the draft policy's call cost
+(speculators.draft_length).
 
 For the pipeline each pass is cut into the stages' own compute (as each
 stage times its decode), the transport of all hops (wall time of the pass
 minus that compute), and the coordinator's own work between a result and
 the next pass (argmax, bookkeeping). The modes take turns repetition by
-repetition, so a slow spell of this VM falls on all of them; medians per
-pass, and the range of the repetitions' medians.
+repetition (benchmarks.side_by_side), so a slow spell of this VM falls on
+all of them; medians per pass, and the range of the repetitions' medians.
 
-    python -m benchmarks.where_time_goes [--tokens 64] [--repetitions 3]
+    python -m benchmarks.probe where-time-goes [--tokens 64] [--repetitions 3]
 
 The default model (SmolLM2-135M split in two), one thread per stage.
 """
@@ -35,7 +36,11 @@ from collections import defaultdict
 import click
 import numpy as np
 
+from benchmarks.probe.harness import Report, probe, table
+from benchmarks.side_by_side import Outcome, side_by_side
+
 PROMPT = "Explain in three sentences why the sky is blue."
+MODES = ["whole", "in process", "pipeline, unpinned", "pipeline, pinned"]
 
 
 def _prefill(decode_chunk, prompt: np.ndarray) -> int:
@@ -120,46 +125,48 @@ def _time_asks(pipeline, prompt: np.ndarray, count: int) -> list[float]:
         stop_drafters(drafters)
 
 
-@click.command()
-@click.option("--tokens", default=64, show_default=True, type=click.IntRange(2))
-@click.option("--repetitions", default=3, show_default=True, type=click.IntRange(1))
-def main(tokens: int, repetitions: int) -> None:
+@probe("where-time-goes", repetitions=3)
+@click.option("--tokens", default=64, show_default=True, type=click.IntRange(2), help="Tokens per mode and repetition.")
+def where_time_goes(repetitions: int, tokens: int) -> Report:
+    """A plain pipeline's per-token time cut into stage compute, hops and the
+    coordinator, beside the whole model and the stages in one process; pinned
+    and unpinned; and a drafter actor's ask (the default model, Ray)."""
     from orchestrator.cluster.connect import ray_session
-    from orchestrator.config import default_model_path, default_stage_paths
     from orchestrator.cluster.pipeline import Pipeline
-    from stages.tokenizer import Tokenizer
+    from orchestrator.config import default_model_path, default_stage_paths
     from stages.engine import StageEngine
     from stages.settings import StageSettings
+    from stages.tokenizer import Tokenizer
 
     paths, settings = default_stage_paths(), StageSettings(n_ctx=512)
     prompt = np.asarray(Tokenizer(paths[0]).chat_prompt(PROMPT), np.int32)
     whole = StageEngine(str(default_model_path()), settings)
     engines = [StageEngine(path, settings) for path in paths]
-    medians: dict[str, list[float]] = defaultdict(list)
     with ray_session(None), Pipeline(paths, settings) as pipeline:
-        for _ in range(repetitions):
+        def run(mode: str, repetition: int) -> Outcome:
             figures: dict[str, list[float]] = defaultdict(list)
-            outputs = [_time_whole(whole, prompt, tokens, figures), _time_in_process(engines, prompt, tokens, figures)]
-            pipeline.set_stage_cpus([None] * len(paths))
-            outputs.append(_time_pipeline(pipeline, prompt, tokens, figures, "pipeline, unpinned"))
-            pipeline.pin_stages(overlapping=False)
-            outputs.append(_time_pipeline(pipeline, prompt, tokens, figures, "pipeline, pinned"))
-            if any(output != outputs[0] for output in outputs):
-                raise SystemExit("the modes produced different tokens")
-            figures["pipeline, pinned: drafter ask"] = _time_asks(pipeline, prompt, tokens)
-            for name, values in figures.items():
-                medians[name].append(statistics.median(values))
-    print(f"| per pass ({tokens - 1} one-token passes x {repetitions} repetitions) | ms, median (range) |")
-    print("| --- | ---: |")
-    for name, values in medians.items():
-        print(f"| {name} | {statistics.median(values) * 1e3:.2f} ({min(values) * 1e3:.2f}-{max(values) * 1e3:.2f}) |")
-    whole_pass = statistics.median(medians["whole: pass"])
-    ask = statistics.median(medians["pipeline, pinned: drafter ask"]) / statistics.median(medians["pipeline, pinned: pass"])
-    print(f"\na drafter ask costs {ask:.3f} of a pinned pipeline pass")
-    ratios = "; ".join(f"{mode} / whole: {whole_pass / statistics.median(medians[f'{mode}: pass']):.3f}"
-                       for mode in ("in process", "pipeline, unpinned", "pipeline, pinned"))
-    print(f"\ntokens/s {ratios}; every mode's tokens identical")
+            if mode == "whole":
+                produced = _time_whole(whole, prompt, tokens, figures)
+            elif mode == "in process":
+                produced = _time_in_process(engines, prompt, tokens, figures)
+            elif mode == "pipeline, unpinned":
+                pipeline.set_stage_cpus([None] * len(paths))
+                produced = _time_pipeline(pipeline, prompt, tokens, figures, mode)
+            else:
+                pipeline.pin_stages(overlapping=False)
+                produced = _time_pipeline(pipeline, prompt, tokens, figures, mode)
+                figures["pipeline, pinned: drafter ask"] = _time_asks(pipeline, prompt, tokens)
+            return Outcome({name: statistics.median(values) for name, values in figures.items()}, produced)
 
-
-if __name__ == "__main__":
-    main()
+        samples = side_by_side(MODES, repetitions, run)
+    rows = [[name, samples.spread(mode, name, 1e3)] for mode in MODES for name in samples.figures(mode)]
+    whole_pass = samples.median("whole", "whole: pass")
+    pinned_pass = samples.median("pipeline, pinned", "pipeline, pinned: pass")
+    ask = samples.median("pipeline, pinned", "pipeline, pinned: drafter ask") / pinned_pass
+    ratios = "; ".join(f"{mode} / whole: {whole_pass / samples.median(mode, f'{mode}: pass'):.3f}"
+                       for mode in MODES[1:])
+    lines = [*table([f"per pass ({tokens - 1} one-token passes a repetition)", "ms, median (range)"], rows), "",
+             f"a drafter ask costs {ask:.3f} of a pinned pipeline pass", "",
+             f"tokens/s {ratios}; every mode's tokens identical"]
+    return Report(f"Where a plain pipeline's per-token time goes: the default model in {len(paths)} stages, one "
+                  "thread each, greedy, one token a pass", lines, {"": samples})

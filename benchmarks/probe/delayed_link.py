@@ -1,10 +1,11 @@
 """A plain pipeline across a link with delay, measured beside what
 `orchestrate plan` predicts for that link.
 
-    sudo .venv/bin/python -m benchmarks.delayed_link [--delay-ms 5] [--repetitions 3] [--profile P.json]
+    sudo .venv/bin/python -m benchmarks.probe delayed-link [--delay-ms 5] [--repetitions 3] [--profile P.json]
 
-Two network namespace hosts (tests/support/network_hosts.py) joined by the delay
-line (tests/support/delay_line.py: every packet DELAY ms one way; tbf 1 Gbit/s),
+Run from the repository root, as root. Two network namespace hosts
+(tests/support/network_hosts.py) joined by the delay line
+(tests/support/delay_line.py: every packet DELAY ms one way; tbf 1 Gbit/s),
 Ray's head and the driver on the first, a worker on the second; SmolLM2 cut
 at block 15, stage 0 beside the coordinator and stage 1 across the link, so
 that two of the three hops cross it, as the planner's model of two machines
@@ -27,8 +28,12 @@ from pathlib import Path
 
 import click
 
+from benchmarks.probe.harness import Report, probe, table
+from benchmarks.side_by_side import Outcome, side_by_side
+
 PROMPT = "Once upon a time, in a small village by the sea,"
 LINK_GBIT = 1.0  # network_hosts.LINK_RATE
+REPOSITORY = Path(__file__).resolve().parents[2]
 
 
 def setup_text(model: str, profile: str | os.PathLike, delay_ms: float, *, boundaries: list[int],
@@ -51,18 +56,29 @@ def _orchestrate(*arguments: str) -> subprocess.CompletedProcess:
                           timeout=1800)
 
 
-@click.command()
+def _network_hosts():
+    """The tests' namespace hosts (tests/support), imported from this checkout."""
+    if str(REPOSITORY) not in sys.path:
+        sys.path.insert(0, str(REPOSITORY))
+    from tests.support import network_hosts
+
+    return network_hosts
+
+
+@probe("delayed-link", repetitions=3)
 @click.option("--delay-ms", default=5.0, show_default=True, type=click.FloatRange(0.0, 100.0))
-@click.option("--repetitions", default=3, show_default=True, type=click.IntRange(1))
 @click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(2))
 @click.option("--profile", "profile_path", type=click.Path(exists=True, dir_okay=False),
               help="This machine's `orchestrate profile` (default: made now).")
-def main(delay_ms: float, repetitions: int, max_tokens: int, profile_path: str | None) -> None:
-    from tests.support.network_hosts import RayAcrossHosts, TwoHosts
+def delayed_link(repetitions: int, delay_ms: float, max_tokens: int, profile_path: str | None) -> Report:
+    """A plain pipeline across two namespace hosts joined by a link with delay,
+    against `orchestrate plan`'s prediction for that link (root; the tests'
+    namespace hosts)."""
     from benchmarks.reference import WholeModel
     from orchestrator.config import default_model_path
     from stages.split import split_model
 
+    network_hosts = _network_hosts()
     model = str(default_model_path())
     work = Path(tempfile.mkdtemp(prefix="specpipe-delayed-"))
     stages = [str(work / "stage-0.gguf"), str(work / "stage-1.gguf")]
@@ -82,13 +98,13 @@ def main(delay_ms: float, repetitions: int, max_tokens: int, profile_path: str |
 
     reference = WholeModel(model)
     expected = reference.greedy(reference.tokenize(PROMPT), max_tokens).tokens
-    hosts = TwoHosts(f"bench{os.getpid()}", delay_ms=delay_ms).open()
-    measured, hops = [], []
+    hosts = network_hosts.TwoHosts(f"bench{os.getpid()}", delay_ms=delay_ms).open()
     try:
-        cluster = RayAcrossHosts(hosts)
+        cluster = network_hosts.RayAcrossHosts(hosts)
         try:
             cluster.start()
-            for repetition in range(repetitions):
+
+            def run(mode: str, repetition: int) -> Outcome:
                 result = cluster.driver(
                     ["-m", "orchestrator.cli", "run", "--model-split", *stages, "--address", cluster.address,
                      "--place", f"0={hosts.first.address},1={hosts.second.address}", "--prompt", PROMPT,
@@ -98,21 +114,22 @@ def main(delay_ms: float, repetitions: int, max_tokens: int, profile_path: str |
                 report = json.loads(result.stdout)
                 if report["tokens"] != expected:
                     raise click.ClickException("the tokens differ from the whole model's")
-                measured.append(report["tokens_per_second"])
-                hops.append(report["hop_seconds"])
-                click.echo(f"repetition {repetition + 1}: {measured[-1]:.1f} tokens/s", err=True)
+                click.echo(f"repetition {repetition + 1}: {report['tokens_per_second']:.1f} tokens/s", err=True)
+                return Outcome({"tokens/s": report["tokens_per_second"], "hop": report["hop_seconds"]},
+                               report["tokens"])
+
+            samples = side_by_side(["across the link"], repetitions, run)
         finally:
             cluster.close()
     finally:
         hosts.close()
+    measured = samples.of("across the link", "tokens/s")
     median = statistics.median(measured)
-    click.echo(f"link: {'; '.join(hosts.link_notes)}")
-    click.echo(f"measured {median:.1f} tokens/s [{min(measured):.1f}-{max(measured):.1f}] over {repetitions} runs "
-               f"of {max_tokens} tokens (tokens identical); hop {statistics.median(hops) * 1e3:.2f} ms")
-    click.echo(f"orchestrate plan predicted {predicted:.1f} tokens/s; measured / predicted "
-               f"{median / predicted:.2f} [{min(measured) / predicted:.2f}-{max(measured) / predicted:.2f}]; "
-               f"within 20 %: {'yes' if 0.8 <= median / predicted <= 1.2 else 'NO'}")
-
-
-if __name__ == "__main__":
-    main()
+    lines = [*table(["plain pipeline, stage 1 across the link", "measured", "orchestrate plan predicted",
+                     "measured / predicted", "hop (ms)"],
+                    [[f"{max_tokens} tokens a run, tokens identical", samples.spread("across the link", "tokens/s", 1, 1),
+                      f"{predicted:.1f}", f"{median / predicted:.2f} ({min(measured) / predicted:.2f}-"
+                      f"{max(measured) / predicted:.2f})", samples.spread("across the link", "hop", 1e3, 2)]]),
+             "", f"within 20 %: {'yes' if 0.8 <= median / predicted <= 1.2 else 'NO'}"]
+    return Report(f"A link with {delay_ms:g} ms one way, against the planner; link: {'; '.join(hosts.link_notes)}",
+                  lines, {"": samples}, {"predicted_tokens_per_second": predicted})

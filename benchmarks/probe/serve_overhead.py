@@ -22,8 +22,8 @@ delivery latency: arrival minus yield. Two pacings:
   the proxy, and the extra delivery latency is Serve's cost per token.
 
 A stdlib ``http.client`` client on one keep-alive connection per mode reads
-the streams; the modes alternate within every repetition so drift hits both
-alike. Per mode and pacing, over the repetitions: median and range (min-max)
+the streams; the modes alternate within every repetition, the order rotating
+(benchmarks.side_by_side), so drift hits both alike. Per mode and pacing, over the repetitions: median and range (min-max)
 of the mean time per event (whole stream / N), of the time to the first event,
 and of the median delivery latency per event; the server side's CPU time per
 event (the uvicorn process; for Serve every Ray process this run started:
@@ -33,7 +33,7 @@ net of what those processes use when idle (measured for 3 s first);
 serve minus plain per event; plus the median round-trip of a non-streaming
 ``POST /ping``. Linux only (/proc).
 
-    python -m benchmarks.serve_overhead [--tokens 200] [--repetitions 5] [--pace-ms 5] [--json PATH]
+    python -m benchmarks.probe serve-overhead [--tokens 200] [--repetitions 5] [--pace-ms 5] [--json PATH]
 """
 
 from __future__ import annotations
@@ -44,13 +44,15 @@ import multiprocessing
 import os
 import socket
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import click
 
+from benchmarks.probe.harness import Report, probe, table
+from benchmarks.side_by_side import Outcome, Samples, side_by_side
+
 MODES = ("plain", "serve")
+STREAM_FIGURES = ("per_event", "first_event", "delivery")
 PINGS = 50
 IDLE_S = 3.0  # how long the server side's idle CPU use is measured
 APP_NAME = "serve_overhead"
@@ -224,7 +226,8 @@ def stop_serve() -> None:
 
 
 def measure(ports: dict[str, int], server_pids: dict[str, set[int]], tokens: int, repetitions: int,
-            pacings: dict[str, float]) -> dict:
+            pacings: dict[str, float]) -> tuple[dict, dict[str, Samples]]:
+    """The summary (milliseconds) and the samples (seconds) of each pacing and of the pings."""
     connections = {mode: http.client.HTTPConnection("127.0.0.1", port, timeout=60) for mode, port in ports.items()}
     for mode in MODES:  # warm-up
         read_stream(connections[mode], tokens, 0.0)
@@ -234,74 +237,70 @@ def measure(ports: dict[str, int], server_pids: dict[str, set[int]], tokens: int
     time.sleep(IDLE_S)
     idle_cores = {mode: (_cpu_seconds(server_pids[mode]) - idle_before[mode]) / IDLE_S for mode in MODES}
     results = {"idle_cores": idle_cores}
+    samples: dict[str, Samples] = {}
     for pacing, pace_ms in pacings.items():
-        runs = {mode: [] for mode in MODES}
-        busy = dict.fromkeys(MODES, 0.0)
-        for repetition in range(repetitions):
-            for mode in MODES if repetition % 2 == 0 else MODES[::-1]:
-                cpu_before, wall_before = _cpu_seconds(server_pids[mode]), time.perf_counter()
-                runs[mode].append(read_stream(connections[mode], tokens, pace_ms))
-                wall = time.perf_counter() - wall_before
-                busy[mode] += _cpu_seconds(server_pids[mode]) - cpu_before - idle_cores[mode] * wall
+        def run(mode: str, repetition: int, pace_ms: float = pace_ms) -> Outcome:
+            cpu_before, wall_before = _cpu_seconds(server_pids[mode]), time.perf_counter()
+            stream = read_stream(connections[mode], tokens, pace_ms)
+            wall = time.perf_counter() - wall_before
+            busy = _cpu_seconds(server_pids[mode]) - cpu_before - idle_cores[mode] * wall
+            return Outcome({**stream, "cpu": busy})
+
+        runs = samples[pacing] = side_by_side(list(MODES), repetitions, run)
         results[pacing] = {"pace_ms": pace_ms}
         for mode in MODES:
-            results[pacing][mode] = {key: _summary([run[key] for run in runs[mode]]) for key in runs[mode][0]}
-            results[pacing][mode]["cpu_per_event_ms"] = busy[mode] / (tokens * repetitions) * 1e3
+            results[pacing][mode] = {key: _summary(runs.of(mode, key)) for key in STREAM_FIGURES}
+            results[pacing][mode]["cpu_per_event_ms"] = sum(runs.of(mode, "cpu")) / (tokens * repetitions) * 1e3
         results[pacing]["serve_minus_plain_ms"] = {
-            key: statistics.median(s[key] - p[key] for s, p in zip(runs["serve"], runs["plain"])) * 1e3
-            for key in runs["serve"][0]
+            key: statistics.median(s - p for s, p in zip(runs.of("serve", key), runs.of("plain", key))) * 1e3
+            for key in STREAM_FIGURES
         }
         results[pacing]["serve_minus_plain_ms"]["cpu_per_event"] = (
             results[pacing]["serve"]["cpu_per_event_ms"] - results[pacing]["plain"]["cpu_per_event_ms"])
-    pings = {mode: [] for mode in MODES}
-    for _ in range(PINGS):
-        for mode in MODES:
-            pings[mode].append(ping_round_trip(connections[mode]))
-    results["ping"] = {mode: _summary(pings[mode]) for mode in MODES}
+    pings = samples["ping"] = side_by_side(
+        list(MODES), PINGS, lambda mode, repetition: Outcome({"round_trip": ping_round_trip(connections[mode])}))
+    results["ping"] = {mode: _summary(pings.of(mode, "round_trip")) for mode in MODES}
     results["ping"]["serve_minus_plain_ms"] = results["ping"]["serve"]["median_ms"] - results["ping"]["plain"]["median_ms"]
     for connection in connections.values():
         connection.close()
-    return results
+    return results, samples
 
 
-def table(results: dict, pacings: dict[str, float]) -> str:
-    def cell(summary: dict) -> str:
-        return f"{summary['median_ms']:.3f} ({summary['min_ms']:.3f}–{summary['max_ms']:.3f})"
-
-    lines = [
-        "| pacing | mode | ms per event (total / N) | first event ms | delivery latency ms | server CPU ms per event |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
+def report_lines(results: dict, samples: dict[str, Samples], pacings: dict[str, float]) -> list[str]:
+    rows = []
     for pacing, pace_ms in pacings.items():
         label = f"{pacing} ({pace_ms:g} ms)"
+        runs = samples[pacing]
         for mode in MODES:
-            r = results[pacing][mode]
-            lines.append(f"| {label} | {mode} | {cell(r['per_event'])} | {cell(r['first_event'])} "
-                         f"| {cell(r['delivery'])} | {r['cpu_per_event_ms']:.3f} |")
+            rows.append([label, mode, *(runs.spread(mode, key, 1e3, 3) for key in STREAM_FIGURES),
+                         f"{results[pacing][mode]['cpu_per_event_ms']:.3f}"])
         d = results[pacing]["serve_minus_plain_ms"]
-        lines.append(f"| {label} | serve − plain | {d['per_event']:+.3f} | {d['first_event']:+.3f} "
-                     f"| {d['delivery']:+.3f} | {d['cpu_per_event']:+.3f} |")
-    ping = results["ping"]
+        rows.append([label, "serve - plain", f"{d['per_event']:+.3f}", f"{d['first_event']:+.3f}",
+                     f"{d['delivery']:+.3f}", f"{d['cpu_per_event']:+.3f}"])
     idle = results["idle_cores"]
-    lines += [
+    pings = samples["ping"]
+    return [
+        *table(["pacing", "mode", "ms per event (total / N)", "first event ms", "delivery latency ms",
+                "server CPU ms per event"], rows, labels=2),
         "",
         f"Server CPU per event is net of idle use: plain {idle['plain'] * 100:.1f} % of a core, "
-        f"serve (all Ray processes) {idle['serve'] * 100:.1f} % of a core.",
+        f"serve (all Ray processes) {idle['serve'] * 100:.1f} % of a core; serve - plain is the median of "
+        "the repetitions' differences (CPU: of the means).",
         "",
-        "| non-streaming POST /ping | plain | serve | serve − plain |",
-        "| --- | --- | --- | --- |",
-        f"| round-trip ms | {cell(ping['plain'])} | {cell(ping['serve'])} | {ping['serve_minus_plain_ms']:+.3f} |",
+        *table(["non-streaming POST /ping", "plain", "serve", "serve - plain"],
+               [["round-trip ms", pings.spread("plain", "round_trip", 1e3, 3), pings.spread("serve", "round_trip", 1e3, 3),
+                 f"{results['ping']['serve_minus_plain_ms']:+.3f}"]]),
+        "", f"{PINGS} pings each, in turn.",
     ]
-    return "\n".join(lines)
 
 
-@click.command()
+@probe("serve-overhead", repetitions=5)
 @click.option("--tokens", default=200, show_default=True, type=click.IntRange(1), help="Events per stream.")
-@click.option("--repetitions", default=5, show_default=True, type=click.IntRange(1))
 @click.option("--pace-ms", default=5.0, show_default=True, type=click.FloatRange(0),
               help="Gap between events in the paced run, like a model's time per token.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Also write the numbers here.")
-def main(tokens: int, repetitions: int, pace_ms: float, json_path: Path | None) -> None:
+def serve_overhead(repetitions: int, tokens: int, pace_ms: float) -> Report:
+    """What Ray Serve's HTTP proxy and streaming cost per streamed token: one
+    FastAPI app with no model behind plain uvicorn and behind Serve (Linux)."""
     pacings = {"fast": 0.0, "paced": pace_ms}
     ports = {"plain": _free_port(), "serve": _free_port()}
     plain = multiprocessing.get_context("spawn").Process(target=_serve_plain, args=(ports["plain"],), daemon=True)
@@ -314,26 +313,12 @@ def main(tokens: int, repetitions: int, pace_ms: float, json_path: Path | None) 
         _wait_ready(ports["serve"], timeout=60)
         plain_pids = {plain.pid} | _descendants(plain.pid)
         server_pids = {"plain": plain_pids, "serve": _descendants(os.getpid()) - plain_pids}
-        results = measure(ports, server_pids, tokens, repetitions, pacings)
+        results, samples = measure(ports, server_pids, tokens, repetitions, pacings)
     finally:
         if ray_started:
             stop_serve()
         plain.terminate()
         plain.join(timeout=10)
-    results["config"] = {
-        "tokens": tokens,
-        "repetitions": repetitions,
-        "pace_ms": pace_ms,
-        "pings": PINGS,
-        "serve_run_s": serve_run_s,
-        "python": sys.version.split()[0],
-    }
-    click.echo(f"{tokens} events per stream, {repetitions} repetitions, {PINGS} pings; "
-               f"median (min–max) over repetitions; serve.run took {serve_run_s:.1f} s")
-    click.echo(table(results, pacings))
-    if json_path:
-        json_path.write_text(json.dumps(results, indent=2) + "\n")
-
-
-if __name__ == "__main__":
-    main()
+    results["config"] = {"tokens": tokens, "pace_ms": pace_ms, "pings": PINGS, "serve_run_s": serve_run_s}
+    return Report(f"{tokens} events per stream, plain uvicorn against Ray Serve's proxy; serve.run took "
+                  f"{serve_run_s:.1f} s", report_lines(results, samples, pacings), samples, {"results": results})

@@ -1,0 +1,14 @@
+"""The probes: focused measurements beside the suite (``orchestrate bench``),
+each a mode of one harness, ``python -m benchmarks.probe MODE [options]``.
+Every mode runs its variants side by side in one run (benchmarks.side_by_side:
+the order rotating each repetition) and reports each figure's median and
+range over the repetitions; ``--repetitions N`` and ``--json PATH`` are
+common to all (benchmarks.probe.harness). The modes:
+
+    where-time-goes  a plain pipeline's per-token time: whole model, stages in one process, actors unpinned and pinned
+    restart-cost     the pause a killed stage costs, by the context held, beside its prefill
+    sequence-batch   one pass of several sequences' tokens against a pass each
+    transport-hop    one hop of the chain per transport: plain sockets, TLS, zmq, zmq CURVE
+    serve-overhead   what Ray Serve's proxy and streaming cost per streamed token
+    delayed-link     a pipeline across a link with delay against `orchestrate plan` (root: namespace hosts)
+"""
