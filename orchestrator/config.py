@@ -16,7 +16,7 @@ MAX_TOKENS = 256  # tokens generated after the prompt when not told (orchestrate
 
 # -- speculation ------------------------------------------------------------
 # Tokens: the most draft tokens one window carries. On a CPU verifying k drafts
-# costs a (k + 1)-token batch (8 cost 3.5x one: benchmarks.batch_cost), so a
+# costs a (k + 1)-token batch (8 cost 3.5x one on this CPU, 2026-11-30: `orchestrate profile`), so a
 # longer window pays only when nearly all of it is accepted; below this the
 # draft length adapts to acceptance (speculators.draft_length).
 # Token trees of prompt lookup in `orchestrate bench` (its -tree modes): a fork's three

@@ -3,8 +3,9 @@ the most committed tokens per second, from what drafting has been worth so far.
 
 A pass that verifies k drafts feeds k + 1 tokens and commits 1 + (the
 accepted drafts). On a CPU a batch of n tokens costs nearly n single passes
-(``python -m benchmarks.batch_cost``: 2 tokens 1.30x one, 4 2.06x, 8
-3.51x), so a draft must be likely to be accepted to pay for its row.
+(2 tokens 1.30x one, 4 2.06x, 8 3.51x on this 2-core CPU, 2026-11-30, by a
+batch-cost script since folded into ``orchestrate profile``), so a draft
+must be likely to be accepted to pay for its row.
 
 ``DraftPolicy`` keeps, with older evidence fading (``FORGET`` per verified
 window):
@@ -20,7 +21,7 @@ online:
 * ``step``, what each extra token of a batch adds (the cost curve t(n) / t(1)
   is close to 1 + step (n - 1) here). A run measures it once, before it
   starts (``step_from_timings`` over a few passes of 1 and of 8 tokens:
-  ``Pipeline.draft_step``); the default is benchmarks.batch_cost's;
+  ``Pipeline.draft_step``); the default is that 2026-11-30 figure's;
 * ``draft_token_cost``, what the loop waits for each draft token before a
   pass (a draft model in the sync schedule: about its size over the
   target's; prompt lookup: nothing);
@@ -58,12 +59,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PRIOR_STEP = 0.35  # each extra batch token costs this share of a one-token pass (batch_cost: 8 tokens 3.51x)
+PRIOR_STEP = 0.35  # each extra batch token costs this share of a one-token pass (8 tokens 3.51x, above)
 FORGET = 0.95  # the weight older evidence keeps after each verified window
 PRIOR_COUNT = 1.0  # pseudo-observations of each draft position at the prior (see acceptances)
 # What asking a drafter actor costs before a pass (speculate, collect with wait), in
-# passes of the default pipeline: 0.046 (0.71 ms of 15.6) by `python -m
-# benchmarks.where_time_goes` here, 2026-12-01 (a bare round trip in `orchestrate
+# passes of the default pipeline: 0.046 (0.71 ms of 15.6) by the where-the-time-goes
+# probe (now `python -m benchmarks.probe where-time-goes`) here, 2026-12-01 (a bare round trip in `orchestrate
 # profile` is 0.23 ms; beside a running pipeline the drafter wakes on an idle core).
 DRAFTER_CALL_COST = 0.045
 

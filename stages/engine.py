@@ -187,6 +187,31 @@ class StageEngine:
         the sequence's cache from its first position on is then undefined
         (the next pass's ``remove`` drops it).
         """
+        self._check(positions, tokens, hidden, sequence)
+        row_sequences = None if parents is None else self._tree_sequences(positions, parents)
+        if logit_rows is None:
+            logit_rows = np.array([len(positions) - 1], dtype=np.int32)
+        batch = self._filled_batch(positions, tokens, hidden, sequence, logit_rows, row_sequences)
+        if self._capture is not None:
+            self._capture.start()
+        status = llama_cpp.llama_decode(self._context, batch)
+        if self.abort.is_set:
+            raise PassAborted(f"stage {self.stage_index}: the pass was cancelled (llama_decode returned {status})")
+        if self._capture is not None:
+            return self._captured_hidden(status, len(positions))
+        if status != 0:
+            raise StageError(f"stage {self.stage_index}: llama_decode returned {status}")
+        logits = np.empty((len(logit_rows), self.n_vocab), dtype=np.float32)
+        for out_row, batch_row in enumerate(logit_rows):
+            pointer = llama_cpp.llama_get_logits_ith(self._context, int(batch_row))
+            if not pointer:
+                raise StageError(f"stage {self.stage_index}: no logits for row {int(batch_row)}")
+            ctypes.memmove(logits[out_row].ctypes.data, pointer, 4 * self.n_vocab)
+        return logits
+
+    def _check(self, positions: np.ndarray, tokens: np.ndarray | None, hidden: np.ndarray | None,
+               sequence: int) -> None:
+        """A batch llama.cpp can take safely, or a StageError naming what is wrong."""
         n_tokens = len(positions)
         if n_tokens == 0 or n_tokens > self.settings.n_batch:
             raise StageError(f"batch of {n_tokens} tokens (allowed 1..{self.settings.n_batch})")
@@ -206,10 +231,13 @@ class StageEngine:
             raise StageError("a negative position")
         if int(np.max(positions)) >= self.n_ctx:
             raise StageError(f"position {int(np.max(positions))} is beyond the context of {self.n_ctx} tokens")
-        row_sequences = None if parents is None else self._tree_sequences(positions, parents)
-        if logit_rows is None:
-            logit_rows = np.array([n_tokens - 1], dtype=np.int32)
 
+    def _filled_batch(self, positions: np.ndarray, tokens: np.ndarray | None, hidden: np.ndarray | None,
+                      sequence: int, logit_rows: np.ndarray, row_sequences: list[list[int]] | None):
+        """The llama_batch of this pass: inputs, positions, the rows whose
+        output is wanted, and each row's KV sequence ids (a tree's side
+        branches first get a copy of the committed cells)."""
+        n_tokens = len(positions)
         batch = self._token_batch if tokens is not None else self._embd_batch
         batch.n_tokens = n_tokens
         if tokens is not None:
@@ -235,33 +263,21 @@ class StageEngine:
                 batch.n_seq_id[row] = len(ids)
                 for slot, branch in enumerate(ids):
                     batch.seq_id[row][slot] = branch
+        return batch
 
-        if self._capture is not None:
-            self._capture.start()
-        status = llama_cpp.llama_decode(self._context, batch)
-        if self.abort.is_set:
-            raise PassAborted(f"stage {self.stage_index}: the pass was cancelled (llama_decode returned {status})")
-        if self._capture is not None:
-            # Stopping the graph early makes llama_decode report an abort (2);
-            # the captured hidden state is what counts.
-            try:
-                hidden = self._capture.captured()
-            except CaptureError as error:
-                raise StageError(f"stage {self.stage_index}: {error}") from None
-            if hidden is None:
-                raise StageError(f"stage {self.stage_index}: decode returned {status} without a hidden state")
-            if hidden.shape[0] != n_tokens:
-                raise StageError(f"stage {self.stage_index}: captured {hidden.shape[0]} rows, expected {n_tokens}")
-            return hidden
-        if status != 0:
-            raise StageError(f"stage {self.stage_index}: llama_decode returned {status}")
-        logits = np.empty((len(logit_rows), self.n_vocab), dtype=np.float32)
-        for out_row, batch_row in enumerate(logit_rows):
-            pointer = llama_cpp.llama_get_logits_ith(self._context, int(batch_row))
-            if not pointer:
-                raise StageError(f"stage {self.stage_index}: no logits for row {int(batch_row)}")
-            ctypes.memmove(logits[out_row].ctypes.data, pointer, 4 * self.n_vocab)
-        return logits
+    def _captured_hidden(self, status: int, n_tokens: int) -> np.ndarray:
+        """A non-last stage's hidden states float32[n_tokens, n_embd], as the
+        graph callback copied them. Stopping the graph early makes llama_decode
+        report an abort (2); the captured hidden state is what counts."""
+        try:
+            hidden = self._capture.captured()
+        except CaptureError as error:
+            raise StageError(f"stage {self.stage_index}: {error}") from None
+        if hidden is None:
+            raise StageError(f"stage {self.stage_index}: decode returned {status} without a hidden state")
+        if hidden.shape[0] != n_tokens:
+            raise StageError(f"stage {self.stage_index}: captured {hidden.shape[0]} rows, expected {n_tokens}")
+        return hidden
 
     def _tree_sequences(self, positions: np.ndarray, parents: np.ndarray) -> list[list[int]]:
         """Each row's KV sequence ids for a tree batch (checked first)."""

@@ -1,7 +1,8 @@
 """Which CPUs each stage process may run on: a pure decision.
 
 Measured on the 2-core VMs this project is built on (``python -m
-benchmarks.where_time_goes``, docs/measurements.md, "Where the per-token time goes"): two stages in one
+benchmarks.probe where-time-goes``, docs/measurements.md, "Where the per-token
+time goes"): two stages in one
 process take about what the whole model takes, but as two Ray actors on the
 same quiet machine each stage's compute took 25-35 % longer, with its CPU
 time equal to its wall time (it was not descheduled: it ran slower). Pinning

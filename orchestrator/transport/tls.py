@@ -15,7 +15,7 @@ for its peer, as for any peer that does not prove itself).
 
 Each side's ``ssl.SSLContext`` is built once per certificate (cached), not
 per connection. ``orchestrator.transport.wire`` frames messages on a TLS socket as on a
-plain one. The per-hop cost is measured by ``benchmarks.transport_hop``.
+plain one. The per-hop cost is measured by ``python -m benchmarks.probe transport-hop``.
 """
 
 from __future__ import annotations
