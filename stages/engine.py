@@ -98,6 +98,9 @@ class StageEngine:
     """
 
     def __init__(self, path: str, settings: StageSettings = StageSettings(), *, verbose: bool = False):
+        """Load the stage file and make its llama.cpp context: one straight
+        sequence of llama.cpp's model and context parameters, each commented
+        with why it is set so (it reads best in one piece)."""
         ensure_backend()
         if not verbose:
             quiet_logs()

@@ -251,6 +251,9 @@ def _draft(table: dict, machines: list) -> tuple[DraftBehaviour, list[float], in
 
 
 def load_setup(path: str | Path) -> Setup:
+    """A Setup from a TOML setup file (benchmarks/setups/*.toml): one flat
+    pass over its tables, each field checked where it is read, so a bad file
+    gets one line naming the table and field."""
     path = Path(path)
     try:
         document = tomllib.loads(path.read_text())

@@ -60,6 +60,9 @@ class GenerationFailed(Exception):
 
 
 def build_app(backend: Backend) -> FastAPI:
+    """The FastAPI app over ``backend``. Long because FastAPI's routes are
+    closures over the app and the backend: each route is a few lines that
+    parse (serving.protocol), submit to the service and answer."""
     app = FastAPI(title="specpipe", docs_url=None, redoc_url=None)
 
     @app.exception_handler(ApiError)
