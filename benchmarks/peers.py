@@ -35,7 +35,6 @@ import contextlib
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import tempfile
@@ -49,6 +48,7 @@ import click
 
 from benchmarks.side_by_side import draft_steps
 from benchmarks.suite import DRAFT_MAX, SCENARIO_DIR, load_scenario, prompts_of
+from orchestrator.cluster.connect import free_port
 
 LLAMA_VERSION = "0.3.36"
 PEERS = Path(os.environ.get("SPECPIPE_PEERS", Path.home() / ".cache" / "specpipe" / "peers"
@@ -92,12 +92,6 @@ def servers(model: str, remote_blocks: int | None, folder: Path, context: int):
                                                   f"127.0.0.1:{rpc_port}", "-ngl", str(remote_blocks)],
                                         ports["cpp-rpc-split"], folder / "split.log"))
         yield ports
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def start(command: list[str], port: int | None = None, log: Path | None = None) -> subprocess.Popen:

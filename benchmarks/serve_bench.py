@@ -44,6 +44,7 @@ from pathlib import Path
 
 from benchmarks.serve_load import DEFAULT_PROMPTS, LoadResult, run_load, start_llama_cpp_server, stop_server
 from stages.errors import SpecpipeError
+from orchestrator.cluster.connect import free_port
 
 SERVERS = ("specpipe-2-stages", "specpipe-whole", "llama-cpp-server")
 IN_PROCESS = "specpipe-2-stages-no-http"
@@ -148,7 +149,7 @@ def run_serve_bench(stage_paths: list[str], whole_path: str, *, threads: int = 2
 
     runs[IN_PROCESS] = _in_process(stage_paths, prompts, concurrencies, repetitions, max_tokens, step)
     for server in servers:
-        port = _free_port()
+        port = free_port()
         process = _start(server, stage_paths, whole_path, threads, port, workdir)
         try:
             base_url, model = f"http://127.0.0.1:{port}/v1", _model_name(port)
@@ -316,9 +317,3 @@ def _chart(results: dict, path: Path) -> None:
     plt.close(figure)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]

@@ -42,7 +42,6 @@ import http.client
 import json
 import multiprocessing
 import os
-import socket
 import statistics
 import time
 
@@ -50,6 +49,7 @@ import click
 
 from benchmarks.probe.harness import Report, probe, table
 from benchmarks.side_by_side import Outcome, Samples, side_by_side
+from orchestrator.cluster.connect import free_port
 
 MODES = ("plain", "serve")
 STREAM_FIGURES = ("per_event", "first_event", "delivery")
@@ -92,12 +92,6 @@ def _serve_plain(port: int) -> None:
     import uvicorn
 
     uvicorn.run(build_app(), host="127.0.0.1", port=port, access_log=False, log_level="warning")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _wait_ready(port: int, timeout: float) -> None:
@@ -302,7 +296,7 @@ def serve_overhead(repetitions: int, tokens: int, pace_ms: float) -> Report:
     """What Ray Serve's HTTP proxy and streaming cost per streamed token: one
     FastAPI app with no model behind plain uvicorn and behind Serve (Linux)."""
     pacings = {"fast": 0.0, "paced": pace_ms}
-    ports = {"plain": _free_port(), "serve": _free_port()}
+    ports = {"plain": free_port(), "serve": free_port()}
     plain = multiprocessing.get_context("spawn").Process(target=_serve_plain, args=(ports["plain"],), daemon=True)
     plain.start()
     ray_started = False

@@ -44,7 +44,7 @@ def ray_session(address: str | None, *, dashboard: bool = False, num_cpus: int |
         yield None
         return
     try:
-        metrics_port = _free_port() if dashboard else None
+        metrics_port = free_port() if dashboard else None
         if address is None:
             context = ray.init(
                 address="local",
@@ -73,7 +73,9 @@ def ray_session(address: str | None, *, dashboard: bool = False, num_cpus: int |
         ray.shutdown()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on every interface of this machine now (the OS's pick).
+    The one helper for it: Ray's metrics port, the bench's and the tests' servers."""
     import socket
 
     with socket.socket() as probe:
