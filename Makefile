@@ -56,25 +56,29 @@ run: install
 serve: install
 	$(BIN)/orchestrate serve
 
-# tests/test_ray_up.py brings cluster.yaml up with `ray up` against two sshd
+# tests/hosts/test_ray_up.py brings cluster.yaml up with `ray up` against two sshd
 # instances; it needs openssh-server and rsync. Where they are missing and
 # this user may install Debian packages (root with apt-get), they are
 # installed here; elsewhere that test skips and says why.
 test-tools:
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
 	    ! { [ -x /usr/sbin/sshd ] && command -v rsync >/dev/null 2>&1; }; then \
-	  echo "installing openssh-server and rsync for tests/test_ray_up.py..."; \
+	  echo "installing openssh-server and rsync for tests/hosts/test_ray_up.py..."; \
 	  { DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssh-server rsync >/dev/null 2>&1 || \
 	    { apt-get update -q >/dev/null 2>&1 && \
 	      DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssh-server rsync >/dev/null 2>&1; }; } || \
-	  echo "could not install openssh-server and rsync: tests/test_ray_up.py will skip"; \
+	  echo "could not install openssh-server and rsync: tests/hosts/test_ray_up.py will skip"; \
 	fi
 
 test: install test-tools
 	$(BIN)/python -m pytest
 
 # The pure tier only (numpy / pure Python: no model file, no llama.cpp, no Ray):
-# seconds. The tiers are pytest markers (pyproject.toml); `make test` runs all.
+# seconds. A test's tier is its directory, tests/pure/, model/, ray/ or hosts/,
+# and tests/conftest.py gives it that marker (pyproject.toml); `make test` runs
+# all. `-m pure` over all of tests/ rather than `pytest tests/pure`: it
+# collects every file, so a test file outside the tier directories is refused
+# here too instead of running in no tier.
 test-fast: install
 	$(BIN)/python -m pytest -m pure -q
 

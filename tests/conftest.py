@@ -1,4 +1,5 @@
-"""Shared fixtures: the real SmolLM2 file, its splits, the reference decoder, one Ray cluster.
+"""Shared fixtures: the real SmolLM2 file, its splits, the reference decoder, one Ray cluster;
+and the hook that gives each test the tier of its directory (tests/pure/, model/, ray/, hosts/).
 
 Test doubles are in tests/fakes.py."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -116,23 +118,40 @@ def ray_cluster():
 
 
 TIERS = ("pure", "model", "ray", "hosts")  # pytest markers, described in pyproject.toml
+TESTS = Path(__file__).parent
 
 
-@pytest.hookimpl(tryfirst=True)  # before -m/-k deselect: `-m pure` must not hide an untiered test
+def directory_tier(path: Path) -> str | None:
+    """The tier whose directory under tests/ holds this file (tests/pure/..., tests/ray/...), if any."""
+    try:
+        top = path.resolve().relative_to(TESTS.resolve()).parts[0]
+    except (ValueError, IndexError):
+        return None
+    return top if top in TIERS else None
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m/-k deselect: `-m pure` must see the markers given here
 def pytest_collection_modifyitems(config, items):
-    """Refuse to run unless every test has exactly one tier marker.
+    """Give every test the tier marker of its directory, and refuse to run unless each has exactly one.
 
-    A test without one would run in no tier's selection (`make test-fast` would
-    silently skip it); one with several would be counted in two. A file's tier
-    is its `pytestmark`; a file that mixes tiers marks each test instead (a
-    test-level marker does not replace the file's for `-m`, so never both)."""
+    A test's tier is where its file lives: tests/pure/, tests/model/, tests/ray/
+    or tests/hosts/ (`pytest tests/pure` and `pytest -m pure` select the same
+    tests). A test file elsewhere would run in no tier's selection (`make
+    test-fast` would silently skip it); a test that also carries another
+    tier's marker would be counted in two. Both are refused."""
     problems = []
     for item in items:
-        tiers = sorted({mark.name for mark in item.iter_markers() if mark.name in TIERS})
-        if len(tiers) != 1:
-            problems.append(f"  {item.nodeid}: {', '.join(tiers) if tiers else 'no tier'}")
+        tier = directory_tier(Path(item.path))
+        marked = sorted({mark.name for mark in item.iter_markers() if mark.name in TIERS} - {tier})
+        if tier is None:
+            problems.append(f"  {item.nodeid}: not in a tier's directory (tests/{{{','.join(TIERS)}}}/)")
+        elif marked:
+            problems.append(f"  {item.nodeid}: in tests/{tier}/ but marked {', '.join(marked)}")
+        else:
+            item.add_marker(tier)
     if problems:
         raise pytest.UsageError(
-            f"every test needs exactly one tier marker ({', '.join(f'@pytest.mark.{tier}' for tier in TIERS)}; "
-            "see pyproject.toml), these have none or several:\n" + "\n".join(problems)
+            "every test has exactly one tier, the directory its file is in ("
+            + ", ".join(f"tests/{tier}/" for tier in TIERS) + "; see pyproject.toml), and no other tier's marker; "
+            "these do not:\n" + "\n".join(problems)
         )

@@ -1,0 +1,116 @@
+"""`orchestrate run` across two real network hosts: a Ray head and a worker in
+two network namespaces joined by a bandwidth-limited veth link (1 Gbit/s; a
+1 ms delay too where the kernel has netem), the driver on the head's host.
+Output must equal the whole model, and the stages must run on different hosts.
+Skips where namespaces cannot be made (not root, no iproute2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+from conftest import PROMPTS
+from support.network_hosts import NamespacesUnavailable, RayAcrossHosts, TwoHosts
+
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    try:
+        two_hosts = TwoHosts(str(os.getpid())).open()
+    except NamespacesUnavailable as reason:
+        pytest.skip(f"two-host test needs network namespaces: {reason}")
+    try:
+        yield two_hosts
+    finally:
+        two_hosts.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(hosts):
+    ray_nodes = RayAcrossHosts(hosts)
+    try:
+        alive = ray_nodes.start()
+        assert sorted(alive) == sorted([hosts.first.address, hosts.second.address]), alive
+        yield ray_nodes
+    finally:
+        ray_nodes.close()
+
+
+@pytest.fixture(autouse=True)
+def report_link(hosts):
+    """Say what the link got; where netem is missing, say so as a pytest warning."""
+    for note in hosts.link_notes:
+        print(f"two-host link: {note}")
+    if not hosts.netem_available:
+        warnings.warn("two-host test ran WITHOUT link delay: netem is not available in this kernel", stacklevel=1)
+
+
+def run_across_hosts(cluster: RayAcrossHosts, stage_files: list[str], *options: str) -> dict:
+    """`orchestrate run` from the head's host; its JSON report. No stage files: options give --model."""
+    files = ["--model-split", *stage_files] if stage_files else []
+    result = cluster.driver(
+        ["-m", "orchestrator.cli", "run", *files, "--address", cluster.address,
+         "--prompt", PROMPTS[0], "--max-tokens", str(MAX_TOKENS), "--json", *options],
+        timeout=300,
+    )
+    assert result is not None, f"orchestrate run timed out\n{cluster.log_tail()}"
+    assert result.returncode == 0, f"orchestrate run failed:\n{result.stderr}\n{cluster.log_tail()}"
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("speculator, placed_by", [("none", "stage resources"), ("ngram", "--place")])
+def test_run_across_two_hosts_equals_whole_model(cluster, splits, reference, speculator, placed_by):
+    """The worker advertises specpipe-stage-0 and the head specpipe-stage-1: a run
+    places the stages by those alone, or by --place, which wins over them."""
+    first, second = cluster.hosts.first.address, cluster.hosts.second.address
+    if placed_by == "--place":
+        place, expected = ["--place", f"0={first},1={second}"], [first, second]
+    else:
+        place, expected = [], [second, first]
+    report = run_across_hosts(cluster, splits[2], "--speculator", speculator, *place)
+    assert report["tokens"] == reference.greedy(reference.tokenize(PROMPTS[0]), MAX_TOKENS).tokens
+    assert [stage["host"] for stage in report["stages"]] == expected
+    assert report["stages"][0]["node"] != report["stages"][1]["node"]
+    if speculator == "ngram":
+        assert {drafter["node"] for drafter in report["speculators"]} == {stage["node"] for stage in report["stages"]}
+
+
+def test_the_whole_model_is_shipped_to_each_host_once_and_a_broken_transfer_resumes(cluster, smollm2, splits,
+                                                                                   reference):
+    """`--model` from the driver, no stage file on either host beforehand: each
+    stage's file arrives in its own node's cache, byte for byte the split's,
+    and the tokens are the whole model's; a second run ships nothing; a file
+    cut short (what an interrupted transfer leaves) gets only its rest."""
+    first, second = cluster.hosts.first.address, cluster.hosts.second.address
+    caches = {second: cluster.stage_cache("worker"), first: cluster.stage_cache("head")}  # stage 0 on the worker
+    assert not any(cache.exists() for cache in caches.values())
+    expected = reference.greedy(reference.tokenize(PROMPTS[0]), MAX_TOKENS).tokens
+
+    report = run_across_hosts(cluster, [], "--model", smollm2)
+    assert report["tokens"] == expected
+    assert [stage["host"] for stage in report["stages"]] == [second, first]
+    assert [stage["layers"] for stage in report["stages"]] == [[0, 15], [15, 30]]
+    for item, split_file in zip(report["shipped"], splits[2]):
+        path = Path(item["path"])
+        assert item["host"] in (first, second) and path.is_relative_to(caches[item["host"]])
+        assert item["bytes_sent"] == item["bytes"] == path.stat().st_size
+        assert path.read_bytes() == Path(split_file).read_bytes()
+
+    again = run_across_hosts(cluster, [], "--model", smollm2)
+    assert again["tokens"] == expected and [item["bytes_sent"] for item in again["shipped"]] == [0, 0]
+
+    worker_file = Path(report["shipped"][0]["path"])
+    kept = worker_file.stat().st_size // 3
+    partial = worker_file.with_name(worker_file.name + ".partial")
+    partial.write_bytes(worker_file.read_bytes()[:kept])
+    worker_file.unlink()
+    resumed = run_across_hosts(cluster, [], "--model", smollm2)
+    assert resumed["tokens"] == expected
+    assert [(item["resumed_from"], item["bytes_sent"]) for item in resumed["shipped"]] == \
+        [(kept, report["shipped"][0]["bytes"] - kept), (report["shipped"][1]["bytes"], 0)]
+    assert worker_file.read_bytes() == Path(splits[2][0]).read_bytes()

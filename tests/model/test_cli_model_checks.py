@@ -1,0 +1,36 @@
+"""`orchestrate` on the real model file, as a user runs it, before any Ray: a split of one stage alone, and
+the checks that refuse a run (a draft model of another vocabulary, a context too small for the drafts)."""
+
+from pathlib import Path
+
+from conftest import orchestrate
+
+
+def test_split_only_one_stage_matches_the_full_split(smollm2, splits, tmp_path):
+    """Each machine cuts its own slice: `--only 1` writes stage 1 alone, byte for byte
+    what a full split writes, and not stage 0 (whose folder need not exist here)."""
+    elsewhere = tmp_path / "on-another-machine" / "stage-0.gguf"
+    mine = tmp_path / "stage-1.gguf"
+    result = orchestrate("split", smollm2, elsewhere, mine, "--only", "1")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines() == [f"{mine}: blocks [15, 30)"]
+    assert mine.read_bytes() == Path(splits[2][1]).read_bytes()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["stage-1.gguf"]
+
+
+def test_draft_with_another_vocabulary_is_refused(splits, gemma3):
+    result = orchestrate("run", "--model-split", *splits[2], "--prompt", "hi", "--speculator", "model", "--draft", gemma3)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [line for line in result.stderr.strip().splitlines() if line.startswith("error:")]
+    assert "vocabulary differs" in result.stderr
+    missing = orchestrate("run", "--model-split", *splits[2], "--prompt", "hi", "--speculator", "model")
+    assert missing.returncode != 0 and "--draft" in missing.stderr
+
+
+def test_the_context_check_counts_drafts_only_when_speculating(smollm2):
+    common = ["run", "--model-split", smollm2, "--prompt", "Hello", "--n-ctx", "40", "--max-tokens", "36"]
+    speculating = orchestrate(*common, "--speculator", "ngram")
+    assert speculating.returncode == 1 and "+ --draft-max 8 exceed the context of 40 tokens" in speculating.stderr
+    too_long = orchestrate(*common[:-1], "40")
+    assert too_long.returncode == 1 and "exceed the context of 40 tokens" in too_long.stderr
+    assert "--draft-max" not in too_long.stderr

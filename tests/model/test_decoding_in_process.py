@@ -1,0 +1,129 @@
+"""The decoding loop on the real model without Ray: the stage engines one after
+another in this process (tests/fakes.py EngineChain), drafters called in place.
+Every schedule gives the whole model's tokens, greedy and sampled alike."""
+
+import pytest
+
+from fakes import EngineChain
+from orchestrator.decoding.targets import InstantDrafter
+from orchestrator.decoding.drafting import Drafting
+from orchestrator.decoding.loop import generate
+from orchestrator.decoding.schedule import Schedule
+from speculators.prompt_lookup import PromptLookupSpeculator
+from speculators.sampling import SamplingSettings
+from stages.settings import StageSettings
+
+from conftest import FORKING, PROMPTS
+
+COPY = "Repeat this sentence exactly: the old keeper climbed the stairs every night and lit the lamp. " * 2
+
+
+@pytest.fixture(scope="module")
+def is_end(reference):
+    import llama_cpp
+
+    return lambda token: bool(llama_cpp.llama_vocab_is_eog(reference.llama._model.vocab, token))
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2-stages", "3-stages"])
+def chain(request, splits):
+    engines = EngineChain(splits[request.param], StageSettings(n_ctx=1024))
+    yield engines
+    engines.close()
+
+
+@pytest.mark.parametrize("schedule", [Schedule.SYNC, Schedule.ASYNC])
+def test_every_schedule_gives_the_whole_models_greedy_tokens(chain, reference, is_end, schedule):
+    stage_count = len(chain.engines)
+    for prompt in (COPY, PROMPTS[1]):
+        tokens = reference.tokenize(prompt)
+        expected = reference.greedy(tokens, 32).tokens
+        drafting = Drafting([InstantDrafter(PromptLookupSpeculator(), 6) for _ in range(stage_count)], schedule, 6)
+        assert generate(chain, tokens, 32, SamplingSettings(), is_end, drafting=drafting).tokens == expected, prompt
+
+
+def test_seeded_sampling_is_the_same_with_and_without_speculation(chain, reference):
+    tokens = reference.tokenize(COPY)
+    sampling = SamplingSettings(temperature=0.8, top_p=0.95, seed=3)
+    plain = generate(chain, tokens, 32, sampling, lambda token: False).tokens
+    drafting = Drafting([InstantDrafter(PromptLookupSpeculator(), 6) for _ in chain.engines], Schedule.ASYNC, 6)
+    speculative = generate(chain, tokens, 32, sampling, lambda token: False, drafting=drafting)
+    assert speculative.tokens == plain and speculative.speculation.accepted_tokens > 0
+    greedy = generate(chain, tokens, 32, SamplingSettings(), lambda token: False).tokens
+    assert plain != greedy  # the temperature really changed the draw
+
+
+LONG_PROMPT = COPY * 3 + PROMPTS[2]
+SMALL_BATCH = 16
+
+
+@pytest.fixture(scope="module")
+def small_batch_chain(splits):
+    """Two stages that take at most SMALL_BATCH tokens a pass: a long prompt is prefilled in chunks."""
+    engines = EngineChain(splits[2], StageSettings(n_ctx=1024, n_batch=SMALL_BATCH))
+    yield engines
+    engines.close()
+
+
+@pytest.mark.parametrize("schedule", [None, Schedule.SYNC, Schedule.ASYNC], ids=["plain", "sync", "async"])
+def test_a_prompt_of_several_batches_gives_the_whole_models_greedy_tokens(small_batch_chain, reference, is_end,
+                                                                          schedule):
+    tokens = reference.tokenize(LONG_PROMPT)
+    assert len(tokens) > 5 * SMALL_BATCH  # chunked prefill: six chunks or more
+    expected = reference.greedy(tokens, 24).tokens
+    drafting = None if schedule is None else Drafting(
+        [InstantDrafter(PromptLookupSpeculator(), 6) for _ in small_batch_chain.engines], schedule, 6,
+        call_cost=0.0)  # drafters in this process: asking costs nothing, so the policy keeps asking
+    result = generate(small_batch_chain, tokens, 24, SamplingSettings(), is_end, drafting=drafting)
+    assert result.tokens == expected
+    if schedule is not None:
+        assert result.speculation.accepted_tokens > 0  # the drafts were verified against the chunked cache
+
+
+def test_a_prompt_of_several_batches_samples_the_same_tokens_with_and_without_speculation(small_batch_chain, reference):
+    tokens = reference.tokenize(LONG_PROMPT)
+    sampling = SamplingSettings(temperature=0.8, top_p=0.95, seed=4)
+    plain = generate(small_batch_chain, tokens, 24, sampling, lambda token: False).tokens
+    drafting = Drafting([InstantDrafter(PromptLookupSpeculator(), 6) for _ in small_batch_chain.engines],
+                        Schedule.ASYNC, 6)
+    assert generate(small_batch_chain, tokens, 24, sampling, lambda token: False, drafting=drafting).tokens == plain
+
+
+# Prompts whose n-grams recur with other continuations: prompt lookup forks there.
+@pytest.fixture(scope="module")
+def tree_chain(splits):
+    """Two stages that verify token trees of up to four leaves."""
+    engines = EngineChain(splits[2], StageSettings(n_ctx=1024, tree_sequences=3))
+    yield engines
+    engines.close()
+
+
+def _tree_drafting(schedule):
+    # step 0: a row costs nothing, so the rule verifies every candidate row (the largest trees)
+    return Drafting([InstantDrafter(PromptLookupSpeculator(), 6) for _ in range(2)], schedule, 6,
+                    call_cost=0.0, step=0.0, tree_leaves=4)
+
+
+@pytest.mark.parametrize("schedule", [Schedule.SYNC, Schedule.ASYNC])
+def test_token_trees_give_the_whole_models_greedy_tokens(tree_chain, reference, is_end, schedule):
+    side_accepted = 0
+    for prompt in FORKING + [COPY]:
+        tokens = reference.tokenize(prompt)
+        expected = reference.greedy(tokens, 40).tokens
+        result = generate(tree_chain, tokens, 40, SamplingSettings(), is_end, drafting=_tree_drafting(schedule))
+        assert result.tokens == expected, prompt
+        assert result.speculation.tree_passes > 0 or prompt == COPY  # a copy has nothing to fork on
+        side_accepted += result.speculation.side_accepted
+    # the target took side branches: their tokens were fed again, the cache kept hole-free
+    assert side_accepted > 0
+
+
+def test_seeded_sampling_is_the_same_with_token_trees(tree_chain, reference):
+    sampling = SamplingSettings(temperature=0.7, top_p=0.95, seed=11)
+    for prompt in FORKING:
+        tokens = reference.tokenize(prompt)
+        plain = generate(tree_chain, tokens, 32, sampling, lambda token: False).tokens
+        for schedule in (Schedule.SYNC, Schedule.ASYNC):
+            tree = generate(tree_chain, tokens, 32, sampling, lambda token: False, drafting=_tree_drafting(schedule))
+            assert tree.tokens == plain, (prompt, schedule)
+            assert tree.speculation.tree_passes > 0

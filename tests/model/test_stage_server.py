@@ -1,0 +1,237 @@
+"""A live stage server (the real first stage of SmolLM2, no Ray) fed frames it
+must refuse: each refusal reaches downstream as one StageFailure naming why,
+never a crash or a silent thread death; and passes cancelled before they
+arrive or while they run."""
+
+from __future__ import annotations
+
+import struct
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import msgpack
+import numpy as np
+import pytest
+
+from orchestrator.transport import wire
+from orchestrator.transport.handshake import accept_peer, cancel_role, connect_peer, upstream_role
+from orchestrator.transport.messages import Boundary, Cancel, Cancelled, StageBatch, StageFailure
+from orchestrator.workers.stage_server import StageServer
+from stages.settings import StageSettings
+
+SECRET = b"k" * 32
+
+
+@pytest.fixture
+def stage(splits):
+    """(server, upstream socket to it, downstream socket from it)."""
+    yield from serving(StageServer(splits[2][0], StageSettings(n_ctx=64, n_batch=16), "127.0.0.1", "node",
+                                   secret=SECRET))
+
+
+@pytest.fixture
+def cancelling_stage(splits):
+    """(server, upstream, downstream, the coordinator's cancel connection to
+    it), with batches of up to 512 tokens (long enough to be cancelled while
+    they run)."""
+    server = StageServer(splits[2][0], StageSettings(n_ctx=1024, n_batch=512), "127.0.0.1", "node", secret=SECRET)
+    for server, upstream, downstream in serving(server):
+        listener = wire.listen("127.0.0.1")
+        accepting = ThreadPoolExecutor(1).submit(accept_peer, listener, SECRET, cancel_role(0), 30)
+        server.connect_cancel(*listener.getsockname())
+        cancels = accepting.result(timeout=30)
+        yield server, upstream, downstream, cancels
+        cancels.close()
+        listener.close()
+
+
+def serving(server):
+    """Wire ``server`` to a downstream listener and an upstream connection; yield (server, upstream, downstream)."""
+    listener = wire.listen("127.0.0.1")
+    accepting = ThreadPoolExecutor(1).submit(accept_peer, listener, SECRET, upstream_role(1), 30)
+    server.connect_downstream(*listener.getsockname())
+    downstream = accepting.result(timeout=30)
+    downstream.settimeout(30)
+    upstream = connect_peer("127.0.0.1", server.description.port, SECRET, upstream_role(0), 30)
+    yield server, upstream, downstream
+    upstream.close()
+    downstream.close()
+    listener.close()
+    server._thread.join(timeout=30)
+
+
+def encoded(message) -> bytes:
+    fields, _ = message.to_wire()
+    header = msgpack.packb({"kind": message.KIND, **fields}, use_bin_type=True)
+    return struct.pack("!I", len(header)) + header
+
+
+def batch(tokens, positions=None, sequence=0) -> StageBatch:
+    tokens = np.asarray(tokens, np.int32)
+    positions = np.arange(len(tokens), dtype=np.int32) if positions is None else np.asarray(positions, np.int32)
+    return StageBatch(1, 0, positions, np.array([len(tokens) - 1], np.int32), tokens=tokens, sequence=sequence)
+
+
+@pytest.mark.parametrize("bad, reason", [
+    (batch([1, 2, 10**6]), "a token id outside the vocabulary"),
+    (batch([1, 2], sequence=3), "sequence 3 is not one of the stage's 1"),
+    (batch(list(range(1, 20))), "batch of 19 tokens (allowed 1..16)"),
+    (batch([1, 2], positions=[5000, 5001]), "position 5001 is beyond the context of"),
+])
+def test_a_batch_the_stage_cannot_run_fails_that_pass_and_the_stage_goes_on(stage, bad, reason):
+    server, upstream, downstream = stage
+    wire.send_message(upstream, bad)
+    failure = wire.receive_message(downstream)
+    assert isinstance(failure, StageFailure) and reason in failure.message and failure.stage_index == 0
+    wire.send_message(upstream, batch([1, 2, 3]))  # and it still serves
+    hidden = wire.receive_message(downstream)
+    assert isinstance(hidden, StageBatch) and hidden.hidden.shape == (3, 576)
+
+
+@pytest.mark.parametrize("raw, reason", [
+    (b"\x00\x00\x00\x02\xc1\xc1", "not msgpack"),
+    (struct.pack("!I", 2**31), "a header of 2147483648 bytes"),
+    (None, "exactly one of tokens and hidden"),
+    ("negative", "positions: negative"),
+])
+def test_a_bad_frame_is_reported_downstream_and_the_stage_stops(stage, raw, reason):
+    server, upstream, downstream = stage
+    if raw == "negative":
+        raw = encoded(batch([1, 2], positions=[-3, -2]))
+    if raw is None:  # a well-formed frame whose fields disagree
+        header = msgpack.packb({"kind": "batch", "pass": 1, "sequence": 0, "keep": 0, "positions": b"",
+                                "rows": b"", "tokens": None, "seconds": []}, use_bin_type=True)
+        raw = struct.pack("!I", len(header)) + header
+    upstream.sendall(raw)
+    failure = wire.receive_message(downstream)
+    assert isinstance(failure, StageFailure) and "a bad frame from upstream" in failure.message
+    assert reason in failure.message
+    server._thread.join(timeout=30)
+    assert not server._thread.is_alive()
+    with pytest.raises((wire.ConnectionClosed, OSError)):
+        downstream.settimeout(5)
+        if downstream.recv(1) == b"":
+            raise wire.ConnectionClosed("closed")
+
+
+def test_an_unexpected_error_in_the_loop_is_reported_downstream_not_a_silent_thread_death(stage):
+    server, upstream, downstream = stage
+
+    def broken_metrics(seconds, cells, sequences):
+        raise RuntimeError("the metrics broke")
+
+    server.on_pass = broken_metrics
+    wire.send_message(upstream, batch([1, 2, 3]))
+    failure = wire.receive_message(downstream)
+    assert isinstance(failure, StageFailure)
+    assert failure.message == "the stage's loop failed: RuntimeError: the metrics broke"
+
+
+def test_after_its_chain_breaks_a_stage_keeps_its_model_and_port_and_serves_a_new_chain(stage):
+    """What a surviving stage does when another stage is lost: its upstream
+    goes away, then it is wired again (same listening port, same loaded
+    model) and serves the new chain's passes, with its cache as it was."""
+    server, upstream, downstream = stage
+    wire.send_message(upstream, batch([1, 2, 3]))
+    first = wire.receive_message(downstream)
+    upstream.close()  # the old chain breaks
+    server._thread.join(timeout=30)
+    assert not server._thread.is_alive()
+    listener = wire.listen("127.0.0.1")
+    accepting = ThreadPoolExecutor(1).submit(accept_peer, listener, SECRET, upstream_role(1), 30)
+    server.connect_downstream(*listener.getsockname())
+    new_downstream = accepting.result(timeout=30)
+    new_upstream = connect_peer("127.0.0.1", server.description.port, SECRET, upstream_role(0), 30)
+    try:
+        wire.send_message(new_upstream, StageBatch(2, 3, np.array([3], np.int32), np.array([0], np.int32),
+                                                   tokens=np.array([4], np.int32)))
+        after = wire.receive_message(new_downstream)
+        assert isinstance(after, StageBatch) and after.pass_id == 2 and after.hidden.shape == (1, 576)
+        assert server.kv_cells == 4  # positions 0-2 of the old chain, 3 of the new: the cache was kept
+        assert first.hidden.shape == (3, 576)
+    finally:
+        new_upstream.close()
+        new_downstream.close()
+        listener.close()
+
+
+def wait_until(condition) -> None:
+    """Wait on the stage's state (a liveness bound, not a speed limit)."""
+    deadline = time.monotonic() + 60
+    while not condition():
+        assert time.monotonic() < deadline, "the stage never reached the state"
+        time.sleep(0.001)
+
+
+def numbered(pass_id, tokens, first=0, keep=None) -> StageBatch:
+    tokens = np.asarray(tokens, np.int32)
+    positions = np.arange(first, first + len(tokens), dtype=np.int32)
+    return StageBatch(pass_id, first if keep is None else keep, positions, np.array([len(tokens) - 1], np.int32),
+                      tokens=tokens)
+
+
+def hidden_after(server, upstream, downstream, pass_id, prompt, tokens):
+    """The hidden states of ``tokens`` after ``prompt``, decoded afresh (keep 0)."""
+    wire.send_message(upstream, numbered(pass_id, prompt, keep=0))
+    wire.receive_message(downstream)
+    wire.send_message(upstream, numbered(pass_id + 1, tokens, first=len(prompt)))
+    return wire.receive_message(downstream).hidden
+
+
+PROMPT = [1, 17, 42, 99, 7, 3, 5, 8]
+NEXT = [11, 12, 13]
+
+
+def test_a_pass_cancelled_before_it_arrives_is_dropped_and_the_next_pass_is_exact(cancelling_stage):
+    server, upstream, downstream, cancels = cancelling_stage
+    wire.send_message(upstream, numbered(1, PROMPT))
+    assert isinstance(wire.receive_message(downstream), StageBatch)
+    wire.send_message(cancels, Cancel(2))
+    wait_until(lambda: 2 in server._cancel_wanted)
+    wire.send_message(upstream, numbered(2, [50, 51, 52, 53], first=len(PROMPT)))
+    assert wire.receive_message(downstream) == Cancelled(2, 0, (0.0,))
+    assert (server.dropped_passes, server.stopped_passes) == (1, 0)
+    wire.send_message(upstream, numbered(3, NEXT, first=len(PROMPT)))
+    after = wire.receive_message(downstream)
+    assert after.pass_id == 3
+    np.testing.assert_array_equal(after.hidden, hidden_after(server, upstream, downstream, 4, PROMPT, NEXT))
+
+
+def test_a_pass_cancelled_while_it_runs_is_stopped_mid_graph_and_the_next_pass_is_exact(cancelling_stage):
+    server, upstream, downstream, cancels = cancelling_stage
+    wire.send_message(upstream, numbered(1, PROMPT))
+    wire.receive_message(downstream)
+    long = np.arange(100, 600, dtype=np.int32)  # 500 tokens: a pass of a second or so here
+    wire.send_message(upstream, numbered(2, long, first=len(PROMPT)))
+    wait_until(lambda: server._running_pass == 2)
+    wire.send_message(cancels, Cancel(2))
+    stopped = wire.receive_message(downstream)
+    assert isinstance(stopped, Cancelled) and (stopped.pass_id, stopped.stage_index) == (2, 0)
+    assert len(stopped.stage_seconds) == 1 and stopped.stage_seconds[0] > 0
+    assert (server.dropped_passes, server.stopped_passes) == (0, 1)
+    assert not server.engine.abort.is_set  # cleared for the next pass
+    wire.send_message(upstream, numbered(3, NEXT, first=len(PROMPT)))
+    after = wire.receive_message(downstream)
+    assert isinstance(after, StageBatch) and after.pass_id == 3
+    np.testing.assert_array_equal(after.hidden, hidden_after(server, upstream, downstream, 4, PROMPT, NEXT))
+
+
+def test_a_cancel_of_a_pass_that_already_left_changes_nothing(cancelling_stage):
+    server, upstream, downstream, cancels = cancelling_stage
+    wire.send_message(upstream, numbered(1, PROMPT))
+    wire.receive_message(downstream)
+    wire.send_message(cancels, Cancel(1))
+    wire.send_message(cancels, Cancel(3))  # read after Cancel(1): once 3 waits, 1 was seen
+    wait_until(lambda: 3 in server._cancel_wanted)
+    assert server._cancel_wanted == {3}
+    wire.send_message(upstream, numbered(2, NEXT, first=len(PROMPT)))
+    assert isinstance(wire.receive_message(downstream), StageBatch)
+
+
+def test_anything_but_a_cancel_on_the_cancel_connection_fails_the_next_pass(cancelling_stage):
+    server, upstream, downstream, cancels = cancelling_stage
+    wire.send_message(cancels, Boundary(1, 0))
+    wait_until(lambda: server._cancel_problem)
+    wire.send_message(upstream, numbered(1, PROMPT))
+    failure = wire.receive_message(downstream)
+    assert failure == StageFailure(1, 0, "the cancel connection sent Boundary, not a cancel")

@@ -1,0 +1,98 @@
+"""Token trees through real stages (llama.cpp, no Ray): every row's logits are
+those of its own path decoded as a chain, and after a tree the cache keeps
+only the main chain's prefix, hole-free, so later passes stay bit-identical."""
+
+import numpy as np
+import pytest
+
+from stages.engine import StageEngine, StageError
+from stages.settings import StageSettings
+from speculators.tree import depths
+
+
+#   root - a - b - c           (main chain: rows 0..3)
+#          \ z                 (row 4, forks at a)
+#   root - x - y               (rows 5, 6, fork at the root)
+TOKENS = [None, 11, 22, 33, 66, 44, 55]
+PARENTS = [-1, 0, 1, 2, 1, 0, 5]
+
+
+def _through(engines, positions, tokens, parents=None):
+    rows = np.arange(len(tokens), dtype=np.int32)
+    parents = None if parents is None else np.array(parents, np.int32)
+    hidden = None
+    for engine in engines:
+        if engine.is_first:
+            hidden = engine.decode(positions, tokens=np.array(tokens, np.int32), logit_rows=rows, parents=parents)
+        else:
+            hidden = engine.decode(positions, hidden=hidden, logit_rows=rows, parents=parents)
+    return hidden
+
+
+def _chain(engines, first, tokens):
+    for engine in engines:
+        engine.remove(first)
+    return _through(engines, np.arange(first, first + len(tokens), dtype=np.int32), tokens)
+
+
+def _path(row):
+    path = []
+    while row >= 0:
+        path.append(row)
+        row = PARENTS[row]
+    return path[::-1]
+
+
+@pytest.mark.parametrize("stage_count", [1, 2])
+def test_tree_rows_equal_their_paths_and_the_cache_keeps_the_main_chain(smollm2, splits, reference, stage_count):
+    paths = [smollm2] if stage_count == 1 else splits[2]
+    trees = [StageEngine(path, StageSettings(n_ctx=512, tree_sequences=4)) for path in paths]
+    chains = [StageEngine(path, StageSettings(n_ctx=512)) for path in paths]
+    try:
+        prompt = reference.tokenize("The capital of France is Paris. The capital of Germany is")
+        tokens = [prompt[-1], *TOKENS[1:]]
+        first = len(prompt) - 1
+        for engines in (trees, chains):
+            _chain(engines, 0, prompt[:-1])
+        tree_logits = _through(trees, (first + depths(PARENTS)).astype(np.int32), tokens, PARENTS)
+        for row in range(len(PARENTS)):
+            path_logits = _chain(chains, first, [tokens[step] for step in _path(row)])
+            assert np.array_equal(tree_logits[row], path_logits[-1]), f"row {row}"
+        # keep the main chain up to b (the next pass's keep drops every side branch)
+        for engines in (trees, chains):
+            for engine in engines:
+                engine.remove(first + 3)
+        _chain(chains, first, tokens[:3])
+        assert [engine.cached_positions() for engine in trees] == [first + 3] * len(trees)
+        assert [engine.cells_held() for engine in trees] == [first + 3] * len(trees)
+        # the next passes, a chain and another tree, equal the plain engine's
+        later = [int(np.argmax(tree_logits[2])), 7, 8]
+        assert np.array_equal(_chain(trees, first + 3, later), _chain(chains, first + 3, later))
+        again = _through(trees, (first + 6 + depths([-1, 0, 0])).astype(np.int32), [9, 10, 12], [-1, 0, 0])
+        assert np.array_equal(again[2], _chain(chains, first + 6, [9, 12])[-1])
+    finally:
+        for engine in trees + chains:
+            engine.close()
+
+
+def test_tree_batches_are_checked(smollm2):
+    engine = StageEngine(smollm2, StageSettings(n_ctx=64, tree_sequences=1))
+    plain = StageEngine(smollm2, StageSettings(n_ctx=64))
+    try:
+        positions = np.array([0, 1, 1], np.int32)
+        tokens = np.array([1, 2, 3], np.int32)
+        with pytest.raises(StageError, match="not set up for token trees"):
+            plain.decode(positions, tokens=tokens, parents=np.array([-1, 0, 0], np.int32))
+        with pytest.raises(StageError, match="not preorder"):
+            engine.decode(np.array([0, 1, 1, 2], np.int32), tokens=np.array([1, 2, 3, 4], np.int32),
+                          parents=np.array([-1, 0, 0, 1], np.int32))
+        with pytest.raises(StageError, match="depth"):
+            engine.decode(np.array([0, 1, 2], np.int32), tokens=tokens, parents=np.array([-1, 0, 0], np.int32))
+        with pytest.raises(StageError, match="3 leaves"):
+            engine.decode(np.array([0, 1, 1, 1], np.int32), tokens=np.array([1, 2, 3, 4], np.int32),
+                          parents=np.array([-1, 0, 0, 0], np.int32))
+        with pytest.raises(StageError, match="one sequence"):
+            StageEngine(smollm2, StageSettings(n_ctx=64, sequences=2, tree_sequences=1))
+    finally:
+        engine.close()
+        plain.close()

@@ -1,0 +1,132 @@
+"""The drafter server and its client over a real socket, without Ray or llama.cpp."""
+
+import functools
+import sys
+import threading
+import time
+
+import fakes
+from orchestrator.transport import wire
+from orchestrator.workers.drafter_server import DrafterServer
+from orchestrator.cluster.drafters import DrafterClient
+from orchestrator.transport.handshake import connect_peer, drafter_role
+from speculators.prompt_lookup import PromptLookupSpeculator
+
+TRUTH = list(range(100, 160))
+
+
+LIVENESS_SECONDS = 30
+"""Fail instead of hanging when a state never comes; not a speed limit."""
+
+
+def wait_until(condition, what: str) -> None:
+    """Liveness, not speed: fail instead of hanging if condition never holds."""
+    deadline = time.monotonic() + LIVENESS_SECONDS
+    while not condition():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.01)
+
+
+SECRET = b"s" * 32
+
+
+def serve(make, **settings):
+    server = DrafterServer(make, "127.0.0.1", secret=SECRET, **settings)
+    return server, DrafterClient(0, connect_peer("127.0.0.1", server.port, SECRET, drafter_role(0), 10))
+
+
+def test_synchronous_collect_waits_for_a_full_draft():
+    server, client = serve(PromptLookupSpeculator, draft_max=5)
+    client.speculate([1, 2, 3, 4, 5, 6, 7, 1, 2, 3])
+    assert client.collect(wait=True) == [4, 5, 6, 7, 1]
+    assert client.collect() == []  # nothing requested since
+    client.close()
+
+
+def test_a_request_for_fewer_drafts_stops_the_drafter_there():
+    server, client = serve(PromptLookupSpeculator, draft_max=5)
+    client.speculate([1, 2, 3, 4, 5, 6, 7, 1, 2, 3], most=2)  # the draft policy wants two
+    assert client.collect(wait=True) == [4, 5]
+    assert server.drafted_tokens == 2  # not drafted and thrown away
+    client.speculate([1, 2, 3, 4, 5, 6, 7, 1, 2, 3], most=9)  # never past draft_max
+    assert client.collect(wait=True) == [4, 5, 6, 7, 1]
+    client.close()
+
+
+class GatedSpeculator:
+    """Right, one token per permit the test releases; ``contexts`` records what
+    each call was asked to extend, from the moment the call begins."""
+
+    def __init__(self) -> None:
+        self.permits = threading.Semaphore(0)
+        self.contexts: list[list[int]] = []
+
+    def extend(self, context):
+        self.contexts.append(list(context))
+        assert self.permits.acquire(timeout=LIVENESS_SECONDS), "never released"
+        return TRUTH[len(context)]
+
+
+def draft_loop_is_idle(server: DrafterServer) -> bool:
+    """The server's drafting thread waits for work (not inside its speculator)."""
+    for frame in sys._current_frames().values():
+        callee = None
+        while frame is not None:
+            if frame.f_code.co_name == "_draft_loop" and frame.f_locals.get("self") is server:
+                return callee is not None and callee.f_code.co_name == "wait" \
+                    and callee.f_code.co_filename == threading.__file__
+            callee, frame = frame, frame.f_back
+    return False
+
+
+def test_drafting_stops_at_collect():
+    speculator = GatedSpeculator()
+    server, client = serve(lambda: speculator, draft_max=40)
+    client.speculate(TRUTH[:5])
+    speculator.permits.release(2)
+    wait_until(lambda: len(speculator.contexts) == 3, "two tokens drafted, the third begun")
+    assert client.collect() == TRUTH[5:7]
+    speculator.permits.release(1)  # the token in progress ends, and is not wanted any more
+    wait_until(lambda: draft_loop_is_idle(server) or len(speculator.contexts) > 3, "the drafting thread settled")
+    assert len(speculator.contexts) == 3, "drafting went on after the collect"
+    client.speculate(TRUTH[:9])  # a new request starts it again, from its own context
+    wait_until(lambda: len(speculator.contexts) == 4, "drafting resumed")
+    assert speculator.contexts[3] == TRUTH[:9]
+    client.close()
+
+
+def test_with_overlap_drafting_goes_on_after_collect():
+    speculator = GatedSpeculator()
+    server, client = serve(lambda: speculator, draft_max=40, overlap=True)
+    client.speculate(TRUTH[:5])
+    speculator.permits.release(2)
+    wait_until(lambda: len(speculator.contexts) == 3, "two tokens drafted, the third begun")
+    assert client.collect() == TRUTH[5:7]
+    speculator.permits.release(3)
+    wait_until(lambda: len(speculator.contexts) == 6, "drafting went on after the collect")
+    assert speculator.contexts[3:] == [TRUTH[:8], TRUTH[:9], TRUTH[:10]]
+    client.close()
+
+
+def test_a_hanging_speculator_still_gets_an_answer_and_is_not_waited_for_twice():
+    make = functools.partial(fakes.HangingSpeculator, TRUTH, good_calls=2)
+    server, client = serve(make, draft_max=8, wait_seconds=0.3)  # how long a wait may last, not a speed
+    client.speculate(TRUTH[:5])
+    wait_until(lambda: server.speculator.calls == 3, "two tokens drafted, then the hang")
+    assert client.collect(wait=True) == TRUTH[5:7]  # answered although the speculator hangs
+    assert server.stalled  # so later synchronous requests do not wait for it again
+    client.speculate(TRUTH[:7])
+    assert client.collect(wait=True) == []
+    assert client.alive
+
+
+def test_a_drafter_whose_connection_closes_is_dropped():
+    listener = wire.listen("127.0.0.1")
+    client = DrafterClient(0, wire.connect("127.0.0.1", listener.getsockname()[1]))
+    accepted, _ = listener.accept()
+    accepted.close()  # the drafter's process is gone
+    client.speculate([1, 2, 1])
+    assert client.collect() == []
+    assert not client.alive and client.lost_reason
+    client.speculate([1, 2, 1])
+    assert client.collect() == []

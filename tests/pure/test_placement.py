@@ -1,0 +1,146 @@
+import pytest
+
+from orchestrator.cluster.placement import (NodeInfo, PlacementError, advertised_stages, parse_place, plan_placement,
+                                            stage_resource)
+
+NODES = [NodeInfo("aaaa1111", "10.0.0.1", 1), NodeInfo("bbbb2222", "10.0.0.2", 1), NodeInfo("cccc3333", "10.0.0.3", 1)]
+
+
+def test_one_node_runs_every_stage_locally():
+    plan = plan_placement(NODES[:1], 3, "aaaa1111")
+    assert plan.strategy == "local" and plan.node_ids == ("aaaa1111",) * 3
+
+
+def test_several_nodes_spread_one_stage_per_node():
+    assert plan_placement(NODES, 2, "aaaa1111").strategy == "spread"
+
+
+def test_fewer_nodes_than_stages_is_refused():
+    with pytest.raises(PlacementError, match="3 stages need 3 nodes"):
+        plan_placement(NODES[:2], 3, "aaaa1111")
+
+
+def test_explicit_placement_by_address_or_id_prefix():
+    plan = plan_placement(NODES, 2, "aaaa1111", parse_place("0=10.0.0.3, 1=bbbb"))
+    assert plan.strategy == "explicit" and plan.node_ids == ("cccc3333", "bbbb2222")
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [("0=10.9.9.9,1=10.0.0.1", "no alive node"), ("0=10.0.0.1", "no node for stage 1"), ("0=10.0.0.1,5=10.0.0.2", "stage 5")],
+)
+def test_bad_explicit_placement(text, message):
+    with pytest.raises(PlacementError, match=message):
+        plan_placement(NODES, 2, "aaaa1111", parse_place(text))
+
+
+def test_malformed_place_text():
+    with pytest.raises(PlacementError, match="STAGE=NODE"):
+        parse_place("first:10.0.0.1")
+
+
+def holding(node: NodeInfo, *stages: int) -> NodeInfo:
+    """The node, advertising the stage resources of ``stages`` (as cluster.yaml starts it)."""
+    resources = {"CPU": node.cpus, "node:" + node.address: 1.0} | {stage_resource(stage): 1.0 for stage in stages}
+    return NodeInfo(node.node_id, node.address, node.cpus, resources)
+
+
+def test_nodes_advertising_stage_resources_hold_those_stages():
+    nodes = [holding(NODES[0], 1), holding(NODES[1]), holding(NODES[2], 0)]
+    plan = plan_placement(nodes, 2, "aaaa1111")
+    assert plan.strategy == "explicit" and plan.node_ids == ("cccc3333", "aaaa1111")
+
+
+def test_one_node_may_advertise_every_stage():
+    plan = plan_placement([holding(NODES[0], 0, 1, 2)], 3, "aaaa1111")
+    assert plan.node_ids == ("aaaa1111",) * 3
+
+
+def test_place_wins_over_stage_resources():
+    nodes = [holding(NODES[0], 0), holding(NODES[1], 1)]
+    plan = plan_placement(nodes, 2, "aaaa1111", parse_place("0=10.0.0.2,1=10.0.0.1"))
+    assert plan.node_ids == ("bbbb2222", "aaaa1111")
+
+
+def test_a_stage_no_node_advertises_is_refused_with_a_hint():
+    # e.g. the head is up but the worker holding stage 1 has not joined yet
+    with pytest.raises(PlacementError, match=r"no alive node advertises specpipe-stage-1 \(advertised: 10.0.0.1 stage 0\)"):
+        plan_placement([holding(NODES[0], 0)], 2, "aaaa1111")
+
+
+def test_a_stage_advertised_twice_is_refused():
+    with pytest.raises(PlacementError, match="specpipe-stage-0 is advertised by more than one node"):
+        plan_placement([holding(NODES[0], 0), holding(NODES[1], 0, 1)], 2, "aaaa1111")
+
+
+def test_resources_that_are_not_stages_are_ignored():
+    nodes = [NodeInfo(node.node_id, node.address, 1, {"specpipe-stage-x": 1.0, "specpipe-stage-": 1.0}) for node in NODES]
+    assert plan_placement(nodes, 2, "aaaa1111").strategy == "spread"
+
+
+def test_an_ambiguous_node_id_prefix_is_refused_not_taken_first():
+    nodes = [NodeInfo("abcd1111", "10.0.0.1", 1), NodeInfo("abcd2222", "10.0.0.2", 1)]
+    with pytest.raises(PlacementError, match="node 'abcd' is ambiguous; alive nodes: 10.0.0.1 \\(abcd1111\\), 10.0.0.2 \\(abcd2222\\)"):
+        plan_placement(nodes, 2, "abcd1111", parse_place("0=abcd,1=10.0.0.2"))
+    # a longer prefix that is unique picks its node, whichever comes first in the list
+    assert plan_placement(nodes, 2, "abcd1111", parse_place("0=abcd2,1=abcd1")).node_ids == ("abcd2222", "abcd1111")
+
+
+# -- the one-line messages a user reads, and the limits of --place and of advertised stages
+
+A = NodeInfo("aaaaaaaa1111", "10.0.0.1", 1)
+B = NodeInfo("bbbbbbbb2222", "10.0.0.2", 1)
+
+
+def test_an_empty_cluster_says_so():
+    with pytest.raises(PlacementError, match=r"^the Ray cluster has no alive nodes$"):
+        plan_placement([], 2, "local")
+
+
+def test_two_nodes_carry_two_stages_one_each():
+    assert plan_placement([A, B], 2, A.node_id).strategy == "spread"
+
+
+def test_place_names_a_stage_past_the_last():
+    with pytest.raises(PlacementError, match=r"^--place names stage 2, but stages are 0\.\.1$"):
+        plan_placement([A, B], 2, A.node_id, {0: A.address, 1: B.address, 2: B.address})
+
+
+@pytest.mark.parametrize("text", ["0=", "x=10.0.0.1", "a=10.0.0.1", "=10.0.0.1", "0"])
+def test_malformed_place_entries_are_one_placement_error(text):
+    with pytest.raises(PlacementError, match=r"is not STAGE=NODE"):
+        parse_place(text)
+
+
+def test_a_stage_placed_twice_is_named():
+    with pytest.raises(PlacementError, match=r"^--place names stage 0 twice$"):
+        parse_place("0=10.0.0.1, 0=10.0.0.2")
+
+
+def test_unknown_node_lists_the_alive_ones_by_address_and_short_id():
+    with pytest.raises(PlacementError) as error:
+        plan_placement([A, B], 2, A.node_id, {0: "10.9.9.9", 1: B.address})
+    assert str(error.value) == "no alive node '10.9.9.9'; alive nodes: 10.0.0.1 (aaaaaaaa), 10.0.0.2 (bbbbbbbb)"
+
+
+def test_only_positive_stage_resources_with_the_prefix_count():
+    node = NodeInfo("n", "10.0.0.1", 1, {"specpipe-stage-1": 0.0, "another-prefix-2": 1.0, "specpipe-stage-3": 1.0})
+    assert advertised_stages(node) == [3]
+
+
+def test_a_stage_advertised_twice_names_both_holders():
+    a = NodeInfo("aaaaaaaa1111", "10.0.0.1", 1, {"specpipe-stage-0": 1.0})
+    b = NodeInfo("bbbbbbbb2222", "10.0.0.2", 1, {"specpipe-stage-0": 1.0, "specpipe-stage-1": 1.0})
+    with pytest.raises(PlacementError) as error:
+        plan_placement([a, b], 2, a.node_id)
+    assert str(error.value) == ("specpipe-stage-0 is advertised by more than one node "
+                                "(10.0.0.1 (aaaaaaaa), 10.0.0.2 (bbbbbbbb)); give --place")
+
+
+def test_a_stage_nobody_advertises_lists_what_is_advertised():
+    a = NodeInfo("aaaaaaaa1111", "10.0.0.1", 1, {"specpipe-stage-0": 1.0, "specpipe-stage-2": 1.0})
+    b = NodeInfo("bbbbbbbb2222", "10.0.0.2", 1, {"specpipe-stage-3": 1.0})
+    with pytest.raises(PlacementError) as error:
+        plan_placement([a, b], 2, a.node_id)
+    assert str(error.value).startswith(
+        "no alive node advertises specpipe-stage-1 (advertised: 10.0.0.1 stage 0,2, 10.0.0.2 stage 3); ")

@@ -1,0 +1,459 @@
+"""The decoding schedule's rules (orchestrator.decoding.schedule), with plain Python alone."""
+
+from collections import Counter, deque
+
+import pytest
+
+from speculators.draft_length import DraftPolicy
+from speculators.sampling import SamplingSettings
+from orchestrator.decoding.schedule import (Handoff, Schedule, Scheduler, SequenceState, SpeculationStats, Window,
+                                            relay)
+
+SAMPLING = SamplingSettings(temperature=0.7, top_p=0.9, seed=5)
+
+
+def never_ends(token):
+    return False
+
+
+def state(schedule=Schedule.ASYNC, committed=(1, 2, 3), speculation=(), draft_max=4, max_tokens=50, sequence=0,
+          sampling=None):
+    """Two prompt tokens and one generated; the first window may carry draft_max drafts.
+
+    The window mechanics, apart from the draft policy's choice (tests/pure/test_draft_length.py)."""
+    return SequenceState(sequence, list(committed), 2, max_tokens, schedule, draft_max, speculation=list(speculation),
+                         draft_limit=draft_max, sampling=sampling)
+
+
+def test_a_window_is_the_last_committed_token_then_at_most_draft_limit_drafts():
+    sequence = state(speculation=[4, 5, 6, 7, 8, 9])
+    window = sequence.first_window()
+    assert (window.first, window.inputs, window.drafts) == (2, (3, 4, 5, 6, 7), (4, 5, 6, 7))
+    assert window.logit_rows == (0, 1, 2, 3, 4)
+    plain = state(Schedule.PLAIN, speculation=[4, 5])
+    assert plain.first_window().inputs == (3,)  # plain decoding carries no drafts
+
+
+def test_a_window_never_carries_more_drafts_than_tokens_still_wanted():
+    sequence = state(speculation=[4, 5, 6, 7], max_tokens=3)  # 1 generated, 2 more wanted
+    assert sequence.first_window().drafts == (4,)
+
+
+def test_the_prompt_window_asks_only_for_its_last_rows_logits():
+    sequence = SequenceState(0, [7, 8, 9, 10], 4, 10, Schedule.SYNC, 4, prompt_from=2)
+    assert not sequence.drafts_first  # nothing to draft from before the prompt is through
+    window = sequence.first_window()
+    assert (window.first, window.inputs, window.logit_rows, window.drafts) == (2, (9, 10), (1,), ())
+    assert sequence.verified(window, [11], never_ends) == [11]
+    assert sequence.passes == 0 and sequence.stats.drafted_passes == 0  # the prompt's pass is not counted
+
+
+def test_sync_drafts_first_for_every_window_async_only_when_nothing_is_pending():
+    assert state(Schedule.SYNC, speculation=[4]).drafts_first
+    assert not state(Schedule.ASYNC, speculation=[4]).drafts_first
+    assert state(Schedule.ASYNC).drafts_first
+    assert not state(Schedule.PLAIN).drafts_first
+
+
+def test_a_window_starts_ahead_only_in_async_after_a_fully_accepted_window():
+    sequence = state(speculation=[4, 5, 6, 7, 8, 9, 10])
+    first = sequence.first_window()
+    assert sequence.window_ahead() is None  # not on a roll yet
+    sequence.verified(first, [4, 5, 6, 7, 8], never_ends)  # all four accepted, the target adds 8
+    assert sequence.on_a_roll and sequence.speculation == [9, 10]
+    head = sequence.first_window()
+    ahead = sequence.window_ahead()
+    # the head feeds 8 9 10 at positions 7..9; ahead assumes it commits 9 10 and one more
+    assert (head.first, head.inputs) == (7, (8, 9, 10))
+    assert ahead is None  # the speculation ends at the head's window: nothing to start ahead
+    sequence.drafted([11, 12, 13])
+    ahead = sequence.window_ahead()
+    assert (ahead.first, ahead.inputs) == (10, (11, 12, 13))
+    sync = state(Schedule.SYNC, speculation=[4, 5])
+    window = sync.first_window()
+    sync.verified(window, [4, 5, 6], never_ends)
+    sync.first_window()
+    assert sync.window_ahead() is None
+
+
+def test_a_window_in_flight_becomes_invalid_when_the_one_before_is_rejected():
+    sequence = state(speculation=[4, 5, 6, 7, 8, 9, 10, 11])
+    sequence.on_a_roll = True
+    head = sequence.first_window()
+    ahead = sequence.window_ahead()
+    assert (head.inputs, ahead.inputs) == ((3, 4, 5, 6, 7), (8, 9, 10, 11))
+    committed = sequence.verified(head, [4, 5, 99], never_ends)  # 6 rejected: the target says 99
+    assert committed == [4, 5, 99]
+    assert not sequence.in_flight and sequence.discards_pending == 1
+    assert sequence.speculation == [] and not sequence.on_a_roll
+    assert not sequence.ready  # nothing new until the invalid window's result is back
+    sequence.discarded()
+    assert sequence.ready and sequence.stats.discarded_passes == 1 and sequence.passes == 2
+
+
+def test_a_window_ahead_stays_valid_when_its_first_input_is_the_targets_token():
+    sequence = state(speculation=[4, 5, 6])
+    sequence.on_a_roll = True
+    head = sequence.first_window()  # 3 4 5 6
+    sequence.drafted([7, 8])
+    ahead = sequence.window_ahead()  # 7 8 at position 6
+    sequence.verified(head, [4, 5, 6, 7], never_ends)
+    assert list(sequence.in_flight) == [ahead] and sequence.discards_pending == 0
+
+
+def test_the_draft_limit_is_the_policys_choice_after_each_verified_window():
+    sequence = state(Schedule.SYNC, speculation=[4, 5, 6, 7], draft_max=8)
+    sequence.draft_limit = 4
+    twin = DraftPolicy(8)
+    sequence.verified(sequence.first_window(), [4, 5, 6, 7, 8], never_ends)
+    twin.observe_window(4, 4)
+    assert sequence.draft_limit == twin.limit() > 4  # all four accepted: a longer window
+    sequence.speculation = [9, 1, 1]
+    sequence.verified(sequence.first_window(), [9, 10], never_ends)
+    twin.observe_window(3, 1)
+    assert sequence.draft_limit == twin.limit()
+
+
+def test_a_draft_limit_of_zero_runs_plain_windows_without_asking_the_drafter():
+    sequence = state(Schedule.SYNC, speculation=[4, 5])
+    sequence.draft_limit = 0
+    assert not sequence.drafts_first
+    assert sequence.first_window().inputs == (3,)
+
+
+def test_an_end_token_or_max_tokens_finishes_the_sequence_and_invalidates_what_is_in_flight():
+    sequence = state(speculation=[4, 5, 6])
+    sequence.on_a_roll = True
+    head = sequence.first_window()
+    sequence.drafted([7])
+    sequence.window_ahead()
+    assert sequence.verified(head, [4, 0, 9], lambda token: token == 0) == [4]
+    assert sequence.finished and sequence.stopped_by == "end" and sequence.discards_pending == 1
+    limited = state(speculation=[4, 5, 6], max_tokens=3)
+    assert limited.verified(limited.first_window(), [4, 5], never_ends) == [4, 5]
+    assert limited.finished and limited.stopped_by == "length"
+
+
+def test_async_relay_hands_drafting_to_the_machine_that_just_went_idle():
+    assert relay(2) == (Handoff(None, 1), Handoff(1, 0), Handoff(0, None))
+    assert relay(3) == (Handoff(None, 1), Handoff(1, 2), Handoff(2, 0), Handoff(0, None))
+    assert relay(1) == (Handoff(None, 0), Handoff(0, None))
+
+
+def test_the_scheduler_packs_the_windows_of_several_sequences_into_one_pass():
+    first, second = state(speculation=[4, 5]), state(Schedule.SYNC, committed=(1, 2, 30), speculation=[40], sequence=1)
+    first.on_a_roll = True
+    first.drafted([6, 7, 8])
+    scheduler = Scheduler([first, second])
+    passes = scheduler.next_passes()
+    assert [[window.sequence for window in target_pass.windows] for target_pass in passes] == [[0, 1], [0]]
+    assert passes[0].tokens == 5 + 2
+    assert scheduler.relaying() == [first]  # the sync sequence hands nothing between machines
+    outcome = scheduler.received()
+    assert [(state.sequence, rows) for state, _, rows in outcome] == [(0, slice(0, 5)), (1, slice(5, 7))]
+    assert len(scheduler.in_flight) == 1
+
+
+def test_a_sequence_whose_policy_takes_no_drafts_does_not_relay():
+    drafting, idle = state(speculation=[4, 5]), state(committed=(1, 2, 30), sequence=1)
+    idle.draft_limit = 0
+    scheduler = Scheduler([drafting, idle])
+    scheduler.next_passes()
+    assert scheduler.relaying() == [drafting]
+
+
+def test_the_scheduler_reports_a_discarded_window_without_rows():
+    sequence = state(speculation=[4, 5, 6, 7, 8, 9])
+    sequence.on_a_roll = True
+    scheduler = Scheduler([sequence])
+    head_pass, _ = scheduler.next_passes()
+    (_, head, rows), = scheduler.received()
+    sequence.verified(head, [99], never_ends)
+    (_, _, rows), = scheduler.received()
+    assert rows is None and sequence.stats.discarded_passes == 1 and scheduler.done is False
+
+
+def test_a_window_ahead_is_invalid_when_the_targets_own_token_differs_from_its_first_input():
+    sequence = state(speculation=[4, 5, 6])
+    sequence.on_a_roll = True
+    head = sequence.first_window()  # 3 4 5 6
+    sequence.drafted([7, 8])
+    sequence.window_ahead()  # 7 8 at position 6
+    sequence.verified(head, [4, 5, 6, 99], never_ends)  # every draft accepted, but the target says 99, not 7
+    assert not sequence.in_flight and sequence.discards_pending == 1
+
+
+def test_a_pass_is_handed_out_for_cancelling_once_when_a_rejection_invalidates_it():
+    sequence = state(speculation=[4, 5, 6, 7, 8, 9])
+    sequence.on_a_roll = True
+    scheduler = Scheduler([sequence])
+    head_pass, ahead_pass = scheduler.next_passes()
+    assert scheduler.invalid_passes() == []  # both windows still valid
+    (_, head, _), = scheduler.received()
+    assert scheduler.invalid_passes() == []
+    sequence.verified(head, [4, 99], never_ends)  # the second draft is rejected: the window ahead is wrong
+    assert [target_pass is ahead_pass for target_pass in scheduler.invalid_passes()] == [True]
+    assert scheduler.invalid_passes() == []  # handed out once
+    (_, _, rows), = scheduler.received()
+    assert rows is None and scheduler.in_flight == deque()
+
+
+def test_a_pass_with_one_valid_window_is_not_cancelled_and_a_cancelled_sequence_cancels_its_passes():
+    first, second = state(speculation=[4, 5]), state(committed=(1, 2, 30), speculation=[40], sequence=1)
+    scheduler = Scheduler([first, second])
+    (shared,) = scheduler.next_passes()
+    first.cancel()  # its client went away: its window is invalid, the other sequence's is not
+    assert scheduler.invalid_passes() == []
+    second.cancel()
+    assert [target_pass is shared for target_pass in scheduler.invalid_passes()] == [True]
+
+
+def test_the_scheduler_keeps_no_pass_it_has_handed_back():
+    import gc
+    import weakref
+
+    sequence = state(speculation=[4, 5, 6, 7, 8, 9])
+    sequence.on_a_roll = True
+    scheduler = Scheduler([sequence])
+    _, ahead_pass = scheduler.next_passes()
+    (_, head, _), = scheduler.received()
+    sequence.verified(head, [4, 99], never_ends)
+    assert scheduler.invalid_passes() == [ahead_pass]
+    gone = weakref.ref(ahead_pass)
+    del ahead_pass
+    scheduler.received()
+    gc.collect()
+    assert gone() is None  # a long-lived service would otherwise hold every cancelled pass
+
+
+# -- the statistics a run reports (counted over several windows, shares with nothing to share, two runs
+# added), prompt chunks, the sampling every window carries, a window started ahead at the end of the room,
+# invalid windows, cancelling twice, and the scheduler's refusals
+
+# -- statistics
+
+def test_with_nothing_counted_every_share_is_zero():
+    empty = SpeculationStats()
+    assert (empty.acceptance_rate, empty.acceptance_first, empty.acceptance_later) == (0.0, 0.0, 0.0)
+    assert (empty.draft_availability, empty.draft_continuation, empty.wasted_tokens) == (0.0, 0.0, 0)
+
+
+def test_later_acceptance_and_continuation_are_shares_of_the_events_after_the_first():
+    # 2 drafted windows, both accepted draft 1; 3 accepted in all: 1 later acceptance; 1 rejection, after draft 1
+    stats = SpeculationStats(drafted_passes=2, first_accepted_passes=2, accepted_tokens=3, rejected_passes=1)
+    assert stats.acceptance_later == 0.5
+    # 4 asks, 3 proposed something, 5 tokens: 2 continuations; 3 stops, 1 of them the empty ask
+    asks = SpeculationStats(waited_calls=4, waited_nonempty=3, waited_tokens=5, waited_stops=3)
+    assert asks.draft_continuation == 0.5
+    assert asks.draft_availability == 0.75
+
+
+def test_two_runs_statistics_add_field_by_field():
+    one = SpeculationStats(drafted_tokens=9, accepted_tokens=5, collected_tokens=12, discarded_passes=1,
+                           rejected_passes=2, drafted_passes=3, first_accepted_passes=2, waited_calls=4,
+                           waited_nonempty=3, waited_tokens=8, waited_stops=2,
+                           accepted_lengths=Counter({1: 2, 5: 1}), input_lengths=Counter({4: 3}))
+    two = SpeculationStats(drafted_tokens=1, accepted_tokens=1, collected_tokens=2, discarded_passes=3,
+                           rejected_passes=1, drafted_passes=1, first_accepted_passes=1, waited_calls=1,
+                           waited_nonempty=1, waited_tokens=1, waited_stops=1,
+                           accepted_lengths=Counter({1: 1, 2: 1}), input_lengths=Counter({1: 1}))
+    assert one + two == SpeculationStats(drafted_tokens=10, accepted_tokens=6, collected_tokens=14, discarded_passes=4,
+                                         rejected_passes=3, drafted_passes=4, first_accepted_passes=3, waited_calls=5,
+                                         waited_nonempty=4, waited_tokens=9, waited_stops=3,
+                                         accepted_lengths=Counter({1: 3, 5: 1, 2: 1}),
+                                         input_lengths=Counter({4: 3, 1: 1}))
+
+
+def test_drafts_awaited_before_a_window_are_counted_call_by_call():
+    sequence = state(Schedule.SYNC)
+    for tokens in ([5, 6], [1, 2, 3, 4], []):  # stopped early, reached draft_max (4), proposed nothing
+        sequence.drafted_first(tokens)
+    stats = sequence.stats
+    assert (stats.waited_calls, stats.waited_nonempty, stats.waited_tokens, stats.waited_stops) == (3, 2, 6, 2)
+    assert stats.collected_tokens == 6
+    assert sequence.speculation == []  # each call replaces the speculation: the last proposed nothing
+    assert (sequence.policy.asked, sequence.policy.proposed) == (3.0, 2.0)
+
+
+def test_drafts_collected_while_a_pass_runs_add_up():
+    sequence = state(speculation=[4])
+    sequence.drafted([5, 6])
+    sequence.drafted([7])
+    assert sequence.speculation == [4, 5, 6, 7] and sequence.stats.collected_tokens == 3
+
+
+def test_verified_windows_are_counted_window_by_window():
+    sequence = state(Schedule.SYNC)
+    rounds = [  # (draft limit, drafts proposed, the verification's new tokens)
+        (4, [4, 5, 6, 7], [4, 5, 6, 7, 8]),  # all four accepted
+        (3, [9, 10, 11], [9, 20]),  # draft 1 accepted, draft 2 rejected
+        (0, None, [21]),  # a plain window
+        (2, [22, 23], [30]),  # draft 1 rejected
+        (0, None, [31]),  # a plain window
+    ]
+    for limit, proposed, new_tokens in rounds:
+        sequence.draft_limit = limit
+        if proposed is not None:
+            sequence.drafted_first(proposed)
+        sequence.verified(sequence.first_window(), new_tokens, never_ends)
+    stats = sequence.stats
+    assert sequence.committed == [1, 2, 3, 4, 5, 6, 7, 8, 9, 20, 21, 30, 31] and sequence.passes == 5
+    assert (stats.drafted_tokens, stats.accepted_tokens) == (9, 5)
+    assert (stats.drafted_passes, stats.first_accepted_passes, stats.rejected_passes) == (3, 2, 2)
+    assert stats.accepted_lengths == Counter({5: 1, 2: 1, 1: 3})  # tokens committed per window
+    assert stats.input_lengths == Counter({5: 1, 4: 1, 1: 2, 3: 1})  # tokens fed per window
+    assert stats.acceptance_rate == pytest.approx(5 / 9)
+    assert stats.acceptance_first == pytest.approx(2 / 3)
+    assert stats.acceptance_later == pytest.approx(3 / 4)  # 3 later acceptances, 1 later rejection
+    assert not sequence.on_a_roll
+
+
+# -- the state's policy
+
+def test_draft_max_below_one_is_refused():
+    with pytest.raises(ValueError, match=r"^draft_max must be at least 1$"):
+        SequenceState(0, [1, 2], 1, 10, Schedule.SYNC, 0)
+
+
+def test_the_policy_is_made_from_the_states_draft_max_and_costs():
+    sequence = SequenceState(0, [1, 2], 1, 10, Schedule.SYNC, 4, draft_step=0.8, draft_call_cost=0.2)
+    assert sequence.policy == DraftPolicy(4, step=0.8, call_cost=0.2)
+    assert sequence.draft_limit == 1  # no evidence yet: one draft
+    given = DraftPolicy(6)
+    assert SequenceState(0, [1, 2], 1, 10, Schedule.SYNC, 4, policy=given).policy is given
+
+
+# -- windows
+
+def test_a_prompt_is_fed_in_chunks_of_prompt_chunk_tokens():
+    sequence = SequenceState(0, [10, 11, 12, 13, 14], 5, 20, Schedule.SYNC, 4, prompt_from=0, prompt_chunk=2,
+                             sampling=SAMPLING)
+    chunks = []
+    for new_tokens in ([], [], [15]):
+        window = sequence.first_window()
+        chunks.append(window)
+        assert sequence.gives_token(window) == bool(new_tokens)
+        assert sequence.verified(window, new_tokens, never_ends) == new_tokens
+    assert chunks == [Window(0, 0, (10, 11), prompt=True, sampling=SAMPLING),
+                      Window(0, 2, (12, 13), prompt=True, sampling=SAMPLING),
+                      Window(0, 4, (14,), prompt=True, sampling=SAMPLING)]
+    assert sequence.prompt_from is None and sequence.drafts_first  # through the prompt: drafting starts
+
+
+def test_a_prompt_that_fills_its_chunks_exactly_ends_with_its_last_full_chunk():
+    sequence = SequenceState(0, [10, 11, 12, 13], 4, 20, Schedule.SYNC, 4, prompt_from=0, prompt_chunk=2)
+    first = sequence.first_window()
+    sequence.verified(first, [], never_ends)
+    last = sequence.first_window()
+    assert (first.first, first.inputs, last.first, last.inputs) == (0, (10, 11), 2, (12, 13))
+    assert sequence.prompt_from is None and sequence.gives_token(last)
+
+
+def test_without_a_chunk_size_the_prompt_is_one_window():
+    sequence = SequenceState(0, [10, 11, 12, 13, 14], 5, 20, Schedule.SYNC, 4, prompt_from=1)
+    assert sequence.first_window() == Window(0, 1, (11, 12, 13, 14), prompt=True)
+    assert sequence.prompt_from is None
+
+
+def test_every_window_carries_the_sequences_sampling():
+    sequence = state(speculation=list(range(4, 15)), sampling=SAMPLING)
+    sequence.on_a_roll = True
+    assert sequence.first_window() == Window(0, 2, (3, 4, 5, 6, 7), sampling=SAMPLING)
+    assert sequence.window_ahead() == Window(0, 7, (8, 9, 10, 11, 12), sampling=SAMPLING)
+    greedy_on_logits = state(speculation=[4])
+    assert greedy_on_logits.first_window().sampling is None
+
+
+@pytest.mark.parametrize("max_tokens, ahead_inputs", [
+    (50, (8, 9, 10, 11, 12)),  # room enough: draft_limit (4) drafts
+    (8, (8, 9)),  # 6 more tokens wanted: the head may commit 5, one draft after the ahead window's first token
+    (7, (8,)),  # 5 more: the head may commit 5, the ahead window only its first token
+    (6, None),  # 4 more: the head alone may finish the sequence
+])
+def test_a_window_started_ahead_carries_only_what_the_room_after_the_head_allows(max_tokens, ahead_inputs):
+    sequence = state(speculation=list(range(4, 15)), max_tokens=max_tokens)
+    sequence.on_a_roll = True
+    head = sequence.first_window()
+    assert (head.first, head.inputs) == (2, (3, 4, 5, 6, 7))
+    ahead = sequence.window_ahead()
+    if ahead_inputs is None:
+        assert ahead is None and list(sequence.in_flight) == [head]
+    else:
+        assert (ahead.first, ahead.inputs) == (7, ahead_inputs)
+        assert list(sequence.in_flight) == [head, ahead]
+
+
+def test_a_window_ahead_is_invalid_when_the_head_commits_less_even_if_the_token_matches():
+    sequence = state(speculation=list(range(4, 15)))
+    sequence.on_a_roll = True
+    head = sequence.first_window()  # 3 4 5 6 7 at 2
+    ahead = sequence.window_ahead()  # 8 9 10 11 12 at 7
+    assert ahead.inputs[0] == 8
+    # draft 4 accepted, 5 rejected, and the target's own token happens to be 8: at position 4, not 7
+    assert sequence.verified(head, [4, 8], never_ends) == [4, 8]
+    assert sequence.committed == [1, 2, 3, 4, 8]
+    assert not sequence.in_flight and sequence.discards_pending == 1 and sequence.speculation == []
+
+
+def test_every_discarded_window_is_counted():
+    sequence = state(speculation=[4, 5, 6, 7, 8, 9, 10, 11])
+    for round_ in (1, 2):
+        sequence.on_a_roll, sequence.draft_limit = True, 4
+        head = sequence.first_window()
+        sequence.window_ahead()
+        sequence.verified(head, [99], never_ends)  # draft 1 rejected: the window ahead is invalid
+        assert sequence.discards_pending == 1
+        sequence.discarded()
+        assert sequence.stats.discarded_passes == round_ and sequence.passes == 2 * round_
+        sequence.drafted([4, 5, 6, 7, 8, 9, 10, 11])
+
+
+def test_cancelling_twice_keeps_the_windows_to_discard():
+    sequence = state(speculation=[4, 5, 6, 7, 8, 9])
+    sequence.on_a_roll = True
+    sequence.first_window()
+    sequence.window_ahead()
+    sequence.cancel()
+    assert sequence.finished and sequence.stopped_by == "cancelled"
+    assert not sequence.in_flight and sequence.discards_pending == 2 and not sequence.settled
+    sequence.cancel()
+    assert sequence.discards_pending == 2 and sequence.stopped_by == "cancelled"
+    sequence.discarded()
+    assert not sequence.settled
+    sequence.discarded()
+    assert sequence.settled and sequence.stats.discarded_passes == 2
+
+
+def test_cancelling_a_finished_sequence_keeps_why_it_stopped():
+    sequence = state(speculation=[4])
+    sequence.verified(sequence.first_window(), [4, 0], lambda token: token == 0)
+    assert sequence.finished and sequence.stopped_by == "end"
+    sequence.cancel()
+    assert sequence.stopped_by == "end" and sequence.discards_pending == 0 and sequence.settled
+
+
+# -- the scheduler
+
+def test_a_sequence_id_is_scheduled_once():
+    scheduler = Scheduler([state()])
+    with pytest.raises(ValueError, match=r"^sequence 0 is already scheduled$"):
+        scheduler.add(state())
+    scheduler.add(state(sequence=3))
+    assert sorted(scheduler.sequences) == [0, 3]
+
+
+def test_a_sequence_is_removed_only_once_settled():
+    sequence = state(sequence=7)
+    scheduler = Scheduler([sequence])
+    with pytest.raises(ValueError, match=r"^sequence 7 still has windows in flight$"):
+        scheduler.remove(7)
+    sequence.cancel()
+    assert scheduler.remove(7) is sequence and scheduler.sequences == {}
+
+
+def test_a_sequence_drafting_one_token_at_a_time_relays():
+    sequence = state(speculation=[4])
+    sequence.draft_limit = 1
+    scheduler = Scheduler([sequence])
+    scheduler.next_passes()
+    assert scheduler.relaying() == [sequence]

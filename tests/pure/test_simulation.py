@@ -1,0 +1,306 @@
+"""The schedule simulation (orchestrator.planning.simulation): the workloads' draws at
+their boundaries, traces replayed and written, which hop and which drafter each
+step pays for, the moments of the async relay, cores shared by stages, the end
+of the text, seeds, and predict's medians. Times are virtual."""
+
+from __future__ import annotations
+
+import random
+import statistics
+from dataclasses import dataclass
+
+import pytest
+
+from orchestrator.planning.simulation import DraftBehaviour, DraftTrace, Mode, predict, simulate, simulate_many
+
+
+@dataclass(frozen=True)
+class TableCosts:
+    """Every cost by index: stage ``i`` computes for ``stages[i]`` seconds; hop ``h``
+    costs ``hops[h]`` plus ``hop_per_token`` a token; the drafter beside stage ``m``
+    drafts a token in ``drafts[m]`` seconds; ``cores[host]`` stages compute at once
+    on a host (None: as many as it holds)."""
+
+    stages: tuple[float, ...]
+    hops: tuple[float, ...]
+    drafts: tuple[float, ...]
+    call: float = 0.0
+    coordinator: float = 0.0
+    hop_per_token: float = 0.0
+    hosts: tuple[int, ...] | None = None
+    cores: dict[int, int] | None = None
+
+    @property
+    def stage_count(self) -> int:
+        return len(self.stages)
+
+    def stage_seconds(self, stage: int, tokens: int) -> float:
+        return self.stages[stage]
+
+    def hop_seconds(self, hop: int, tokens: int) -> float:
+        return self.hops[hop] + self.hop_per_token * tokens
+
+    def coordinator_seconds(self, tokens: int) -> float:
+        return self.coordinator
+
+    def draft_seconds(self, machine: int) -> float:
+        return self.drafts[machine]
+
+    def draft_call_seconds(self) -> float:
+        return self.call
+
+    def host(self, stage: int) -> int:
+        return stage if self.hosts is None else self.hosts[stage]
+
+    def parallel_stages(self, host: int) -> int | None:
+        return None if self.cores is None else self.cores[host]
+
+
+class FixedDraws(random.Random):
+    """A random source that returns the given numbers in turn."""
+
+    def __init__(self, *values: float):
+        super().__init__(0)
+        self.values = list(values)
+
+    def random(self) -> float:
+        return self.values.pop(0)
+
+
+@dataclass(frozen=True)
+class RightUntilTheEnd:
+    """A drafter that always proposes, and proposes right, and a target that ends the text at ``end``."""
+
+    end: int
+
+    def draw(self, position: int, prefix_right: bool, fresh: bool, rng: random.Random) -> bool | None:
+        return prefix_right
+
+
+# -- the workloads
+
+
+@pytest.mark.parametrize("rates", [dict(acceptance=1.5), dict(acceptance=-0.1), dict(acceptance=0.5, availability=1.5),
+                                   dict(acceptance=0.5, first_acceptance=1.5), dict(acceptance=0.5, continuation=1.5)])
+def test_draft_rates_outside_zero_to_one_are_refused(rates):
+    with pytest.raises(ValueError, match=r"^acceptances, availability and continuation are probabilities in \[0, 1\]$"):
+        DraftBehaviour(**rates)
+
+
+def test_a_fresh_draw_proposes_below_the_availability_and_is_right_below_the_first_acceptance():
+    rates = DraftBehaviour(acceptance=0.25, availability=0.5, first_acceptance=0.75, continuation=0.125)
+    # a draw equal to the availability proposes nothing (it stops with probability 1 - availability)
+    assert rates.draw(1, True, True, FixedDraws(0.5)) is None
+    # a draw equal to the first acceptance is wrong (right with probability first_acceptance)
+    assert rates.draw(1, True, True, FixedDraws(0.25, 0.75)) is False
+    assert rates.draw(1, True, True, FixedDraws(0.25, 0.5)) is True
+
+
+def test_a_later_draw_goes_on_below_the_continuation_and_is_right_below_the_acceptance():
+    rates = DraftBehaviour(acceptance=0.25, availability=0.5, first_acceptance=0.75, continuation=0.125)
+    assert rates.draw(2, True, False, FixedDraws(0.125)) is None
+    assert rates.draw(2, True, False, FixedDraws(0.0625, 0.25)) is False
+    assert rates.draw(2, True, False, FixedDraws(0.0625, 0.125)) is True
+    assert rates.draw(2, False, False, FixedDraws(0.0625, 0.0)) is False  # after a wrong token, wrong
+
+
+def test_rates_of_zero_never_propose_or_accept_even_on_a_draw_of_zero():
+    assert DraftBehaviour(1.0, availability=0.0).draw(1, True, True, FixedDraws(0.0, 0.0)) is None
+    assert DraftBehaviour(0.0, first_acceptance=0.0).draw(1, True, True, FixedDraws(0.0, 0.0)) is False
+
+
+def test_a_replayed_trace_asks_the_drafter_after_each_token_but_the_first():
+    prompt, output = [1, 2], [3, 4, 9, 5, 6]
+    contexts = []
+
+    def propose(context: list[int]) -> int | None:
+        contexts.append(list(context))
+        return None if context[-1] == 4 else context[-1] + 1  # counts up, except after a 4
+
+    trace = DraftTrace.replay(propose, prompt, output)
+    # token 0 comes from the prompt's pass; after 3 it proposes 4 (right), after 4 nothing,
+    # after 9 it proposes 10 (wrong: 5), after 5 it proposes 6 (right)
+    assert trace == DraftTrace((None, True, None, False, True))
+    assert contexts == [[1, 2, 3], [1, 2, 3, 4], [1, 2, 3, 4, 9], [1, 2, 3, 4, 9, 5]]
+
+
+def test_a_trace_is_written_one_character_a_token_and_read_back():
+    trace = DraftTrace((None, True, False, True))
+    assert trace.as_text() == ".RwR"
+    assert DraftTrace.from_text(".RwR") == trace
+    assert DraftTrace.from_text("") == DraftTrace(())
+
+
+def test_a_trace_text_with_other_characters_is_refused_naming_the_first_in_order():
+    with pytest.raises(ValueError, match=r"^a draft trace holds only R, w and \. \(found 'x'\)$"):
+        DraftTrace.from_text("R.x")
+    with pytest.raises(ValueError, match=r"^a draft trace holds only R, w and \. \(found 'Q'\)$"):
+        DraftTrace.from_text("RzwQ")
+
+
+def test_a_trace_proposes_what_was_recorded_and_only_wrong_tokens_after_a_wrong_one():
+    trace = DraftTrace.from_text(".R.R")
+    rng = random.Random(0)
+    assert [trace.draw(position, True, False, rng) for position in range(5)] == [None, True, None, True, None]
+    assert trace.draw(1, False, False, rng) is False
+    assert trace.draw(2, False, False, rng) is False  # even where nothing was recorded
+
+
+def test_a_mode_needs_at_least_one_draft():
+    with pytest.raises(ValueError, match=r"^draft_max must be at least 1$"):
+        Mode("sync", draft_max=0)
+
+
+# -- what each step costs
+
+
+def test_sync_pays_the_stage_0_drafter_the_call_every_hop_in_order_and_the_coordinator_each_pass():
+    """Every sync pass here carries one draft (the drafter stops after one token)
+    and commits two tokens: 40 tokens after the first in 20 passes, one after the other."""
+    costs = TableCosts(stages=(1.0, 2.0, 4.0), hops=(0.5, 0.25, 0.125, 0.0625), drafts=(0.25, 8.0, 16.0), call=0.125,
+                       coordinator=0.375, hop_per_token=0.03125)
+    run = simulate(costs, Mode("sync", 4), DraftBehaviour(1.0, continuation=0.0), max_tokens=41)
+    # per pass: one draft token beside stage 0, the call, hops 0..3 of two tokens each, the stages, the coordinator
+    per_pass = 0.25 + 0.125 + (0.5 + 0.25 + 0.125 + 0.0625 + 4 * 2 * 0.03125) + (1.0 + 2.0 + 4.0) + 0.375
+    assert (run.tokens, run.passes, run.drafted_tokens, run.accepted_tokens) == (41, 20, 20, 20)
+    assert run.seconds == pytest.approx(20 * per_pass)
+    assert run.stage_busy_seconds == pytest.approx([20 * 1.0, 20 * 2.0, 20 * 4.0])
+
+
+def test_async_collects_each_drafter_at_the_boundary_and_the_result_and_pays_a_call_for_each():
+    """One draft a window (draft_max 1), both drafters at 0.75 s a token, calls of
+    0.25 s. A pass submitted at t leaves stage 0 at t + 1 (hop 0.5, compute 0.5)
+    and stage 1 at t + 1.5, and its result is back at t + 2.25.
+
+    First the drafter beside stage 0 drafts token 1 (0.75 s, then the call: t = 1).
+    During each pass the drafter beside stage 1 drafts from t until the boundary
+    (1 s: one token), is collected (the call: t + 1.25), and the drafter beside
+    stage 0 drafts from then until the result (1 s: one token), collected by
+    t + 2.5. The window commits its draft and the target's token; the speculation
+    then holds one more token, so the next window goes at once and never waits
+    for a drafter: passes start at 1, 3.5 and 6, and the last ends at 8.5."""
+    costs = TableCosts(stages=(0.5, 0.5), hops=(0.5, 0.0, 0.75), drafts=(0.75, 0.75), call=0.25)
+    run = simulate(costs, Mode("async", 1), DraftBehaviour(1.0), max_tokens=7)
+    assert (run.tokens, run.passes, run.discarded_passes, run.drafted_tokens, run.accepted_tokens) == (7, 3, 0, 3, 3)
+    assert run.seconds == pytest.approx(1.0 + 3 * 2.5)
+    assert run.stage_busy_seconds == pytest.approx([1.5, 1.5])
+
+
+# -- cores
+
+
+def _async_run(**placement) -> tuple:
+    costs = TableCosts(stages=(1.0, 1.0, 1.0), hops=(0.0625,) * 4, drafts=(0.0, 0.0, 0.0), **placement)
+    run = simulate(costs, Mode("async", 4), DraftBehaviour(1.0), max_tokens=81)
+    return run.seconds, run.passes, run.stage_busy_seconds
+
+
+def test_a_window_started_ahead_waits_for_each_stage_to_finish_the_window_before_it():
+    """Three stages, two cores on each one's host, all drafts right, drafters
+    instant, one draft a window. A pass submitted at t leaves stage i at
+    t + 1.0625 (i + 1) and is back at t + 3.25. The first window (token 0, draft
+    1) is back at 3.25 with tokens 1-2; meanwhile the three drafters drafted
+    tokens 2, 3 and 4. Then the next window (token 2, draft 3) and one started
+    ahead on the speculation (token 4) are submitted together. The one ahead
+    waits for stage 0 until 4.3125 and leaves it at 5.3125; it reaches stages 1
+    and 2 as the window before it leaves them (5.375, 6.4375), leaves them at
+    6.375 and 7.4375, and is back at 7.5 with token 5."""
+    costs = TableCosts(stages=(1.0, 1.0, 1.0), hops=(0.0625,) * 4, drafts=(0.0, 0.0, 0.0), cores={0: 2, 1: 2, 2: 2})
+    run = simulate(costs, Mode("async", 1), DraftBehaviour(1.0), max_tokens=6)
+    assert (run.tokens, run.passes, run.discarded_passes, run.drafted_tokens, run.accepted_tokens) == (6, 3, 0, 2, 2)
+    assert run.seconds == 7.5
+
+
+def test_stages_on_one_host_with_a_core_each_work_as_on_hosts_of_their_own():
+    separate = _async_run(cores={0: 1, 1: 1, 2: 1})
+    assert _async_run(hosts=(0, 0, 0), cores={0: 3}) == separate
+    assert _async_run(hosts=(0, 0, 0)) == separate  # None: as many cores as stages
+
+
+def test_stages_sharing_a_one_core_host_take_turns_whatever_the_other_hosts_have():
+    shared = _async_run(hosts=(0, 0, 1), cores={0: 1, 1: 3})
+    assert shared == _async_run(hosts=(0, 0, 1), cores={0: 1, 1: 1})
+    separate = _async_run(hosts=(0, 0, 1), cores={0: 2, 1: 1})
+    assert shared[1] == separate[1] and shared[0] > separate[0]
+
+
+# -- the draft policy's costs, the end of the text, several sequences
+
+
+def test_a_drafter_too_dear_to_ask_is_asked_for_the_first_window_only():
+    """A call cost of 10 one-token passes outweighs anything 8 drafts can commit;
+    only the first window, before any evidence, carries a draft (accepted)."""
+    costs = TableCosts(stages=(1.0, 1.0), hops=(0.0, 0.0, 0.0), drafts=(0.0, 0.0))
+    run = simulate(costs, Mode("sync", 8, call_cost=10.0), DraftBehaviour(1.0), max_tokens=41)
+    assert (run.tokens, run.passes, run.drafted_tokens, run.accepted_tokens) == (41, 1 + 38, 1, 1)
+
+
+def test_a_draft_at_the_ends_position_is_not_accepted():
+    """The target ends the text at position 6: positions 0-5 are text. The drafter
+    proposes right tokens past it; however the windows fall, the one that reaches
+    position 6 ends the text there, its draft for position 6 not accepted."""
+    costs = TableCosts(stages=(1.0, 1.0), hops=(0.0, 0.0, 0.0), drafts=(0.0, 0.0))
+    run = simulate(costs, Mode("sync", 8), RightUntilTheEnd(6), max_tokens=64)
+    assert run.tokens == 6
+
+
+def test_a_text_that_ends_at_its_first_generated_token_takes_no_time_after_it():
+    costs = TableCosts(stages=(1.0, 1.0), hops=(0.0, 0.0, 0.0), drafts=(0.0, 0.0))
+    run = simulate(costs, Mode("sync", 8), DraftTrace.from_text("."), max_tokens=10)
+    assert (run.tokens, run.passes, run.seconds) == (1, 1, 0.0)
+
+
+def test_a_sequence_whose_window_is_discarded_does_not_hold_up_another_in_the_same_pass():
+    """Sequence 0 fails after a run of right drafts, so a window started ahead on it
+    is discarded; sequence 1 is right all along and shares those passes. Each
+    makes the decisions it makes alone."""
+    costs = TableCosts(stages=(1.0, 1.0), hops=(0.0625,) * 3, drafts=(0.0, 0.0))
+    texts = [".RRRRRRRRRRRRw....RRRRRRRRRRRRRRw" + "R" * 30, "." + "R" * 60]
+    together = simulate_many(costs, Mode("async", 4), [DraftTrace.from_text(text) for text in texts], max_tokens=200)
+    for text, run in zip(texts, together):
+        alone = simulate(costs, Mode("async", 4), DraftTrace.from_text(text), max_tokens=200)
+        assert (run.tokens, run.passes, run.discarded_passes, run.drafted_tokens, run.accepted_tokens) == \
+            (alone.tokens, alone.passes, alone.discarded_passes, alone.drafted_tokens, alone.accepted_tokens)
+        assert run.tokens == len(text)
+    assert together[0].discarded_passes > 0
+
+
+# -- seeds and predictions
+
+COSTS = TableCosts(stages=(1.0, 1.0), hops=(0.0625,) * 3, drafts=(0.125, 0.125))
+RATES = DraftBehaviour(0.5, availability=0.75, continuation=0.75)
+
+
+def test_a_seed_fixes_the_draws_and_the_default_seed_is_0():
+    runs = {seed: simulate(COSTS, Mode("async", 4), RATES, max_tokens=60, seed=seed) for seed in (0, 1, 3)}
+    assert runs[0] != runs[1] and runs[0] != runs[3]  # the draws differ by seed
+    assert simulate(COSTS, Mode("async", 4), RATES, max_tokens=60) == runs[0]
+    assert simulate(COSTS, Mode("async", 4), RATES, max_tokens=60, seed=3) == runs[3]
+    assert simulate_many(COSTS, Mode("async", 4), [RATES], max_tokens=60) == [runs[0]]
+    assert simulate_many(COSTS, Mode("async", 4), [RATES], max_tokens=60, seed=3) == [runs[3]]
+
+
+def test_a_prediction_is_the_medians_and_shares_over_runs_seeded_0_to_runs_minus_1():
+    mode = Mode("async", 4)
+    runs = [simulate(COSTS, mode, RATES, max_tokens=40, seed=seed) for seed in range(5)]
+    prediction = predict(COSTS, mode, RATES, max_tokens=40, runs=5)
+    assert prediction.mode == mode
+    assert prediction.tokens_per_second == statistics.median(run.tokens_per_second for run in runs)
+    assert prediction.passes_per_token == sum(run.passes for run in runs) / sum(run.tokens for run in runs)
+    assert prediction.acceptance_rate == sum(run.accepted_tokens for run in runs) / sum(run.drafted_tokens for run in runs)
+    assert prediction.discarded_passes_per_run == sum(run.discarded_passes for run in runs) / 5
+    assert prediction.stage_busy_fraction == tuple(statistics.median(run.stage_busy_seconds[stage] / run.seconds
+                                                                     for run in runs) for stage in range(2))
+    assert 0 < prediction.acceptance_rate < 1 and prediction.discarded_passes_per_run > 0
+
+
+def test_a_prediction_takes_32_runs_unless_told():
+    assert predict(COSTS, Mode("sync", 4), RATES, max_tokens=12) == predict(COSTS, Mode("sync", 4), RATES, max_tokens=12,
+                                                                           runs=32)
+    assert predict(COSTS, Mode("sync", 4), RATES, max_tokens=12) != predict(COSTS, Mode("sync", 4), RATES, max_tokens=12,
+                                                                           runs=33)
+
+
+def test_a_plain_prediction_drafts_nothing_and_accepts_nothing():
+    prediction = predict(COSTS, Mode("plain"), RATES, max_tokens=10, runs=2)
+    assert prediction.acceptance_rate == 0.0 and prediction.passes_per_token == 9 / 10
