@@ -36,7 +36,7 @@ from rates (``DraftBehaviour``: each draft token is right with probability
 ``acceptance`` when every token before it is right, the first one drafted
 from the committed text with ``first_acceptance``; a token drafted after a
 wrong one is wrong), or replayed from a real output (``DraftTrace``).
-tests/test_planning.py checks that on traces it makes the same passes,
+tests/pure/test_planning.py checks that on traces it makes the same passes,
 drafts, acceptances and discards as generate() itself. Pure Python, no Ray,
 no llama.cpp.
 
