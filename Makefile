@@ -70,8 +70,12 @@ test-tools:
 	  echo "could not install openssh-server and rsync: tests/hosts/test_ray_up.py will skip"; \
 	fi
 
+# Two pytest-xdist workers: a test file stays on one worker, the host tests
+# all on one (tests/conftest.py); TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 2
+
 test: install test-tools
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 # The pure tier only (numpy / pure Python: no model file, no llama.cpp, no Ray):
 # seconds. A test's tier is its directory, tests/pure/, model/, ray/ or hosts/,

@@ -63,6 +63,18 @@ def orchestrate(*args, timeout=600, env=None):
 
 
 @pytest.fixture(scope="session")
+def orchestrate_on_cluster(ray_cluster):
+    """``orchestrate COMMAND ARGS...`` as a driver of the session's Ray cluster
+    (``--address``): it starts no Ray of its own (about 8 s a run here).
+    Where the local start is the point, tests call ``orchestrate``."""
+
+    def run(command, *args, **options):
+        return orchestrate(command, "--address", ray_cluster.address, *args, **options)
+
+    return run
+
+
+@pytest.fixture(scope="session")
 def profile_path(tmp_path_factory):
     """`orchestrate profile` of this machine (one repetition per batch size)."""
     path = tmp_path_factory.mktemp("profile") / "profile.json"
@@ -118,6 +130,7 @@ def ray_cluster():
 
 
 TIERS = ("pure", "model", "ray", "hosts")  # pytest markers, described in pyproject.toml
+SCHEDULE_ORDER = ("hosts", "ray", "model", "pure")
 TESTS = Path(__file__).parent
 
 
@@ -149,9 +162,14 @@ def pytest_collection_modifyitems(config, items):
             problems.append(f"  {item.nodeid}: in tests/{tier}/ but marked {', '.join(marked)}")
         else:
             item.add_marker(tier)
+            # `make test` runs two pytest-xdist workers (--dist loadgroup): a file's tests stay on one
+            # worker (its module fixtures are made once), the host tests all on one (their namespaces)
+            item.add_marker(pytest.mark.xdist_group("hosts" if tier == "hosts" else item.nodeid.split("::")[0]))
     if problems:
         raise pytest.UsageError(
             "every test has exactly one tier, the directory its file is in ("
             + ", ".join(f"tests/{tier}/" for tier in TIERS) + "; see pyproject.toml), and no other tier's marker; "
             "these do not:\n" + "\n".join(problems)
         )
+    # the longest tiers first, so that the many short pure files fill both workers at the end
+    items.sort(key=lambda item: SCHEDULE_ORDER.index(directory_tier(Path(item.path))))

@@ -19,9 +19,9 @@ def _with_peers(modes: list[str]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def quick_bench(tmp_path_factory):
+def quick_bench(tmp_path_factory, orchestrate_on_cluster):
     out = tmp_path_factory.mktemp("bench") / "bench"
-    result = orchestrate("bench", "--quick", "--out", out)
+    result = orchestrate_on_cluster("bench", "--quick", "--out", out)
     assert result.returncode == 0, result.stderr
     return out
 

@@ -1,11 +1,12 @@
-"""`orchestrate` end to end, as a user runs it (each run starts its own local Ray)."""
+"""`orchestrate` end to end, as a user runs it: as a driver of the session's cluster
+(``--address``), and with a local Ray of its own where that start is the point."""
 
 import json
 
 from conftest import PROMPTS, orchestrate
 
 
-def test_split_then_run_json_equals_llama(smollm2, reference, tmp_path):
+def test_split_then_run_json_equals_llama(smollm2, reference, tmp_path, orchestrate_on_cluster):
     outputs = [tmp_path / "a.gguf", tmp_path / "b.gguf"]
     result = orchestrate("split", smollm2, *outputs, "--boundaries", "12")
     assert result.returncode == 0, result.stderr
@@ -15,7 +16,8 @@ def test_split_then_run_json_equals_llama(smollm2, reference, tmp_path):
     verified = orchestrate("verify-split", smollm2, *outputs)
     assert verified.returncode == 0 and "largest logit difference 0" in verified.stdout
 
-    result = orchestrate("run", "--model-split", *outputs, "--prompt", PROMPTS[0], "--max-tokens", "24", "--json")
+    result = orchestrate_on_cluster("run", "--model-split", *outputs, "--prompt", PROMPTS[0], "--max-tokens", "24",
+                                    "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     expected = reference.greedy(reference.tokenize(PROMPTS[0]), 24).tokens
@@ -29,25 +31,30 @@ def test_split_then_run_json_equals_llama(smollm2, reference, tmp_path):
     assert [(stage["passes_dropped"], stage["passes_stopped"]) for stage in report["stages"]] == [(0, 0), (0, 0)]
 
 
-def test_temperature_and_seed_change_the_text_and_the_same_seed_reproduces_it(smollm2, reference):
-    """The whole model as one stage. At temperature 1.5 sixteen tokens drawn
-    with seed 5 are the same twice, differ from seed 6's and from greedy
-    decoding's: --temperature and --seed both reach the sampler (greedy with
-    them ignored would give the same text every time)."""
-    common = ["--model-split", smollm2, "--prompt", PROMPTS[2], "--max-tokens", "16", "--json"]
-    runs = [orchestrate("run", *common, "--temperature", "1.5", "--seed", seed) for seed in ("5", "5", "6")]
+def test_temperature_and_seed_change_the_text_and_the_same_seed_reproduces_it(smollm2, splits, reference,
+                                                                              orchestrate_on_cluster):
+    """At temperature 1.5 sixteen tokens drawn with seed 5 are the same from
+    the whole model as one stage (a local run) and through two stages (on the
+    cluster), and differ from seed 6's and from greedy decoding's:
+    --temperature and --seed both reach the sampler (greedy with them ignored
+    would give the same text every time)."""
+    common = ["--prompt", PROMPTS[2], "--max-tokens", "16", "--json", "--temperature", "1.5"]
+    whole = orchestrate("run", "--model-split", smollm2, *common, "--seed", "5")
+    runs = [whole] + [orchestrate_on_cluster("run", "--model-split", *splits[2], *common, "--seed", seed)
+                      for seed in ("5", "6")]
     assert all(result.returncode == 0 for result in runs), [result.stderr for result in runs]
     first, again, other_seed = (json.loads(result.stdout)["tokens"] for result in runs)
     greedy = reference.greedy(reference.tokenize(PROMPTS[2]), 16).tokens
     assert first == again
     assert first != other_seed
     assert first != greedy and other_seed != greedy
-    assert [stage["layers"] for stage in json.loads(runs[0].stdout)["stages"]] == [[0, 30]]
+    assert [stage["layers"] for stage in json.loads(whole.stdout)["stages"]] == [[0, 30]]
+    assert [stage["layers"] for stage in json.loads(runs[1].stdout)["stages"]] == [[0, 15], [15, 30]]
 
 
-def test_run_with_token_trees_gives_the_whole_models_tokens(reference):
+def test_run_with_token_trees_gives_the_whole_models_tokens(reference, orchestrate_on_cluster):
     prompt = "the cat sat on the mat. the cat ate the fish. the cat sat on the mat. the cat ate the"
-    result = orchestrate("run", "--prompt", prompt, "--max-tokens", "24", "--speculator", "ngram",
+    result = orchestrate_on_cluster("run", "--prompt", prompt, "--max-tokens", "24", "--speculator", "ngram",
                          "--tree-leaves", "4", "--schedule", "sync", "--json")
     assert result.returncode == 0, result.stderr
     output = json.loads(result.stdout)
@@ -65,11 +72,11 @@ def test_default_run_streams_a_chat_answer_and_a_summary():
     assert "32 tokens" in summary and "tokens/s" in summary and "2 stages" in summary
 
 
-def test_run_with_speculation_reports_its_figures(splits):
+def test_run_with_speculation_reports_its_figures(splits, orchestrate_on_cluster):
     common = ["run", "--model-split", *splits[2], "--prompt", "Repeat exactly: one two three four five six seven eight.",
               "--chat", "--max-tokens", "24", "--json"]
-    plain = orchestrate(*common)
-    speculative = orchestrate(*common, "--speculator", "ngram", "--schedule", "async", "--draft-max", "6")
+    plain = orchestrate_on_cluster(*common)
+    speculative = orchestrate_on_cluster(*common, "--speculator", "ngram", "--schedule", "async", "--draft-max", "6")
     assert plain.returncode == 0 and speculative.returncode == 0, speculative.stderr
     plain, speculative = json.loads(plain.stdout), json.loads(speculative.stdout)
     assert speculative["tokens"] == plain["tokens"]
