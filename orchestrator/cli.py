@@ -371,6 +371,8 @@ def serve(pipeline: PipelineOptions, speculation, host, port, api_key, model_nam
     from orchestrator.serving.deployment import ServeSettings, serve_until_stopped
     from stages.settings import StageSettings
 
+    if speculation.tree_leaves > 1 and max_sequences not in (None, 1):  # stages.engine: trees beside one sequence
+        raise click.UsageError("token trees (--tree-leaves) need --max-sequences 1")
     if max_sequences and n_ctx * max_sequences > config.MAX_CONTEXT:
         raise click.UsageError(f"--n-ctx {n_ctx} x --max-sequences {max_sequences} exceeds {config.MAX_CONTEXT} "
                                "KV cells per stage")

@@ -32,6 +32,7 @@ def test_a_usage_error_is_one_error_line_after_clicks_usage_hint(arguments, mess
     (["run", "--prompt", "hi", "--threads", str(2**31)], "--threads"),
     (["serve", "--draft", "small.gguf"], "--draft is only used with --speculator model"),
     (["serve", "--speculator", "model"], "--speculator model needs --draft"),
+    (["serve", "--speculator", "ngram", "--tree-leaves", "4", "--max-sequences", "2"], "need --max-sequences 1"),
     (["serve", "--n-ctx", str(2**20), "--max-sequences", "64"], "exceeds 16777216 KV cells per stage"),
 ])
 def test_bad_options_are_refused_in_one_line_before_anything_starts(arguments, message, tmp_path):
