@@ -34,17 +34,41 @@ def smollm2() -> str:
     return str(default_model_path())
 
 
+def once_per_run(tmp_path_factory, worker_id: str, name: str, make) -> Path:
+    """A folder that ``make(folder)`` filled once for this test run: under
+    pytest-xdist the first worker to ask makes it (under a lock) and the
+    others use it; in a single process, in the session's own temporary folder."""
+    if worker_id == "master":
+        folder = tmp_path_factory.mktemp(name)
+        make(folder)
+        return folder
+    import shutil
+
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp().parent  # this run's, shared by its workers
+    folder = root / name
+    with FileLock(str(root / f"{name}.lock")):
+        if not (root / f"{name}.complete").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            (root / f"{name}.complete").touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
-def splits(smollm2, tmp_path_factory) -> dict[int, list[str]]:
+def splits(smollm2, tmp_path_factory, worker_id) -> dict[int, list[str]]:
     """SmolLM2 cut into 2 stages (default boundaries) and 3 stages (at 10 and 20)."""
     from stages.split import split_model
 
-    folder = tmp_path_factory.mktemp("splits")
-    two = [str(folder / f"two-{index}.gguf") for index in range(2)]
-    three = [str(folder / f"three-{index}.gguf") for index in range(3)]
-    split_model(smollm2, two)
-    split_model(smollm2, three, [10, 20])
-    return {2: two, 3: three}
+    def cut(folder: Path) -> None:
+        split_model(smollm2, [str(folder / f"two-{index}.gguf") for index in range(2)])
+        split_model(smollm2, [str(folder / f"three-{index}.gguf") for index in range(3)], [10, 20])
+
+    folder = once_per_run(tmp_path_factory, worker_id, "splits", cut)
+    return {2: [str(folder / f"two-{index}.gguf") for index in range(2)],
+            3: [str(folder / f"three-{index}.gguf") for index in range(3)]}
 
 
 @pytest.fixture(scope="session")
@@ -75,12 +99,14 @@ def orchestrate_on_cluster(ray_cluster):
 
 
 @pytest.fixture(scope="session")
-def profile_path(tmp_path_factory):
-    """`orchestrate profile` of this machine (one repetition per batch size)."""
-    path = tmp_path_factory.mktemp("profile") / "profile.json"
-    result = orchestrate("profile", "--out", path, "--repetitions", "1")
-    assert result.returncode == 0, result.stderr
-    return path
+def profile_path(tmp_path_factory, worker_id):
+    """`orchestrate profile` of this machine (one repetition per batch size), once a run."""
+
+    def measure(folder: Path) -> None:
+        result = orchestrate("profile", "--out", folder / "profile.json", "--repetitions", "1")
+        assert result.returncode == 0, result.stderr
+
+    return once_per_run(tmp_path_factory, worker_id, "profile", measure) / "profile.json"
 
 
 @pytest.fixture(scope="session")
