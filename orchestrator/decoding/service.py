@@ -133,20 +133,34 @@ class ServiceObserver:
 
 @dataclass
 class _Ticket(Listener):
-    """A request in the service: queued (state None), then decoding."""
+    """A request in the service: queued (state None), then decoding; the loop
+    tells it of each verified window, and it hands the tokens to its sink."""
 
     number: int
     request: ServiceRequest
     sink: Sink
-    service: Service
+    observer: ServiceObserver
     submitted: float = field(default_factory=time.perf_counter)
     state: SequenceState | None = None
     last_delivery: float | None = None
     error: str = ""
 
     def verified(self, window: Window, tokens: list[int]) -> None:
-        if tokens:
-            self.service._deliver(self, tokens)
+        if not tokens:
+            return
+        now = time.perf_counter()
+        if self.last_delivery is None:
+            self.observer.first_token(now - self.submitted)
+        else:
+            self.observer.tokens(now - self.last_delivery, len(tokens))
+        self.last_delivery = now
+        self.send(Progress(tuple(tokens)))
+
+    def send(self, progress: Progress) -> None:
+        try:
+            self.sink(progress)
+        except Exception:  # a sink that fails (its client's loop closed) must not stop the others
+            pass
 
 
 class Service:
@@ -195,7 +209,7 @@ class Service:
             if len(self._queue) >= self.settings.queue_limit + len(self._free):  # the free ones take the first
                 raise QueueFull(f"all {self.settings.max_sequences} sequences are busy and "
                                 f"{len(self._queue) - len(self._free)} requests are waiting")
-            ticket = _Ticket(next(self._numbers), request, sink, self)
+            ticket = _Ticket(next(self._numbers), request, sink, self.observer)
             self._queue.append(ticket)
             self._tickets[ticket.number] = ticket
             self._wake.notify()
@@ -293,25 +307,10 @@ class Service:
                 self._free.append(sequence)
                 self._end(ticket, "error" if ticket.error else state.stopped_by, ticket.error)
 
-    def _deliver(self, ticket: _Ticket, tokens: list[int]) -> None:
-        now = time.perf_counter()
-        if ticket.last_delivery is None:
-            self.observer.first_token(now - ticket.submitted)
-        else:
-            self.observer.tokens(now - ticket.last_delivery, len(tokens))
-        ticket.last_delivery = now
-        self._sink(ticket, Progress(tuple(tokens)))
-
     def _end(self, ticket: _Ticket, finished: str, error: str = "") -> None:
         """Called under the lock."""
         self._tickets.pop(ticket.number, None)
-        self._sink(ticket, Progress(finished=finished, error=error))
-
-    def _sink(self, ticket: _Ticket, progress: Progress) -> None:
-        try:
-            ticket.sink(progress)
-        except Exception:  # a sink that fails (its client's loop closed) must not stop the others
-            pass
+        ticket.send(Progress(finished=finished, error=error))
 
     def _fail(self, reason: str) -> None:
         """The target failed: every request ends with the reason, nothing more is taken."""
