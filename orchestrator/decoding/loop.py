@@ -108,10 +108,6 @@ class DecodingLoop:
         """Every sequence finished, nothing in flight."""
         return self.scheduler.done
 
-    @property
-    def in_flight(self) -> bool:
-        return bool(self.scheduler.in_flight)
-
     def run(self) -> None:
         """Turn until every sequence has finished."""
         while not self.done:
@@ -278,13 +274,11 @@ def generate(
     return generate_many(target, [request], is_end)[0]
 
 
-def generate_many(target: Target, requests: list[Request], is_end: Callable[[int], bool], *,
-                  window_per_pass: bool = False) -> list[Generation]:
-    """Decode several sequences at once through ``target``, each as ``generate`` would
-    (their windows share passes, or with ``window_per_pass`` each has its own)."""
+def generate_many(target: Target, requests: list[Request], is_end: Callable[[int], bool]) -> list[Generation]:
+    """Decode several sequences at once through ``target``, each as ``generate`` would (their windows share passes)."""
     if any(not request.prompt_tokens for request in requests):
         raise ValueError("the prompt is empty")
-    loop = DecodingLoop(target, is_end, window_per_pass=window_per_pass)
+    loop = DecodingLoop(target, is_end)
     recorders = []
     for index, request in enumerate(requests):
         state = sequence_state(index, request.prompt_tokens, request.max_tokens, request.sampling, request.drafting,
