@@ -1,5 +1,6 @@
 """The pipeline on a real three-node Ray cluster (three raylets on this machine)."""
 
+import contextlib
 import os
 import re
 import signal
@@ -419,11 +420,16 @@ def test_orchestrate_run_survives_a_killed_stage_and_reports_the_restart(ray_clu
     import subprocess
     import sys
 
-    import psutil
-
     def stage_processes() -> set[int]:
-        return {process.pid for process in psutil.process_iter(["cmdline"])
-                if (process.info["cmdline"] or [""])[0].startswith("ray::StageActor")}
+        """This cluster's stage actors: its raylets are this process's children (another
+        pytest-xdist worker's cluster runs stage actors of its own at the same time)."""
+        found = set()
+        for process in psutil.process_iter(["cmdline"]):
+            if (process.info["cmdline"] or [""])[0].startswith("ray::StageActor"):
+                with contextlib.suppress(psutil.Error):
+                    if os.getpid() in {parent.pid for parent in process.parents()}:
+                        found.add(process.pid)
+        return found
 
     prompt = "Write a long story about a lighthouse keeper."
     tokens = Tokenizer(splits[2][0]).chat_prompt(prompt)
