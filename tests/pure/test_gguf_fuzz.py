@@ -26,6 +26,7 @@ import pytest
 
 from stages.gguf_file import ModelFileError, read_model, read_scalars, stage_info, stage_info_of
 from stages.stage_files import NOT_FOUND, check_stage_files, read_stage_file
+from support.gguf_reading import assert_read_as_the_gguf_package_reads
 
 
 # GGUF value types and their struct formats (8 is a string, 9 an array).
@@ -239,6 +240,11 @@ def test_the_built_files_are_valid(write):
     stage = check_readers(write(bytes(build(WHOLE_KEYS + STAGE_KEYS).data)))
     assert stage["stage_info_of"].block_count == 2 and stage["stage_info(read_model)"] == stage["stage_info_of"]
     assert check_readers(write(bytes(build(version=2).data)))["read_model"].block_count == 2
+
+
+def test_every_value_type_reads_as_the_gguf_package_reads_it(write):
+    """Each scalar type, strings, and arrays of strings, floats, ints and none (the real model: tests/model)."""
+    assert_read_as_the_gguf_package_reads(write(bytes(build(WHOLE_KEYS + STAGE_KEYS).data)))
 
 
 def test_a_file_the_gguf_writer_wrote_is_read(tmp_path):

@@ -1,0 +1,28 @@
+"""The gguf package's reading of a file, the reference read_model's own scanner is held to."""
+
+from __future__ import annotations
+
+from stages.gguf_file import read_model
+
+
+def assert_read_as_the_gguf_package_reads(path) -> None:
+    """Every field (value, item types, GGUF types), every tensor's place and the alignment, as GGUFReader has them."""
+    from gguf import GGUFReader, GGUFValueType
+
+    ours, theirs = read_model(path), GGUFReader(path)
+    expected = {key: field for key, field in theirs.fields.items() if not key.startswith(("GGUF.", "split."))}
+    assert sorted(ours.fields) == sorted(expected)
+    for key, field in expected.items():
+        value, read = field.contents(), ours.fields[key]
+        assert read.value == value and type(read.value) is type(value), key
+        if isinstance(value, list):
+            assert [type(item) for item in read.value] == [type(item) for item in value], key
+        assert read.value_type == field.types[0], key
+        if field.types[0] != GGUFValueType.ARRAY:
+            assert read.sub_type is None, key
+        elif len(field.types) > 1:  # of an empty array the gguf package keeps no item type; the scanner does
+            assert read.sub_type == field.types[1], key
+    assert [(tensor.name, tensor.shape, tensor.ggml_type, tensor.n_bytes, tensor.offset) for tensor in ours.tensors] \
+        == [(tensor.name, tuple(int(dim) for dim in tensor.shape), int(tensor.tensor_type), int(tensor.n_bytes),
+             int(tensor.data_offset)) for tensor in theirs.tensors]
+    assert ours.alignment == theirs.alignment
