@@ -360,7 +360,14 @@ _END, _WRONG, _TRUE = 0, 1, 16
 
 
 def _on_truth(context: list[int]) -> bool:
-    return all(token == _TRUE + index for index, token in enumerate(context))
+    """Whether every token of ``context`` is the true one. Only its last is
+    looked at: a wrong token (below _TRUE) is only ever followed by wrong ones
+    (the drafters and the lookup draw nothing right after it, and the target's
+    choices are committed after true text only), so a context whose last token
+    is true is true throughout. Checking all of it made the planner's search
+    quadratic in the text's length (26 million comparisons in one plan; the
+    405B plan took 10.8 s, now 9.5 s here, its output byte-identical)."""
+    return not context or context[-1] == _TRUE + len(context) - 1
 
 
 class _TraceLookup:
