@@ -120,10 +120,12 @@ def ray_get(refs, seconds: float, error: type[SpecpipeError], late: str, failed:
 
 
 def peak_rss_mb() -> float:
-    """Peak resident memory of this process, in MiB."""
+    """Peak resident memory of this process, in MiB (getrusage counts KiB on Linux, bytes on macOS)."""
     import resource
+    import sys
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 1024**2 if sys.platform == "darwin" else peak / 1024
 
 
 class Reservation:

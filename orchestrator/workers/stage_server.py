@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from orchestrator.transport import wire
+from orchestrator.workers.affinity import pin_threads, process_cpus
 from orchestrator.config import CONNECT_SECONDS
 from orchestrator.transport.handshake import (
     RESULT_ROLE,
@@ -42,6 +43,7 @@ from orchestrator.transport.handshake import (
 )
 from orchestrator.transport.messages import Boundary, Cancel, Cancelled, PassResult, Shutdown, StageBatch, StageFailure
 from speculators.tree import verify_rows
+from stages.backend import StageCompute
 from stages.engine import PassAborted, StageEngine, StageError
 from stages.settings import StageSettings
 
@@ -60,6 +62,7 @@ class StageDescription:
     host, port: its listening socket for the upstream peer.
     process_id: the stage's process on its node (to name it, or to stop it in tests).
     cpus: the CPUs its process could run on when it started (orchestrator.cluster.stage_cpus pins it to some).
+    compute: its llama.cpp backend, devices and offloaded layers.
     """
 
     stage_index: int
@@ -72,6 +75,7 @@ class StageDescription:
     n_vocab: int
     process_id: int = 0
     cpus: tuple[int, ...] = ()
+    compute: StageCompute | None = None
 
 
 class StageServer:
@@ -116,19 +120,16 @@ class StageServer:
             port=self.listener.getsockname()[1],
             n_vocab=self.engine.n_vocab,
             process_id=os.getpid(),
-            cpus=tuple(sorted(os.sched_getaffinity(0))),
+            cpus=process_cpus(),
+            compute=self.engine.compute,
         )
 
     def pin(self, cpus: tuple[int, ...] | None) -> None:
         """Run every thread of this process (llama.cpp's, the serving thread,
         the runtime's) on ``cpus``; None: on every CPU it started with.
-        Threads made later inherit their creator's set."""
-        wanted = set(self.description.cpus if cpus is None else cpus)
-        for thread in os.listdir("/proc/self/task"):
-            try:
-                os.sched_setaffinity(int(thread), wanted)
-            except (ProcessLookupError, FileNotFoundError):  # a thread that just ended
-                pass
+        Threads made later inherit their creator's set. Where the OS cannot pin
+        (orchestrator.workers.affinity: not Linux), nothing happens."""
+        pin_threads(self.description.cpus if cpus is None else cpus)
 
     def connect_notify(self, host: str, port: int) -> None:
         """Tell the coordinator each time a pass leaves this stage (speculation uses the moment)."""
