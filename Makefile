@@ -2,26 +2,45 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.specpipe-installed
+STAMP   = $(VENV)/.specpipe-installed-$(BACKEND)
 
-# llama-cpp-python is compiled from source (~5 minutes on 2 cores) with
-# -march=native, and two of llama.cpp's CPU kernels are switched off:
-# * AMX: on CPUs with Intel AMX (Sapphire Rapids, such as these machines)
-#   ggml's AMX matrix kernel crashes (SIGSEGV in ggml_backend_amx_mul_mat) on
-#   any batch of 2+ tokens, in plain llama_cpp.Llama too.
+# llama-cpp-python is compiled from source (~5 minutes on 2 cores) for one
+# BACKEND: cpu (the default), cuda, metal or vulkan (docs/backends.md):
+#   make install BACKEND=vulkan
+# llama.cpp's llamafile kernels are off in every build, and on x86 so are AMX's:
+# * AMX: on CPUs with Intel AMX (Sapphire Rapids) ggml's AMX matrix kernel
+#   crashes (SIGSEGV in ggml_backend_amx_mul_mat) on any batch of 2+ tokens,
+#   in plain llama_cpp.Llama too.
 # * llamafile's tinyBLAS (GGML_LLAMAFILE): used only for batches of 2+ tokens,
 #   it sums in another order than the single-token kernels, so a batch's
 #   logits differed from one-token-at-a-time decoding by up to 0.82 here.
 #   Without it they are bit-identical, which exact speculative verification
-#   (many tokens per pass, compared with plain decoding) relies on.
-# The wheel is kept in a cache folder keyed by version and flags: a repeat
-# install, or a fresh clone on the same machine, reuses it and takes seconds.
-# (pip's own wheel cache ignores CMAKE_ARGS, so it could hand back a wheel
-# built without these flags.)
+#   (many tokens per pass, compared with plain decoding) relies on. A GPU
+#   backend has batch kernels of its own: there the bench reports agreement.
+# The wheel is kept in a cache folder keyed by version, backend and flags: a
+# repeat install, or a fresh clone on the same machine, reuses it and takes
+# seconds. (pip's own wheel cache ignores CMAKE_ARGS, so it could hand back a
+# wheel built without these flags.) orchestrate reports the backend it finds
+# (ggml's devices, stages/backend.py), not the one asked for here.
+BACKEND       ?= cpu
 LLAMA_VERSION := 0.3.36
+ifeq ($(filter x86_64 amd64,$(shell uname -m)),)
+LLAMA_CFLAGS  :=
+else
 LLAMA_CFLAGS  := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+endif
+CUDA_ARCHITECTURES ?= native
+BACKEND_FLAGS_cpu    :=
+BACKEND_FLAGS_cuda   := -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=$(CUDA_ARCHITECTURES)
+BACKEND_FLAGS_metal  := -DGGML_METAL=ON
+BACKEND_FLAGS_vulkan := -DGGML_VULKAN=ON
+ifeq ($(filter cpu cuda metal vulkan,$(BACKEND)),)
+$(error BACKEND=$(BACKEND): choose cpu, cuda, metal or vulkan)
+endif
+BACKEND_FLAGS := $(BACKEND_FLAGS_$(BACKEND))
+BACKEND_TAG   := $(if $(filter cpu,$(BACKEND)),,-$(BACKEND)$(if $(filter cuda,$(BACKEND)),-$(CUDA_ARCHITECTURES)))
 WHEEL_CACHE   ?= $(HOME)/.cache/specpipe/wheels
-LLAMA_WHEELS  := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_VERSION)-noamx-nollamafile
+LLAMA_WHEELS  := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_VERSION)$(BACKEND_TAG)-noamx-nollamafile
 LLAMA_BUILT   := $(LLAMA_WHEELS)/.complete
 
 .PHONY: install run serve test test-tools test-fast mutation peers bench bench-serve calibrate clean
@@ -33,9 +52,9 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(LLAMA_BUILT): | $(BIN)/python
-	@echo "Building llama-cpp-python $(LLAMA_VERSION) from source (about 5 minutes on 2 cores)..."
+	@echo "Building llama-cpp-python $(LLAMA_VERSION) for BACKEND=$(BACKEND) from source (about 5 minutes on 2 cores for the CPU)..."
 	rm -rf $(LLAMA_WHEELS).partial
-	CMAKE_ARGS='-DGGML_LLAMAFILE=OFF -DCMAKE_C_FLAGS="$(LLAMA_CFLAGS)" -DCMAKE_CXX_FLAGS="$(LLAMA_CFLAGS)"' \
+	CMAKE_ARGS='-DGGML_LLAMAFILE=OFF $(BACKEND_FLAGS) -DCMAKE_C_FLAGS="$(LLAMA_CFLAGS)" -DCMAKE_CXX_FLAGS="$(LLAMA_CFLAGS)"' \
 	CMAKE_BUILD_PARALLEL_LEVEL=2 \
 	$(BIN)/python -m pip wheel --quiet --no-deps --no-cache-dir -w $(LLAMA_WHEELS).partial llama-cpp-python==$(LLAMA_VERSION)
 	rm -rf $(LLAMA_WHEELS) && mv $(LLAMA_WHEELS).partial $(LLAMA_WHEELS)
@@ -46,6 +65,7 @@ $(STAMP): pyproject.toml $(LLAMA_BUILT)
 	# the same version built differently may be installed already: replace it
 	$(BIN)/python -m pip install --quiet --force-reinstall --no-deps $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_VERSION)-*.whl
 	$(BIN)/python -m pip install --quiet -e '.[test]'
+	rm -f $(VENV)/.specpipe-installed $(VENV)/.specpipe-installed-*  # another backend's wheel is replaced
 	touch $(STAMP)
 
 run: install

@@ -77,6 +77,27 @@ def _options(command, options):
     return command
 
 
+class GpuLayers(click.ParamType):
+    """--n-gpu-layers: a count of layers, or "all" (stages.settings.ALL_LAYERS)."""
+
+    name = "N|all"
+
+    def convert(self, value, param, ctx):
+        from stages.settings import ALL_LAYERS
+
+        if isinstance(value, int):
+            return value
+        if str(value).strip().lower() == "all":
+            return ALL_LAYERS
+        try:
+            count = int(value)
+        except ValueError:
+            count = -1
+        if count < 0:
+            self.fail(f"{value!r} is neither a number of layers (0 or more) nor 'all'", param, ctx)
+        return count
+
+
 @dataclass(frozen=True)
 class PipelineOptions:
     """What ``run`` and ``serve`` share about the model and the pipeline (pipeline_options)."""
@@ -142,7 +163,9 @@ def pipeline_options(what: str):
             click.option("--place", help="Stage placement, e.g. '0=10.0.0.1,1=10.0.0.2' (node address or id)."),
             click.option("--threads", default=1, show_default=True, type=click.IntRange(1, config.MAX_THREADS),
                          help="Threads per stage."),
-            click.option("--n-gpu-layers", default=0, show_default=True, type=click.IntRange(0)),
+            click.option("--n-gpu-layers", default="all", show_default=True, type=GpuLayers(),
+                         help="Layers of each stage on a GPU, where the node's llama.cpp build has one (make "
+                              "install BACKEND=cuda|metal|vulkan): a number, or all. A CPU build ignores it."),
             click.option("--wire-dtype", type=click.Choice(["f32", "f16"]), default="f32", show_default=True,
                          help="Activations between stages; f16 halves traffic but is LOSSY (output may differ from "
                               "the whole model)."),

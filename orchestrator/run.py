@@ -91,6 +91,7 @@ class RunOutcome:
             "tree_side_rows": stats.side_rows,
             "tree_side_accepted": stats.side_accepted,
             "refed_tokens": stats.refed_tokens,
+            "backend": ",".join(sorted({stage.compute.backend for stage in self.stages if stage.compute})) or None,
             "stages": [
                 {
                     "layers": [stage.first_block, stage.end_block],
@@ -99,6 +100,7 @@ class RunOutcome:
                     "busy_seconds": stage.busy_seconds,
                     "passes_dropped": stage.dropped_passes,
                     "passes_stopped": stage.stopped_passes,
+                    **(stage.compute.record() if stage.compute else {}),
                 }
                 for stage in self.stages
             ],

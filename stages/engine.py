@@ -43,6 +43,7 @@ import os
 import numpy as np
 
 import llama_cpp
+from stages.backend import StageCompute, detect as detect_backend
 from stages.capture import AbortFlag, CaptureError, NodeCapture
 from stages.errors import SpecpipeError
 from stages.gguf_file import KEY_FIRST_BLOCK, KEY_STAGE_COUNT, KEY_STAGE_INDEX
@@ -94,6 +95,7 @@ class StageEngine:
 
     is_first: takes token ids. is_last: returns logits (and holds the head).
     first_block, end_block: the blocks [first_block, end_block) of the whole model it holds.
+    compute: its backend, devices and offloaded layers (stages.backend).
     n_embd: width of hidden states; n_vocab: width of logits.
     """
 
@@ -121,6 +123,7 @@ class StageEngine:
         self.is_last = self.stage_index == self.stage_count - 1
         self.block_count = llama_cpp.llama_model_n_layer(self._model)
         self.end_block = self.first_block + self.block_count
+        self.compute = StageCompute.of(detect_backend(), settings.n_gpu_layers, self.block_count)
         self.n_embd = llama_cpp.llama_model_n_embd(self._model)
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)

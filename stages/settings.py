@@ -11,13 +11,16 @@ from dataclasses import dataclass
 
 DEFAULT_CONTEXT = 4096  # KV cache positions per sequence
 DEFAULT_BATCH = 512  # tokens per llama_decode call, as Llama's default
+ALL_LAYERS = -1  # n_gpu_layers: every layer this build can offload
 
 
 @dataclass(frozen=True)
 class StageSettings:
     """n_ctx: KV cache cells (positions) per sequence.
     threads: CPU threads for decoding (single tokens and batches alike).
-    n_gpu_layers: blocks offloaded to a GPU backend, when llama.cpp has one.
+    n_gpu_layers: layers (blocks and the output layer) offloaded to a GPU where
+    this llama.cpp build has one; ALL_LAYERS (-1, llama.cpp's own default):
+    all of them; 0: none. A CPU build computes everything on the CPU either way.
     n_batch: most tokens decoded in one llama_decode call.
     sequences: KV sequences the stage holds at once (one per request being
     served; each has its own n_ctx cells, so a stage holds n_ctx * sequences).
@@ -28,7 +31,7 @@ class StageSettings:
 
     n_ctx: int = DEFAULT_CONTEXT
     threads: int = 1
-    n_gpu_layers: int = 0
+    n_gpu_layers: int = ALL_LAYERS
     n_batch: int = DEFAULT_BATCH
     sequences: int = 1
     tree_sequences: int = 0

@@ -262,7 +262,8 @@ class Pipeline:
 
     # -- reporting and shutdown ------------------------------------------
     def reports(self) -> list[StageReport]:
-        return [StageReport(stage.stage_index, stage.first_block, stage.end_block, stage.node_id, stage.host, *counts)
+        return [StageReport(stage.stage_index, stage.first_block, stage.end_block, stage.node_id, stage.host, *counts,
+                            compute=stage.compute)
                 for stage, counts in zip(self.stages, self.actors.stats())]
 
     def load_calls(self) -> list:

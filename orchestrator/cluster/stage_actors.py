@@ -14,6 +14,7 @@ from orchestrator.cluster.connect import Reservation, one_line, peak_rss_mb, ray
 from orchestrator.config import ACTOR_START_SECONDS, STAGE_ANSWER_SECONDS
 from orchestrator.transport.chain import PipelineError
 from orchestrator.workers.stage_server import StageDescription, StageServer
+from stages.backend import StageCompute
 from stages.settings import StageSettings
 from stages.stage_files import NodeStageFile, read_stage_file
 
@@ -23,8 +24,8 @@ LOOPBACK = "127.0.0.1"
 @dataclass(frozen=True)
 class StageReport:
     """What a stage did over a run: its blocks [first_block, end_block), its
-    node, its busy time, the passes it ran, and the cancelled passes it
-    dropped unstarted or stopped mid-graph."""
+    node, its busy time, the passes it ran, the cancelled passes it
+    dropped unstarted or stopped mid-graph, and where it computed (compute)."""
 
     stage_index: int
     first_block: int
@@ -35,18 +36,21 @@ class StageReport:
     passes: int
     dropped_passes: int = 0
     stopped_passes: int = 0
+    compute: StageCompute | None = None
 
 
 class StageLoad(NamedTuple):
     """What a stage holds now: KV cells and sequences after its last pass, its
-    process's resident memory in MiB and id, and how often the stage was
-    restarted (filled in by the coordinator, which restarts it)."""
+    process's resident memory in MiB and id, how often the stage was
+    restarted (filled in by the coordinator, which restarts it), and where it
+    computes (compute: backend, devices, offloaded layers)."""
 
     kv_cells: int
     sequences: int
     rss_mb: float
     process_id: int = 0
     restarts: int = 0
+    compute: StageCompute | None = None
 
 
 def stage_file_reader():
@@ -102,7 +106,7 @@ def stage_actor_class():
 
             process = psutil.Process()
             return StageLoad(self.server.kv_cells, self.server.kv_sequences, process.memory_info().rss / 1024**2,
-                             process.pid)
+                             process.pid, compute=self.server.description.compute)
 
         def peak_rss_mb(self) -> float:
             return peak_rss_mb()

@@ -88,7 +88,8 @@ def build_app(backend: Backend) -> FastAPI:
             "requests_queued": queued,
             "stages": [{"answering": False} if stage is None else
                        {"kv_cells": stage.kv_cells, "sequences": stage.sequences, "rss_mb": round(stage.rss_mb, 1),
-                        "process": stage.process_id, "restarts": stage.restarts}
+                        "process": stage.process_id, "restarts": stage.restarts,
+                        **(stage.compute.record() if stage.compute else {})}
                        for stage in stages],
         }
         return JSONResponse(body, status_code=503 if backend.service.failure else 200)

@@ -17,7 +17,8 @@ from orchestrator.transport import wire
 from orchestrator.transport.handshake import accept_peer, cancel_role, connect_peer, upstream_role
 from orchestrator.transport.messages import Boundary, Cancel, Cancelled, StageBatch, StageFailure
 from orchestrator.workers.stage_server import StageServer
-from stages.settings import StageSettings
+from stages.backend import detect
+from stages.settings import ALL_LAYERS, StageSettings
 
 SECRET = b"k" * 32
 
@@ -70,6 +71,17 @@ def batch(tokens, positions=None, sequence=0) -> StageBatch:
     tokens = np.asarray(tokens, np.int32)
     positions = np.arange(len(tokens), dtype=np.int32) if positions is None else np.asarray(positions, np.int32)
     return StageBatch(1, 0, positions, np.array([len(tokens) - 1], np.int32), tokens=tokens, sequence=sequence)
+
+
+def test_a_stage_describes_the_backend_it_computes_on(stage):
+    """This build (make install's default, BACKEND=cpu): the CPU alone, nothing offloaded, though
+    n_gpu_layers is all; what ggml's registry says, not what the Makefile meant."""
+    server, _, _ = stage
+    compute = server.description.compute
+    assert compute.backend == detect().name == "cpu" and compute.devices
+    assert all(device.startswith("CPU") for device in compute.devices)
+    assert server.engine.settings.n_gpu_layers == ALL_LAYERS
+    assert (compute.offloaded_layers, compute.offloadable_layers) == (0, server.engine.block_count + 1)
 
 
 @pytest.mark.parametrize("bad, reason", [

@@ -29,6 +29,11 @@ def test_split_then_run_json_equals_llama(smollm2, reference, tmp_path, orchestr
     assert all(stage["busy_seconds"] > 0 and stage["node"] for stage in report["stages"])
     # a plain run starts nothing ahead, so nothing is cancelled
     assert [(stage["passes_dropped"], stage["passes_stopped"]) for stage in report["stages"]] == [(0, 0), (0, 0)]
+    # where it computed: this build's backend (the CPU), as each stage's llama.cpp found it
+    assert report["backend"] == "cpu"
+    assert [(stage["backend"], stage["offloaded_layers"], stage["offloadable_layers"]) for stage in report["stages"]] \
+        == [("cpu", 0, 13), ("cpu", 0, 19)]
+    assert all(stage["devices"] and stage["devices"][0].startswith("CPU") for stage in report["stages"])
 
 
 def test_temperature_and_seed_change_the_text_and_the_same_seed_reproduces_it(smollm2, splits, reference,

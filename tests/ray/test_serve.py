@@ -236,6 +236,8 @@ def test_a_client_that_disconnects_mid_stream_frees_its_sequence(server, model_n
     health = server.settled(seconds=5)  # the generation had 400 tokens to go: only the disconnect ends it now
     assert health["requests_decoding"] == 0
     assert [(stage["kv_cells"], stage["sequences"]) for stage in health["stages"]] == [(0, 0), (0, 0)]
+    # and says where each stage computes (this build: the CPU, nothing offloaded)
+    assert [(stage["backend"], stage["offloaded_layers"]) for stage in health["stages"]] == [("cpu", 0), ("cpu", 0)]
 
 
 def test_a_full_queue_answers_429_with_retry_after(server, model_name):
