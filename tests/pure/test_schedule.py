@@ -315,6 +315,11 @@ def test_draft_max_below_one_is_refused():
         SequenceState(0, [1, 2], 1, 10, Schedule.SYNC, 0)
 
 
+def test_tree_leaves_below_one_are_refused():
+    with pytest.raises(ValueError, match=r"^tree_leaves must be at least 1$"):
+        SequenceState(0, [1, 2], 1, 10, Schedule.SYNC, 4, tree_leaves=0)
+
+
 def test_the_policy_is_made_from_the_states_draft_max_and_costs():
     sequence = SequenceState(0, [1, 2], 1, 10, Schedule.SYNC, 4, draft_step=0.8, draft_call_cost=0.2)
     assert sequence.policy == DraftPolicy(4, step=0.8, call_cost=0.2)

@@ -149,3 +149,69 @@ def test_side_rows_priced_apart_from_the_chain():
         windows[side_row_step] = state.first_window()
     assert windows[None].inputs == (2, 4, 5) and windows[None].parents is None  # side rows do not pay at 0.6
     assert windows[0.0].inputs == (2, 4, 5, 7, 8) and windows[0.0].parents == (-1, 0, 1, 0, 3)
+
+
+def _tree_state(max_tokens=20, draft_limit=2, **kwargs):
+    from orchestrator.decoding.schedule import SequenceState
+
+    return SequenceState(0, [1, 2], 1, max_tokens, Schedule.SYNC, 4, draft_step=0.0, tree_leaves=4,
+                         draft_limit=draft_limit, **kwargs)
+
+
+#   2 - 4 - 5        the main chain
+#    \- 7 - 8        a side branch, rank 2 at the root
+FORKED = ([2, 4, 5, 7, 8], [-1, 0, 1, 0, 3], [0, 1, 1, 2, 1])
+
+
+def test_a_drafted_chain_is_cut_to_the_draft_limit_like_any_speculation():
+    """A tree without forks is no candidate set: the window is the chain's first
+    draft_limit drafts, not extended by the tree rule (free rows at step 0)."""
+    from speculators.tree import DraftTree
+
+    state = _tree_state()
+    state.drafted_tree(DraftTree.chain(2, [4, 5, 6, 7]))
+    assert state.candidates is None and state.speculation == [4, 5, 6, 7]
+    window = state.first_window()
+    assert window.inputs == (2, 4, 5) and window.parents is None
+
+
+def test_with_no_room_left_a_drafted_tree_gives_a_plain_window():
+    """One token still wanted: the window carries no drafts, side rows neither."""
+    from speculators.tree import DraftTree
+
+    state = _tree_state(max_tokens=2, side_row_step=0.0)
+    assert state.room == 0
+    state.drafted_tree(DraftTree(*FORKED))
+    window = state.first_window()
+    assert window.inputs == (2,) and window.parents is None and state.candidates is None
+
+
+def test_a_draft_limit_of_one_still_adds_side_rows():
+    """The tree rule applies from one draft on: the forced main-chain row, then
+    every side row (priced at 0) and the chain's next row."""
+    from speculators.tree import DraftTree
+
+    state = _tree_state(draft_limit=1, side_row_step=0.0)
+    state.drafted_tree(DraftTree(*FORKED))
+    window = state.first_window()
+    assert window.inputs == (2, 4, 5, 7, 8) and window.parents == (-1, 0, 1, 0, 3)
+
+
+def test_tree_windows_and_their_side_rows_are_counted_window_by_window():
+    from speculators.tree import DraftTree
+
+    state = _tree_state(side_row_step=0.0)
+    state.drafted_tree(DraftTree(*FORKED))
+    first = state.first_window()
+    assert first.parents == (-1, 0, 1, 0, 3)
+    assert state.verified(first, [4, 5, 6], lambda token: False) == [4, 5, 6]  # the main chain taken
+    assert state.committed == [1, 2, 4, 5, 6] and state.refeed == 0
+    state.draft_limit = 2
+    tokens, parents, ranks = FORKED
+    state.drafted_tree(DraftTree([6, *tokens[1:]], parents, ranks))
+    second = state.first_window()
+    assert second.inputs == (6, 4, 5, 7, 8) and second.parents == (-1, 0, 1, 0, 3)
+    assert state.verified(second, [7, 8, 9], lambda token: False) == [7, 8, 9]  # the side branch taken
+    stats = state.stats
+    assert (stats.tree_passes, stats.side_rows, stats.side_accepted) == (2, 4, 2)
+    assert (stats.drafted_tokens, stats.accepted_tokens) == (4, 2)
