@@ -304,3 +304,65 @@ def test_a_prediction_takes_32_runs_unless_told():
 def test_a_plain_prediction_drafts_nothing_and_accepts_nothing():
     prediction = predict(COSTS, Mode("plain"), RATES, max_tokens=10, runs=2)
     assert prediction.acceptance_rate == 0.0 and prediction.passes_per_token == 9 / 10
+
+
+# -- traces with forks, tree modes, and what a mode refuses
+
+
+def test_a_replayed_trace_with_candidates_records_how_many_others_there_are_or_which_of_them_is_right():
+    """Token 0 comes from the prompt's pass: no candidates there (0, 0). After 3
+    the drafter proposes 9 (wrong) and its other candidates are 4 (right) and 7:
+    the first other is right, (1, 1). After 4 it proposes 5 (right); its others
+    8 and 7 are both wrong: two others, none right, (2, 0). After 5 it proposes
+    nothing; its one other candidate is 6, right: (1, 1)."""
+    proposals = {3: 9, 4: 5, 5: None}
+    ranked = {3: [9, 4, 7], 4: [5, 8, 7], 5: [6]}
+    trace = DraftTrace.replay(lambda context: proposals[context[-1]], [1, 2], [3, 4, 5, 6],
+                              candidates=lambda context: ranked[context[-1]])
+    assert trace == DraftTrace((None, False, True, None), ((0, 0), (1, 1), (2, 0), (1, 1)))
+    assert trace.as_text() == ".wR.|0a2a"
+
+
+@pytest.mark.parametrize("symbol", ["j", "Z", "`", "A"])
+def test_a_trace_text_with_a_fork_outside_digits_and_a_to_i_is_refused(symbol):
+    with pytest.raises(ValueError, match=rf"^a draft trace's forks hold only digits and a-i \(found '{symbol}'\)$"):
+        DraftTrace.from_text(".R|0" + symbol)
+
+
+def test_a_trace_texts_fork_letters_run_from_a_the_first_other_candidate_to_i_the_ninth():
+    assert DraftTrace.from_text(".RR|0ai").forks == ((0, 0), (1, 1), (9, 9))
+
+
+def test_a_mode_needs_at_least_one_tree_leaf():
+    with pytest.raises(ValueError, match=r"^tree_leaves must be at least 1$"):
+        Mode("sync", tree_leaves=0)
+
+
+TREE_COSTS = TableCosts(stages=(1.0, 1.0), hops=(0.0, 0.0, 0.0), drafts=(0.0, 0.0))
+# every proposal wrong, the first other candidate right: only a tree's side row commits a draft
+WRONG_BUT_FIRST_OTHER_RIGHT = DraftTrace.from_text("." + "w" * 30 + "|0" + "a" * 30)
+
+
+def test_a_mode_of_two_tree_leaves_verifies_the_side_row_a_trace_offers():
+    chain = simulate(TREE_COSTS, Mode("sync", 4, call_cost=0.0, step=0.0), WRONG_BUT_FIRST_OTHER_RIGHT, max_tokens=100)
+    tree = simulate(TREE_COSTS, Mode("sync", 4, call_cost=0.0, step=0.0, tree_leaves=2), WRONG_BUT_FIRST_OTHER_RIGHT,
+                    max_tokens=100)
+    assert (chain.tokens, chain.passes, chain.tree_passes, chain.side_accepted, chain.accepted_tokens) == (31, 31, 0, 0, 0)
+    assert (tree.tokens, tree.passes, tree.tree_passes, tree.side_accepted) == (31, 16, 15, 15)
+
+
+def test_a_modes_side_row_step_prices_the_side_rows_instead_of_the_step():
+    """Right drafts at odd positions, the first other candidate right at even ones."""
+    trace = DraftTrace.from_text(".RwRwRwRwRwRwRwRwRwRw|0" + "0a" * 10)
+
+    def run(step, side_row_step):
+        return simulate(TREE_COSTS, Mode("sync", 4, call_cost=0.0, step=step, tree_leaves=2, side_row_step=side_row_step),
+                        trace, max_tokens=100)
+
+    priced_as_any_row = run(0.5, None)
+    assert (priced_as_any_row.passes, priced_as_any_row.tree_passes, priced_as_any_row.side_accepted) == (11, 0, 0)
+    free_side_rows = run(0.5, 0.0)
+    assert (free_side_rows.passes, free_side_rows.tree_passes, free_side_rows.side_accepted) == (14, 4, 4)
+    assert (run(0.0, None).tree_passes, run(0.0, None).side_accepted) == (5, 10)
+    dear_side_rows = run(0.0, 5.0)
+    assert (dear_side_rows.passes, dear_side_rows.tree_passes, dear_side_rows.side_accepted) == (11, 0, 0)
