@@ -107,7 +107,7 @@ test-fast: install
 	$(BIN)/python -m pytest -m pure -q
 
 # Mutation testing of the pure packages against the pure tier (issue 14; not in
-# `make test`: it takes most of an hour on 2 cores, docs/testing.md "Mutation testing").
+# `make test`: it takes about 40 minutes on 2 cores, docs/testing.md "Mutation testing").
 # mutmut ([tool.mutmut] in pyproject.toml) works in mutants/ (git-ignored), a
 # worker per core, each mutant
 # against the pure tests that call its function; then the killed share per
