@@ -4,7 +4,7 @@ A stage holds a contiguous slice of blocks (a stage file written by
 ``stages.split``) or the whole model. It decodes a batch given either token ids
 (first stage) or the previous stage's hidden states, at explicit positions and
 sequence ids, and returns either hidden states (non-last stage) or logits (last
-stage). Measured technique: ``../shared/design/stage-split.md``.
+stage). docs/architecture.md ("Data flow") describes the technique.
 
 * Hidden state out: llama.cpp names each block's output ``l_out-<i>``. The
   context's ``cb_eval`` callback asks for the last block's node, copies it out,

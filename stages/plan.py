@@ -8,7 +8,7 @@ boundaries.
 
 The output head is deliberately not counted. On the CPU backend its cost per
 byte is far below a block's (SmolLM2: the 30 MB Q8_0 head costs ~1.0 ms, the
-33 MB of 15 Q4_1 blocks ~2.9 ms, per shared/design/stage-split.md); counting
+33 MB of 15 Q4_1 blocks ~2.9 ms, measured on these machines); counting
 it by bytes split SmolLM2 22 + 8 blocks and left the last of three stages a
 single block. For the large models this project targets the head is ~1 %
 of the bytes, so leaving it out changes nothing there. Tune with --boundaries.

@@ -13,7 +13,7 @@ Python objects (a TLS socket, orchestrator.transport.tls, has no ``sendmsg``: th
 frame that fits one TLS record goes as one ``sendall``, a larger one header
 then array). Measured on these machines: a msgpack header plus a raw frame
 costs microseconds whatever the size, while packing ``tobytes()`` into msgpack
-swings up to milliseconds (shared/design/ray.md). Nothing received is
+swings up to milliseconds. Nothing received is
 trusted: the header's size, the array's dtype, rank and size are checked
 before anything is allocated, and every message's fields by its ``from_wire``
 (``ProtocolError``).
