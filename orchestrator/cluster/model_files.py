@@ -74,6 +74,7 @@ def whole_model_stages(settings: WholeModelSettings, stage: StageSettings, draft
     from orchestrator.planning.loaders import model_shape_of_gguf
     from stages.gguf_file import read_model
     from stages.layer_rules import layer_rules
+    from stages.settings import ALL_LAYERS
 
     model = read_model(settings.path)
     if stage_info_of(settings.path) is not None:
@@ -84,6 +85,8 @@ def whole_model_stages(settings: WholeModelSettings, stage: StageSettings, draft
     if stage_count > model.block_count:
         raise RunError(f"{stage_count} stages but {settings.path} has only {model.block_count} blocks; give --stages")
 
+    offloaded = stage.n_gpu_layers == ALL_LAYERS  # partly offloaded stages are fitted to host memory
+
     def choose_starts(nodes) -> tuple[int, ...]:
         if settings.boundaries is not None:
             return (0, *settings.boundaries)
@@ -91,9 +94,9 @@ def whole_model_stages(settings: WholeModelSettings, stage: StageSettings, draft
         draft_bytes = os.path.getsize(draft_path) if draft_path else 0
         split = choose_cluster_split(shape, nodes, context=stage.n_ctx * stage.sequences, draft_bytes=draft_bytes,
                                      boundaries=layer_rules(model.metadata).allowed_boundaries(),
-                                     profiles=settings.profiles)
+                                     profiles=settings.profiles, offloaded=offloaded)
         if on_status is not None:
-            for line in split.lines(shape.blocks, nodes):
+            for line in split.lines(shape.blocks, nodes, offloaded):
                 on_status(line)
         return split.starts
 
@@ -105,4 +108,4 @@ def whole_model_stages(settings: WholeModelSettings, stage: StageSettings, draft
             shown[stage_index] = tenth
             on_status(f"shipping stage {stage_index}: {done / MIB:.0f} of {total / MIB:.0f} MiB")
 
-    return ModelToShip(settings.path, stage_count, choose_starts, progress)
+    return ModelToShip(settings.path, stage_count, choose_starts, progress, offloaded)

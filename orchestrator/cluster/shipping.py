@@ -319,8 +319,10 @@ def _receiver_actor_class():
     return StageReceiverActor
 
 
-def probe_nodes(reservation, stage_count: int) -> list[NodeMemory]:
-    """Each stage's node (as the reservation places it): its address, id and the memory it has available."""
+def probe_nodes(reservation, stage_count: int, devices: bool = False) -> list[NodeMemory]:
+    """Each stage's node (as the reservation places it): its address, id and
+    the memory it has available; with ``devices``, also its GPUs' free memory
+    (stages.backend: asking loads llama.cpp in the probe)."""
     import ray
 
     from orchestrator.cluster.connect import ray_get
@@ -329,8 +331,13 @@ def probe_nodes(reservation, stage_count: int) -> list[NodeMemory]:
     def node_memory() -> NodeMemory:
         import psutil
 
+        offload_free = 0
+        if devices:
+            from stages.backend import detect
+
+            offload_free = detect().offload_memory()[0]
         return NodeMemory(ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id(),
-                          psutil.virtual_memory().available)
+                          psutil.virtual_memory().available, offload_free)
 
     probes = [node_memory.options(scheduling_strategy=reservation.scheduling_strategy(index)).remote()
               for index in range(stage_count)]
@@ -391,12 +398,14 @@ class ModelToShip:
     """``--model``: the whole model on this machine, cut into ``stage_count``
     stages, each shipped to its node. choose_starts(nodes): each stage's first
     block, for the stages' nodes in order (orchestrator.planning.cluster_split,
-    or the user's boundaries). progress(stage, bytes done, bytes in all)."""
+    or the user's boundaries). progress(stage, bytes done, bytes in all).
+    offloaded: --n-gpu-layers all, so the nodes' GPU memory is probed too."""
 
     path: str
     stage_count: int
     choose_starts: Callable[[list[NodeMemory]], tuple[int, ...]]
     progress: ShipProgress = lambda stage_index, done, total: None
+    offloaded: bool = False  # the stages go whole onto GPUs where a node has them: probe their memory
 
 
 def ship_whole_model(model: ModelToShip, reservation, indices, secret: bytes, certificate: ChainCertificate | None,
@@ -409,7 +418,7 @@ def ship_whole_model(model: ModelToShip, reservation, indices, secret: bytes, ce
     from stages.gguf_file import read_model
     from stages.split import plan_split, stage_file_image
 
-    nodes = probe_nodes(reservation, model.stage_count)
+    nodes = probe_nodes(reservation, model.stage_count, devices=model.offloaded and split is None)
     if split is None:
         source = read_model(model.path)
         starts = model.choose_starts(nodes)

@@ -3,7 +3,8 @@ node has free and, when profiled, how fast it is.
 
 Each stage must fit its node: its weights, its blocks' KV cache for the
 context, and the draft model, within ``MEMORY_HEADROOM`` of the memory the
-node has available when the run starts (``ModelShape.stage_bytes``: the
+node has available when the run starts (its GPUs' free memory, for a stage
+offloaded whole to a node whose build has GPUs) (``ModelShape.stage_bytes``: the
 embedding table is counted on the first stage, the head on the last). Of the
 splits that fit, the one whose slowest stage is fastest wins
 (``stages.plan.balanced_starts``): a stage's time is its blocks' bytes over
@@ -28,11 +29,21 @@ MIB = 1024**2
 
 @dataclass(frozen=True)
 class NodeMemory:
-    """A node a stage is placed on: its address, its Ray node id, and the bytes of memory it has available now."""
+    """A node a stage is placed on: its address, its Ray node id, the bytes of
+    memory it has available now, and the free bytes of the GPUs its llama.cpp
+    build offloads to (0: none, or not asked)."""
 
     address: str
     node_id: str
     available_bytes: int
+    offload_bytes: int = 0
+
+    def budget(self, offloaded: bool) -> tuple[int, str]:
+        """(bytes, what) a stage may take: the GPUs' (" GPU memory") for a stage offloaded whole to a
+        node that has them, else the host's ("")."""
+        if offloaded and self.offload_bytes:
+            return self.offload_bytes, " GPU memory"
+        return self.available_bytes, ""
 
 
 @dataclass(frozen=True)
@@ -44,12 +55,12 @@ class ClusterSplit:
     needed: tuple[int, ...]
     reason: str
 
-    def lines(self, blocks: int, nodes: list[NodeMemory]) -> list[str]:
+    def lines(self, blocks: int, nodes: list[NodeMemory], offloaded: bool = False) -> list[str]:
         """What was chosen and why, for the user, before anything loads."""
         ends = self.starts[1:] + (blocks,)
         stages = [
             f"  stage {index}: blocks [{first}, {end}) on {node.address}: needs {need / MIB:.0f} MiB of "
-            f"{node.available_bytes / MIB:.0f} MiB available"
+            f"{node.budget(offloaded)[0] / MIB:.0f} MiB{node.budget(offloaded)[1]} available"
             for index, (first, end, need, node) in enumerate(zip(self.starts, ends, self.needed, nodes))
         ]
         return [f"split: {self.reason}", *stages]
@@ -71,11 +82,14 @@ def node_speed(profile: dict) -> float:
 
 
 def choose_cluster_split(shape: ModelShape, nodes: list[NodeMemory], *, context: int, draft_bytes: int,
-                         boundaries: list[int], profiles: dict[str, dict] | None = None) -> ClusterSplit:
+                         boundaries: list[int], profiles: dict[str, dict] | None = None,
+                         offloaded: bool = False) -> ClusterSplit:
     """The split of ``shape`` over ``nodes`` (stage i on nodes[i]); boundaries:
     the blocks a stage may start at (stages.layer_rules). profiles: node
-    address -> its ``orchestrate profile`` (every node's, or none). PlanError,
-    with each node's numbers, when no split fits."""
+    address -> its ``orchestrate profile`` (every node's, or none). offloaded:
+    every stage goes whole onto its node's GPUs (--n-gpu-layers all), so a
+    node with GPUs must hold it there (NodeMemory.budget). PlanError, with each
+    node's numbers, when no split fits."""
     if profiles:
         missing = [node.address for node in nodes if node.address not in profiles]
         if missing:
@@ -88,12 +102,13 @@ def choose_cluster_split(shape: ModelShape, nodes: list[NodeMemory], *, context:
         reason = "of the splits that fit, the one with the block bytes most even (no --profile: nodes taken as alike)"
 
     def fits(stage: int, first: int, end: int) -> bool:
-        return stage_memory(shape, first, end, context, draft_bytes) <= MEMORY_HEADROOM * nodes[stage].available_bytes
+        return stage_memory(shape, first, end, context, draft_bytes) <= MEMORY_HEADROOM * nodes[stage].budget(offloaded)[0]
 
     try:
         starts = tuple(balanced_starts(list(shape.block_bytes), len(nodes), boundaries, speeds=speeds, fits=fits))
     except ValueError as error:
-        available = ", ".join(f"{node.address} {node.available_bytes / MIB:.0f} MiB" for node in nodes)
+        available = ", ".join(f"{node.address} {node.budget(offloaded)[0] / MIB:.0f} MiB{node.budget(offloaded)[1]}"
+                              for node in nodes)
         whole = stage_memory(shape, 0, shape.blocks, context, draft_bytes)
         raise PlanError(
             f"{shape.name} fits no split over {len(nodes)} node(s) ({error}): it needs about {whole / MIB:.0f} MiB "

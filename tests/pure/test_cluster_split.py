@@ -153,3 +153,27 @@ def test_one_stage_is_checked_against_its_node_whole():
 
 def test_of_equally_slow_splits_the_earliest_cut_wins():
     assert balanced_starts([1, 10, 1], 2, [1, 2]) == [0, 1]  # [1] + [10, 1] and [1, 10] + [1] both cost 11
+
+
+def test_a_stage_offloaded_whole_must_fit_its_nodes_gpu_memory():
+    """Host memory aplenty, but node 0's GPUs have 100 MiB free: offloaded, it takes the stage
+    that fits them (6 blocks, as in test_a_small_node_gets_the_stage_that_fits_it); not offloaded,
+    or on a node without GPUs, host memory counts."""
+    gpu_nodes = [NodeMemory("10.0.0.1", "node0", 10_000 * MIB, offload_bytes=100 * MIB),
+                 NodeMemory("10.0.0.2", "node1", 10_000 * MIB, offload_bytes=10_000 * MIB)]
+    offloaded = choose_cluster_split(SHAPE, gpu_nodes, context=1024, draft_bytes=0, boundaries=EVERY, offloaded=True)
+    assert offloaded.starts == (0, 6)
+    assert "of 100 MiB GPU memory available" in offloaded.lines(20, gpu_nodes, offloaded=True)[1]
+    on_the_host = choose_cluster_split(SHAPE, gpu_nodes, context=1024, draft_bytes=0, boundaries=EVERY)
+    assert on_the_host.starts == (0, 10)
+    assert "of 10000 MiB available" in on_the_host.lines(20, gpu_nodes)[1]
+    cpu_nodes = nodes(10_000, 10_000)  # no GPUs (offload_bytes 0): host memory, offloaded or not
+    assert choose_cluster_split(SHAPE, cpu_nodes, context=1024, draft_bytes=0, boundaries=EVERY,
+                                offloaded=True).starts == (0, 10)
+
+
+def test_a_model_too_big_for_the_gpus_is_refused_naming_their_memory():
+    gpu_nodes = [NodeMemory(f"10.0.0.{index}", f"node{index}", 10_000 * MIB, offload_bytes=50 * MIB)
+                 for index in (1, 2)]
+    with pytest.raises(PlanError, match="10.0.0.1 50 MiB GPU memory, 10.0.0.2 50 MiB GPU memory"):
+        choose_cluster_split(SHAPE, gpu_nodes, context=1024, draft_bytes=0, boundaries=EVERY, offloaded=True)
