@@ -17,7 +17,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 # enum ggml_backend_dev_type (ggml-backend.h), in its order
 DEVICE_KINDS = ("cpu", "gpu", "igpu", "accel", "meta")
@@ -62,9 +62,6 @@ class ComputeBackend:
         """(free, total) bytes of the devices layers are offloaded to; (0, 0) on the CPU."""
         devices = [device for device in self.devices if device.kind in OFFLOAD_KINDS]
         return sum(device.memory_free for device in devices), sum(device.memory_total for device in devices)
-
-    def record(self) -> dict:
-        return {"name": self.name, "devices": [asdict(device) for device in self.devices]}
 
 
 @dataclass(frozen=True)

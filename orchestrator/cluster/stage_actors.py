@@ -41,9 +41,10 @@ class StageReport:
 
 class StageLoad(NamedTuple):
     """What a stage holds now: KV cells and sequences after its last pass, its
-    process's resident memory in MiB and id, how often the stage was
-    restarted (filled in by the coordinator, which restarts it), and where it
-    computes (compute: backend, devices, offloaded layers)."""
+    process's resident memory in MiB and id; how often the stage was
+    restarted and where it computes (compute: backend, devices, offloaded
+    layers), both filled in by the coordinator, which restarts it and holds its
+    StageDescription."""
 
     kv_cells: int
     sequences: int
@@ -106,7 +107,7 @@ def stage_actor_class():
 
             process = psutil.Process()
             return StageLoad(self.server.kv_cells, self.server.kv_sequences, process.memory_info().rss / 1024**2,
-                             process.pid, compute=self.server.description.compute)
+                             process.pid)
 
         def peak_rss_mb(self) -> float:
             return peak_rss_mb()

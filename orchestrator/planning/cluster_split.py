@@ -45,6 +45,11 @@ class NodeMemory:
             return self.offload_bytes, " GPU memory"
         return self.available_bytes, ""
 
+    def shown(self, offloaded: bool) -> str:
+        """That budget for the user: "100 MiB", "100 MiB GPU memory"."""
+        budget, what = self.budget(offloaded)
+        return f"{budget / MIB:.0f} MiB{what}"
+
 
 @dataclass(frozen=True)
 class ClusterSplit:
@@ -60,7 +65,7 @@ class ClusterSplit:
         ends = self.starts[1:] + (blocks,)
         stages = [
             f"  stage {index}: blocks [{first}, {end}) on {node.address}: needs {need / MIB:.0f} MiB of "
-            f"{node.budget(offloaded)[0] / MIB:.0f} MiB{node.budget(offloaded)[1]} available"
+            f"{node.shown(offloaded)} available"
             for index, (first, end, need, node) in enumerate(zip(self.starts, ends, self.needed, nodes))
         ]
         return [f"split: {self.reason}", *stages]
@@ -107,8 +112,7 @@ def choose_cluster_split(shape: ModelShape, nodes: list[NodeMemory], *, context:
     try:
         starts = tuple(balanced_starts(list(shape.block_bytes), len(nodes), boundaries, speeds=speeds, fits=fits))
     except ValueError as error:
-        available = ", ".join(f"{node.address} {node.budget(offloaded)[0] / MIB:.0f} MiB{node.budget(offloaded)[1]}"
-                              for node in nodes)
+        available = ", ".join(f"{node.address} {node.shown(offloaded)}" for node in nodes)
         whole = stage_memory(shape, 0, shape.blocks, context, draft_bytes)
         raise PlanError(
             f"{shape.name} fits no split over {len(nodes)} node(s) ({error}): it needs about {whole / MIB:.0f} MiB "

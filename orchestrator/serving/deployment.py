@@ -159,12 +159,13 @@ class Coordinator:
 
     async def stage_load(self):
         """Each stage's StageLoad (KV cells, sequences, resident MiB, process,
-        restarts), or None for a stage that does not answer (lost, or being restarted)."""
+        restarts, compute), or None for a stage that does not answer (lost, or being restarted)."""
         import asyncio
 
         loads = await asyncio.gather(*self.pipeline.load_calls(), return_exceptions=True)
         restarted = [restart.stage_index for restart in self.pipeline.restarts]
-        return [None if isinstance(load, BaseException) else load._replace(restarts=restarted.count(index))
+        return [None if isinstance(load, BaseException) else
+                load._replace(restarts=restarted.count(index), compute=self.pipeline.stages[index].compute)
                 for index, load in enumerate(loads)]
 
     def app(self):
