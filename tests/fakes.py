@@ -7,19 +7,17 @@
   (replays a planner trace); a speculator called in this process is
   ``orchestrator.decoding.targets.InstantDrafter`` (the service drafts with it).
 * Targets without Ray: ``orchestrator.decoding.targets.InstantTarget`` (shared with
-  ``orchestrate profile``, re-exported here), ``truth_target``, and
-  ``EngineChain``, the real stage engines one after another in this process.
+  ``orchestrate profile``, re-exported here) and ``truth_target``; the real
+  stage engines one after another in this process are product code
+  (``orchestrator.in_process.EngineChain``, which the device check runs on).
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 
 from orchestrator.decoding.targets import InPlaceDrafter, InstantTarget
-from orchestrator.transport.messages import PassResult
 from orchestrator.planning.simulation import DraftTrace
-from orchestrator.decoding.schedule import TargetPass
 
 
 class ScriptedSpeculator:
@@ -141,53 +139,3 @@ class TraceTreeDrafter(TraceDrafter):
         limit = min(self.draft_max, self.most or self.draft_max)
         return lookup_tree(TraceLookup(self.truth, self.prompt_length, self.trace), context, limit, 2 * limit,
                            leaves - 1)
-
-
-class EngineChain:
-    """The stage files' engines one after another in this process: a target
-    with real llama.cpp but no Ray and no sockets (one sequence per pass)."""
-
-    def __init__(self, paths: list[str], settings):
-        from stages.engine import StageEngine
-
-        self.engines = [StageEngine(path, settings) for path in paths]
-        self.n_batch = settings.n_batch
-        self.pending: deque[PassResult] = deque()
-
-    def submit(self, target_pass: TargetPass) -> None:
-        import numpy as np
-
-        from speculators.tree import depths
-
-        (window,) = target_pass.windows
-        parents = None if window.parents is None else np.asarray(window.batch_parents, np.int32)
-        positions = (np.arange(window.first, window.first + len(window.inputs), dtype=np.int32) if parents is None
-                     else (window.first + depths(parents)).astype(np.int32))
-        rows = np.asarray(window.logit_rows, dtype=np.int32)
-        hidden = None
-        for engine in self.engines:
-            engine.remove(window.first, window.sequence)
-            if engine.is_first:
-                hidden = engine.decode(positions, tokens=np.asarray(window.inputs, np.int32),
-                                       sequence=window.sequence, logit_rows=rows, parents=parents)
-            else:
-                hidden = engine.decode(positions, hidden=hidden, sequence=window.sequence, logit_rows=rows,
-                                       parents=parents)
-        self.pending.append(PassResult(0, hidden, (0.0,) * len(self.engines)))
-
-    def cancel(self, target_pass: TargetPass) -> None:
-        """Nothing to stop: the pass was computed when submitted."""
-
-    def receive(self) -> PassResult:
-        return self.pending.popleft()
-
-    def await_boundary(self, stage_index: int) -> int:
-        return 0
-
-    def release(self, sequence: int) -> None:
-        for engine in self.engines:
-            engine.remove(0, sequence)
-
-    def close(self) -> None:
-        for engine in self.engines:
-            engine.close()

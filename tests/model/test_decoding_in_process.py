@@ -1,10 +1,10 @@
 """The decoding loop on the real model without Ray: the stage engines one after
-another in this process (tests/fakes.py EngineChain), drafters called in place.
+another in this process (orchestrator.in_process.EngineChain), drafters called in place.
 Every schedule gives the whole model's tokens, greedy and sampled alike."""
 
 import pytest
 
-from fakes import EngineChain
+from orchestrator.in_process import EngineChain
 from orchestrator.decoding.targets import InstantDrafter
 from orchestrator.decoding.drafting import Drafting
 from orchestrator.decoding.loop import generate

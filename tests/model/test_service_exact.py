@@ -1,5 +1,5 @@
 """Many requests at once through the real model (stage engines in this process,
-tests/fakes.py EngineChain, 8 KV sequences): each request's greedy tokens are
+orchestrator.in_process.EngineChain, 8 KV sequences): each request's greedy tokens are
 llama-cpp-python's on the whole model, and a seeded sampled request gets the
 same tokens alone as beside seven others."""
 
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from fakes import EngineChain
+from orchestrator.in_process import EngineChain
 from orchestrator.decoding.service import Progress, Service, ServiceRequest, ServiceSettings
 from speculators.model import ModelSpeculator, load_draft_engine
 from speculators.prompt_lookup import PromptLookupSpeculator
