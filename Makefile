@@ -38,12 +38,15 @@ ifeq ($(filter cpu cuda metal vulkan,$(BACKEND)),)
 $(error BACKEND=$(BACKEND): choose cpu, cuda, metal or vulkan)
 endif
 BACKEND_FLAGS := $(BACKEND_FLAGS_$(BACKEND))
+# more CMake switches for llama.cpp, e.g. newer Vulkan headers than the system's:
+#   make install BACKEND=vulkan LLAMA_CMAKE_ARGS=-DVulkan_INCLUDE_DIR=/opt/vulkan-headers/include
+LLAMA_CMAKE_ARGS ?=
 BACKEND_TAG   := $(if $(filter cpu,$(BACKEND)),,-$(BACKEND)$(if $(filter cuda,$(BACKEND)),-$(CUDA_ARCHITECTURES)))
 WHEEL_CACHE   ?= $(HOME)/.cache/specpipe/wheels
 LLAMA_WHEELS  := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_VERSION)$(BACKEND_TAG)-noamx-nollamafile
 LLAMA_BUILT   := $(LLAMA_WHEELS)/.complete
 
-.PHONY: install run serve test test-tools test-fast mutation peers bench bench-serve calibrate clean
+.PHONY: install run serve test test-tools test-fast mutation peers bench bench-serve calibrate device-bundle device-check clean
 
 install: $(STAMP)
 
@@ -54,7 +57,7 @@ $(BIN)/python:
 $(LLAMA_BUILT): | $(BIN)/python
 	@echo "Building llama-cpp-python $(LLAMA_VERSION) for BACKEND=$(BACKEND) from source (about 5 minutes on 2 cores for the CPU)..."
 	rm -rf $(LLAMA_WHEELS).partial
-	CMAKE_ARGS='-DGGML_LLAMAFILE=OFF $(BACKEND_FLAGS) -DCMAKE_C_FLAGS="$(LLAMA_CFLAGS)" -DCMAKE_CXX_FLAGS="$(LLAMA_CFLAGS)"' \
+	CMAKE_ARGS='-DGGML_LLAMAFILE=OFF $(BACKEND_FLAGS) $(LLAMA_CMAKE_ARGS) -DCMAKE_C_FLAGS="$(LLAMA_CFLAGS)" -DCMAKE_CXX_FLAGS="$(LLAMA_CFLAGS)"' \
 	CMAKE_BUILD_PARALLEL_LEVEL=2 \
 	$(BIN)/python -m pip wheel --quiet --no-deps --no-cache-dir -w $(LLAMA_WHEELS).partial llama-cpp-python==$(LLAMA_VERSION)
 	rm -rf $(LLAMA_WHEELS) && mv $(LLAMA_WHEELS).partial $(LLAMA_WHEELS)
@@ -167,6 +170,21 @@ calibrate: install
 	$(BIN)/orchestrate bench --out benchmarks/results
 	$(BIN)/python -m benchmarks.calibrate --profile benchmarks/results/profile.json \
 	    --bench benchmarks/results/results.json --out benchmarks/results/calibration.md
+
+# The device check (docs/backends.md "The device check"): `make device-bundle`
+# here puts what a GPU machine without a network needs into .device/ (a
+# trimmed llama-cpp-python source, gguf's wheel; 3.5 MiB); there,
+# `make device-check` (or tools/device_check.sh build, then run OUT, as two
+# calls) builds the CUDA wheel and measures into $(DEVICE_OUT). Its CPU form
+# runs in `make test` (tests/model/test_device_check.py).
+DEVICE_OUT ?= device-check
+
+device-bundle: | $(BIN)/python
+	$(BIN)/python tools/device_bundle.py .device
+
+device-check:
+	tools/device_check.sh build
+	tools/device_check.sh run $(DEVICE_OUT)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

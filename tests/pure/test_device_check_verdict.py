@@ -53,3 +53,23 @@ def test_the_random_model_is_a_gguf_file_whose_size_is_its_matrices(tmp_path):
     assert_read_as_the_gguf_package_reads(path)
     matrices = SHAPES["tiny"].file_bytes
     assert matrices < path.stat().st_size < matrices * 1.05
+
+
+def test_the_bundle_keeps_what_a_cuda_build_reads_and_drops_the_rest():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("device_bundle", Path(__file__).parents[2] / "tools" / "device_bundle.py")
+    bundle = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bundle)
+    kept = ["CMakeLists.txt", "llama_cpp/llama.py", "vendor/llama.cpp/CMakeLists.txt", "vendor/llama.cpp/src/llama.cpp",
+            "vendor/llama.cpp/common/common.cpp", "vendor/llama.cpp/vendor/nlohmann/json.hpp",
+            "vendor/llama.cpp/ggml/src/ggml.c", "vendor/llama.cpp/ggml/src/ggml-alloc.c",
+            "vendor/llama.cpp/ggml/src/ggml-backend-impl.h", "vendor/llama.cpp/ggml/src/ggml-cuda/mmq.cu",
+            "vendor/llama.cpp/ggml/src/ggml-cuda", "vendor/llama.cpp/ggml/src/ggml-cpu/ggml-cpu.c"]
+    dropped = [".git/HEAD", "docs/index.md", "tests/test_llama.py", "vendor/llama.cpp/models/ggml-vocab-llama-bpe.gguf",
+               "vendor/llama.cpp/docs/build.md", "vendor/llama.cpp/tools/server/server.cpp",
+               "vendor/llama.cpp/ggml/src/ggml-vulkan", "vendor/llama.cpp/ggml/src/ggml-vulkan/ggml-vulkan.cpp",
+               "vendor/llama.cpp/ggml/src/ggml-sycl/ggml-sycl.cpp", "vendor/llama.cpp/examples/simple/simple.cpp"]
+    assert [path for path in kept if bundle.dropped(path)] == []
+    assert [path for path in dropped if not bundle.dropped(path)] == []
