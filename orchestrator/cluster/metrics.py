@@ -9,9 +9,6 @@ each stage actor records its own pass latency and KV cells in use.
 
 from __future__ import annotations
 
-import functools
-from types import SimpleNamespace
-
 ACCEPTED_LENGTH_BOUNDARIES = [1.5, 2.5, 3.5, 4.5, 6.5, 8.5, 12.5, 16.5]
 PASS_SECONDS_BOUNDARIES = [0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]
 
@@ -37,32 +34,24 @@ class StageMetrics:
         self.sequences.set(sequences, tags=self.tags)
 
 
-@functools.cache
-def _generation_instruments() -> SimpleNamespace:
-    """Made once per process: a second Ray metric of the same name in a process is
-    not exported (seen in make test: a second run's counter stayed at the first's total)."""
-    from ray.util.metrics import Counter, Gauge, Histogram
-
-    return SimpleNamespace(
-        tokens=Counter("specpipe_generated_tokens", description="Tokens generated."),
-        rate=Gauge("specpipe_tokens_per_second", description="Generation-phase tokens/s of the current request."),
-        acceptance=Gauge("specpipe_acceptance_rate", description="Accepted / verified draft tokens, current request."),
-        accepted_length=Histogram("specpipe_accepted_length", description="Tokens committed per target pass.",
-                                  boundaries=ACCEPTED_LENGTH_BOUNDARIES),
-        hop=Gauge("specpipe_hop_seconds", description="Mean transport time of one hop between processes."),
-        drafter_busy=Gauge("specpipe_drafter_busy_fraction", description="Drafting time / generation time, per drafter.",
-                           tag_keys=("drafter",)),
-    )
-
-
 class GenerationMetrics:
     """Recorded by the coordinator after each pass of a generation."""
 
     def __init__(self):
-        instruments = _generation_instruments()
-        self.tokens, self.rate, self.acceptance = instruments.tokens, instruments.rate, instruments.acceptance
-        self.accepted_length, self.hop, self.drafter_busy = (instruments.accepted_length, instruments.hop,
-                                                             instruments.drafter_busy)
+        from ray.util.metrics import Counter, Gauge, Histogram
+
+        self.tokens = Counter("specpipe_generated_tokens", description="Tokens generated.")
+        self.rate = Gauge("specpipe_tokens_per_second", description="Generation-phase tokens/s of the current request.")
+        self.acceptance = Gauge("specpipe_acceptance_rate", description="Accepted / verified draft tokens, current request.")
+        self.accepted_length = Histogram(
+            "specpipe_accepted_length", description="Tokens committed per target pass.",
+            boundaries=ACCEPTED_LENGTH_BOUNDARIES,
+        )
+        self.hop = Gauge("specpipe_hop_seconds", description="Mean transport time of one hop between processes.")
+        self.drafter_busy = Gauge(
+            "specpipe_drafter_busy_fraction", description="Drafting time / generation time, per drafter.",
+            tag_keys=("drafter",),
+        )
         self._counted = 0
 
     def record(self, generation, committed: int, hop_seconds: float, drafters) -> None:
