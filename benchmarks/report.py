@@ -14,6 +14,10 @@ def _number(value, digits: int = 2) -> str:
 
 def markdown(results: dict) -> str:
     lines = [f"# Benchmark results\n\n{results['command']}\n\n{results['machine']}; one thread per process, greedy.\n"]
+    if results.get("cost_curve"):  # every figure below is emulated
+        lines.append(f"**Emulated**: every stage pass lasts at least the time of the cost curve "
+                     f"\"{results['cost_curve']['name']}\" for its width (x whole compares with the real, "
+                     "unemulated whole model).\n")
     for scenario in results["scenarios"]:
         lines.append(
             f"## {scenario['scenario']}: {scenario['description']}\n\n"
@@ -65,7 +69,8 @@ def chart(results: dict, path: Path) -> None:
         axis.bar(range(len(rows)), medians, yerr=[low, high], capsize=4, color=colours)
         axis.set_xticks(range(len(rows)), [row["mode"] for row in rows], rotation=30, ha="right")
         axis.set_ylabel("tokens/s (median, min-max)")
-        axis.set_title(f"{scenario['scenario']} ({scenario['stages']} stages)")
+        emulated = f", emulated: {results['cost_curve']['name']}" if results.get("cost_curve") else ""
+        axis.set_title(f"{scenario['scenario']} ({scenario['stages']} stages{emulated})", fontsize=9 if emulated else None)
         axis.grid(axis="y", alpha=0.3)
     figure.tight_layout()
     figure.savefig(path, dpi=110)

@@ -187,9 +187,11 @@ def prompts_of(tokenizer, scenario: Scenario) -> list[list[int]]:
 
 
 def run_scenario(
-    scenario: Scenario, workdir: Path, progress: Callable[[int, int], None] | None = None
+    scenario: Scenario, workdir: Path, progress: Callable[[int, int], None] | None = None, cost_curve=None
 ) -> dict:
-    """Run every mode of a scenario; return its figures (see summarise)."""
+    """Run every mode of a scenario; return its figures (see summarise).
+    cost_curve: a stages.cost_curve.CostCurve every stage pass and draft-model
+    step is held to (emulated figures), or None."""
     from benchmarks.reference import WholeModel
     from benchmarks.side_by_side import draft_steps
     from orchestrator.cluster.drafters import DrafterSettings, start_drafters, stop_drafters
@@ -204,7 +206,8 @@ def run_scenario(
 
     model, stage_paths = _stage_paths(scenario, workdir)
     trees = "ngram" in scenario.speculators
-    settings = StageSettings(n_ctx=BENCH_CONTEXT, threads=1, tree_sequences=BENCH_TREE_LEAVES - 1 if trees else 0)
+    settings = StageSettings(n_ctx=BENCH_CONTEXT, threads=1, tree_sequences=BENCH_TREE_LEAVES - 1 if trees else 0,
+                             cost_curve=cost_curve)
     tokenizer = Tokenizer(stage_paths[0])
     prompts = prompts_of(tokenizer, scenario)
     whole = WholeModel(model)

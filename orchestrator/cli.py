@@ -111,6 +111,14 @@ class PipelineOptions:
     wire_dtype: str
     max_restarts: int
     tls: bool
+    cost_curve: object = None  # stages.cost_curve.CostCurve (--cost-curve, measurements only), or None
+
+    def stage_settings(self, n_ctx: int, **more):
+        """Every stage's llama.cpp settings, from these options and the command's own."""
+        from stages.settings import StageSettings
+
+        return StageSettings(n_ctx=n_ctx, threads=self.threads, n_gpu_layers=self.n_gpu_layers,
+                             cost_curve=self.cost_curve, **more)
 
     def settings_fields(self) -> dict:
         """The fields RunSettings and ServeSettings take from these options
@@ -124,6 +132,21 @@ class PipelineOptions:
                     place=self.place, wire_dtype=self.wire_dtype, max_restarts=self.max_restarts, tls=self.tls)
 
 
+COST_CURVE_OPTION = click.option(
+    "--cost-curve", metavar="CURVE",
+    help="For measurements: every stage pass lasts at least this curve's time for its width, emulating other "
+         "machines (SETUP.toml@MS, device-check.json or a curve file; docs/measurements.md). Tokens are unchanged.")
+
+
+def _cost_curve(spec: str | None):
+    """--cost-curve's CostCurve, or None."""
+    if spec is None:
+        return None
+    from orchestrator.planning.curves import load_cost_curve
+
+    return load_cost_curve(spec)
+
+
 def pipeline_options(what: str):
     """FILES, --model-split, --model (and --stages, --boundaries, --profile),
     --address, --place, --threads, --n-gpu-layers, --wire-dtype,
@@ -134,14 +157,15 @@ def pipeline_options(what: str):
         @functools.wraps(command)
         @one_line_errors
         def wrapper(*args, files, model_split, whole_model, stage_count, boundaries, profiles, address, place,
-                    threads, n_gpu_layers, wire_dtype, max_restarts, tls, **kwargs):
+                    threads, n_gpu_layers, wire_dtype, max_restarts, tls, cost_curve, **kwargs):
             from orchestrator.cluster.placement import parse_place
 
             if model_split and not files:
                 raise click.UsageError("--model-split needs the stage files, e.g. --model-split a.gguf b.gguf")
             whole = _whole_model_settings(files, address, whole_model, stage_count, boundaries, profiles)
-            pipeline = PipelineOptions([] if whole is not None else [str(path) for path in files], whole, address, parse_place(place) if place else None, threads,
-                                       n_gpu_layers, wire_dtype, max_restarts, tls)
+            pipeline = PipelineOptions([] if whole is not None else [str(path) for path in files], whole, address,
+                                       parse_place(place) if place else None, threads, n_gpu_layers, wire_dtype,
+                                       max_restarts, tls, _cost_curve(cost_curve))
             return command(*args, pipeline=pipeline, **kwargs)
 
         return _options(wrapper, [
@@ -174,6 +198,7 @@ def pipeline_options(what: str):
                          help="Restarts of each stage (and drafter) that dies; a restarted stage is rebuilt by replay."),
             click.option("--tls", is_flag=True, help="Encrypt the chain between stages (TLS 1.3, a certificate made "
                                                      "for this run); docs/security.md."),
+            COST_CURVE_OPTION,
         ])
 
     return decorate
@@ -288,7 +313,6 @@ def run(pipeline: PipelineOptions, speculation, prompt, prompt_file, chat, max_t
         n_ctx, dashboard, as_json) -> None:
     """Generate text through a pipeline of stages (default: SmolLM2-135M split in two)."""
     from orchestrator.run import RunSettings, run_generation
-    from stages.settings import StageSettings
 
     prompt, chat = _prompt_of(prompt, prompt_file, chat)
     settings = RunSettings(
@@ -297,7 +321,7 @@ def run(pipeline: PipelineOptions, speculation, prompt, prompt_file, chat, max_t
         chat=chat,
         max_tokens=max_tokens,
         sampling=SamplingSettings(temperature=temperature, top_p=top_p, seed=seed),
-        stage=StageSettings(n_ctx=n_ctx, threads=pipeline.threads, n_gpu_layers=pipeline.n_gpu_layers),
+        stage=pipeline.stage_settings(n_ctx),
         speculation=speculation,
         dashboard=dashboard,
     )
@@ -392,7 +416,6 @@ def serve(pipeline: PipelineOptions, speculation, host, port, api_key, model_nam
     """Serve the model (default: SmolLM2-135M split in two) with the OpenAI API until Ctrl-C or SIGTERM.
     Requests draft as ``run`` does (in this process: prompt lookup, or a draft model with a KV sequence per request)."""
     from orchestrator.serving.deployment import ServeSettings, serve_until_stopped
-    from stages.settings import StageSettings
 
     if speculation.tree_leaves > 1 and max_sequences not in (None, 1):  # stages.engine: trees beside one sequence
         raise click.UsageError("token trees (--tree-leaves) need --max-sequences 1")
@@ -401,8 +424,7 @@ def serve(pipeline: PipelineOptions, speculation, host, port, api_key, model_nam
                                "KV cells per stage")
     settings = ServeSettings(
         **pipeline.settings_fields(),
-        stage=StageSettings(n_ctx=n_ctx, threads=pipeline.threads, n_gpu_layers=pipeline.n_gpu_layers,
-                            sequences=max_sequences or 0),
+        stage=pipeline.stage_settings(n_ctx, sequences=max_sequences or 0),
         queue_limit=queue_limit,
         model_name=model_name,
         speculation=speculation,
@@ -423,9 +445,10 @@ def serve(pipeline: PipelineOptions, speculation, host, port, api_key, model_nam
 @click.option("--serve", "serving", is_flag=True,
               help="Instead: servers under concurrent load (this server with 2 stages and whole, and "
                    "llama-cpp-python's server), into serve.json, serve.md and serve.png.")
+@COST_CURVE_OPTION
 @one_line_errors
 def bench(out_dir: Path, quick: bool, names: tuple[str, ...], folder: Path | None, address: str | None,
-          serving: bool) -> None:
+          serving: bool, cost_curve: str | None) -> None:
     """Run the benchmark scenarios, every mode side by side; exit 1 if any mode's output differs."""
     import platform
     import tempfile
@@ -434,14 +457,20 @@ def bench(out_dir: Path, quick: bool, names: tuple[str, ...], folder: Path | Non
     from benchmarks.suite import SCENARIO_DIR, load_scenarios, run_scenario
     from orchestrator.cluster.connect import ray_session
 
+    if serving and cost_curve:  # its peers run as llama.cpp's own servers, which no curve can hold
+        raise click.UsageError("--cost-curve is not taken by --serve yet: emulate serve with orchestrate serve "
+                               "--cost-curve and a load of your own")
     if serving:
         _bench_serve(out_dir, quick)
         return
+    curve = _cost_curve(cost_curve)
 
     scenarios = load_scenarios(folder or SCENARIO_DIR, quick=quick, only=list(names) or None)
     results: dict = {
         "command": "orchestrate bench " + " ".join(sys.argv[2:]),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        # emulated figures name their curve; the spec lets `orchestrate plan --bench` predict under it
+        "cost_curve": {"spec": cost_curve, "name": curve.name} if curve else None,
         "scenarios": [],
     }
     with ray_session(address, num_cpus=os.cpu_count()) as where, tempfile.TemporaryDirectory() as workdir:
@@ -449,7 +478,7 @@ def bench(out_dir: Path, quick: bool, names: tuple[str, ...], folder: Path | Non
             click.echo(f"[{where}]", err=True)
         for scenario in scenarios:
             results["scenarios"].append(
-                run_scenario(scenario, Path(workdir), progress=_progress_bar(f"{scenario.name:14s}"))
+                run_scenario(scenario, Path(workdir), progress=_progress_bar(f"{scenario.name:14s}"), cost_curve=curve)
             )
     for path in write_results(results, out_dir):
         click.echo(str(path))

@@ -67,6 +67,7 @@ class RunOutcome:
     hop_seconds: float
     restarts: list[StageRestart]
     shipments: list[Shipment] = dataclasses.field(default_factory=list)
+    cost_curve: str | None = None  # the emulated cost curve's name (--cost-curve): every time is emulated
 
     def as_json(self) -> dict:
         generation = self.generation
@@ -91,6 +92,7 @@ class RunOutcome:
             "tree_side_rows": stats.side_rows,
             "tree_side_accepted": stats.side_accepted,
             "refed_tokens": stats.refed_tokens,
+            "cost_curve": self.cost_curve,
             "backend": ",".join(sorted({stage.compute.backend for stage in self.stages if stage.compute})) or None,
             "stages": [
                 {
@@ -140,8 +142,9 @@ class RunOutcome:
             f"; stage {restart.stage_index} restarted after it died ({restart.reason}) in {restart.seconds:.1f} s"
             for restart in self.restarts
         )
+        emulated = f" (emulated: {self.cost_curve})" if self.cost_curve else ""
         return (
-            f"[{len(generation.tokens)} tokens, {generation.tokens_per_second:.1f} tokens/s{speculation}, "
+            f"[{len(generation.tokens)} tokens, {generation.tokens_per_second:.1f} tokens/s{emulated}{speculation}, "
             f"{len(self.stages)} stages: {placed}; hop {self.hop_seconds * 1e6:.0f} us{restarts}]"
         )
 
@@ -163,7 +166,8 @@ def speculator_factory(settings: SpeculationSettings, tokenizer: Tokenizer, stag
     if settings.speculator == "model":
         check_draft_model(settings.draft_path, tokenizer)
         return functools.partial(
-            ModelSpeculator, settings.draft_path, p_min=settings.draft_p_min, n_ctx=stage.n_ctx, threads=stage.threads
+            ModelSpeculator, settings.draft_path, p_min=settings.draft_p_min, n_ctx=stage.n_ctx, threads=stage.threads,
+            step_seconds=stage.cost_curve.draft_seconds if stage.cost_curve else 0.0,
         )
     return None
 
@@ -281,8 +285,9 @@ def _generate_through(pipeline: Pipeline, settings: RunSettings, prepared, resta
         speculator_reports = [SpeculatorReport(client.index, client.node_id, client.busy_seconds, client.lost_reason,
                                                client.restarts) for client in drafters]
         stop_drafters(drafters)
+    curve = settings.stage.cost_curve
     return RunOutcome(text.finish(), generation, pipeline.reports(), speculator_reports, pipeline.hop_seconds,
-                      list(pipeline.restarts), list(pipeline.shipments))
+                      list(pipeline.restarts), list(pipeline.shipments), curve.name if curve else None)
 
 
 def _prepare(settings: RunSettings, tokenizer: Tokenizer):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -35,24 +36,36 @@ class ModelSpeculator:
     context rolls it back to the common prefix and decodes only what is new.
     ``ModelSpeculator(path)`` loads its own draft model; ``on(engine, sequence)``
     drafts in one KV sequence of a draft model shared by several requests.
+    step_seconds: under an emulated cost curve (stages.cost_curve), the least
+    time one step (one drafted token) takes; 0: as long as it really takes.
     """
 
-    def __init__(self, path: str, *, p_min: float = 0.0, n_ctx: int = 4096, threads: int = 1):
-        self._use(load_draft_engine(path, n_ctx=n_ctx, threads=threads), 0, p_min)
+    def __init__(self, path: str, *, p_min: float = 0.0, n_ctx: int = 4096, threads: int = 1,
+                 step_seconds: float = 0.0):
+        self._use(load_draft_engine(path, n_ctx=n_ctx, threads=threads), 0, p_min, step_seconds)
 
     @classmethod
-    def on(cls, engine, sequence: int, p_min: float = 0.0) -> ModelSpeculator:
+    def on(cls, engine, sequence: int, p_min: float = 0.0, step_seconds: float = 0.0) -> ModelSpeculator:
         speculator = cls.__new__(cls)
-        speculator._use(engine, sequence, p_min)
+        speculator._use(engine, sequence, p_min, step_seconds)
         return speculator
 
-    def _use(self, engine, sequence: int, p_min: float) -> None:
+    def _use(self, engine, sequence: int, p_min: float, step_seconds: float) -> None:
         self.engine = engine
         self.sequence = sequence
         self.p_min = p_min
+        self.step_seconds = step_seconds
         self.cached: list[int] = []  # tokens at positions 0..len-1 of the draft's KV sequence
 
     def extend(self, context: Sequence[int]) -> int | None:
+        started = time.perf_counter()
+        token = self._next_token(context)
+        rest = self.step_seconds - (time.perf_counter() - started)
+        if rest > 0:
+            time.sleep(rest)
+        return token
+
+    def _next_token(self, context: Sequence[int]) -> int | None:
         keep = min(common_prefix_length(self.cached, context), len(context) - 1)  # always decode the last token
         self.engine.remove(keep, self.sequence)
         del self.cached[keep:]

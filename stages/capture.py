@@ -22,6 +22,7 @@ import hashlib
 import os
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -86,12 +87,19 @@ class AbortFlag:
         self.callback = ctypes.cast(self._library.specpipe_abort_requested, ctypes.c_void_p).value
         self._flag = ctypes.c_int(0)
         self.user_data = ctypes.addressof(self._flag)
+        self._event = threading.Event()  # the same flag, for a Python thread to wait on
 
     def set(self) -> None:
         self._flag.value = 1
+        self._event.set()
 
     def clear(self) -> None:
         self._flag.value = 0
+        self._event.clear()
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep ``seconds``, or until the flag is set; True when it was."""
+        return self._event.wait(seconds)
 
     @property
     def is_set(self) -> bool:

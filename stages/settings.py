@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from stages.cost_curve import CostCurve
+
 DEFAULT_CONTEXT = 4096  # KV cache positions per sequence
 DEFAULT_BATCH = 512  # tokens per llama_decode call, as Llama's default
 ALL_LAYERS = -1  # n_gpu_layers: every layer this build can offload
@@ -27,6 +29,8 @@ class StageSettings:
     tree_sequences: extra KV sequence ids for token trees' side leaves (a tree
     of up to tree_sequences + 1 leaves per pass; 0: chains only). Needs
     sequences = 1 (stages.engine says why).
+    cost_curve: for measurements only, the emulated costs of other machines
+    (stages.cost_curve): every pass then lasts at least the curve's time.
     """
 
     n_ctx: int = DEFAULT_CONTEXT
@@ -35,3 +39,4 @@ class StageSettings:
     n_batch: int = DEFAULT_BATCH
     sequences: int = 1
     tree_sequences: int = 0
+    cost_curve: CostCurve | None = None

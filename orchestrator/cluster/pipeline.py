@@ -77,6 +77,8 @@ class Pipeline:
         self.split = None  # the whole model's SplitPlan, once shipped
         self.shipments: list[Shipment] = []  # every stage file shipped, restarts' too
         stage_count = self.whole_model.stage_count if self.whole_model else len(stage_paths)
+        if settings.cost_curve is not None:  # before anything is placed
+            settings.cost_curve.check(stage_count)
         self.stage_paths = [""] * stage_count if self.whole_model else list(stage_paths)
         self.settings = settings
         self.wire_dtype = wire_dtype

@@ -20,36 +20,13 @@ per row, not its logits. Pure Python; no Ray, no llama.cpp.
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from stages.cost_curve import BatchCurve, StageCurve
+
 FLOAT_BYTES = 4
 TOKEN_BYTES = 4  # a token id chosen beside the last stage, what travels back instead of a logits row
-
-
-@dataclass(frozen=True)
-class BatchCurve:
-    """Seconds for a batch of n tokens, measured at ``sizes``; linear in n
-    between them and beyond the largest (a batch's cost grows with n once the
-    arithmetic, not the weight reads, dominates)."""
-
-    sizes: tuple[int, ...]
-    seconds: tuple[float, ...]
-
-    def __post_init__(self):
-        if len(self.sizes) != len(self.seconds) or not self.sizes or list(self.sizes) != sorted(set(self.sizes)):
-            raise ValueError("a batch curve needs increasing sizes, one time each")
-
-    def at(self, tokens: int) -> float:
-        sizes, seconds = self.sizes, self.seconds
-        if len(sizes) == 1 or tokens <= sizes[0]:
-            return seconds[0]
-        index = min(bisect.bisect_left(sizes, tokens), len(sizes) - 1)
-        low, high = index - 1, index
-        slope = (seconds[high] - seconds[low]) / (sizes[high] - sizes[low])
-        return seconds[low] + slope * (tokens - sizes[low])
-
 
 
 @dataclass(frozen=True)

@@ -154,7 +154,8 @@ class Coordinator:
             self.draft_engine = load_draft_engine(speculation.draft_path, n_ctx=settings.stage.n_ctx + speculation.draft_max,
                                                   threads=settings.stage.threads, sequences=settings.stage.sequences)
             engine, p_min = self.draft_engine, speculation.draft_p_min
-            return lambda sequence: ModelSpeculator.on(engine, sequence, p_min)
+            step = settings.stage.cost_curve.draft_seconds if settings.stage.cost_curve else 0.0
+            return lambda sequence: ModelSpeculator.on(engine, sequence, p_min, step)
         return None
 
     async def stage_load(self):

@@ -44,6 +44,7 @@ from orchestrator.transport.handshake import (
 from orchestrator.transport.messages import Boundary, Cancel, Cancelled, PassResult, Shutdown, StageBatch, StageFailure
 from speculators.tree import verify_rows
 from stages.backend import StageCompute
+from stages.cost_curve import CostCurveError, StageCurve
 from stages.engine import PassAborted, StageEngine, StageError
 from stages.settings import StageSettings
 
@@ -88,6 +89,14 @@ class StageServer:
         self.secret = secret
         self.certificate = certificate
         self.engine = StageEngine(path, settings)
+        # --cost-curve (measurements only): the least time each pass takes, emulating other machines
+        self.floor: StageCurve | None = None
+        if settings.cost_curve is not None:
+            try:
+                self.floor = settings.cost_curve.stage(self.engine.stage_index, self.engine.stage_count)
+            except CostCurveError as error:
+                self.engine.close()
+                raise StageError(f"{path}: {error}") from None
         # called after each pass with (compute seconds, KV cells held, sequences held); the Ray shell records metrics
         self.on_pass: Callable[[float, int], None] | None = None
         self.wire_dtype = WIRE_DTYPES[wire_dtype]
@@ -285,6 +294,16 @@ class StageServer:
                 self._running_pass = None
                 self.engine.abort.clear()
 
+    def _hold_to_curve(self, positions: np.ndarray, started: float) -> None:
+        """Under --cost-curve, sleep until the pass has lasted the curve's time
+        for its width and context; a cancel ends the sleep (PassAborted), as
+        it would stop the pass on the emulated machine."""
+        if self.floor is None or len(positions) == 0:
+            return
+        rest = self.floor.seconds(len(positions), int(positions.max()) + 1) - (time.perf_counter() - started)
+        if rest > 0 and self.engine.abort.wait(rest):
+            raise PassAborted("cancelled while the emulated pass ran")
+
     def close(self) -> None:
         """The stage is done: stop listening and free the model."""
         self.listener.close()
@@ -307,6 +326,7 @@ class StageServer:
                 choice = batch.choice
                 chosen = np.array(verify_rows(choice.drafts.tolist(), choice.parents, output, choice.first_position,
                                               choice.sampling), np.int32)
+            self._hold_to_curve(batch.positions, started)
         except PassAborted:
             self.stopped_passes += 1
             return Cancelled(batch.pass_id, engine.stage_index,

@@ -18,6 +18,8 @@ from orchestrator.transport.handshake import accept_peer, cancel_role, connect_p
 from orchestrator.transport.messages import Boundary, Cancel, Cancelled, StageBatch, StageFailure
 from orchestrator.workers.stage_server import StageServer
 from stages.backend import detect
+from stages.cost_curve import BatchCurve, CostCurve, StageCurve
+from stages.engine import StageError
 from stages.settings import ALL_LAYERS, StageSettings
 
 SECRET = b"k" * 32
@@ -247,3 +249,69 @@ def test_anything_but_a_cancel_on_the_cancel_connection_fails_the_next_pass(canc
     wire.send_message(upstream, numbered(1, PROMPT))
     failure = wire.receive_message(downstream)
     assert failure == StageFailure(1, 0, "the cancel connection sent Boundary, not a cancel")
+
+
+# -- under an emulated cost curve (--cost-curve, stages.cost_curve)
+
+# 120 ms for one token, 240 ms for 8, and 1 ms per position of context: far above this stage's real compute
+EMULATED = CostCurve("test curve", stages=(StageCurve(BatchCurve((1, 8), (0.120, 0.240)), context_seconds=0.001),))
+
+
+@pytest.fixture
+def emulated_stage(splits):
+    """(server, upstream, downstream, cancels) of the first stage held to EMULATED."""
+    server = StageServer(splits[2][0], StageSettings(n_ctx=64, n_batch=16, cost_curve=EMULATED), "127.0.0.1", "node",
+                         secret=SECRET)
+    for server, upstream, downstream in serving(server):
+        listener = wire.listen("127.0.0.1")
+        accepting = ThreadPoolExecutor(1).submit(accept_peer, listener, SECRET, cancel_role(0), 30)
+        server.connect_cancel(*listener.getsockname())
+        cancels = accepting.result(timeout=30)
+        yield server, upstream, downstream, cancels
+        cancels.close()
+        listener.close()
+
+
+def test_an_emulated_pass_never_returns_before_its_curve_time_and_computes_the_same(emulated_stage, stage):
+    """The emulator's contract: each pass lasts at least the curve's time for
+    its width and context (it reports that time as the stage's), and the
+    hidden states are bit for bit the unemulated stage's."""
+    server, upstream, downstream, _ = emulated_stage
+    for pass_id, (first, tokens) in enumerate([(0, PROMPT), (len(PROMPT), NEXT)], start=1):
+        started = time.perf_counter()
+        wire.send_message(upstream, numbered(pass_id, tokens, first=first))
+        emulated = wire.receive_message(downstream)
+        elapsed = time.perf_counter() - started
+        least = EMULATED.stages[0].seconds(len(tokens), first + len(tokens))
+        assert elapsed >= least and emulated.stage_seconds[-1] >= least
+        plain_server, plain_up, plain_down = stage
+        wire.send_message(plain_up, numbered(pass_id, tokens, first=first))
+        np.testing.assert_array_equal(emulated.hidden, wire.receive_message(plain_down).hidden)
+
+
+def test_a_cancel_ends_an_emulated_pass_as_it_would_stop_a_real_one(splits):
+    """A cancel that comes while the stage sleeps out its curve time stops the
+    pass (Cancelled), as it stops one llama.cpp is computing; the next pass is exact."""
+    slow = CostCurve("slow", stages=(StageCurve(BatchCurve((1,), (600.0,))),))
+    server = StageServer(splits[2][0], StageSettings(n_ctx=64, n_batch=16, cost_curve=slow), "127.0.0.1", "node",
+                         secret=SECRET)
+    for server, upstream, downstream in serving(server):
+        listener = wire.listen("127.0.0.1")
+        accepting = ThreadPoolExecutor(1).submit(accept_peer, listener, SECRET, cancel_role(0), 30)
+        server.connect_cancel(*listener.getsockname())
+        cancels = accepting.result(timeout=30)
+        wire.send_message(upstream, numbered(1, PROMPT))
+        wait_until(lambda: server._running_pass == 1)
+        time.sleep(2)  # llama.cpp's 8 tokens take milliseconds: the stage now sleeps out the curve
+        wire.send_message(cancels, Cancel(1))
+        stopped = wire.receive_message(downstream)  # downstream's 30 s timeout: never the 600 s of the curve
+        assert isinstance(stopped, Cancelled) and stopped.pass_id == 1
+        assert server.stopped_passes == 1 and not server.engine.abort.is_set
+        cancels.close()
+        listener.close()
+
+
+def test_a_curve_for_another_number_of_stages_is_refused_naming_the_file(splits):
+    two = CostCurve("two stages", stages=(EMULATED.stages[0],) * 2)
+    with pytest.raises(StageError, match=r"the cost curve 'two stages' has 2 stages, the pipeline 3$"):
+        StageServer(splits[3][0], StageSettings(n_ctx=64, cost_curve=two), "127.0.0.1", "node", secret=SECRET)

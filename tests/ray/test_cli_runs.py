@@ -2,8 +2,11 @@
 (``--address``), and with a local Ray of its own where that start is the point."""
 
 import json
+from pathlib import Path
 
 from conftest import PROMPTS, orchestrate
+
+SETUPS = Path(__file__).parents[2] / "benchmarks" / "setups"
 
 
 def test_split_then_run_json_equals_llama(smollm2, reference, tmp_path, orchestrate_on_cluster):
@@ -98,3 +101,27 @@ def test_run_with_speculation_reports_its_figures(splits, orchestrate_on_cluster
     assert speculative["draft_tokens_wasted"] >= 0
     assert [entry["index"] for entry in speculative["speculators"]] == [0, 1]
     assert all(entry["lost"] == "" for entry in speculative["speculators"])
+
+
+def test_a_run_under_an_emulated_cost_curve_keeps_its_tokens_and_lasts_the_curve(splits, reference, tmp_path,
+                                                                                   orchestrate_on_cluster):
+    """--cost-curve (a curve file, 40 ms a pass whatever its width): prompt
+    lookup in async through 2 stages still gives the whole model's tokens,
+    the report names the curve, and every pass each stage ran lasted it."""
+    curve = tmp_path / "flat.json"
+    curve.write_text(json.dumps({"name": "flat 40 ms", "stages": [{"tokens": [1], "ms": [40]}]}))
+    prompt = "Repeat exactly: one two three four five six seven eight."
+    result = orchestrate_on_cluster("run", "--model-split", *splits[2], "--prompt", prompt, "--max-tokens", "16",
+                                    "--json", "--cost-curve", str(curve), "--speculator", "ngram", "--schedule",
+                                    "async")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["tokens"] == reference.greedy(reference.tokenize(prompt), 16).tokens
+    assert report["cost_curve"] == "flat 40 ms"
+    for stage in report["stages"]:  # passes dropped unread never ran; stopped ones were cut short
+        completed = report["target_passes"] - stage["passes_dropped"] - stage["passes_stopped"]
+        assert stage["busy_seconds"] >= 0.040 * completed
+    three = orchestrate_on_cluster("run", "--model-split", *splits[3], "--max-tokens", "2", "--cost-curve",
+                                   f"{SETUPS / 'llama-405b-two-machines.toml'}@40")
+    assert three.returncode == 1 and three.stderr.strip().splitlines() == [
+        "error: the cost curve 'llama-405b-two-machines at 40 ms' has 2 stages, the pipeline 3"]
