@@ -570,9 +570,10 @@ def profile(stage_files, whole_path, draft_path, out_path, repetitions, threads)
 @click.option("--bench", "bench_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="With --profile: predict every mode of this bench results.json and show it beside the measurement.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@COST_CURVE_OPTION
 @one_line_errors
 def plan(setup_file, profile_path, acceptance, first_acceptance, availability, continuation, drafter, max_tokens,
-         draft_max, bench_path, as_json) -> None:
+         draft_max, bench_path, as_json, cost_curve) -> None:
     """Predict tokens/s of the plain pipeline and both speculative schedules; recommend a split and draft length."""
     from dataclasses import replace
 
@@ -586,7 +587,7 @@ def plan(setup_file, profile_path, acceptance, first_acceptance, availability, c
     if bench_path is not None:
         if profile_path is None:
             raise click.UsageError("--bench needs --profile (the machine the bench ran on)")
-        _plan_against_bench(profile_path, bench_path, as_json)
+        _plan_against_bench(profile_path, bench_path, as_json, cost_curve)
         return
     overrides = {name: value for name, value in (
         ("acceptance", acceptance), ("first_acceptance", first_acceptance),
@@ -605,6 +606,10 @@ def plan(setup_file, profile_path, acceptance, first_acceptance, availability, c
         setup = replace(setup, draft_lengths=(draft_max,))
     if setup.behaviour is not None and setup.draft_seconds is None:
         raise click.UsageError("speculation needs a draft cost: add a [draft] table to the setup")
+    if cost_curve is not None:
+        from orchestrator.planning.curves import under_curve
+
+        setup = under_curve(setup, _cost_curve(cost_curve), draft=setup_file is not None or drafter == "model")
     recommendation = recommend(setup)
     if as_json:
         click.echo(json.dumps(plan_json(setup, recommendation)))
@@ -613,7 +618,9 @@ def plan(setup_file, profile_path, acceptance, first_acceptance, availability, c
         click.echo(line)
 
 
-def _plan_against_bench(profile_path: Path, bench_path: Path, as_json: bool) -> None:
+def _plan_against_bench(profile_path: Path, bench_path: Path, as_json: bool, cost_curve: str | None) -> None:
+    """Every mode of a bench predicted beside its measurement; under the
+    bench's own cost curve when it ran under one (--cost-curve overrides it)."""
     from dataclasses import asdict
 
     from orchestrator.planning.against_bench import predict_scenario
@@ -621,10 +628,16 @@ def _plan_against_bench(profile_path: Path, bench_path: Path, as_json: bool) -> 
 
     profile = read_profile(profile_path)
     try:
-        scenarios = json.loads(bench_path.read_text())["scenarios"]
+        results = json.loads(bench_path.read_text())
+        scenarios = results["scenarios"]
     except (json.JSONDecodeError, KeyError, TypeError):
         raise click.ClickException(f"{bench_path}: not a results.json written by orchestrate bench") from None
-    predictions = [prediction for scenario in scenarios for prediction in predict_scenario(profile, scenario)]
+    spec = cost_curve or (results.get("cost_curve") or {}).get("spec")
+    curve = _cost_curve(spec)
+    if curve is not None and not as_json:
+        click.echo(f"emulated: {curve.name}")
+    predictions = [prediction for scenario in scenarios
+                   for prediction in predict_scenario(profile, scenario, curve=curve)]
     if as_json:
         click.echo(json.dumps([asdict(prediction) for prediction in predictions]))
         return

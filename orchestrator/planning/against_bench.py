@@ -35,10 +35,12 @@ from dataclasses import dataclass, replace
 
 from orchestrator.config import BENCH_TREE_LEAVES
 from orchestrator.planning.costs import Software
+from orchestrator.planning.curves import under_curve
 from orchestrator.planning.inputs import PlanError
 from orchestrator.planning.loaders import setup_from_profile
 from orchestrator.planning.simulation import DraftBehaviour, DraftTrace, Mode, predict
 from speculators.draft_length import ask_cost
+from stages.cost_curve import CostCurve
 
 RUNS = 64
 IN_PROCESS = Software(hop_seconds=0.0, coordinator_pass_seconds=0.0, coordinator_row_seconds=0.0,
@@ -87,7 +89,11 @@ def measured_behaviour(scenario: dict, kind: str) -> DraftBehaviour | None:
     return None
 
 
-def predict_scenario(profile: dict, scenario: dict, runs: int = RUNS) -> list[ModePrediction]:
+def predict_scenario(profile: dict, scenario: dict, runs: int = RUNS, curve: CostCurve | None = None
+                     ) -> list[ModePrediction]:
+    """curve: the cost curve the bench held its stages to (--cost-curve), which
+    then prices the pipelined modes' stages (and a draft model's step); the
+    profile still gives the software's costs, prompt lookup's and the whole model's."""
     if "stage_starts" not in scenario or "draft_max" not in scenario:
         raise PlanError(f"scenario {scenario.get('scenario')}: results from an older bench; run orchestrate bench again")
     starts = tuple(scenario["stage_starts"])
@@ -95,6 +101,8 @@ def predict_scenario(profile: dict, scenario: dict, runs: int = RUNS) -> list[Mo
     machine = base.machines[0]
     split = replace(base, machines=[machine] * len(starts), links=[None] * len(starts), starts=starts,
                     draft_seconds=[0.0] * len(starts))
+    if curve is not None:
+        split = under_curve(split, curve)
     whole = replace(base, machines=[machine], links=[None], starts=(0,), draft_seconds=[0.0], software=IN_PROCESS)
     predictions = []
     for row in scenario["modes"]:
@@ -107,6 +115,8 @@ def predict_scenario(profile: dict, scenario: dict, runs: int = RUNS) -> list[Mo
             schedule, kind, tree = parse_mode(mode_name)
             behaviour = measured_behaviour(scenario, kind)
             drafter_seconds = profile["drafter_seconds_per_token"].get(kind)
+            if curve is not None and kind == "model" and drafter_seconds is not None:
+                drafter_seconds = max(drafter_seconds, curve.draft_seconds)  # the step is held to the curve's
             if behaviour is None or drafter_seconds is None:
                 continue
             setup = replace(split, draft_seconds=[drafter_seconds] * len(starts))

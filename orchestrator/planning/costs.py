@@ -128,6 +128,23 @@ class MeasuredMachine:
 
 
 @dataclass(frozen=True)
+class CurveMachine:
+    """A stage held to an emulated cost curve (stages.cost_curve), as
+    ``--cost-curve`` holds the real stages: a pass takes the curve's time for
+    its width, whatever blocks the stage holds, at ``context`` positions (the
+    simulation does not follow the context). memory_bytes: of the machine it
+    stands for."""
+
+    name: str
+    memory_bytes: float
+    curve: StageCurve
+    context: int = 0
+
+    def stage_seconds(self, model: ModelShape, first: int, end: int, tokens: int) -> float:
+        return self.curve.seconds(tokens, self.context)
+
+
+@dataclass(frozen=True)
 class Software:
     """Costs of this project's own code, measured by ``orchestrate profile``:
     hop_seconds per hop (serialising and the socket round of a small
@@ -151,7 +168,7 @@ class StageCosts:
     the same machine: only the software hop cost is paid."""
 
     model: ModelShape
-    machines: Sequence[Machine | MeasuredMachine]
+    machines: Sequence[Machine | MeasuredMachine | CurveMachine]
     starts: tuple[int, ...]
     links: Sequence[Link | None]
     software: Software

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
-from orchestrator.planning.costs import Machine
-from orchestrator.planning.inputs import PlanError
+from orchestrator.planning.costs import CurveMachine, Machine
+from orchestrator.planning.inputs import PlanError, Setup
 from orchestrator.planning.loaders import load_setup
 from stages.cost_curve import BatchCurve, CostCurve, StageCurve
 
@@ -140,3 +141,14 @@ def _number(table: dict, key: str, where: str, default: float) -> float:
     if not _is_number(value) or value < 0:
         raise PlanError(f"{where}: {key} must be a number of at least 0")
     return float(value)
+
+
+def under_curve(setup: Setup, curve: CostCurve, *, draft: bool = False) -> Setup:
+    """``setup`` with every stage held to ``curve`` (its machines' memory
+    kept), as ``--cost-curve`` holds the real stages; draft: a draft model's
+    step from the curve too (prompt lookup keeps its own, microseconds)."""
+    count = len(setup.machines)
+    machines = [CurveMachine(machine.name, machine.memory_bytes, curve.stage(index, count), 0)
+                for index, machine in enumerate(setup.machines)]
+    draft_seconds = [curve.draft_seconds] * count if draft and setup.draft_seconds is not None else setup.draft_seconds
+    return replace(setup, machines=machines, draft_seconds=draft_seconds)

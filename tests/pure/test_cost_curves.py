@@ -115,3 +115,16 @@ def test_a_bad_curve_spec_is_one_line(spec, message):
     with pytest.raises(PlanError, match=None) as raised:
         load_cost_curve(spec)
     assert message in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_the_planner_under_a_curve_prices_every_stage_by_it_and_keeps_the_machines_memory():
+    from orchestrator.planning.curves import under_curve
+
+    setup = load_setup(SETUP)
+    flat = CostCurve("flat", stages=(StageCurve(BatchCurve((1,), (0.040,))),), draft_seconds=0.002)
+    emulated = under_curve(setup, flat, draft=True)
+    costs = emulated.costs((0, 63))
+    assert [costs.stage_seconds(stage, tokens) for stage in (0, 1) for tokens in (1, 64)] == [0.040] * 4
+    assert [machine.memory_bytes for machine in emulated.machines] == [machine.memory_bytes for machine in setup.machines]
+    assert emulated.draft_seconds == [0.002, 0.002]
+    assert under_curve(setup, flat).draft_seconds == setup.draft_seconds
