@@ -92,7 +92,7 @@ def record_run(chain: RecordingChain, prompt_tokens: list[int], max_tokens: int,
     """Decode ``prompt_tokens`` through ``chain`` in KV sequence ``sequence``, recording it; released after."""
     chain.events = []
     loop = DecodingLoop(chain, lambda token: False)
-    state = sequence_state(sequence, prompt_tokens, max_tokens, sampling, drafting, chain.n_batch)
+    state = sequence_state(sequence, prompt_tokens, max_tokens, sampling, drafting, chain)
     run = RecordedRun(sampling, state.committed)
     loop.add(Decoding(state, drafting, _Verified(run.verified)))
     loop.run()

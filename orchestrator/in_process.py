@@ -42,6 +42,7 @@ class EngineChain:
             self.close()
             raise
         self.n_batch = settings.n_batch
+        self.stage_count = len(self.engines)
         self.pending: deque[PassResult] = deque()
 
     def submit(self, target_pass: TargetPass) -> None:

@@ -11,4 +11,5 @@ common to all (benchmarks.probe.harness). The modes:
     transport-hop    one hop of the chain per transport: plain sockets, TLS, zmq, zmq CURVE
     serve-overhead   what Ray Serve's proxy and streaming cost per streamed token
     delayed-link     a pipeline across a link with delay against `orchestrate plan` (root: namespace hosts)
+    prefill          time to the first token of a long prompt: its chunks pipelined through the stages, or not, or whole
 """

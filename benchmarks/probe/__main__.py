@@ -2,6 +2,7 @@
 
 from benchmarks.probe import (
     delayed_link,
+    prefill,
     restart_cost,
     sequence_batch,
     serve_overhead,
@@ -10,7 +11,7 @@ from benchmarks.probe import (
 )
 from benchmarks.probe.harness import main
 
-REGISTERED = (where_time_goes, restart_cost, sequence_batch, transport_hop, serve_overhead, delayed_link)
+REGISTERED = (where_time_goes, restart_cost, sequence_batch, transport_hop, serve_overhead, delayed_link, prefill)
 """Each module registers its mode with the harness when it is imported."""
 
 if __name__ == "__main__":  # not when a spawned child process imports this as __mp_main__

@@ -105,6 +105,7 @@ class Pipeline:
             self.loopback = all(file.node_address == ray.util.get_node_ip_address() for file in found)
             self.stages = self.actors.start(self.stage_paths, self.loopback)
             self.n_vocab = self.stages[-1].n_vocab
+            self.stage_count = len(self.stages)
             self.chain = self._wire()
             self.pin_stages(overlapping)
             if pass_deadline_minimum is not None:

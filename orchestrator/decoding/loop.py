@@ -33,6 +33,7 @@ from orchestrator.decoding.schedule import (
     SequenceState,
     SpeculationStats,
     Window,
+    prompt_chunk,
     relay,
 )
 from orchestrator.decoding.drafting import Drafting
@@ -41,15 +42,18 @@ from speculators.sampling import SamplingSettings
 
 
 def sequence_state(sequence: int, prompt_tokens: list[int], max_tokens: int, sampling: SamplingSettings | None,
-                   drafting: Drafting | None, prompt_chunk: int) -> SequenceState:
-    """The schedule's state of a new sequence that drafts as ``drafting`` says (None: plain)."""
+                   drafting: Drafting | None, target: Target) -> SequenceState:
+    """The schedule's state of a new sequence that drafts as ``drafting`` says
+    (None: plain); its prompt goes through ``target`` in chunks that pipeline
+    (schedule.prompt_chunk)."""
+    prefill = dict(prompt_from=0, prompt_chunk=prompt_chunk(len(prompt_tokens), target.stage_count, target.n_batch),
+                   prompt_depth=target.stage_count, sampling=sampling)
     if drafting is None:
-        return SequenceState(sequence, list(prompt_tokens), len(prompt_tokens), max_tokens, prompt_from=0,
-                             prompt_chunk=prompt_chunk, sampling=sampling)
+        return SequenceState(sequence, list(prompt_tokens), len(prompt_tokens), max_tokens, **prefill)
     return SequenceState(
         sequence, list(prompt_tokens), len(prompt_tokens), max_tokens, drafting.schedule, drafting.draft_max,
-        prompt_from=0, prompt_chunk=prompt_chunk, sampling=sampling, draft_call_cost=drafting.call_cost,
-        draft_step=drafting.step, tree_leaves=drafting.tree_leaves, side_row_step=drafting.side_row_step,
+        draft_call_cost=drafting.call_cost, draft_step=drafting.step, tree_leaves=drafting.tree_leaves,
+        side_row_step=drafting.side_row_step, **prefill,
     )
 
 
@@ -282,7 +286,7 @@ def generate_many(target: Target, requests: list[Request], is_end: Callable[[int
     recorders = []
     for index, request in enumerate(requests):
         state = sequence_state(index, request.prompt_tokens, request.max_tokens, request.sampling, request.drafting,
-                               target.n_batch)
+                               target)
         recorders.append(_Recorder(request, state))
         loop.add(Decoding(state, request.drafting, recorders[-1]))
     loop.run()

@@ -53,6 +53,12 @@ The rules:
   window whose accepted path left the main chain commits it, but the stages
   keep only the main chain's cells; the next window feeds the rest again
   (``SequenceState.refeed``).
+* How a prompt is prefilled (``prompt_chunk``, ``SequenceState.windows_ahead``):
+  in chunks that flow through the stages back to back, up to one chunk in
+  flight per stage, so stage 0 computes chunk 2 while stage 1 computes
+  chunk 1. With S stages and k chunks the pipeline idles (S - 1) / (k + S - 1)
+  of the prefill; chunks of a quarter of a stage's share keep that under a
+  fifth, down to PREFILL_LEAST_CHUNK tokens.
 """
 
 from __future__ import annotations
@@ -172,6 +178,23 @@ class SpeculationStats:
                                    for item in fields(self)})
 
 
+# Prefill (prompt_chunk): chunks per stage (the pipeline idles (S - 1) / (4S + S - 1) < 1/5 of
+# the prefill), and the smallest chunk worth a pass of its own (smaller chunks pay each pass's fixed
+# cost and a hop more often for a bubble already small).
+PREFILL_CHUNKS_PER_STAGE = 4
+PREFILL_LEAST_CHUNK = 64
+
+
+def prompt_chunk(prompt_length: int, stage_count: int, n_batch: int) -> int:
+    """The most tokens of one prompt chunk: n_batch for one stage (nothing
+    overlaps); through S stages, about a (4 S)-th of the prompt, so its chunks
+    pipeline (module docstring), within [PREFILL_LEAST_CHUNK, n_batch]."""
+    if stage_count <= 1:
+        return n_batch
+    share = -(-prompt_length // (PREFILL_CHUNKS_PER_STAGE * stage_count))
+    return max(1, min(n_batch, max(share, PREFILL_LEAST_CHUNK)))
+
+
 @dataclass(frozen=True)
 class Window:
     """One sequence's rows in a target pass: inputs[i] at absolute position first + i
@@ -243,7 +266,8 @@ class SequenceState:
     committed: the prompt and the tokens generated so far (prompt_length of them the prompt).
     prompt_from: the position of the prompt's next chunk, until the last is
     submitted (None from the start for a sequence that begins after its
-    prompt's pass); prompt_chunk: the most tokens of a chunk (0: no limit).
+    prompt's pass); prompt_chunk: the most tokens of a chunk (0: no limit);
+    prompt_depth: the most chunks in flight at once (one per stage: they pipeline).
     sampling: how its tokens are chosen, given to its windows (Window.sampling)
     for the target to choose them; None: the target returns logits.
     """
@@ -256,6 +280,7 @@ class SequenceState:
     draft_max: int = 1
     prompt_from: int | None = None
     prompt_chunk: int = 0
+    prompt_depth: int = 1
     sampling: SamplingSettings | None = None
     speculation: list[int] = field(default_factory=list)
     in_flight: deque[Window] = field(default_factory=deque)
@@ -335,13 +360,18 @@ class SequenceState:
         self.stats.collected_tokens += len(tokens)
         self.speculation.extend(tokens)
 
+    def _prompt_window(self) -> Window:
+        """The prompt's next chunk."""
+        end = min(self.prompt_from + self.prompt_chunk, self.prompt_length) if self.prompt_chunk else None
+        window = Window(self.sequence, self.prompt_from, tuple(self.committed[self.prompt_from:end]), prompt=True,
+                        sampling=self.sampling)
+        self.prompt_from = end if end is not None and end < self.prompt_length else None
+        return window
+
     def first_window(self) -> Window:
         """The window of its next pass (it must be ``ready``)."""
         if self.prompt_from is not None:
-            end = min(self.prompt_from + self.prompt_chunk, self.prompt_length) if self.prompt_chunk else None
-            window = Window(self.sequence, self.prompt_from, tuple(self.committed[self.prompt_from:end]), prompt=True,
-                            sampling=self.sampling)
-            self.prompt_from = end if end is not None and end < self.prompt_length else None
+            window = self._prompt_window()
         else:
             limit = self.drafts_wanted if self.schedule.speculative else 0
             first = len(self.committed) - 1 - self.refeed
@@ -356,6 +386,19 @@ class SequenceState:
                             ranks=None if tree.is_chain else tuple(tree.ranks))
         self.in_flight.append(window)
         return window
+
+    def windows_ahead(self) -> list[Window]:
+        """Windows to start while one of it is in flight: the prompt's next
+        chunks, up to prompt_depth in flight; or the next window of the speculation."""
+        if self.prompt_from is None:
+            window = self.window_ahead()
+            return [] if window is None else [window]
+        chunks = []
+        while self.prompt_from is not None and self.in_flight and len(self.in_flight) < self.prompt_depth \
+                and not self.finished:
+            chunks.append(self._prompt_window())
+            self.in_flight.append(chunks[-1])
+        return chunks
 
     def window_ahead(self) -> Window | None:
         """The next window of the speculation, started while one is in flight, or None."""
@@ -400,6 +443,8 @@ class SequenceState:
         keeps the speculation that still extends the committed text, and drops
         the windows in flight that became invalid. Returns the tokens committed."""
         self.in_flight.popleft()
+        if not self.gives_token(window):  # a prompt chunk before the last: it only filled the cache
+            return []
         kept = None  # positions the stages keep after a decoding window: up to its main chain's accepted end
         if not window.prompt:
             # the policy and the chain counts see the main chain; a tree's side rows are counted apart
@@ -525,8 +570,11 @@ class Scheduler:
     def next_passes(self) -> list[TargetPass]:
         passes = []
         firsts = tuple(state.first_window() for state in self.sequences.values() if state.ready)
-        ahead = tuple(window for state in self.sequences.values() if (window := state.window_ahead()) is not None)
-        for windows in (firsts, ahead):
+        aheads = [state.windows_ahead() for state in self.sequences.values()]
+        # the k-th window started ahead of each sequence in the k-th pass: a pass holds one window of a sequence
+        rounds = [tuple(windows[k] for windows in aheads if len(windows) > k)
+                  for k in range(max(map(len, aheads), default=0))]
+        for windows in (firsts, *rounds):
             if self.window_per_pass:
                 passes.extend(TargetPass((window,)) for window in windows)
             elif windows:

@@ -290,7 +290,7 @@ class Service:
         request = ticket.request
         drafting = self.settings.drafting(sequence)
         ticket.state = sequence_state(sequence, request.prompt_tokens, request.max_tokens, request.sampling, drafting,
-                                      self.target.n_batch)
+                                      self.target)
         self._active[sequence] = ticket
         self.loop.add(Decoding(ticket.state, drafting, ticket))
 

@@ -22,6 +22,7 @@ class Target(Protocol):
     """The target model, split in stages or not."""
 
     n_batch: int  # the most tokens one pass carries
+    stage_count: int  # passes in flight at once keep this many stages busy (a prompt's chunks pipeline)
 
     def submit(self, target_pass: TargetPass) -> None:
         """Start a pass; results come back in submission order through receive().

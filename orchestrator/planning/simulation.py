@@ -466,6 +466,7 @@ class _SimulatedTarget:
 
     def __init__(self, costs: PipelineCosts, clock: _Clock):
         self.stages = _Stages(costs)
+        self.stage_count = costs.stage_count
         self.clock = clock
         self.timings: deque[tuple[TargetPass, _Timeline]] = deque()  # each pass in flight, in submission order
 

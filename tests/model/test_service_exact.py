@@ -105,26 +105,30 @@ def test_a_seeded_request_samples_the_same_tokens_alone_and_beside_others(chain,
 
 
 class Watched:
-    """A target's passes as submitted: the most windows of one sequence in flight at once, and the tree windows."""
+    """A target's passes as submitted: the most decoding windows of one sequence in flight at once (a
+    prompt's chunks pipeline in every schedule), and the tree windows."""
 
     def __init__(self, target):
         self.target = target
         self.n_batch = target.n_batch
+        self.stage_count = target.stage_count
         self.in_flight: dict[int, int] = {}
         self.most_in_flight = 0
         self.tree_windows = 0
-        self.order: list[int] = []
+        self.order: list[tuple[int, bool]] = []
 
     def submit(self, target_pass):
         (window,) = target_pass.windows
-        self.in_flight[window.sequence] = self.in_flight.get(window.sequence, 0) + 1
+        counted = not window.prompt
+        self.in_flight[window.sequence] = self.in_flight.get(window.sequence, 0) + counted
         self.most_in_flight = max(self.most_in_flight, self.in_flight[window.sequence])
         self.tree_windows += window.parents is not None
-        self.order.append(window.sequence)
+        self.order.append((window.sequence, counted))
         self.target.submit(target_pass)
 
     def receive(self):
-        self.in_flight[self.order.pop(0)] -= 1
+        sequence, counted = self.order.pop(0)
+        self.in_flight[sequence] -= counted
         return self.target.receive()
 
     def cancel(self, target_pass):

@@ -74,7 +74,7 @@ def test_bench_prints_no_and_exits_1_when_a_modes_output_differs(tmp_path, monke
     from orchestrator import cli
     from orchestrator.cluster import connect as cluster
 
-    def canned_scenario(scenario, workdir, progress=None):
+    def canned_scenario(scenario, workdir, progress=None, cost_curve=None):
         summary = suite.summarise(scenario, MODES, fake_runs(MODES, "pipeline"), 2, 0.001, {"stage-0": 100.0})
         return {**summary, "stage_starts": [0, 15], "draft_max": 8, "draft_traces": {}}
 

@@ -7,7 +7,7 @@ import pytest
 from speculators.draft_length import DraftPolicy
 from speculators.sampling import SamplingSettings
 from orchestrator.decoding.schedule import (Handoff, Schedule, Scheduler, SequenceState, SpeculationStats, Window,
-                                            relay)
+                                            prompt_chunk, relay)
 
 SAMPLING = SamplingSettings(temperature=0.7, top_p=0.9, seed=5)
 
@@ -352,6 +352,46 @@ def test_a_prompt_that_fills_its_chunks_exactly_ends_with_its_last_full_chunk():
     last = sequence.first_window()
     assert (first.first, first.inputs, last.first, last.inputs) == (0, (10, 11), 2, (12, 13))
     assert sequence.prompt_from is None and sequence.gives_token(last)
+
+
+def test_a_prompts_chunks_pipeline_one_in_flight_per_stage_in_passes_of_their_own():
+    """prompt_depth 2 (two stages): the first two chunks go at once, in two
+    passes; each result lets the next chunk in, so stage 0 always has one to
+    compute; only the last chunk gives a token, and only then is the sequence ready."""
+    sequence = SequenceState(0, list(range(10, 17)), 7, 20, Schedule.SYNC, 4, prompt_from=0, prompt_chunk=2,
+                             prompt_depth=2, sampling=SAMPLING)
+    scheduler = Scheduler([sequence])
+    first = scheduler.next_passes()
+    assert [[(window.first, window.inputs) for window in p.windows] for p in first] == [[(0, (10, 11))],
+                                                                                        [(2, (12, 13))]]
+    for expected in ([(4, (14, 15))], [(6, (16,))], []):
+        [(state, window, rows)] = scheduler.received()
+        assert sequence.verified(window, [], never_ends) == [] and not sequence.gives_token(window)
+        assert [[(w.first, w.inputs) for w in p.windows] for p in scheduler.next_passes()] == \
+            ([expected] if expected else [])
+        assert len(sequence.in_flight) <= 2 and not sequence.ready
+    [(state, last, rows)] = scheduler.received()
+    assert sequence.gives_token(last) and sequence.verified(last, [17], never_ends) == [17]
+    assert sequence.ready and not sequence.in_flight and sequence.prompt_from is None
+
+
+def test_a_cancelled_sequence_discards_every_chunk_in_flight():
+    sequence = SequenceState(0, list(range(10, 20)), 10, 20, prompt_from=0, prompt_chunk=3, prompt_depth=3)
+    scheduler = Scheduler([sequence])
+    assert len(scheduler.next_passes()) == 3
+    sequence.cancel()
+    assert len(scheduler.invalid_passes()) == 3 and sequence.discards_pending == 3
+
+
+@pytest.mark.parametrize("length, stages, n_batch, chunk", [
+    (1500, 1, 512, 512),  # one stage: nothing overlaps, the biggest chunk
+    (1500, 2, 512, 188),  # a quarter of each stage's share
+    (100, 2, 512, 64),  # never under PREFILL_LEAST_CHUNK ...
+    (100, 2, 32, 32),  # ... nor over n_batch
+    (20000, 4, 512, 512),
+])
+def test_a_prompt_chunk_is_a_quarter_of_a_stages_share_within_its_bounds(length, stages, n_batch, chunk):
+    assert prompt_chunk(length, stages, n_batch) == chunk
 
 
 def test_without_a_chunk_size_the_prompt_is_one_window():

@@ -47,6 +47,7 @@ class CountingModel:
     when set, each receive waits for a permit (the test paces the passes)."""
 
     n_batch = 5  # small: prompts come in several chunks
+    stage_count = 1
 
     def __init__(self, gated: bool = False):
         self.cache: dict[int, list[int]] = {}
