@@ -46,18 +46,26 @@ class EngineChain:
         self.pending: deque[PassResult] = deque()
 
     def submit(self, target_pass: TargetPass) -> None:
-        (window,) = target_pass.windows
-        positions, parents = window_positions(window)
-        rows = np.asarray(window.logit_rows, dtype=np.int32)
+        """Run the pass through every engine now: one window, or a batched
+        pass's windows (chains of one width) in one llama.cpp call per engine,
+        each window's rows at its own KV sequence."""
+        windows = target_pass.windows
+        placed = [window_positions(window) for window in windows]
+        positions = np.concatenate([window_rows for window_rows, _ in placed])
+        parents = placed[0][1] if len(windows) == 1 else None
+        sequence = windows[0].sequence if len(windows) == 1 else np.concatenate(
+            [np.full(len(window.inputs), window.sequence, np.int32) for window in windows])
+        starts = np.cumsum([0] + [len(window.inputs) for window in windows])
+        rows = np.concatenate([np.asarray(window.logit_rows, np.int32) + start for window, start in zip(windows, starts)])
         hidden = None
         for engine in self.engines:
-            engine.remove(window.first, window.sequence)
+            for window in windows:
+                engine.remove(window.first, window.sequence)
             if engine.is_first:
-                hidden = engine.decode(positions, tokens=np.asarray(window.inputs, np.int32),
-                                       sequence=window.sequence, logit_rows=rows, parents=parents)
+                tokens = np.concatenate([np.asarray(window.inputs, np.int32) for window in windows])
+                hidden = engine.decode(positions, tokens=tokens, sequence=sequence, logit_rows=rows, parents=parents)
             else:
-                hidden = engine.decode(positions, hidden=hidden, sequence=window.sequence, logit_rows=rows,
-                                       parents=parents)
+                hidden = engine.decode(positions, hidden=hidden, sequence=sequence, logit_rows=rows, parents=parents)
         self.pending.append(PassResult(0, hidden, (0.0,) * len(self.engines)))
 
     def cancel(self, target_pass: TargetPass) -> None:

@@ -37,6 +37,7 @@ reference the output must equal token for token.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import os
 
@@ -174,15 +175,19 @@ class StageEngine:
         *,
         tokens: np.ndarray | None = None,
         hidden: np.ndarray | None = None,
-        sequence: int = 0,
+        sequence: int | np.ndarray = 0,
         logit_rows: np.ndarray | None = None,
         parents: np.ndarray | None = None,
     ) -> np.ndarray:
-        """Decode one batch of one sequence.
+        """Decode one batch of one sequence, or of several (a batched pass).
 
         positions: int32[n_tokens]; tokens: int32[n_tokens] (first stage) or
         hidden: float32[n_tokens, n_embd] (later stages); sequence: its KV
-        sequence (0 .. sequences - 1); logit_rows: batch rows whose logits the
+        sequence (0 .. sequences - 1), or int32[n_tokens], each row's (a
+        chain of rows for each of consecutive sequence ids, every one as
+        many rows: llama.cpp then decodes them in one graph, which a non-last
+        stage's capture needs; each sequence's rows compute bit for bit as
+        they would alone, in its own KV stream); logit_rows: batch rows whose logits the
         last stage returns (default: the last row); parents: int32[n_tokens],
         the rows form a token tree in preorder (speculators.tree), each row at
         positions[0] + its depth (None: a chain, row i after row i - 1).
@@ -193,11 +198,17 @@ class StageEngine:
         the sequence's cache from its first position on is then undefined
         (the next pass's ``remove`` drops it).
         """
-        self._check(positions, tokens, hidden, sequence)
-        row_sequences = None if parents is None else self._tree_sequences(positions, parents)
+        self._check(positions, tokens, hidden)
+        if parents is not None:
+            self._check_sequence(sequence)
+            row_sequences = self._tree_sequences(positions, parents)
+            for branch in range(1, max(max(ids) for ids in row_sequences) + 1):
+                llama_cpp.llama_memory_seq_cp(self._memory, 0, branch, -1, -1)  # the committed cells
+        else:
+            row_sequences = self._row_sequences(sequence, len(positions))
         if logit_rows is None:
             logit_rows = np.array([len(positions) - 1], dtype=np.int32)
-        batch = self._filled_batch(positions, tokens, hidden, sequence, logit_rows, row_sequences)
+        batch = self._filled_batch(positions, tokens, hidden, logit_rows, row_sequences)
         if self._capture is not None:
             self._capture.start()
         status = llama_cpp.llama_decode(self._context, batch)
@@ -215,8 +226,7 @@ class StageEngine:
             ctypes.memmove(logits[out_row].ctypes.data, pointer, 4 * self.n_vocab)
         return logits
 
-    def _check(self, positions: np.ndarray, tokens: np.ndarray | None, hidden: np.ndarray | None,
-               sequence: int) -> None:
+    def _check(self, positions: np.ndarray, tokens: np.ndarray | None, hidden: np.ndarray | None) -> None:
         """A batch llama.cpp can take safely, or a StageError naming what is wrong."""
         n_tokens = len(positions)
         if n_tokens == 0 or n_tokens > self.settings.n_batch:
@@ -229,8 +239,6 @@ class StageEngine:
             raise StageError("the first stage takes token ids, not hidden states")
         if hidden is not None and hidden.shape != (n_tokens, self.n_embd):
             raise StageError(f"hidden states of shape {hidden.shape}, expected {(n_tokens, self.n_embd)}")
-        if not 0 <= sequence < self.sequences:
-            raise StageError(f"sequence {sequence} is not one of the stage's {self.sequences}")
         if tokens is not None and (int(np.min(tokens)) < 0 or int(np.max(tokens)) >= self.n_vocab):
             raise StageError(f"a token id outside the vocabulary of {self.n_vocab}")
         if int(np.min(positions)) < 0:
@@ -238,11 +246,32 @@ class StageEngine:
         if int(np.max(positions)) >= self.n_ctx:
             raise StageError(f"position {int(np.max(positions))} is beyond the context of {self.n_ctx} tokens")
 
+    def _check_sequence(self, sequence: int) -> None:
+        if not 0 <= sequence < self.sequences:
+            raise StageError(f"sequence {sequence} is not one of the stage's {self.sequences}")
+
+    def _row_sequences(self, sequence: int | np.ndarray, n_tokens: int) -> list[list[int]]:
+        """Each row's KV sequence id, checked: one sequence, or several with as many rows each."""
+        if isinstance(sequence, (int, np.integer)):
+            self._check_sequence(int(sequence))
+            return [[int(sequence)]] * n_tokens
+        if len(sequence) != n_tokens:
+            raise StageError(f"{len(sequence)} row sequences for {n_tokens} rows")
+        counts = collections.Counter(int(value) for value in sequence)
+        for value in counts:
+            self._check_sequence(value)
+        # llama.cpp decodes the rows in one graph only for equal counts of consecutive sequence ids (its KV
+        # streams in one range); a non-last stage hands on one graph's rows (measured on 0.3.36: [0, 2] splits)
+        if len(set(counts.values())) > 1:
+            raise StageError(f"a batched pass of unequal windows {sorted(counts.values())}")
+        if max(counts) - min(counts) + 1 != len(counts):
+            raise StageError(f"a batched pass of sequences {sorted(counts)}, not consecutive")
+        return [[int(value)] for value in sequence]
+
     def _filled_batch(self, positions: np.ndarray, tokens: np.ndarray | None, hidden: np.ndarray | None,
-                      sequence: int, logit_rows: np.ndarray, row_sequences: list[list[int]] | None):
+                      logit_rows: np.ndarray, row_sequences: list[list[int]]):
         """The llama_batch of this pass: inputs, positions, the rows whose
-        output is wanted, and each row's KV sequence ids (a tree's side
-        branches first get a copy of the committed cells)."""
+        output is wanted, and each row's KV sequence ids."""
         n_tokens = len(positions)
         batch = self._token_batch if tokens is not None else self._embd_batch
         batch.n_tokens = n_tokens
@@ -258,17 +287,10 @@ class StageEngine:
         else:
             wants_output[:] = 1  # every row must reach the last block
         ctypes.memmove(batch.logits, wants_output.ctypes.data, n_tokens)
-        if row_sequences is None:
-            for row in range(n_tokens):
-                batch.n_seq_id[row] = 1
-                batch.seq_id[row][0] = sequence
-        else:
-            for branch in range(1, max(max(ids) for ids in row_sequences) + 1):
-                llama_cpp.llama_memory_seq_cp(self._memory, 0, branch, -1, -1)  # the committed cells
-            for row, ids in enumerate(row_sequences):
-                batch.n_seq_id[row] = len(ids)
-                for slot, branch in enumerate(ids):
-                    batch.seq_id[row][slot] = branch
+        for row, ids in enumerate(row_sequences):
+            batch.n_seq_id[row] = len(ids)
+            for slot, branch in enumerate(ids):
+                batch.seq_id[row][slot] = branch
         return batch
 
     def _captured_hidden(self, status: int, n_tokens: int) -> np.ndarray:

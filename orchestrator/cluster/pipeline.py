@@ -28,6 +28,7 @@ from orchestrator.cluster.stage_actors import LOOPBACK, StageActors, StageLoad, 
 from orchestrator.cluster.stage_cpus import CpuSet, stage_cpu_sets
 from orchestrator.config import MAX_RESTARTS
 from orchestrator.decoding.schedule import TargetPass, Window
+from orchestrator.decoding.targets import PassReplies
 from orchestrator.transport.chain import PassLate, PipelineError, SocketChain
 from orchestrator.transport.handshake import new_secret
 from orchestrator.transport.ledger import KvLedger, PassRecord
@@ -177,7 +178,7 @@ class Pipeline:
         record = PassRecord(sequence, keep, np.asarray(positions, np.int32), np.asarray(tokens, np.int32),
                             np.asarray(logit_rows, np.int32))
         self._send(record)
-        return self.receive()
+        return self._receive_one()
 
     def draft_step(self, batch: int = 8, repetitions: int = 3, sequence: int = 0) -> float:
         """What each extra token of a batch costs a pass here, in one-token
@@ -195,17 +196,17 @@ class Pipeline:
         return step_from_timings(timings[1][1:], timings[batch][1:], batch)
 
     def submit(self, target_pass: TargetPass) -> None:
-        """Start a pass of one sequence's window (its ``sequence`` is the KV
-        sequence in every stage); results come back in submission order
-        through receive(). Passes may overlap: the stages run them in order.
-        A pass carries one window: a stage decodes one sequence per llama.cpp
-        call (stages.engine), and separate passes let the stages work on
-        different sequences at once (docs/serving.md). A window with
-        sampling settings has its tokens chosen beside the last stage: the
-        result carries them, not logits."""
-        if len(target_pass.windows) != 1:
-            raise PipelineError(f"a pass of {len(target_pass.windows)} sequences; this pipeline carries one per pass")
-        self._send(_record_of(target_pass.windows[0], origin=target_pass))
+        """Start a pass (each window's ``sequence`` is its KV sequence in every
+        stage); results come back in submission order through receive().
+        Passes may overlap: the stages run them in order. A pass of several
+        windows (a batched pass: chains of one width, of consecutive
+        sequences, as the schedule's Batching makes them) travels as one
+        record per window, which every stage decodes in one llama.cpp call
+        (StageBatch.more). A window with sampling settings has its tokens
+        chosen beside the last stage: the result carries them, not logits."""
+        records = [_record_of(window, origin=target_pass) for window in target_pass.windows]
+        for index, record in enumerate(records):
+            self._send(record, more=len(records) - 1 - index)
 
     def cancel(self, target_pass: TargetPass) -> None:
         """The pass is no longer wanted (a rejection invalidated its windows):
@@ -218,11 +219,21 @@ class Pipeline:
         """Free a KV sequence in every stage, in order with the passes around it."""
         self._send(PassRecord.release(sequence))
 
-    def receive(self) -> PassResult | Cancelled:
-        """The result of the oldest pass in flight (or its ``Cancelled``). Past
-        the chain's deadline, or if the chain breaks, a dead stage is restarted
-        and the pass comes late; a hung stage (or one out of restarts) is
-        named in a PipelineError."""
+    def receive(self) -> PassResult | Cancelled | PassReplies:
+        """The result of the oldest pass in flight (or its ``Cancelled``; for a
+        batched pass, every window's, as PassReplies). Past the chain's
+        deadline, or if the chain breaks, a dead stage is restarted and the
+        pass comes late; a hung stage (or one out of restarts) is named in a
+        PipelineError."""
+        origin = self.chain.next_origin()
+        first = self._receive_one()
+        if not isinstance(origin, TargetPass) or len(origin.windows) == 1:
+            return first
+        rest = [self._receive_one() for _ in origin.windows[1:]]
+        return PassReplies((first, *rest), tuple(window.sequence for window in origin.windows))
+
+    def _receive_one(self) -> PassResult | Cancelled:
+        """The chain's oldest result, a lost stage restarted on the way."""
         while True:
             try:
                 return self.chain.receive()
@@ -238,9 +249,9 @@ class Pipeline:
             except PassLate as late:
                 recovery.recover(self, late)
 
-    def _send(self, record: PassRecord) -> None:
+    def _send(self, record: PassRecord, more: int = 0) -> None:
         try:
-            self.chain.send(record)
+            self.chain.send(record, more)
         except PassLate as late:  # the record stays in flight: the new chain sends it again
             recovery.recover(self, late)
 

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from orchestrator.decoding.schedule import (
+    Batching,
     Scheduler,
     SequenceState,
     SpeculationStats,
@@ -85,17 +86,17 @@ class DecodingLoop:
     """The sequences being decoded through one target, and the turns that decode them.
 
     window_per_pass: a pass carries one window, so a pipeline's stages work on
-    different sequences at once (docs/serving.md says why passes do not batch
-    sequences on this CPU). choose: how a result's window becomes tokens (the
+    different sequences at once; batching: windows of several sequences share
+    passes where it pays (schedule.Batching). choose: how a result's window becomes tokens (the
     real targets': ``committed_tokens``; the simulation knows its text).
     """
 
     def __init__(self, target: Target, is_end: Callable[[int], bool], *, window_per_pass: bool = False,
-                 choose: Choose = committed_tokens):
+                 batching: Batching | None = None, choose: Choose = committed_tokens):
         self.target = target
         self.is_end = is_end
         self.choose = choose
-        self.scheduler = Scheduler(window_per_pass=window_per_pass)
+        self.scheduler = Scheduler(window_per_pass=window_per_pass, batching=batching)
         self.decodings: dict[int, Decoding] = {}
 
     def add(self, decoding: Decoding) -> None:

@@ -504,6 +504,82 @@ class SequenceState:
         return committed
 
 
+# Batching.holds: sharing a pass pays when two one-token windows in one pass cost under this share of
+# two passes (below it, the wait for a shared pass is paid back; on this CPU, step 0.6: 0.8 of two passes)
+PAYING_SHARE = 0.95
+
+
+@dataclass(frozen=True)
+class Batching:
+    """Continuous batching: which windows ready at one turn share a pass.
+
+    stage_count: the stages every pass goes through; step: what each extra
+    token of a pass costs, in one-token passes (a pass of n tokens costs
+    c(n) = 1 + step (n - 1); measured by the target, so it is this machine's
+    curve, or an emulated one's); n_batch: the most tokens of a pass.
+
+    Only decoding chains of one width and consecutive KV sequences can share
+    a pass (stages.engine: llama.cpp would split any other batch, and a
+    non-last stage hands on one graph's rows); prompt chunks and trees go
+    alone. For k such windows of width w, with p passes already in flight,
+    the k windows go in the g passes (1 <= g <= k) that cost a stage least
+    for them, max(g, S - p) c(ceil(k / g) w): fewer than S - p passes leave
+    stages idle, and every pass costs each stage c of its tokens. Ties go to
+    more passes: on a linear curve (step 1, a compute-bound CPU) that is a
+    pass per window, today's interleaving; on a flat one (memory-bound) the
+    windows fill S passes. Where sharing a pass pays at all (two windows of
+    one token cost less than two passes, by PAYING_SHARE), a decoding window
+    ready while S passes are in flight waits (``holds``) for others to share
+    its pass: the stages are busy anyway, and windows come back one pass at a
+    time, so without waiting they would never meet.
+    """
+
+    stage_count: int
+    step: float
+    n_batch: int
+
+    def cost(self, tokens: int) -> float:
+        return 1.0 + self.step * (tokens - 1)
+
+    def holds(self, in_flight: int) -> bool:
+        """Decoding windows ready now wait for others (class docstring)."""
+        return in_flight >= self.stage_count and self.cost(2) < PAYING_SHARE * 2 * self.cost(1)
+
+    def pass_count(self, windows: int, width: int, in_flight: int) -> int:
+        """How many passes k windows of one width go in (the class docstring's rule)."""
+        idle = max(1, self.stage_count - in_flight)
+        fewest = max(1, -(-windows * width // self.n_batch))
+        options = range(fewest, windows + 1)
+        return min(options, key=lambda count: (max(count, idle) * self.cost(-(-windows // count) * width), -count))
+
+    def passes(self, windows: Iterable[Window], in_flight: int) -> list[TargetPass]:
+        """The passes for windows ready at once, ``in_flight`` passes already out."""
+        alone, by_width = [], {}
+        for window in windows:
+            if window.prompt or window.parents is not None:
+                alone.append(TargetPass((window,)))
+            else:
+                by_width.setdefault(len(window.inputs), []).append(window)
+        passes = []
+        for width, group in by_width.items():
+            group.sort(key=lambda window: window.sequence)
+            size = -(-len(group) // self.pass_count(len(group), width, in_flight + len(passes) + len(alone)))
+            for run in _consecutive_runs(group):
+                passes.extend(TargetPass(tuple(run[start:start + size])) for start in range(0, len(run), size))
+        return alone + passes
+
+
+def _consecutive_runs(windows: list[Window]) -> list[list[Window]]:
+    """Windows sorted by sequence, cut where the sequence ids are not consecutive."""
+    runs: list[list[Window]] = []
+    for window in windows:
+        if runs and runs[-1][-1].sequence + 1 == window.sequence:
+            runs[-1].append(window)
+        else:
+            runs.append([window])
+    return runs
+
+
 @dataclass(frozen=True)
 class Handoff:
     """A moment of an async pass: collect drafter ``collect`` (its tokens extend
@@ -538,14 +614,17 @@ class Scheduler:
     ``remove``s them once settled.
 
     window_per_pass: a pass carries one window, so a pipeline's stages work on
-    different sequences at once (docs/serving.md says why this CPU does not
-    batch sequences together).
+    different sequences at once; batching: instead, the ready windows share
+    passes where the rule of ``Batching`` finds it pays (windows started
+    ahead still go a pass each).
     """
 
-    def __init__(self, sequences: Iterable[SequenceState] = (), *, window_per_pass: bool = False):
+    def __init__(self, sequences: Iterable[SequenceState] = (), *, window_per_pass: bool = False,
+                 batching: Batching | None = None):
         self.sequences = {state.sequence: state for state in sequences}
         self.in_flight: deque[TargetPass] = deque()
-        self.window_per_pass = window_per_pass
+        self.window_per_pass = window_per_pass or batching is not None
+        self.batching = batching
         self._invalid: list[TargetPass] = []  # passes in flight already handed out by invalid_passes
 
     def add(self, state: SequenceState) -> None:
@@ -565,15 +644,26 @@ class Scheduler:
         return not self.in_flight and all(state.finished for state in self.sequences.values())
 
     def drafting_first(self) -> list[SequenceState]:
+        if self._holding():
+            return []
         return [state for state in self.sequences.values() if state.drafts_first]
+
+    def _holding(self) -> bool:
+        return self.batching is not None and self.batching.holds(len(self.in_flight))
 
     def next_passes(self) -> list[TargetPass]:
         passes = []
-        firsts = tuple(state.first_window() for state in self.sequences.values() if state.ready)
+        # while windows wait to share a pass (Batching.holds), only prompt chunks go
+        holding = self._holding()
+        firsts = tuple(state.first_window() for state in self.sequences.values()
+                       if state.ready and not (holding and state.prompt_from is None))
         aheads = [state.windows_ahead() for state in self.sequences.values()]
         # the k-th window started ahead of each sequence in the k-th pass: a pass holds one window of a sequence
         rounds = [tuple(windows[k] for windows in aheads if len(windows) > k)
                   for k in range(max(map(len, aheads), default=0))]
+        if self.batching is not None:
+            passes.extend(self.batching.passes(firsts, len(self.in_flight)))
+            firsts = ()
         for windows in (firsts, *rounds):
             if self.window_per_pass:
                 passes.extend(TargetPass((window,)) for window in windows)

@@ -13,9 +13,11 @@ loop (orchestrator.decoding.loop, the same as ``orchestrate run``'s):
 Each admitted request holds its own KV sequence (0 .. max_sequences - 1) in
 every stage; its windows carry that id, so every stage keeps its positions
 apart (stages.engine), and a request's tokens are what it would get alone.
-A pass carries one window, so while stage 1 computes request A's pass, stage 0
-computes request B's (docs/serving.md says why passes do not batch several
-requests on this CPU). A request drafts as ``orchestrate run`` does: with
+Requests' windows share passes where it pays (continuous batching,
+schedule.Batching, by the pass cost the target measured): on a flat cost
+curve the ready windows fill one pass per stage; on this CPU's nearly
+linear one a pass carries one window, so while stage 1 computes request A's
+pass, stage 0 computes request B's. A request drafts as ``orchestrate run`` does: with
 prompt lookup in this process, sync or async (the relay hands drafting along
 the stages while a pass runs, and windows start ahead), chains or trees. A request ends by an end token, by its token limit, or
 cancelled (client gone, stop string); its KV is then released in every stage,
@@ -34,8 +36,10 @@ from dataclasses import dataclass, field
 from orchestrator.decoding.drafting import Drafting
 
 from orchestrator.decoding.loop import Decoding, DecodingLoop, Listener, sequence_state
-from orchestrator.decoding.schedule import Schedule, SequenceState, Window
+from orchestrator.decoding.schedule import Batching, Schedule, SequenceState, Window
 from orchestrator.decoding.targets import InstantDrafter, Target
+from speculators.draft_length import PRIOR_STEP
+from speculators.draft_length import PRIOR_STEP
 from speculators.sampling import SamplingSettings
 from stages.errors import SpecpipeError
 
@@ -93,7 +97,11 @@ class ServiceSettings:
     stage_count: the target's stages; async drafting relays along them.
     tree_leaves: above 1, the speculator (prompt lookup) drafts token trees
     (the stages hold tree_leaves - 1 more KV ids); side_row_step: what the
-    tree rule prices a side row at (None: as any row; 0: every candidate)."""
+    tree rule prices a side row at (None: as any row; 0: every candidate).
+    batch_step: what each extra token of a pass costs, in one-token passes,
+    as the target measured it (Pipeline.draft_step): the draft policy prices
+    longer windows by it, and several requests' windows share a pass where
+    schedule.Batching finds it pays; None: a pass per window, the prior step."""
 
     max_sequences: int
     queue_limit: int
@@ -104,6 +112,7 @@ class ServiceSettings:
     stage_count: int = 1
     tree_leaves: int = 1
     side_row_step: float | None = None
+    batch_step: float | None = None
 
     def drafting(self, sequence: int) -> Drafting | None:
         """How the request in KV sequence ``sequence`` drafts: its speculator
@@ -114,6 +123,7 @@ class ServiceSettings:
         first = InstantDrafter(speculator, self.draft_max)
         machines = [InstantDrafter(speculator, self.draft_max) for _ in range(self.stage_count)]
         return Drafting(machines, self.schedule, self.draft_max, first=first, call_cost=0.0,
+                        step=PRIOR_STEP if self.batch_step is None else self.batch_step,
                         tree_leaves=self.tree_leaves, side_row_step=self.side_row_step)
 
 
@@ -174,7 +184,9 @@ class Service:
         self.is_end = is_end
         self.settings = settings
         self.observer = observer or ServiceObserver()
-        self.loop = DecodingLoop(target, is_end, window_per_pass=True)
+        batching = None if settings.batch_step is None else Batching(target.stage_count, settings.batch_step,
+                                                                      target.n_batch)
+        self.loop = DecodingLoop(target, is_end, window_per_pass=True, batching=batching)
         self._free = collections.deque(range(settings.max_sequences))  # KV sequence ids
         self._queue: collections.deque[_Ticket] = collections.deque()
         self._active: dict[int, _Ticket] = {}  # by KV sequence id

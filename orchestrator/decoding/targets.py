@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -46,10 +47,30 @@ class Target(Protocol):
         """Free a KV sequence in every stage, after the passes submitted before."""
 
 
-def committed_tokens(reply: PassResult, window: Window, rows: slice) -> list[int]:
+@dataclass(frozen=True)
+class PassReplies:
+    """What a batched pass (several sequences' windows, one each) gives back:
+    each window's result, in the pass's order (a PassResult, or for a
+    cancelled pass maybe a Cancelled). stage_seconds: the first's (the
+    windows shared every stage's computation)."""
+
+    replies: tuple[PassResult | Cancelled, ...]
+    sequences: tuple[int, ...]
+
+    @property
+    def stage_seconds(self) -> tuple[float, ...]:
+        return self.replies[0].stage_seconds
+
+    def of(self, sequence: int) -> PassResult | Cancelled:
+        return self.replies[self.sequences.index(sequence)]
+
+
+def committed_tokens(reply: PassResult | PassReplies, window: Window, rows: slice) -> list[int]:
     """What a verified window commits: the tokens the target chose, or, from
     a target that returns logits (the stand-ins), those its rows verify to
-    under the window's sampling."""
+    under the window's sampling. From a batched pass's replies, its own."""
+    if isinstance(reply, PassReplies):
+        reply, rows = reply.of(window.sequence), slice(0, len(window.logit_rows))
     if reply.tokens is not None:
         return reply.tokens.tolist()
     return verify_rows(window.drafts, window.parents, reply.logits[rows], window.first + window.logit_rows[0] + 1,

@@ -129,6 +129,8 @@ class Coordinator:
                     context=settings.stage.n_ctx, speculator=self._speculator(), draft_max=speculation.draft_max,
                     schedule=speculation.schedule, stage_count=len(settings.stage_paths),
                     tree_leaves=speculation.tree_leaves,
+                    # the pass cost measured here (or under --cost-curve, the curve's): batching follows it
+                    batch_step=self.pipeline.draft_step(sequence=0),
                 ),
                 observer=ServiceMetrics(),
             )

@@ -164,18 +164,19 @@ class SocketChain:
         with _setting_up():
             return accept_peer(self.listener, self.secret, role, CONNECT_SECONDS, self.certificate)
 
-    def send(self, record: PassRecord) -> int:
+    def send(self, record: PassRecord, more: int = 0) -> int:
         """Start a pass (replay.PassRecord: one KV sequence's tokens at their
         positions, after each stage drops the sequence's cache from keep on;
         the last stage returns the logits of its logit rows, or the tokens it
         chose from them when the record has a choice), or a release (no
         positions: every stage drops the sequence, in order with the passes
-        around it; no result is handed out for it). Returns its id; results
-        come back in order. If the chain is broken the pass stays in flight
+        around it; no result is handed out for it). more: the next ``more``
+        records are decoded with this one (a batched pass, StageBatch.more;
+        each keeps its own result). Returns its id; results come back in order. If the chain is broken the pass stays in flight
         (``unanswered``) and PassLate is raised."""
         self._pass_id += 1
         batch = StageBatch(self._pass_id, record.keep, record.positions, record.logit_rows, tokens=record.tokens,
-                           sequence=record.sequence, choice=record.choice, parents=record.parents)
+                           sequence=record.sequence, choice=record.choice, parents=record.parents, more=more)
         overlapping = bool(self._in_flight)
         for entry in self._in_flight:
             entry.overlapped = True
@@ -201,11 +202,13 @@ class SocketChain:
                 return
 
     def cancel_origin(self, origin: object) -> None:
-        """Cancel the pass in flight that carries out ``origin`` (PassRecord.origin), if any."""
-        for entry in self._in_flight:
-            if entry.record.origin is origin:
-                self.cancel(entry.record)
-                return
+        """Cancel the passes in flight that carry out ``origin`` (PassRecord.origin; several: a batched pass)."""
+        for record in [entry.record for entry in self._in_flight if entry.record.origin is origin]:
+            self.cancel(record)
+
+    def next_origin(self) -> object | None:
+        """The decision the oldest pass in flight carries out (PassRecord.origin), releases passed over."""
+        return next((entry.record.origin for entry in self._in_flight if not entry.record.is_release), None)
 
     def holds(self, record: PassRecord) -> bool:
         """``record`` was sent and its result has not been received."""

@@ -28,6 +28,8 @@ from speculators.sampling import SamplingSettings
 from speculators.tree import TreeError, check_preorder
 from stages.errors import SpecpipeError
 
+MAX_BATCHED = 255  # StageBatch.more: the most batches one batched pass adds to the first (KV sequences are fewer)
+
 WireHeader = dict[str, Any]
 """A message's msgpack header entries, without the ``kind`` and ``array`` entries of the frame."""
 
@@ -170,6 +172,10 @@ class StageBatch:
     them instead of the logit rows.
     parents: int32[n_tokens], the rows form a token tree in preorder, each at
     its root's position plus its depth (stages.engine); None: a chain.
+    more: how many of the batches right after this one (of other sequences,
+    as many rows each, chains) every stage decodes with it in one llama.cpp
+    call: a batched pass travels as its windows' batches in a row, counting
+    down to 0; each keeps its own pass id and result.
 
     On the wire: positions, logit_rows, tokens, parents and choice in the header; hidden raw, dtype kept.
     """
@@ -186,9 +192,11 @@ class StageBatch:
     sequence: int = 0
     choice: TokenChoice | None = None
     parents: np.ndarray | None = None
+    more: int = 0
 
     def to_wire(self) -> tuple[WireHeader, np.ndarray | None]:
         header = {
+            "more": self.more,
             "choice": None if self.choice is None else self.choice.to_wire(),
             "parents": _int32_bytes(self.parents),
             "pass": self.pass_id,
@@ -221,17 +229,25 @@ class StageBatch:
         choice = None if header.get("choice") is None else TokenChoice.from_wire(header["choice"])
         if choice is not None and len(choice.drafts) + 1 != len(rows):  # type: ignore[arg-type]
             raise ProtocolError(f"choice: {len(choice.drafts)} drafts for {len(rows)} logit rows (need rows - 1)")
+        pass_id, sequence, keep = _integer(header, "pass"), _integer(header, "sequence"), _integer(header, "keep")
+        more = _integer(header, "more")
+        if more > MAX_BATCHED:
+            raise ProtocolError(f"more: {more} batches to follow (at most {MAX_BATCHED})")
+        parents = _tree(header, "parents", count)
+        if more and (parents is not None or not count):
+            raise ProtocolError("more: a batched pass carries chains of tokens, not a tree or a release")
         return cls(
-            pass_id=_integer(header, "pass"),
-            sequence=_integer(header, "sequence"),
-            keep=_integer(header, "keep"),
+            pass_id=pass_id,
+            sequence=sequence,
+            keep=keep,
             positions=positions,  # type: ignore[arg-type]
             logit_rows=rows,  # type: ignore[arg-type]
             tokens=tokens,
             hidden=hidden,
             stage_seconds=_seconds(header, "seconds"),
             choice=choice,
-            parents=_tree(header, "parents", count),
+            parents=parents,
+            more=more,
         )
 
 

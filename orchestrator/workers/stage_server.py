@@ -24,7 +24,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -114,9 +114,11 @@ class StageServer:
         self._cancel_lock = threading.Lock()
         self._cancel_wanted: set[int] = set()  # passes of this chain cancelled before they arrived here
         self._latest_pass = 0  # the last pass of this chain taken by the serving thread (ids increase)
-        self._running_pass: int | None = None  # the pass llama.cpp is computing now
+        self._running: set[int] = set()  # the passes llama.cpp is computing now (several: a batched pass)
+        self._running_cancelled: set[int] = set()  # those of them cancelled: all of them stops the computation
         self._chain_generation = 0  # a reader of an older chain's cancels changes nothing
         self._cancel_problem = ""  # a bad frame on the cancel connection, reported with the next pass
+        self.sequences_per_pass = 0  # KV sequences in the last pass (more than one: a batched pass)
         self.dropped_passes = 0  # cancelled passes this stage never started
         self.stopped_passes = 0  # cancelled passes this stage stopped mid-graph
         self.description = StageDescription(
@@ -171,8 +173,10 @@ class StageServer:
             with self._cancel_lock:
                 if generation != self._chain_generation:
                     return
-                if message.pass_id == self._running_pass:
-                    self.engine.abort.set()
+                if message.pass_id in self._running:
+                    self._running_cancelled.add(message.pass_id)
+                    if self._running_cancelled >= self._running:  # a batched pass stops only when all of it is unwanted
+                        self.engine.abort.set()
                 elif message.pass_id > self._latest_pass:  # not here yet (a pass already gone is ignored)
                     self._cancel_wanted.add(message.pass_id)
 
@@ -249,50 +253,95 @@ class StageServer:
         while True:
             try:
                 message = wire.receive_message(upstream)
+                outgoing = self._handle(message, upstream)
             except wire.ConnectionClosed:
                 return
             except wire.ProtocolError as error:  # out of step with upstream: report it and stop
                 wire.send_message(downstream, StageFailure(0, self.engine.stage_index,
                                                            f"a bad frame from upstream: {error}"))
                 return
-            if isinstance(message, StageBatch):
-                message = self._take_pass(message)
-            elif isinstance(message, Cancelled):  # dropped by a stage before: it is not coming here
-                with self._cancel_lock:
-                    self._took(message.pass_id)
-            elif not isinstance(message, (Shutdown, StageFailure)):
-                message = StageFailure(0, self.engine.stage_index,
-                                       f"upstream sent {type(message).__name__}, not a batch")
-            wire.send_message(downstream, message)
-            if isinstance(message, Shutdown):
-                self.close()
-                return
-            if self._notify is not None:
-                wire.send_message(self._notify, Boundary(message.pass_id, self.engine.stage_index))
+            for message in outgoing:
+                wire.send_message(downstream, message)
+                if isinstance(message, Shutdown):
+                    self.close()
+                    return
+                if self._notify is not None:
+                    wire.send_message(self._notify, Boundary(message.pass_id, self.engine.stage_index))
+
+    def _handle(self, message, upstream: socket.socket) -> list:
+        """What goes downstream for a message from upstream (a batched pass:
+        its other batches are read first, then every one of its passes' outcomes, in order)."""
+        if isinstance(message, StageBatch):
+            return self._take_passes(self._batched_pass(message, upstream))
+        if isinstance(message, Cancelled):  # dropped by a stage before: it is not coming here
+            with self._cancel_lock:
+                self._took(message.pass_id)
+            return [message]
+        if isinstance(message, (Shutdown, StageFailure)):
+            return [message]
+        return [StageFailure(0, self.engine.stage_index, f"upstream sent {type(message).__name__}, not a batch")]
+
+    @staticmethod
+    def _batched_pass(first: StageBatch, upstream: socket.socket) -> list[StageBatch | Cancelled]:
+        """``first`` and the ``first.more`` batches decoded with it (StageBatch.more),
+        with the cancellations a stage before sent in their places."""
+        received: list[StageBatch | Cancelled] = [first]
+        waiting = first.more
+        while waiting:
+            message = wire.receive_message(upstream)
+            if isinstance(message, StageBatch) and message.more == waiting - 1:
+                waiting -= 1
+            elif not isinstance(message, Cancelled):
+                raise wire.ProtocolError(f"a batched pass waiting for {waiting} more batches got "
+                                         f"{type(message).__name__} (more {getattr(message, 'more', '-')})")
+            received.append(message)
+        return received
 
     def _took(self, pass_id: int) -> None:
         """The serving thread takes pass ``pass_id`` (under _cancel_lock)."""
         self._latest_pass = pass_id
         self._cancel_wanted = {wanted for wanted in self._cancel_wanted if wanted > pass_id}
 
-    def _take_pass(self, batch: StageBatch) -> StageBatch | PassResult | StageFailure | Cancelled:
-        """Run ``batch``, unless it was cancelled: then drop it, or stop it if
-        the cancel comes while it runs."""
+    def _take_passes(self, received: list[StageBatch | Cancelled]) -> list:
+        """Run the batches of one pass (several: a batched pass), in order with
+        the cancellations among them; a batch cancelled before it arrived is
+        dropped, and the computation stops if a cancel of all of them comes while it runs."""
+        stage = self.engine.stage_index
+        outcomes: dict[int, object] = {}
         with self._cancel_lock:
             if self._cancel_problem:
-                return StageFailure(batch.pass_id, self.engine.stage_index, self._cancel_problem)
-            dropped = batch.pass_id in self._cancel_wanted
-            self._took(batch.pass_id)
-            if dropped:
-                self.dropped_passes += 1
-                return Cancelled(batch.pass_id, self.engine.stage_index, batch.stage_seconds + (0.0,))
-            self._running_pass = batch.pass_id
+                return [StageFailure(received[0].pass_id, stage, self._cancel_problem)]
+            for message in received:
+                dropped = isinstance(message, StageBatch) and message.pass_id in self._cancel_wanted
+                self._took(message.pass_id)
+                if dropped:
+                    self.dropped_passes += 1
+                    outcomes[message.pass_id] = Cancelled(message.pass_id, stage, message.stage_seconds + (0.0,))
+            running = [message for message in received
+                       if isinstance(message, StageBatch) and message.pass_id not in outcomes]
+            self._running, self._running_cancelled = {batch.pass_id for batch in running}, set()
         try:
-            return self.run_pass(batch)
+            if running:
+                outcomes.update(zip((batch.pass_id for batch in running), self.run_passes(running)))
         finally:
             with self._cancel_lock:
-                self._running_pass = None
+                self._running = set()
                 self.engine.abort.clear()
+        return self._in_order(received, outcomes)
+
+    @staticmethod
+    def _in_order(received: list[StageBatch | Cancelled], outcomes: dict[int, object]) -> list:
+        """Every pass's outcome in the order received; the batches still
+        travelling together counted down again (StageBatch.more). A failure
+        of a batched pass is reported once, for its first pass."""
+        ordered = [outcomes.get(message.pass_id, message) for message in received]
+        failures = [message for message in ordered if isinstance(message, StageFailure)]
+        if failures:
+            return failures[:1]
+        together = [index for index, message in enumerate(ordered) if isinstance(message, StageBatch)]
+        for left, index in enumerate(reversed(together)):
+            ordered[index] = replace(ordered[index], more=left)
+        return ordered
 
     def _hold_to_curve(self, positions: np.ndarray, started: float) -> None:
         """Under --cost-curve, sleep until the pass has lasted the curve's time
@@ -311,48 +360,76 @@ class StageServer:
 
     def run_pass(self, batch: StageBatch) -> StageBatch | PassResult | StageFailure | Cancelled:
         """Decode one batch (or release its sequence); return what goes downstream."""
+        return self.run_passes([batch])[0]
+
+    def run_passes(self, batches: list[StageBatch]) -> list[StageBatch | PassResult | StageFailure | Cancelled]:
+        """Decode batches in one llama.cpp call (one, or a batched pass of
+        several sequences); return what goes downstream for each."""
         engine = self.engine
-        chosen = None  # the last stage's tokens, when the batch asks it to choose
         started = time.perf_counter()
         try:
-            engine.remove(batch.keep, batch.sequence)
-            if len(batch.positions) == 0:  # a release: nothing to decode
-                output = np.empty((0, engine.n_vocab if engine.is_last else engine.n_embd), np.float32)
-            else:
-                hidden = None if batch.hidden is None else batch.hidden.astype(np.float32, copy=False)
-                output = engine.decode(batch.positions, tokens=batch.tokens, hidden=hidden,
-                                       sequence=batch.sequence, logit_rows=batch.logit_rows, parents=batch.parents)
-            if engine.is_last and batch.choice is not None:  # choose here: token ids travel back, not logits
-                choice = batch.choice
-                chosen = np.array(verify_rows(choice.drafts.tolist(), choice.parents, output, choice.first_position,
-                                              choice.sampling), np.int32)
-            self._hold_to_curve(batch.positions, started)
+            for batch in batches:
+                engine.remove(batch.keep, batch.sequence)
+            outputs = self._decode(batches)
+            # the last stage chooses the tokens of a batch with a choice: token ids travel back, not logits
+            chosen = [self._chosen(batch, output) for batch, output in zip(batches, outputs)]
+            self._hold_to_curve(np.concatenate([batch.positions for batch in batches]), started)
         except PassAborted:
-            self.stopped_passes += 1
-            return Cancelled(batch.pass_id, engine.stage_index,
-                             batch.stage_seconds + (time.perf_counter() - started,))
+            self.stopped_passes += len(batches)
+            return [Cancelled(batch.pass_id, engine.stage_index, batch.stage_seconds + (time.perf_counter() - started,))
+                    for batch in batches]
         except StageError as error:
-            return StageFailure(batch.pass_id, engine.stage_index, str(error))
+            return [StageFailure(batches[0].pass_id, engine.stage_index, str(error))]
         except Exception as error:  # never a silent thread death: the coordinator hears why
-            return StageFailure(batch.pass_id, engine.stage_index, f"{type(error).__name__}: {error}")
+            return [StageFailure(batches[0].pass_id, engine.stage_index, f"{type(error).__name__}: {error}")]
         seconds = time.perf_counter() - started
         self.busy_seconds += seconds
         self.passes += 1
+        self.sequences_per_pass = len(batches)
         # read here, in the serving thread: llama.cpp's cache must not be read while it decodes
         self.kv_cells, self.kv_sequences = engine.cells_held(), engine.sequences_held()
         if self.on_pass is not None:
             self.on_pass(seconds, self.kv_cells, self.kv_sequences)
-        stage_seconds = batch.stage_seconds + (seconds,)
-        if engine.is_last:
+        return [self._passed_on(batch, output, tokens, batch.stage_seconds + (seconds,))
+                for batch, output, tokens in zip(batches, outputs, chosen)]
+
+    def _decode(self, batches: list[StageBatch]) -> list[np.ndarray]:
+        """Each batch's rows out (hidden states, or the last stage's logit rows), from one llama_decode."""
+        engine = self.engine
+        if len(batches) == 1 and len(batches[0].positions) == 0:  # a release: nothing to decode
+            return [np.empty((0, engine.n_vocab if engine.is_last else engine.n_embd), np.float32)]
+        if len({batch.tokens is None for batch in batches}) > 1:
+            raise StageError("a batched pass mixes token ids and hidden states")
+        first = batches[0]
+        if len(batches) == 1:  # one sequence, a chain or a tree
+            hidden = None if first.hidden is None else first.hidden.astype(np.float32, copy=False)
+            return [engine.decode(first.positions, tokens=first.tokens, hidden=hidden, sequence=first.sequence,
+                                  logit_rows=first.logit_rows, parents=first.parents)]
+        starts = np.cumsum([0] + [len(batch.positions) for batch in batches])
+        output = engine.decode(
+            np.concatenate([batch.positions for batch in batches]),
+            tokens=None if first.tokens is None else np.concatenate([batch.tokens for batch in batches]),
+            hidden=None if first.hidden is None else np.concatenate([batch.hidden for batch in batches]).astype(
+                np.float32, copy=False),
+            sequence=np.concatenate([np.full(len(batch.positions), batch.sequence, np.int32) for batch in batches]),
+            logit_rows=np.concatenate([batch.logit_rows + start for batch, start in zip(batches, starts)]))
+        if not engine.is_last:
+            return [output[start:end] for start, end in zip(starts, starts[1:])]
+        rows = np.cumsum([0] + [len(batch.logit_rows) for batch in batches])
+        return [output[start:end] for start, end in zip(rows, rows[1:])]
+
+    def _chosen(self, batch: StageBatch, output: np.ndarray) -> np.ndarray | None:
+        """The tokens the last stage chooses for a batch with a choice (speculators.tree.verify_rows), else None."""
+        if not self.engine.is_last or batch.choice is None:
+            return None
+        choice = batch.choice
+        return np.array(verify_rows(choice.drafts.tolist(), choice.parents, output, choice.first_position,
+                                    choice.sampling), np.int32)
+
+    def _passed_on(self, batch: StageBatch, output: np.ndarray, chosen: np.ndarray | None,
+                   stage_seconds: tuple[float, ...]) -> StageBatch | PassResult:
+        """What goes downstream for a decoded batch: its result from the last stage, else its hidden states."""
+        if self.engine.is_last:
             return PassResult(batch.pass_id, output if chosen is None else None, stage_seconds, tokens=chosen)
-        return StageBatch(
-            pass_id=batch.pass_id,
-            keep=batch.keep,
-            positions=batch.positions,
-            logit_rows=batch.logit_rows,
-            hidden=output.astype(self.wire_dtype, copy=False),
-            stage_seconds=stage_seconds,
-            sequence=batch.sequence,
-            choice=batch.choice,
-            parents=batch.parents,
-        )
+        return replace(batch, hidden=output.astype(self.wire_dtype, copy=False), tokens=None,
+                       stage_seconds=stage_seconds)

@@ -88,6 +88,34 @@ def test_eight_requests_at_once_each_get_the_whole_models_tokens(chain, greedy_w
     assert all(engine.cells_held() == 0 for engine in chain.engines)  # every sequence released
 
 
+@pytest.mark.parametrize("drafting", ["plain", "ngram"])
+def test_batched_passes_give_every_request_its_solo_tokens(chain, greedy_work, reference, is_end, drafting):
+    """Continuous batching (schedule.Batching on a flat cost curve, step 0):
+    windows of several requests share each pass, one llama.cpp call per
+    stage, and every greedy request still gets the whole model's tokens, a
+    seeded one the tokens it draws alone, with prompt lookup on and off."""
+    speculator = None if drafting == "plain" else (lambda sequence: PromptLookupSpeculator())
+    sampled = ServiceRequest(reference.tokenize(COPY), 24, SamplingSettings(temperature=0.8, top_p=0.95, seed=3))
+    alone_service = Service(chain, is_end, ServiceSettings(max_sequences=8, queue_limit=0, context=1024))
+    try:
+        (alone,) = run_all(alone_service, [sampled])
+    finally:
+        alone_service.close(drain_seconds=5)
+    watched = Watched(chain)
+    service = Service(watched, is_end, ServiceSettings(max_sequences=8, queue_limit=0, context=1024,
+                                                       speculator=speculator, draft_max=4, stage_count=2,
+                                                       batch_step=0.0))
+    requests = [request for request, _ in greedy_work[:7]] + [sampled]
+    try:
+        got = run_all(service, requests)
+    finally:
+        service.close(drain_seconds=5)
+    assert got[:7] == [expected for _, expected in greedy_work[:7]]
+    assert got[7] == alone
+    assert watched.most_windows_per_pass > 1  # requests really shared passes
+    assert all(engine.cells_held() == 0 for engine in chain.engines)
+
+
 def test_a_seeded_request_samples_the_same_tokens_alone_and_beside_others(chain, reference, is_end):
     sampling = SamplingSettings(temperature=0.8, top_p=0.95, seed=3)
     sampled = ServiceRequest(reference.tokenize(COPY), 32, sampling)
@@ -115,20 +143,23 @@ class Watched:
         self.in_flight: dict[int, int] = {}
         self.most_in_flight = 0
         self.tree_windows = 0
-        self.order: list[tuple[int, bool]] = []
+        self.order: list[list[tuple[int, bool]]] = []
+        self.most_windows_per_pass = 0
 
     def submit(self, target_pass):
-        (window,) = target_pass.windows
-        counted = not window.prompt
-        self.in_flight[window.sequence] = self.in_flight.get(window.sequence, 0) + counted
-        self.most_in_flight = max(self.most_in_flight, self.in_flight[window.sequence])
-        self.tree_windows += window.parents is not None
-        self.order.append((window.sequence, counted))
+        self.order.append([])
+        self.most_windows_per_pass = max(self.most_windows_per_pass, len(target_pass.windows))
+        for window in target_pass.windows:
+            counted = not window.prompt
+            self.in_flight[window.sequence] = self.in_flight.get(window.sequence, 0) + counted
+            self.most_in_flight = max(self.most_in_flight, self.in_flight[window.sequence])
+            self.tree_windows += window.parents is not None
+            self.order[-1].append((window.sequence, counted))
         self.target.submit(target_pass)
 
     def receive(self):
-        sequence, counted = self.order.pop(0)
-        self.in_flight[sequence] -= counted
+        for sequence, counted in self.order.pop(0):
+            self.in_flight[sequence] -= counted
         return self.target.receive()
 
     def cancel(self, target_pass):

@@ -6,8 +6,8 @@ import pytest
 
 from speculators.draft_length import DraftPolicy
 from speculators.sampling import SamplingSettings
-from orchestrator.decoding.schedule import (Handoff, Schedule, Scheduler, SequenceState, SpeculationStats, Window,
-                                            prompt_chunk, relay)
+from orchestrator.decoding.schedule import (Batching, Handoff, Schedule, Scheduler, SequenceState, SpeculationStats,
+                                            TargetPass, Window, prompt_chunk, relay)
 
 SAMPLING = SamplingSettings(temperature=0.7, top_p=0.9, seed=5)
 
@@ -502,3 +502,50 @@ def test_a_sequence_drafting_one_token_at_a_time_relays():
     scheduler = Scheduler([sequence])
     scheduler.next_passes()
     assert scheduler.relaying() == [sequence]
+
+
+# -- continuous batching (Batching): which ready windows share a pass
+
+def decoding_window(sequence, width=1, first=10):
+    return Window(sequence, first, tuple(range(width)))
+
+
+def test_on_a_flat_curve_ready_windows_fill_one_pass_per_stage_and_on_a_linear_one_go_alone():
+    windows = [decoding_window(sequence) for sequence in range(8)]
+    flat = Batching(stage_count=2, step=0.0, n_batch=512)
+    assert [[w.sequence for w in p.windows] for p in flat.passes(windows, in_flight=0)] == [[0, 1, 2, 3],
+                                                                                            [4, 5, 6, 7]]
+    assert [len(p.windows) for p in flat.passes(windows, in_flight=1)] == [8]  # one stage already busy
+    linear = Batching(stage_count=2, step=1.0, n_batch=512)
+    assert [len(p.windows) for p in linear.passes(windows, in_flight=0)] == [1] * 8  # ties go to more passes
+    this_cpu = Batching(stage_count=2, step=0.6, n_batch=512)  # 8 tokens cost 5.2 one-token passes
+    assert [len(p.windows) for p in this_cpu.passes(windows, in_flight=0)] == [4, 4]
+
+
+def test_only_chains_of_one_width_and_consecutive_sequences_share_a_pass():
+    flat = Batching(stage_count=1, step=0.0, n_batch=512)
+    prompt = Window(5, 0, (1, 2, 3), prompt=True)
+    tree = Window(6, 10, (1, 2, 3), parents=(-1, 0, 0))
+    windows = [decoding_window(0), decoding_window(1), decoding_window(3), decoding_window(2, width=3),
+               decoding_window(4, width=3), prompt, tree]
+    shared = sorted(tuple(w.sequence for w in p.windows) for p in flat.passes(windows, in_flight=0))
+    assert shared == [(0, 1), (2,), (3,), (4,), (5,), (6,)]  # 0-1 consecutive; 3 apart; width 3: 2 and 4 not
+
+
+def test_a_shared_pass_never_exceeds_n_batch_tokens():
+    flat = Batching(stage_count=1, step=0.0, n_batch=16)
+    passes = flat.passes([decoding_window(sequence, width=5) for sequence in range(8)], in_flight=0)
+    assert all(sum(len(w.inputs) for w in p.windows) <= 16 for p in passes)
+    assert sorted(w.sequence for p in passes for w in p.windows) == list(range(8))
+
+
+def test_while_the_stages_are_busy_decoding_windows_wait_to_share_a_pass_but_prompts_go():
+    batching = Batching(stage_count=2, step=0.0, n_batch=512)
+    assert batching.holds(2) and not batching.holds(1)
+    assert not Batching(stage_count=2, step=1.0, n_batch=512).holds(5)  # sharing never pays: nothing waits
+    waiting = state(Schedule.PLAIN, sequence=0)
+    prompt = SequenceState(1, [1, 2, 3], 3, 10, prompt_from=0)
+    scheduler = Scheduler([waiting, prompt], batching=batching)
+    scheduler.in_flight.extend([TargetPass((decoding_window(7),)), TargetPass((decoding_window(8),))])
+    assert [p.windows[0].sequence for p in scheduler.next_passes()] == [1]
+    assert waiting.ready and not waiting.in_flight

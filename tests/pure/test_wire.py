@@ -61,6 +61,15 @@ EXAMPLES = [
         hidden=random_numbers.normal(size=(2, 576)).astype(np.float16),
         stage_seconds=(0.25, 0.125),
     ),
+    StageBatch(  # the first of a batched pass of three sequences' windows
+        pass_id=6,
+        keep=40,
+        positions=np.arange(40, 42, dtype=np.int32),
+        logit_rows=np.array([0, 1], np.int32),
+        tokens=np.array([8, 9], np.int32),
+        sequence=2,
+        more=2,
+    ),
     PassResult(pass_id=9, logits=random_numbers.normal(size=(2, 49152)).astype(np.float32), stage_seconds=(0.1, 0.2)),
     StageFailure(pass_id=2, stage_index=1, message="boom: ünïcode survives"),
     Shutdown(),
@@ -269,7 +278,7 @@ def int32(*values) -> bytes:
 
 
 BATCH = {"kind": "batch", "pass": 1, "sequence": 0, "keep": 0, "positions": int32(0, 1), "rows": int32(1),
-         "tokens": int32(5, 6), "seconds": []}
+         "tokens": int32(5, 6), "seconds": [], "more": 0}
 
 
 @pytest.mark.parametrize("data, message", [
@@ -295,6 +304,10 @@ BATCH = {"kind": "batch", "pass": 1, "sequence": 0, "keep": 0, "positions": int3
     (frame({**BATCH, "keep": -1}), "keep: expected an integer >= 0"),
     (frame({**BATCH, "array": ["<f4", [3, 4]]}, b"\0" * 48), "hidden: 3 rows for 2 positions"),
     (frame({k: v for k, v in BATCH.items() if k != "sequence"}), "sequence: expected an integer"),
+    (frame({**BATCH, "more": -1}), "more: expected an integer >= 0"),
+    (frame({**BATCH, "more": 256}), "more: 256 batches to follow (at most 255)"),
+    (frame({**BATCH, "more": 1, "parents": int32(-1, 0)}), "more: a batched pass carries chains"),
+    (frame({**BATCH, "more": 1, "positions": b"", "tokens": b"", "rows": b""}), "more: a batched pass carries"),
     (frame({"kind": "collect", "epoch": 1, "wait": "yes"}), "wait: expected true or false"),
     (frame({"kind": "speculate", "epoch": 1, "array": ["<f4", [3]]}, b"\0" * 12), "context: expected"),
     (frame({"kind": "failure", "pass": 1, "stage": 0, "message": b"bytes"}), "message: expected text"),
