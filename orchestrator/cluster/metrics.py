@@ -27,11 +27,15 @@ class StageMetrics:
         self.kv_cells = Gauge("specpipe_kv_cells_used", description="KV cache positions held by a stage.", tag_keys=("stage",))
         self.sequences = Gauge("specpipe_stage_sequences_held", description="KV sequences (requests) a stage holds.",
                                tag_keys=("stage",))
+        self.pass_sequences = Gauge("specpipe_stage_sequences_per_pass",
+                                    description="Sequences (requests) a stage's last pass carried (batched: over 1).",
+                                    tag_keys=("stage",))
 
-    def record(self, seconds: float, kv_cells: int, sequences: int) -> None:
+    def record(self, seconds: float, kv_cells: int, sequences: int, pass_sequences: int) -> None:
         self.pass_seconds.observe(seconds, tags=self.tags)
         self.kv_cells.set(kv_cells, tags=self.tags)
         self.sequences.set(sequences, tags=self.tags)
+        self.pass_sequences.set(pass_sequences, tags=self.tags)
 
 
 class GenerationMetrics:

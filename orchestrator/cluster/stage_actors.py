@@ -52,6 +52,8 @@ class StageLoad(NamedTuple):
     process_id: int = 0
     restarts: int = 0
     compute: StageCompute | None = None
+    passes: int = 0  # llama.cpp calls so far
+    windows: int = 0  # sequences' windows they carried (over passes: batched passes)
 
 
 def stage_file_reader():
@@ -107,7 +109,7 @@ def stage_actor_class():
 
             process = psutil.Process()
             return StageLoad(self.server.kv_cells, self.server.kv_sequences, process.memory_info().rss / 1024**2,
-                             process.pid)
+                             process.pid, passes=self.server.passes, windows=self.server.windows_decoded)
 
         def peak_rss_mb(self) -> float:
             return peak_rss_mb()

@@ -89,6 +89,8 @@ def build_app(backend: Backend) -> FastAPI:
             "stages": [{"answering": False} if stage is None else
                        {"kv_cells": stage.kv_cells, "sequences": stage.sequences, "rss_mb": round(stage.rss_mb, 1),
                         "process": stage.process_id, "restarts": stage.restarts,
+                        # requests per pass so far (over 1: passes shared by requests, continuous batching)
+                        "sequences_per_pass": round(stage.windows / stage.passes, 2) if stage.passes else None,
                         **(stage.compute.record() if stage.compute else {})}
                        for stage in stages],
         }

@@ -97,8 +97,9 @@ class StageServer:
             except CostCurveError as error:
                 self.engine.close()
                 raise StageError(f"{path}: {error}") from None
-        # called after each pass with (compute seconds, KV cells held, sequences held); the Ray shell records metrics
-        self.on_pass: Callable[[float, int], None] | None = None
+        # called after each pass with (compute seconds, KV cells held, sequences held, sequences in the pass);
+        # the Ray shell records metrics
+        self.on_pass: Callable[[float, int, int, int], None] | None = None
         self.wire_dtype = WIRE_DTYPES[wire_dtype]
         self.listener = wire.listen(host)
         self.busy_seconds = 0.0
@@ -118,7 +119,7 @@ class StageServer:
         self._running_cancelled: set[int] = set()  # those of them cancelled: all of them stops the computation
         self._chain_generation = 0  # a reader of an older chain's cancels changes nothing
         self._cancel_problem = ""  # a bad frame on the cancel connection, reported with the next pass
-        self.sequences_per_pass = 0  # KV sequences in the last pass (more than one: a batched pass)
+        self.windows_decoded = 0  # sequences' windows over all passes (more than passes: batched passes)
         self.dropped_passes = 0  # cancelled passes this stage never started
         self.stopped_passes = 0  # cancelled passes this stage stopped mid-graph
         self.description = StageDescription(
@@ -385,11 +386,11 @@ class StageServer:
         seconds = time.perf_counter() - started
         self.busy_seconds += seconds
         self.passes += 1
-        self.sequences_per_pass = len(batches)
+        self.windows_decoded += len(batches)
         # read here, in the serving thread: llama.cpp's cache must not be read while it decodes
         self.kv_cells, self.kv_sequences = engine.cells_held(), engine.sequences_held()
         if self.on_pass is not None:
-            self.on_pass(seconds, self.kv_cells, self.kv_sequences)
+            self.on_pass(seconds, self.kv_cells, self.kv_sequences, len(batches))
         return [self._passed_on(batch, output, tokens, batch.stage_seconds + (seconds,))
                 for batch, output, tokens in zip(batches, outputs, chosen)]
 

@@ -131,7 +131,7 @@ def test_a_bad_frame_is_reported_downstream_and_the_stage_stops(stage, raw, reas
 def test_an_unexpected_error_in_the_loop_is_reported_downstream_not_a_silent_thread_death(stage):
     server, upstream, downstream = stage
 
-    def broken_metrics(seconds, cells, sequences):
+    def broken_metrics(seconds, cells, sequences, pass_sequences):
         raise RuntimeError("the metrics broke")
 
     server.on_pass = broken_metrics
