@@ -94,7 +94,8 @@ def servers_here() -> tuple[str, ...]:
     return SERVERS + ((PEER,) if built() else ())
 
 
-def _start(server: str, stage_paths: list[str], whole_path: str, threads: int, port: int, workdir: Path):
+def _start(server: str, stage_paths: list[str], whole_path: str, threads: int, port: int, workdir: Path,
+           more: list[str]):
     if server == PEER:
         from benchmarks.peers import start, tool
 
@@ -103,7 +104,8 @@ def _start(server: str, stage_paths: list[str], whole_path: str, threads: int, p
                       "--host", "127.0.0.1", "--port", str(port)], port, workdir / f"{server}.log")
     if server == "specpipe-2-stages":
         return start_specpipe_server(["--model-split", *stage_paths, "--threads", str(max(1, threads // 2)),
-                                      "--n-ctx", str(CONTEXT), "--max-sequences", "8"], port, workdir / f"{server}.log")
+                                      "--n-ctx", str(CONTEXT), "--max-sequences", "8", *more], port,
+                                     workdir / f"{server}.log")
     if server == "specpipe-whole":
         return start_specpipe_server(["--model-split", whole_path, "--threads", str(threads), "--n-ctx", str(CONTEXT),
                                       "--max-sequences", "8"], port, workdir / f"{server}.log")
@@ -133,10 +135,13 @@ def _summary(runs: list[LoadResult]) -> dict:
 def run_serve_bench(stage_paths: list[str], whole_path: str, *, threads: int = 2,
                     concurrencies: tuple[int, ...] = (1, 2, 4, 8), repetitions: int = 3, max_tokens: int = 64,
                     prompts: list[str] | None = None, workdir: Path,
-                    progress: Callable[[int, int], None] | None = None) -> dict:
-    """Every server under every concurrency level; see the module docstring."""
+                    progress: Callable[[int, int], None] | None = None, cost_curve: str | None = None) -> dict:
+    """Every server under every concurrency level; see the module docstring.
+    cost_curve: a --cost-curve CURVE every stage is held to (emulated figures):
+    then only this project's 2-stage servers run (no curve holds the peers,
+    and the 2-stage curve does not fit the whole model as one stage)."""
     prompts = list(prompts or DEFAULT_PROMPTS)
-    servers = servers_here()
+    servers = servers_here() if cost_curve is None else ("specpipe-2-stages",)
     total = (len(servers) + 1) * repetitions * len(concurrencies)
     done = 0
     runs: dict[str, dict[int, list[LoadResult]]] = {server: {level: [] for level in concurrencies} for server in servers}
@@ -147,10 +152,11 @@ def run_serve_bench(stage_paths: list[str], whole_path: str, *, threads: int = 2
         if progress is not None:
             progress(done, total)
 
-    runs[IN_PROCESS] = _in_process(stage_paths, prompts, concurrencies, repetitions, max_tokens, step)
+    runs[IN_PROCESS] = _in_process(stage_paths, prompts, concurrencies, repetitions, max_tokens, step, cost_curve)
     for server in servers:
         port = free_port()
-        process = _start(server, stage_paths, whole_path, threads, port, workdir)
+        process = _start(server, stage_paths, whole_path, threads, port, workdir,
+                         ["--cost-curve", cost_curve] if cost_curve else [])
         try:
             base_url, model = f"http://127.0.0.1:{port}/v1", _model_name(port)
             # llama_cpp.server penalises repeats by default (1.1): greedy without it is the whole model's output
@@ -167,9 +173,10 @@ def run_serve_bench(stage_paths: list[str], whole_path: str, *, threads: int = 2
 
 
 def _in_process(stage_paths: list[str], prompts: list[str], concurrencies: tuple[int, ...], repetitions: int,
-                max_tokens: int, step: Callable[[], None]) -> dict[int, list[LoadResult]]:
+                max_tokens: int, step: Callable[[], None], cost_curve: str | None) -> dict[int, list[LoadResult]]:
     """The service loop over the 2-stage pipeline in this process (a local Ray):
-    at most ``level`` requests submitted at a time, as the HTTP load generator does."""
+    at most ``level`` requests submitted at a time, as the HTTP load generator
+    does; its passes priced as orchestrate serve prices them (measured at start)."""
     import threading
 
     from benchmarks.serve_load import RequestOutcome
@@ -182,12 +189,17 @@ def _in_process(stage_paths: list[str], prompts: list[str], concurrencies: tuple
 
     tokenizer = Tokenizer(stage_paths[0])
     runs: dict[int, list[LoadResult]] = {level: [] for level in concurrencies}
-    with ray_session(None), Pipeline(stage_paths, StageSettings(n_ctx=CONTEXT, sequences=max(concurrencies)),
-                                         overlapping=True) as pipeline:
+    from orchestrator.planning.curves import load_cost_curve
+
+    settings = StageSettings(n_ctx=CONTEXT, sequences=max(concurrencies),
+                             cost_curve=load_cost_curve(cost_curve) if cost_curve else None)
+    with ray_session(None), Pipeline(stage_paths, settings, overlapping=True) as pipeline:
+        batch_step = pipeline.draft_step()
         for _ in range(repetitions):
             for level in concurrencies:
                 service = Service(pipeline, tokenizer.is_end,
-                                  ServiceSettings(max_sequences=level, queue_limit=len(prompts), context=CONTEXT))
+                                  ServiceSettings(max_sequences=level, queue_limit=len(prompts), context=CONTEXT,
+                                                  stage_count=pipeline.stage_count, batch_step=batch_step))
                 outcomes = [RequestOutcome(index, usage_received=True) for index in range(len(prompts))]
                 tokens: list[list[int]] = [[] for _ in prompts]
                 last = [0.0] * len(prompts)
@@ -242,14 +254,17 @@ def _results(runs: dict[str, dict[int, list[LoadResult]]], concurrencies: tuple[
             texts = [[outcome.text for outcome in run.outcomes] for run in level_runs]
             rates = [run.tokens_per_s for run in level_runs]
             first_rates = [run.tokens_per_s for run in levels[concurrencies[0]]]
-            baseline_rates = [run.tokens_per_s for run in runs[baseline][level]]
+            baseline_rates = [run.tokens_per_s for run in runs[baseline][level]] if baseline in runs else None
             rows.append({
                 "server": server, "concurrency": level, **_summary(level_runs),
                 # the same repetition's runs paired: ratios within a repetition, then their median
                 "over_concurrency_1": statistics.median(rate / first for rate, first in zip(rates, first_rates)),
-                "over_llama_cpp_server": statistics.median(rate / other for rate, other in zip(rates, baseline_rates)),
+                # under an emulated curve llama-cpp-server does not run (run_serve_bench): no ratio to it
+                "over_llama_cpp_server": None if baseline_rates is None else
+                statistics.median(rate / other for rate, other in zip(rates, baseline_rates)),
                 "matches_solo": all(text == solo[server] for text in texts),
-                "matches_llama_cpp_server": all(text == solo[baseline] for text in texts),
+                "matches_llama_cpp_server": None if baseline not in solo else
+                all(text == solo[baseline] for text in texts),
             })
     return {"servers": [IN_PROCESS, *servers], "concurrencies": list(concurrencies), "repetitions": repetitions,
             "max_tokens": max_tokens, "threads": threads, "prompts": len(prompts), "rows": rows}
@@ -270,7 +285,10 @@ def write_serve_results(results: dict, out_dir: Path) -> list[Path]:
 
 
 def serve_table(results: dict) -> str:
+    emulated = results.get("cost_curve")
     lines = [
+        *([f"**Emulated**: every stage pass lasts at least the time of the cost curve \"{emulated['name']}\".", ""]
+          if emulated else []),
         f"Command: `{results.get('command', 'orchestrate bench --serve')}`; {results['prompts']} prompts per run, "
         f"max_tokens {results['max_tokens']}, greedy, streamed; {results['threads']} threads in all per server; "
         f"median [min–max] over {results['repetitions']} repetitions.",
@@ -283,13 +301,21 @@ def serve_table(results: dict) -> str:
         rate = row["tokens_per_second"]
         lines.append(
             f"| {row['server']} | {row['concurrency']} | {rate['median']:.1f} [{rate['min']:.1f}–{rate['max']:.1f}] "
-            f"| {row['over_concurrency_1']:.2f} | {row['over_llama_cpp_server']:.2f} "
+            f"| {row['over_concurrency_1']:.2f} | {_ratio(row['over_llama_cpp_server'])} "
             f"| {row['ttft_p50']['median']:.3f} / {row['ttft_p95']['median']:.3f} "
             f"| {row['itl_p50']['median'] * 1e3:.1f} / {row['itl_p95']['median'] * 1e3:.1f} "
             f"| {row['errors']} | {'yes' if row['matches_solo'] else 'NO'} "
-            f"| {'yes' if row['matches_llama_cpp_server'] else 'NO'} |"
+            f"| {_same(row['matches_llama_cpp_server'])} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _same(value: bool | None) -> str:
+    return "-" if value is None else "yes" if value else "NO"
 
 
 def _chart(results: dict, path: Path) -> None:

@@ -457,13 +457,10 @@ def bench(out_dir: Path, quick: bool, names: tuple[str, ...], folder: Path | Non
     from benchmarks.suite import SCENARIO_DIR, load_scenarios, run_scenario
     from orchestrator.cluster.connect import ray_session
 
-    if serving and cost_curve:  # its peers run as llama.cpp's own servers, which no curve can hold
-        raise click.UsageError("--cost-curve is not taken by --serve yet: emulate serve with orchestrate serve "
-                               "--cost-curve and a load of your own")
-    if serving:
-        _bench_serve(out_dir, quick)
-        return
     curve = _cost_curve(cost_curve)
+    if serving:
+        _bench_serve(out_dir, quick, cost_curve, curve)
+        return
 
     scenarios = load_scenarios(folder or SCENARIO_DIR, quick=quick, only=list(names) or None)
     results: dict = {
@@ -489,7 +486,7 @@ def bench(out_dir: Path, quick: bool, names: tuple[str, ...], folder: Path | Non
         sys.exit(1)
 
 
-def _bench_serve(out_dir: Path, quick: bool) -> None:
+def _bench_serve(out_dir: Path, quick: bool, cost_curve: str | None, curve) -> None:
     """orchestrate bench --serve (benchmarks.serve_bench) on the default model."""
     import tempfile
 
@@ -500,8 +497,9 @@ def _bench_serve(out_dir: Path, quick: bool) -> None:
     shape = dict(concurrencies=(1, 2), repetitions=1, max_tokens=8) if quick else {}
     with tempfile.TemporaryDirectory() as workdir:
         results = run_serve_bench(stage_paths, str(default_model_path()), workdir=Path(workdir),
-                                  progress=_progress_bar("serve bench"), **shape)
+                                  progress=_progress_bar("serve bench"), cost_curve=cost_curve, **shape)
     results["command"] = "orchestrate bench " + " ".join(sys.argv[2:])
+    results["cost_curve"] = {"spec": cost_curve, "name": curve.name} if curve else None
     for path in write_serve_results(results, out_dir):
         click.echo(str(path))
     # llama.cpp's own llama-server (a peer, benchmarks.serve_bench) is reported, not held to exactness

@@ -6,6 +6,7 @@ arrive or while they run."""
 from __future__ import annotations
 
 import struct
+from dataclasses import replace
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -38,6 +39,11 @@ def cancelling_stage(splits):
     it), with batches of up to 512 tokens (long enough to be cancelled while
     they run)."""
     server = StageServer(splits[2][0], StageSettings(n_ctx=1024, n_batch=512), "127.0.0.1", "node", secret=SECRET)
+    yield from serving_with_cancels(server)
+
+
+def serving_with_cancels(server):
+    """``serving``, and the coordinator's cancel connection to the stage: yield (server, upstream, downstream, cancels)."""
     for server, upstream, downstream in serving(server):
         listener = wire.listen("127.0.0.1")
         accepting = ThreadPoolExecutor(1).submit(accept_peer, listener, SECRET, cancel_role(0), 30)
@@ -262,14 +268,7 @@ def emulated_stage(splits):
     """(server, upstream, downstream, cancels) of the first stage held to EMULATED."""
     server = StageServer(splits[2][0], StageSettings(n_ctx=64, n_batch=16, cost_curve=EMULATED), "127.0.0.1", "node",
                          secret=SECRET)
-    for server, upstream, downstream in serving(server):
-        listener = wire.listen("127.0.0.1")
-        accepting = ThreadPoolExecutor(1).submit(accept_peer, listener, SECRET, cancel_role(0), 30)
-        server.connect_cancel(*listener.getsockname())
-        cancels = accepting.result(timeout=30)
-        yield server, upstream, downstream, cancels
-        cancels.close()
-        listener.close()
+    yield from serving_with_cancels(server)
 
 
 def test_an_emulated_pass_never_returns_before_its_curve_time_and_computes_the_same(emulated_stage, stage):
@@ -295,11 +294,7 @@ def test_a_cancel_ends_an_emulated_pass_as_it_would_stop_a_real_one(splits):
     slow = CostCurve("slow", stages=(StageCurve(BatchCurve((1,), (600.0,))),))
     server = StageServer(splits[2][0], StageSettings(n_ctx=64, n_batch=16, cost_curve=slow), "127.0.0.1", "node",
                          secret=SECRET)
-    for server, upstream, downstream in serving(server):
-        listener = wire.listen("127.0.0.1")
-        accepting = ThreadPoolExecutor(1).submit(accept_peer, listener, SECRET, cancel_role(0), 30)
-        server.connect_cancel(*listener.getsockname())
-        cancels = accepting.result(timeout=30)
+    for server, upstream, downstream, cancels in serving_with_cancels(server):
         wire.send_message(upstream, numbered(1, PROMPT))
         wait_until(lambda: 1 in server._running)
         time.sleep(2)  # llama.cpp's 8 tokens take milliseconds: the stage now sleeps out the curve
@@ -307,11 +302,65 @@ def test_a_cancel_ends_an_emulated_pass_as_it_would_stop_a_real_one(splits):
         stopped = wire.receive_message(downstream)  # downstream's 30 s timeout: never the 600 s of the curve
         assert isinstance(stopped, Cancelled) and stopped.pass_id == 1
         assert server.stopped_passes == 1 and not server.engine.abort.is_set
-        cancels.close()
-        listener.close()
 
 
 def test_a_curve_for_another_number_of_stages_is_refused_naming_the_file(splits):
     two = CostCurve("two stages", stages=(EMULATED.stages[0],) * 2)
     with pytest.raises(StageError, match=r"the cost curve 'two stages' has 2 stages, the pipeline 3$"):
         StageServer(splits[3][0], StageSettings(n_ctx=64, cost_curve=two), "127.0.0.1", "node", secret=SECRET)
+
+
+# -- a batched pass: several sequences' batches decoded in one llama.cpp call (StageBatch.more)
+
+@pytest.fixture
+def two_sequence_stage(splits):
+    """(server, upstream, downstream, cancels) of the first stage, holding 2 KV sequences."""
+    server = StageServer(splits[2][0], StageSettings(n_ctx=64, n_batch=32, sequences=2), "127.0.0.1", "node",
+                         secret=SECRET)
+    yield from serving_with_cancels(server)
+
+
+def of_sequence(pass_id, tokens, sequence, first=0, more=0):
+    return replace(numbered(pass_id, tokens, first), sequence=sequence, more=more)
+
+
+def test_a_batched_pass_computes_each_sequence_as_alone_and_hands_each_on(two_sequence_stage):
+    server, upstream, downstream, _ = two_sequence_stage
+    prompts = {0: PROMPT, 1: [5, 6, 7, 8, 9, 10, 11, 12]}
+    alone = {}
+    for pass_id, sequence in ((1, 0), (3, 1)):  # each sequence's prompt, then its next tokens, alone
+        wire.send_message(upstream, of_sequence(pass_id, prompts[sequence], sequence))
+        wire.receive_message(downstream)
+        wire.send_message(upstream, of_sequence(pass_id + 1, NEXT, sequence, first=len(prompts[sequence])))
+        alone[sequence] = wire.receive_message(downstream).hidden
+    passes_before = server.passes
+    wire.send_message(upstream, of_sequence(5, NEXT, 0, first=len(PROMPT), more=1))
+    wire.send_message(upstream, of_sequence(6, NEXT, 1, first=len(PROMPT)))
+    first, second = wire.receive_message(downstream), wire.receive_message(downstream)
+    assert [(message.pass_id, message.sequence, message.more) for message in (first, second)] == [(5, 0, 1), (6, 1, 0)]
+    np.testing.assert_array_equal(first.hidden, alone[0])
+    np.testing.assert_array_equal(second.hidden, alone[1])
+    assert server.passes == passes_before + 1  # one llama.cpp call for both
+
+
+def test_a_batch_of_a_batched_pass_cancelled_before_it_arrives_is_dropped_in_its_place(two_sequence_stage):
+    server, upstream, downstream, cancels = two_sequence_stage
+    for pass_id, sequence in ((1, 0), (2, 1)):
+        wire.send_message(upstream, of_sequence(pass_id, PROMPT, sequence))
+        wire.receive_message(downstream)
+    wire.send_message(cancels, Cancel(4))
+    wait_until(lambda: 4 in server._cancel_wanted)
+    wire.send_message(upstream, of_sequence(3, NEXT, 0, first=len(PROMPT), more=1))
+    wire.send_message(upstream, of_sequence(4, NEXT, 1, first=len(PROMPT)))
+    kept, dropped = wire.receive_message(downstream), wire.receive_message(downstream)
+    # the next stage must not wait for a batch that is not coming: the count goes down with it
+    assert isinstance(kept, StageBatch) and (kept.pass_id, kept.more) == (3, 0)
+    assert dropped == Cancelled(4, 0, (0.0,))
+
+
+def test_a_batched_pass_that_is_not_followed_by_its_batches_is_a_bad_frame(two_sequence_stage):
+    _, upstream, downstream, _ = two_sequence_stage
+    wire.send_message(upstream, of_sequence(1, PROMPT, 0, more=2))
+    wire.send_message(upstream, of_sequence(2, PROMPT, 1, more=0))  # 1 was to follow, not 0
+    failure = wire.receive_message(downstream)
+    assert isinstance(failure, StageFailure) and "waiting for 2 more batches got StageBatch (more 0)" in failure.message

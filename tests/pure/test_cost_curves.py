@@ -128,3 +128,17 @@ def test_the_planner_under_a_curve_prices_every_stage_by_it_and_keeps_the_machin
     assert [machine.memory_bytes for machine in emulated.machines] == [machine.memory_bytes for machine in setup.machines]
     assert emulated.draft_seconds == [0.002, 0.002]
     assert under_curve(setup, flat).draft_seconds == setup.draft_seconds
+
+
+def test_a_bad_cost_curve_on_the_command_line_is_one_line_and_exit_1(tmp_path):
+    from click.testing import CliRunner
+
+    from orchestrator import cli
+
+    bad = tmp_path / "curve.json"
+    bad.write_text('{"stages": []}')
+    for command in (["plan", SETUP], ["run"], ["bench", "--out", str(tmp_path / "out")]):
+        result = CliRunner().invoke(cli.main, [*command, "--cost-curve", str(bad)])
+        assert result.exit_code == 1, result.output
+        assert result.stderr.strip().splitlines() == [f"error: {bad}: stages must be a non-empty list of curves"]
+    assert not (tmp_path / "out").exists()
