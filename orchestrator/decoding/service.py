@@ -27,6 +27,7 @@ in order with the passes around it, and its id goes back to the free list.
 from __future__ import annotations
 
 import collections
+import heapq
 import itertools
 import threading
 import time
@@ -187,7 +188,9 @@ class Service:
         batching = None if settings.batch_step is None else Batching(target.stage_count, settings.batch_step,
                                                                       target.n_batch)
         self.loop = DecodingLoop(target, is_end, window_per_pass=True, batching=batching)
-        self._free = collections.deque(range(settings.max_sequences))  # KV sequence ids
+        # free KV sequence ids, a heap: a request takes the lowest, so the requests decoding hold consecutive
+        # ids, which is what lets their windows share a pass (schedule.Batching)
+        self._free = list(range(settings.max_sequences))
         self._queue: collections.deque[_Ticket] = collections.deque()
         self._active: dict[int, _Ticket] = {}  # by KV sequence id
         self._tickets: dict[int, _Ticket] = {}  # by ticket number, queued or active
@@ -292,7 +295,7 @@ class Service:
                         ticket.error = ticket.error or "the server shut down before the request finished"
                         ticket.state.cancel()  # type: ignore[union-attr]
             while self._queue and self._free:
-                self._admit(self._queue.popleft(), self._free.popleft())
+                self._admit(self._queue.popleft(), heapq.heappop(self._free))
             load = (len(self._active), len(self._queue))
             if load != self._reported_load:  # not every pass: the gauges change only with the load
                 self.observer.load(*load)
@@ -316,7 +319,7 @@ class Service:
             self.target.release(sequence)  # in order: the sequence's next user's passes come after it
             with self._wake:
                 del self._active[sequence]
-                self._free.append(sequence)
+                heapq.heappush(self._free, sequence)
                 self._end(ticket, "error" if ticket.error else state.stopped_by, ticket.error)
 
     def _end(self, ticket: _Ticket, finished: str, error: str = "") -> None:

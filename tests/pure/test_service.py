@@ -251,3 +251,42 @@ def test_a_request_beyond_the_context_is_refused_with_its_numbers():
     with pytest.raises(RequestTooLong, match=r"the prompt \(5 tokens\) \+ max_tokens \(16\) exceed the context of 20"):
         service.submit(request([1] * 5, 16), Collector())
     service.close(drain_seconds=1)
+
+
+def test_with_batching_requests_share_passes_and_each_gets_its_solo_tokens():
+    """A flat pass cost (batch_step 0): the windows of several requests share
+    passes (schedule.Batching), and each request still gets its solo tokens."""
+    model = CountingModel()
+    service = Service(model, lambda token: token == END, settings(max_sequences=4, batch_step=0.0))
+    work = random_requests(8, seed=1)
+    collectors = [Collector() for _ in work]
+    for (prompt, max_tokens), collector in zip(work, collectors):
+        service.submit(request(prompt, max_tokens), collector)
+    for (prompt, max_tokens), collector in zip(work, collectors):
+        assert collector.wait().tokens == alone(prompt, max_tokens)
+    service.close(drain_seconds=1)
+    assert max(len(target_pass.windows) for target_pass in model.passes) > 1
+    assert model.cache == {}
+
+
+def test_a_new_request_takes_the_lowest_free_sequence():
+    """Requests decoding hold low, consecutive ids (what lets their windows share a pass)."""
+    model = CountingModel(gated=True)
+    service = Service(model, lambda token: False, settings(max_sequences=3))
+    collectors = [Collector() for _ in range(3)]
+    numbers = [service.submit(request([index + 1], 40), collector) for index, collector in enumerate(collectors)]
+    wait_for(lambda: len(model.passes) == 3)
+    for number, freed in ((numbers[1], [1]), (numbers[0], [1, 0])):
+        service.cancel(number)
+        while model.released != freed:
+            model.gate.release()
+            threading.Event().wait(0.01)
+    late = Collector()
+    service.submit(request([9, 9], 2), late)
+    while not any(p.windows[0].inputs == (9, 9) for p in model.passes):  # the loop turns a pass at a time
+        model.gate.release()
+        threading.Event().wait(0.01)
+    assert next(p.windows[0].sequence for p in model.passes if p.windows[0].inputs == (9, 9)) == 0
+    for _ in range(200):
+        model.gate.release()
+    service.close(drain_seconds=1)
