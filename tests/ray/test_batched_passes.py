@@ -101,6 +101,19 @@ def loads(pipeline):
     return ray.get(pipeline.load_calls(), timeout=60)
 
 
+def settled_loads(pipeline, seconds: float = 30):
+    """Each stage's load once none holds KV cells (or the last seen): the releases travel
+    the chain after the service stops, so the last stage may still be taking them."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while True:
+        found = loads(pipeline)
+        if all(load.kv_cells == 0 for load in found) or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
+
+
 @pytest.mark.parametrize("drafting", ["plain", "ngram"])
 def test_requests_sharing_passes_each_get_their_solo_tokens(pipeline, requests, drafting):
     speculator = None if drafting == "plain" else (lambda sequence: PromptLookupSpeculator())
@@ -110,7 +123,7 @@ def test_requests_sharing_passes_each_get_their_solo_tokens(pipeline, requests, 
     collected = serve(pipeline, [request for request, _ in requests] + [seeded], speculator=speculator)
     assert collected.tokens[:-1] == [expected for _, expected in requests]
     assert collected.tokens[-1] == alone
-    after = loads(pipeline)
+    after = settled_loads(pipeline)
     for (passes, windows), load in zip(before, after):
         assert load.windows - windows > load.passes - passes  # passes carried several requests' windows
     assert [(load.kv_cells, load.sequences) for load in after] == [(0, 0), (0, 0)]
@@ -122,7 +135,7 @@ def test_a_request_cancelled_mid_batch_frees_its_kv_in_every_stage(pipeline, req
     assert collected.tokens[1] == requests[1][1][:len(collected.tokens[1])]
     others = [index for index in range(len(requests)) if index != 1]
     assert [collected.tokens[index] for index in others] == [requests[index][1] for index in others]
-    assert [(load.kv_cells, load.sequences) for load in loads(pipeline)] == [(0, 0), (0, 0)]
+    assert [(load.kv_cells, load.sequences) for load in settled_loads(pipeline)] == [(0, 0), (0, 0)]
 
 
 def test_a_stage_killed_while_batched_passes_are_in_flight_changes_no_token(pipeline, requests):
