@@ -344,13 +344,18 @@ class StageServer:
             ordered[index] = replace(ordered[index], more=left)
         return ordered
 
-    def _hold_to_curve(self, positions: np.ndarray, started: float) -> None:
+    def _hold_to_curve(self, batches: list[StageBatch], started: float) -> None:
         """Under --cost-curve, sleep until the pass has lasted the curve's time
-        for its width and context; a cancel ends the sleep (PassAborted), as
-        it would stop the pass on the emulated machine."""
-        if self.floor is None or len(positions) == 0:
+        for its width (every batch's rows) and context; a cancel ends the
+        sleep (PassAborted), as it would stop the pass on the emulated machine.
+        Without a curve it costs the pass nothing."""
+        if self.floor is None:
             return
-        rest = self.floor.seconds(len(positions), int(positions.max()) + 1) - (time.perf_counter() - started)
+        width = sum(len(batch.positions) for batch in batches)
+        if width == 0:
+            return
+        context = max(int(batch.positions.max()) for batch in batches if len(batch.positions)) + 1
+        rest = self.floor.seconds(width, context) - (time.perf_counter() - started)
         if rest > 0 and self.engine.abort.wait(rest):
             raise PassAborted("cancelled while the emulated pass ran")
 
@@ -374,7 +379,7 @@ class StageServer:
             outputs = self._decode(batches)
             # the last stage chooses the tokens of a batch with a choice: token ids travel back, not logits
             chosen = [self._chosen(batch, output) for batch, output in zip(batches, outputs)]
-            self._hold_to_curve(np.concatenate([batch.positions for batch in batches]), started)
+            self._hold_to_curve(batches, started)
         except PassAborted:
             self.stopped_passes += len(batches)
             return [Cancelled(batch.pass_id, engine.stage_index, batch.stage_seconds + (time.perf_counter() - started,))
