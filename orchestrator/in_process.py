@@ -81,6 +81,10 @@ class EngineChain:
         for engine in self.engines:
             engine.remove(0, sequence)
 
+    def copy(self, source: int, destination: int, length: int) -> None:
+        for engine in self.engines:
+            engine.copy(source, destination, length)
+
     def close(self) -> None:
         for engine in self.engines:
             engine.close()

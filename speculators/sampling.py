@@ -59,3 +59,14 @@ def choose_token(logits: np.ndarray, position: int, settings: SamplingSettings) 
     cumulative = np.cumsum(probabilities)
     draw = position_uniform(settings.seed, position) * cumulative[-1]
     return int(min(np.searchsorted(cumulative, draw, side="right"), len(cumulative) - 1))
+
+
+def choice_sampling(settings: SamplingSettings, choice: int) -> SamplingSettings:
+    """How choice ``choice`` of a request with several (OpenAI's n) chooses:
+    choice 0 as the request says, so it equals the request with n = 1; each
+    later one draws with a seed of its own, made from (seed, choice), so the
+    choices differ and each is reproducible. Greedy choices are all alike."""
+    if choice == 0:
+        return settings
+    state = np.random.SeedSequence([settings.seed % 2**64, choice]).generate_state(2, np.uint32)
+    return SamplingSettings(settings.temperature, settings.top_p, (int(state[0]) << 31) ^ int(state[1]))

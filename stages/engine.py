@@ -21,7 +21,13 @@ stage). docs/architecture.md ("Data flow") describes the technique.
   order, as when it runs alone. In one unified cache a sequence's cells land
   after other sequences' and attention sums them in another order: measured
   here, logits then differ from a lone run by up to 1.04, which would change
-  greedy tokens. Each decode carries the rows of one sequence.
+  greedy tokens. Each decode carries the rows of one sequence, or of
+  consecutive ones (a batched pass).
+* Prefixes shared between sequences (``copy``): llama.cpp copies a whole
+  stream into another (its sequence copy between streams), and the copy's
+  positions from ``keep`` on are dropped. The cells keep their places and
+  values, so the copied prefix computes on bit for bit as if the sequence
+  had prefilled it itself (tests/model/test_prefix_cache.py).
 * Token trees (``speculators.tree``): a stage of one sequence may take a
   batch whose rows form a tree (``parents``). Then the cache is one unified
   stream with ``tree_sequences`` more sequence ids, one per side leaf: each
@@ -132,12 +138,13 @@ class StageEngine:
         if settings.tree_sequences and settings.sequences != 1:
             raise StageError(f"token trees need a stage of one sequence, not {settings.sequences}")
         context_params = llama_cpp.llama_context_default_params()
-        context_params.n_ctx = settings.n_ctx * settings.sequences  # n_ctx cells for each sequence's stream
+        streams = settings.sequences + settings.prefix_sequences
+        context_params.n_ctx = settings.n_ctx * streams  # n_ctx cells for each sequence's stream
         context_params.n_batch = settings.n_batch
         context_params.n_ubatch = settings.n_batch
         context_params.n_threads = settings.threads
         context_params.n_threads_batch = settings.threads
-        context_params.n_seq_max = settings.sequences + settings.tree_sequences
+        context_params.n_seq_max = streams + settings.tree_sequences
         # a stream per sequence: exact beside others; a tree's ids share their sequence's one (module docstring)
         context_params.kv_unified = settings.tree_sequences > 0
         context_params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
@@ -162,6 +169,7 @@ class StageEngine:
             self.close()  # frees the model once (__del__ calls close again: it must find nothing left)
             raise StageError(f"{path}: llama.cpp could not create a context (n_ctx {settings.n_ctx})")
         self.sequences = settings.sequences
+        self.prefix_sequences = settings.prefix_sequences
         self.n_ctx = llama_cpp.llama_n_ctx_seq(self._context)  # positions per sequence
         self._memory = llama_cpp.llama_get_memory(self._context)
         self.tree_sequences = settings.tree_sequences
@@ -247,8 +255,8 @@ class StageEngine:
             raise StageError(f"position {int(np.max(positions))} is beyond the context of {self.n_ctx} tokens")
 
     def _check_sequence(self, sequence: int) -> None:
-        if not 0 <= sequence < self.sequences:
-            raise StageError(f"sequence {sequence} is not one of the stage's {self.sequences}")
+        if not 0 <= sequence < self.sequences + self.prefix_sequences:
+            raise StageError(f"sequence {sequence} is not one of the stage's {self.sequences + self.prefix_sequences}")
 
     def _row_sequences(self, sequence: int | np.ndarray, n_tokens: int) -> list[list[int]]:
         """Each row's KV sequence id, checked: one sequence, or several with as many rows each."""
@@ -329,11 +337,24 @@ class StageEngine:
     def remove(self, first_position: int, sequence: int = -1) -> None:
         """Drop cached positions >= first_position (of one sequence; -1: of all),
         and every token tree's side branches."""
-        if not -1 <= sequence < self.sequences:
-            raise StageError(f"sequence {sequence} is not one of the stage's {self.sequences}")
+        if sequence != -1:
+            self._check_sequence(sequence)
         for branch in range(1, self.tree_sequences + 1):
             llama_cpp.llama_memory_seq_rm(self._memory, branch, -1, -1)
         llama_cpp.llama_memory_seq_rm(self._memory, sequence, first_position, -1)
+
+    def copy(self, source: int, destination: int, keep: int) -> None:
+        """Make sequence ``destination`` hold ``source``'s cached positions below
+        ``keep`` (module docstring: a whole-stream copy, then its tail dropped;
+        llama.cpp copies the cells' values at the start of the next decode,
+        before that decode writes any)."""
+        self._check_sequence(source)
+        self._check_sequence(destination)
+        if self.tree_sequences:
+            raise StageError("a stage set up for token trees does not copy prefixes")
+        if source != destination:
+            llama_cpp.llama_memory_seq_cp(self._memory, source, destination, -1, -1)
+        llama_cpp.llama_memory_seq_rm(self._memory, destination, keep, -1)
 
     def cached_positions(self, sequence: int = 0) -> int:
         """Number of positions cached for a sequence (largest position + 1)."""
@@ -346,6 +367,11 @@ class StageEngine:
     def cells_held(self) -> int:
         """Cached positions over every sequence."""
         return sum(self.cached_positions(sequence) for sequence in range(self.sequences))
+
+    def prefix_cells(self) -> int:
+        """Cached positions over the sequences that keep prefixes."""
+        return sum(self.cached_positions(sequence)
+                   for sequence in range(self.sequences, self.sequences + self.prefix_sequences))
 
     def close(self) -> None:
         if getattr(self, "_context", None):

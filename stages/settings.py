@@ -29,6 +29,10 @@ class StageSettings:
     tree_sequences: extra KV sequence ids for token trees' side leaves (a tree
     of up to tree_sequences + 1 leaves per pass; 0: chains only). Needs
     sequences = 1 (stages.engine says why).
+    prefix_sequences: KV sequences after the served ones (ids sequences ..
+    sequences + prefix_sequences - 1) that keep finished requests' prefixes
+    for later ones to copy (orchestrator.decoding.prefix_cache); each has
+    its own n_ctx cells too.
     cost_curve: for measurements only, the emulated costs of other machines
     (stages.cost_curve): every pass then lasts at least the curve's time.
     """
@@ -39,4 +43,5 @@ class StageSettings:
     n_batch: int = DEFAULT_BATCH
     sequences: int = 1
     tree_sequences: int = 0
+    prefix_sequences: int = 0
     cost_curve: CostCurve | None = None

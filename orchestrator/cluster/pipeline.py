@@ -219,6 +219,11 @@ class Pipeline:
         """Free a KV sequence in every stage, in order with the passes around it."""
         self._send(PassRecord.release(sequence))
 
+    def copy(self, source: int, destination: int, length: int) -> None:
+        """Every stage makes KV sequence ``destination`` hold ``source``'s first
+        ``length`` positions (a shared prefix), in order with the passes around it."""
+        self._send(PassRecord.copy(source, destination, length))
+
     def receive(self) -> PassResult | Cancelled | PassReplies:
         """The result of the oldest pass in flight (or its ``Cancelled``; for a
         batched pass, every window's, as PassReplies). Past the chain's

@@ -270,6 +270,10 @@ class SequenceState:
     prompt_depth: the most chunks in flight at once (one per stage: they pipeline).
     sampling: how its tokens are chosen, given to its windows (Window.sampling)
     for the target to choose them; None: the target returns logits.
+    cached: its leading committed tokens whose KV every stage holds and no
+    pass in flight changes (windows ahead and discarded ones begin after
+    them): what another sequence may copy (orchestrator.decoding.prefix_cache).
+    A sequence that begins with a copied prefix starts with it and prompt_from there.
     """
 
     sequence: int
@@ -282,6 +286,7 @@ class SequenceState:
     prompt_chunk: int = 0
     prompt_depth: int = 1
     sampling: SamplingSettings | None = None
+    cached: int = 0
     speculation: list[int] = field(default_factory=list)
     in_flight: deque[Window] = field(default_factory=deque)
     discards_pending: int = 0  # windows found invalid in flight, whose results are still to come
@@ -325,6 +330,11 @@ class SequenceState:
     def drafts_wanted(self) -> int:
         """Drafts its next window may carry: the policy's limit, within the room left."""
         return max(0, min(self.draft_limit, self.room))
+
+    @property
+    def prefilling(self) -> bool:
+        """Its prompt is not all cached yet, and will be (it goes on)."""
+        return not self.finished and self.cached < self.prompt_length
 
     @property
     def ready(self) -> bool:
@@ -443,6 +453,8 @@ class SequenceState:
         keeps the speculation that still extends the committed text, and drops
         the windows in flight that became invalid. Returns the tokens committed."""
         self.in_flight.popleft()
+        if window.prompt:
+            self.cached = window.first + len(window.inputs)
         if not self.gives_token(window):  # a prompt chunk before the last: it only filled the cache
             return []
         kept = None  # positions the stages keep after a decoding window: up to its main chain's accepted end
@@ -472,6 +484,8 @@ class SequenceState:
                 self.policy.observe_window(len(drafts), accepted)
                 self.draft_limit = self.policy.limit()
         committed = self._commit(new_tokens, is_end)
+        if kept is not None:
+            self.cached = min(kept, len(self.committed))
         self.refeed = 0 if kept is None else max(0, len(self.committed) - 1 - kept)
         # a window in flight after one that left its main chain sits on cells the stages drop
         while self.in_flight and (self.finished or self.refeed or self.in_flight[0].first != len(self.committed) - 1

@@ -13,6 +13,13 @@ loop (orchestrator.decoding.loop, the same as ``orchestrate run``'s):
 Each admitted request holds its own KV sequence (0 .. max_sequences - 1) in
 every stage; its windows carry that id, so every stage keeps its positions
 apart (stages.engine), and a request's tokens are what it would get alone.
+A request asking for n choices is n such sequences, its prompt prefilled
+once: the others copy it. Prompts share prefilled prefixes (with a prefix
+cache): a request whose prompt begins as a finished request's did, or as
+one's decoding now, copies that prefix into its own sequence and prefills
+only the rest (orchestrator.decoding.prefix_cache); while a request
+decoding now still prefills a prefix a queued one shares, the queued one
+waits for it rather than computing it again.
 Requests' windows share passes where it pays (continuous batching,
 schedule.Batching, by the pass cost the target measured): on a flat cost
 curve the ready windows fill one pass per stage; on this CPU's nearly
@@ -32,16 +39,16 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from orchestrator.decoding.drafting import Drafting
 
 from orchestrator.decoding.loop import Decoding, DecodingLoop, Listener, sequence_state
+from orchestrator.decoding.prefix_cache import PREFIX_BLOCK, PrefixCache, PrefixHit, common_prefix
 from orchestrator.decoding.schedule import Batching, Schedule, SequenceState, Window
 from orchestrator.decoding.targets import InstantDrafter, Target
 from speculators.draft_length import PRIOR_STEP
-from speculators.draft_length import PRIOR_STEP
-from speculators.sampling import SamplingSettings
+from speculators.sampling import SamplingSettings, choice_sampling
 from stages.errors import SpecpipeError
 
 
@@ -64,22 +71,27 @@ class RequestTooLong(ServiceError):
 @dataclass(frozen=True)
 class ServiceRequest:
     """prompt_tokens: the whole prompt (chat template applied); max_tokens: the
-    most tokens to generate; sampling: how each token is chosen."""
+    most tokens to generate; sampling: how each token is chosen (choice i > 0
+    draws with its own seed: speculators.sampling.choice_sampling); choices:
+    how many continuations (OpenAI's n), each in its own KV sequence."""
 
     prompt_tokens: list[int]
     max_tokens: int
     sampling: SamplingSettings
+    choices: int = 1
 
 
 @dataclass(frozen=True)
 class Progress:
-    """What a request's sink receives, in order: the tokens each verified
-    window committed, then once the end: ``finished`` is "end" (an end token),
-    "length" (max_tokens), "cancelled", or "error" (with ``error``, one line)."""
+    """What a request's sink receives for each of its choices, in order: the
+    tokens each verified window committed, then once the end: ``finished`` is
+    "end" (an end token), "length" (max_tokens), "cancelled", or "error"
+    (with ``error``, one line). choice: which of the request's choices."""
 
     tokens: tuple[int, ...] = ()
     finished: str | None = None
     error: str = ""
+    choice: int = 0
 
 
 Sink = Callable[[Progress], None]
@@ -102,7 +114,11 @@ class ServiceSettings:
     batch_step: what each extra token of a pass costs, in one-token passes,
     as the target measured it (Pipeline.draft_step): the draft policy prices
     longer windows by it, and several requests' windows share a pass where
-    schedule.Batching finds it pays; None: a pass per window, the prior step."""
+    schedule.Batching finds it pays; None: a pass per window, the prior step.
+    prefix_sequences: KV sequences after the served ones (ids max_sequences
+    on) that keep finished requests' prefixes; prefix_tokens: the most tokens
+    they keep in all. Either 0: no prefix cache, and prompts share a
+    prefix only among one request's choices."""
 
     max_sequences: int
     queue_limit: int
@@ -114,6 +130,13 @@ class ServiceSettings:
     tree_leaves: int = 1
     side_row_step: float | None = None
     batch_step: float | None = None
+    prefix_sequences: int = 0
+    prefix_tokens: int = 0
+
+    def prefix_cache(self) -> PrefixCache | None:
+        if not (self.prefix_sequences and self.prefix_tokens >= PREFIX_BLOCK):
+            return None
+        return PrefixCache(range(self.max_sequences, self.max_sequences + self.prefix_sequences), self.prefix_tokens)
 
     def drafting(self, sequence: int) -> Drafting | None:
         """How the request in KV sequence ``sequence`` drafts: its speculator
@@ -141,6 +164,9 @@ class ServiceObserver:
     def load(self, active: int, queued: int) -> None:
         """Requests decoding and waiting, after every change."""
 
+    def prefix_query(self, prompt_tokens: int, reused: int) -> None:
+        """A sequence began: its prompt's tokens, and those it copied (0: none found)."""
+
 
 @dataclass
 class _Ticket(Listener):
@@ -151,6 +177,7 @@ class _Ticket(Listener):
     request: ServiceRequest
     sink: Sink
     observer: ServiceObserver
+    choice: int = 0
     submitted: float = field(default_factory=time.perf_counter)
     state: SequenceState | None = None
     last_delivery: float | None = None
@@ -165,7 +192,7 @@ class _Ticket(Listener):
         else:
             self.observer.tokens(now - self.last_delivery, len(tokens))
         self.last_delivery = now
-        self.send(Progress(tuple(tokens)))
+        self.send(Progress(tuple(tokens), choice=self.choice))
 
     def send(self, progress: Progress) -> None:
         try:
@@ -174,8 +201,12 @@ class _Ticket(Listener):
             pass
 
 
+WAIT = PrefixHit(-1, -1)
+"""Service._prefix_of: the request waits for a sequence decoding now to prefill the prefix it shares."""
+
+
 class Service:
-    """Decodes many requests at once through ``target`` (which must ``release`` KV sequences)."""
+    """Decodes many requests at once through ``target`` (which must ``release`` and ``copy`` KV sequences)."""
 
     def __init__(self, target: Target, is_end: Callable[[int], bool], settings: ServiceSettings,
                  observer: ServiceObserver | None = None):
@@ -188,13 +219,14 @@ class Service:
         batching = None if settings.batch_step is None else Batching(target.stage_count, settings.batch_step,
                                                                       target.n_batch)
         self.loop = DecodingLoop(target, is_end, window_per_pass=True, batching=batching)
+        self.prefix_cache = settings.prefix_cache()  # None: prompts share prefixes only among a request's choices
         # free KV sequence ids, a heap: a request takes the lowest, so the requests decoding hold consecutive
         # ids, which is what lets their windows share a pass (schedule.Batching)
         self._free = list(range(settings.max_sequences))
-        self._queue: collections.deque[_Ticket] = collections.deque()
+        self._queue: collections.deque[_Ticket] = collections.deque()  # one ticket per choice
         self._active: dict[int, _Ticket] = {}  # by KV sequence id
-        self._tickets: dict[int, _Ticket] = {}  # by ticket number, queued or active
-        self._cancelled: set[int] = set()
+        self._tickets: dict[int, list[_Ticket]] = {}  # by request number: its choices, queued or active
+        self._cancelled: set[int | tuple[int, int]] = set()  # request numbers, or (number, choice)
         self._numbers = itertools.count(1)
         self._wake = threading.Condition()
         self._closing = False
@@ -206,40 +238,56 @@ class Service:
 
     # -- any thread -----------------------------------------------------------
     def submit(self, request: ServiceRequest, sink: Sink) -> int:
-        """Queue a request; returns its ticket number (for ``cancel``)."""
+        """Queue a request; returns its number (for ``cancel``)."""
+        self._check(request)
+        with self._wake:
+            if self._closing or self.failure:
+                raise ShuttingDown(self.failure or "the server is shutting down")
+            if len(self._queue) + request.choices > self.settings.queue_limit + len(self._free):
+                raise QueueFull(f"all {self.settings.max_sequences} sequences are busy and "
+                                f"{len(self._queue) - len(self._free)} requests are waiting")
+            number = next(self._numbers)
+            self._tickets[number] = [
+                _Ticket(number, replace(request, sampling=choice_sampling(request.sampling, choice)), sink,
+                        self.observer, choice)
+                for choice in range(request.choices)]
+            self._queue.extend(self._tickets[number])
+            self._wake.notify()
+            return number
+
+    def _check(self, request: ServiceRequest) -> None:
         needed = len(request.prompt_tokens) + request.max_tokens + (self.settings.draft_max if self.settings.speculator else 0)
         if not request.prompt_tokens:
             raise ServiceError("the prompt is empty")
         if request.max_tokens < 1:
             raise ServiceError("max_tokens must be at least 1")
+        if request.choices < 1:
+            raise ServiceError("choices must be at least 1")
         if needed > self.settings.context:
             raise RequestTooLong(
                 f"the prompt ({len(request.prompt_tokens)} tokens) + max_tokens ({request.max_tokens})"
                 f"{' + a window of drafts' if self.settings.speculator else ''} exceed the context of "
                 f"{self.settings.context} tokens"
             )
-        with self._wake:
-            if self._closing or self.failure:
-                raise ShuttingDown(self.failure or "the server is shutting down")
-            if len(self._queue) >= self.settings.queue_limit + len(self._free):  # the free ones take the first
-                raise QueueFull(f"all {self.settings.max_sequences} sequences are busy and "
-                                f"{len(self._queue) - len(self._free)} requests are waiting")
-            ticket = _Ticket(next(self._numbers), request, sink, self.observer)
-            self._queue.append(ticket)
-            self._tickets[ticket.number] = ticket
-            self._wake.notify()
-            return ticket.number
 
     def cancel(self, number: int) -> None:
-        """Stop a request (its client went away, or a stop string matched); its
-        KV is freed within one pass. Unknown or ended tickets are ignored."""
+        """Stop a request, every choice of it (its client went away, or a stop
+        string matched); its KV is freed within one pass. Unknown or ended requests are ignored."""
         with self._wake:
             if number in self._tickets:
                 self._cancelled.add(number)
                 self._wake.notify()
 
+    def cancel_choice(self, number: int, choice: int) -> None:
+        """Stop one choice of a request (its stop string matched)."""
+        with self._wake:
+            for ticket in self._tickets.get(number, []):
+                if ticket.choice == choice:
+                    self._cancelled.add((number, choice))
+                    self._wake.notify()
+
     def counts(self) -> tuple[int, int]:
-        """(requests decoding, requests queued)."""
+        """(sequences decoding, choices queued)."""
         with self._wake:
             return len(self._active), len(self._queue)
 
@@ -278,10 +326,7 @@ class Service:
         """Cancellations, the shutdown deadline, and admissions, under the lock."""
         with self._wake:
             cancelled, self._cancelled = self._cancelled, set()
-            for number in cancelled:
-                ticket = self._tickets.get(number)
-                if ticket is None:
-                    continue
+            for ticket in [ticket for order in cancelled for ticket in self._ordered(order)]:
                 if ticket.state is None:
                     self._queue.remove(ticket)
                     self._end(ticket, "cancelled")
@@ -294,38 +339,97 @@ class Service:
                     for ticket in self._active.values():
                         ticket.error = ticket.error or "the server shut down before the request finished"
                         ticket.state.cancel()  # type: ignore[union-attr]
-            while self._queue and self._free:
-                self._admit(self._queue.popleft(), heapq.heappop(self._free))
+            self._admit_queued()
             load = (len(self._active), len(self._queue))
             if load != self._reported_load:  # not every pass: the gauges change only with the load
                 self.observer.load(*load)
                 self._reported_load = load
 
-    def _admit(self, ticket: _Ticket, sequence: int) -> None:
+    def _ordered(self, order) -> list[_Ticket]:
+        """The tickets a cancel names: a request number (every choice), or (number, choice)."""
+        number, choice = order if isinstance(order, tuple) else (order, None)
+        return [ticket for ticket in self._tickets.get(number, []) if choice in (None, ticket.choice)]
+
+    def _admit_queued(self) -> None:
+        """Queued choices take free sequences in order; one whose prompt's
+        prefix another is prefilling now waits for it (and lets later ones by)."""
+        waiting = []
+        while self._queue and self._free:
+            ticket = self._queue.popleft()
+            prefix = self._prefix_of(ticket)
+            if prefix is WAIT:
+                waiting.append(ticket)
+            else:
+                self._admit(ticket, heapq.heappop(self._free), prefix)
+        self._queue.extendleft(reversed(waiting))
+
+    def _prefix_of(self, ticket: _Ticket) -> PrefixHit | None:
+        """Where the ticket's prompt prefix can be copied from: the prefix
+        cache, or a sequence decoding now (another choice of its request; with
+        a prefix cache, any request). WAIT while such a sequence is still
+        prefilling at least a block more of it than can be had now. The
+        prompt's last token is always fed (its logits give the first token)."""
+        prompt = ticket.request.prompt_tokens
+        best = (self.prefix_cache.lookup(prompt[:-1]) if self.prefix_cache else None) or PrefixHit(-1, 0)
+        coming = 0
+        for sequence, other in self._active.items():
+            sibling = other.number == ticket.number
+            if not (sibling or self.prefix_cache) or other.state is None:
+                continue
+            shared = common_prefix(other.request.prompt_tokens, prompt[:-1])
+            if shared < (1 if sibling else PREFIX_BLOCK):
+                continue
+            if min(shared, other.state.cached) > best.length:
+                best = PrefixHit(sequence, min(shared, other.state.cached))
+            if other.state.prefilling and shared > other.state.cached:
+                coming = max(coming, shared if sibling else shared - PREFIX_BLOCK + 1)
+        if coming > best.length:
+            return WAIT
+        return best if best.length > 0 else None
+
+    def _admit(self, ticket: _Ticket, sequence: int, prefix: PrefixHit | None) -> None:
         request = ticket.request
+        reused = 0 if prefix is None else prefix.length
+        if prefix is not None:
+            self.target.copy(prefix.sequence, sequence, reused)  # in order: before the sequence's first pass
+        self.observer.prefix_query(len(request.prompt_tokens), reused)
         drafting = self.settings.drafting(sequence)
         ticket.state = sequence_state(sequence, request.prompt_tokens, request.max_tokens, request.sampling, drafting,
-                                      self.target)
+                                      self.target, cached=reused)
         self._active[sequence] = ticket
         self.loop.add(Decoding(ticket.state, drafting, ticket))
 
     def _settle(self) -> None:
-        """Free the KV of every request that ended and tell its client."""
+        """Free the KV of every request that ended (its prefix kept first,
+        with a prefix cache) and tell its client."""
         for sequence, ticket in list(self._active.items()):
             state = ticket.state
             if state is None or not state.settled:
                 continue
             self.loop.remove(sequence)
+            self._keep_prefix(sequence, state)
             self.target.release(sequence)  # in order: the sequence's next user's passes come after it
             with self._wake:
                 del self._active[sequence]
                 heapq.heappush(self._free, sequence)
                 self._end(ticket, "error" if ticket.error else state.stopped_by, ticket.error)
 
+    def _keep_prefix(self, sequence: int, state: SequenceState) -> None:
+        """With a prefix cache: copy what the ended sequence holds into the entry it gets (if any)."""
+        if self.prefix_cache is None:
+            return
+        entry = self.prefix_cache.store(state.committed[:state.cached])
+        if entry is not None:
+            self.target.copy(sequence, entry, state.cached)
+
     def _end(self, ticket: _Ticket, finished: str, error: str = "") -> None:
         """Called under the lock."""
-        self._tickets.pop(ticket.number, None)
-        ticket.send(Progress(finished=finished, error=error))
+        siblings = self._tickets.get(ticket.number, [])
+        if ticket in siblings:
+            siblings.remove(ticket)
+            if not siblings:
+                del self._tickets[ticket.number]
+        ticket.send(Progress(finished=finished, error=error, choice=ticket.choice))
 
     def _fail(self, reason: str) -> None:
         """The target failed: every request ends with the reason, nothing more is taken."""

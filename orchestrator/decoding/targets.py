@@ -46,6 +46,10 @@ class Target(Protocol):
     def release(self, sequence: int) -> None:
         """Free a KV sequence in every stage, after the passes submitted before."""
 
+    def copy(self, source: int, destination: int, length: int) -> None:
+        """Make KV sequence ``destination`` hold the first ``length`` positions of
+        ``source`` in every stage (a shared prefix), after the passes submitted before."""
+
 
 @dataclass(frozen=True)
 class PassReplies:
@@ -104,6 +108,7 @@ class InstantTarget:
         self.pending: deque[np.ndarray] = deque()
         self.submitted: list[TargetPass] = []
         self.released: list[int] = []
+        self.copied: list[tuple[int, int, int]] = []
 
     def submit(self, target_pass: TargetPass) -> None:
         self.submitted.append(target_pass)
@@ -126,6 +131,9 @@ class InstantTarget:
 
     def release(self, sequence: int) -> None:
         self.released.append(sequence)
+
+    def copy(self, source: int, destination: int, length: int) -> None:
+        self.copied.append((source, destination, length))
 
 
 def _row_depths(window: Window) -> list[int]:

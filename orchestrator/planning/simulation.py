@@ -489,6 +489,9 @@ class _SimulatedTarget:
     def release(self, sequence: int) -> None:
         """Nothing to free."""
 
+    def copy(self, source: int, destination: int, length: int) -> None:
+        """Nothing to copy."""
+
 
 class _Timekeeper(Listener):
     """The coordinator's own work after each verified window, and when a sequence's last token came."""

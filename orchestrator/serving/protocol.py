@@ -229,7 +229,8 @@ def parse_request(body: dict[str, Any], *, chat: bool, random_seed: Callable[[],
     sampling = SamplingSettings(
         temperature=_number(body, "temperature", 0.0, 2.0, 1.0),  # OpenAI's default: 1
         top_p=_number(body, "top_p", 0.0, 1.0, 1.0) or 1e-9,  # top_p 0 keeps the likeliest token only
-        seed=seed if seed is not None else random_seed(),
+        # OpenAI's seeds are signed 64-bit; the draws take them as unsigned (a negative one wraps around)
+        seed=seed % 2**64 if seed is not None else random_seed(),
     )
     return CompletionRequest(chat, model, prompt, prompt_tokens, messages, max_tokens, sampling, _stop(body), stream,
                              bool(options and options.get("include_usage")))

@@ -176,7 +176,8 @@ class SocketChain:
         (``unanswered``) and PassLate is raised."""
         self._pass_id += 1
         batch = StageBatch(self._pass_id, record.keep, record.positions, record.logit_rows, tokens=record.tokens,
-                           sequence=record.sequence, choice=record.choice, parents=record.parents, more=more)
+                           sequence=record.sequence, choice=record.choice, parents=record.parents, more=more,
+                           source=record.source)
         overlapping = bool(self._in_flight)
         for entry in self._in_flight:
             entry.overlapped = True
@@ -192,7 +193,7 @@ class SocketChain:
         wanted (nothing if its result is in, or it is a release). Best effort:
         its result may still come whole; a broken connection shows at receive."""
         for entry in self._in_flight:
-            if entry.record is record and not entry.cancelled and not record.is_release:
+            if entry.record is record and not entry.cancelled and record.gives_result:
                 entry.cancelled = True
                 for connection in self._cancels:
                     try:
@@ -208,7 +209,7 @@ class SocketChain:
 
     def next_origin(self) -> object | None:
         """The decision the oldest pass in flight carries out (PassRecord.origin), releases passed over."""
-        return next((entry.record.origin for entry in self._in_flight if not entry.record.is_release), None)
+        return next((entry.record.origin for entry in self._in_flight if entry.record.gives_result), None)
 
     def holds(self, record: PassRecord) -> bool:
         """``record`` was sent and its result has not been received."""
@@ -277,7 +278,7 @@ class SocketChain:
             raise PipelineError(f"{self._last_stage} sent {problem} for pass {entry.pass_id}")
         self._in_flight.popleft()
         self.ledger.settle(entry.record, decoded=True)
-        if entry.record.is_release:
+        if not entry.record.gives_result:
             return None
         self.slowest_pass_seconds = max(self.slowest_pass_seconds, time.perf_counter() - entry.started)
         if not entry.overlapped:  # wall time minus compute is transport only for a pass that ran alone

@@ -43,6 +43,9 @@ class PassRecord:
     stages keep only its main chain's cells after it (stages.engine).
     origin: the decision the pass carries out (the loop's TargetPass), so a
     cancel finds it among the chain's passes in flight; never sent.
+    source: set (no positions then), a copy: the stages make ``sequence``
+    hold sequence ``source``'s cached positions below keep (a shared prefix,
+    orchestrator.decoding.prefix_cache).
     """
 
     sequence: int
@@ -53,6 +56,7 @@ class PassRecord:
     choice: TokenChoice | None = None
     parents: np.ndarray | None = None
     origin: object | None = field(default=None, compare=False, repr=False)
+    source: int | None = None
 
     @property
     def kept_rows(self) -> int:
@@ -60,13 +64,19 @@ class PassRecord:
         return len(self.positions) if self.parents is None else main_chain_length(self.parents)
 
     @property
-    def is_release(self) -> bool:
-        return len(self.positions) == 0
+    def gives_result(self) -> bool:
+        """A pass of tokens; not a release or a copy (no result is handed out for those)."""
+        return len(self.positions) > 0
 
     @classmethod
     def release(cls, sequence: int) -> PassRecord:
         empty = np.empty(0, np.int32)
         return cls(sequence, 0, empty, empty, empty)
+
+    @classmethod
+    def copy(cls, source: int, destination: int, keep: int) -> PassRecord:
+        empty = np.empty(0, np.int32)
+        return cls(destination, keep, empty, empty, empty, source=source)
 
 
 class KvLedger:
@@ -82,10 +92,13 @@ class KvLedger:
         that refused cached it, the others did not even drop from keep on; all
         agree only below keep, so only that is held (the sequence's next pass
         drops the rest, as its keep is never above what the stages agree on)."""
+        if record.source is not None:
+            self._copy(record, decoded)
+            return
         positions, tokens = self._held.setdefault(record.sequence, ([], []))
         cut = bisect.bisect_left(positions, record.keep)  # in place: a pass costs its own length, not the context's
         del positions[cut:], tokens[cut:]
-        if decoded and not record.is_release:
+        if decoded and record.gives_result:
             new_positions = record.positions[: record.kept_rows].tolist()
             if positions and new_positions[0] <= positions[-1] or any(
                     later <= earlier for earlier, later in zip(new_positions, new_positions[1:])):
@@ -95,6 +108,16 @@ class KvLedger:
             tokens.extend(record.tokens[: record.kept_rows].tolist())
         if not positions:
             del self._held[record.sequence]
+
+    def _copy(self, record: PassRecord, decoded: bool) -> None:
+        """A copy settled: the destination holds the source's pairs below keep (not
+        decoded, a stage refused it and the stages disagree: nothing is held)."""
+        positions, tokens = self._held.get(record.source, ([], []))
+        cut = bisect.bisect_left(positions, record.keep)
+        if decoded and cut:
+            self._held[record.sequence] = (positions[:cut], tokens[:cut])
+        else:
+            self._held.pop(record.sequence, None)
 
     def held(self, sequence: int) -> tuple[list[int], list[int]]:
         """(positions, tokens) cached for ``sequence``."""

@@ -176,6 +176,8 @@ class StageBatch:
     as many rows each, chains) every stage decodes with it in one llama.cpp
     call: a batched pass travels as its windows' batches in a row, counting
     down to 0; each keeps its own pass id and result.
+    source: set (no positions then), a copy: every stage makes ``sequence``
+    hold sequence ``source``'s cached positions below keep (stages.engine.copy).
 
     On the wire: positions, logit_rows, tokens, parents and choice in the header; hidden raw, dtype kept.
     """
@@ -193,10 +195,12 @@ class StageBatch:
     choice: TokenChoice | None = None
     parents: np.ndarray | None = None
     more: int = 0
+    source: int | None = None
 
     def to_wire(self) -> tuple[WireHeader, np.ndarray | None]:
         header = {
             "more": self.more,
+            "source": self.source,
             "choice": None if self.choice is None else self.choice.to_wire(),
             "parents": _int32_bytes(self.parents),
             "pass": self.pass_id,
@@ -236,6 +240,9 @@ class StageBatch:
         parents = _tree(header, "parents", count)
         if more and (parents is not None or not count):
             raise ProtocolError("more: a batched pass carries chains of tokens, not a tree or a release")
+        source = None if header.get("source") is None else _integer(header, "source")
+        if source is not None and (count or more):
+            raise ProtocolError("source: a copy carries no tokens and is not batched")
         return cls(
             pass_id=pass_id,
             sequence=sequence,
@@ -248,6 +255,7 @@ class StageBatch:
             choice=choice,
             parents=parents,
             more=more,
+            source=source,
         )
 
 

@@ -106,6 +106,7 @@ class StageServer:
         self.passes = 0
         self.kv_cells = 0  # KV cells and sequences held after the last pass
         self.kv_sequences = 0
+        self.prefix_cells = 0  # KV cells of the sequences that keep prefixes (StageSettings.prefix_sequences)
         self._downstream: socket.socket | None = None
         self._notify: socket.socket | None = None  # the coordinator, told of each boundary
         self._connections: list[socket.socket] = []  # of the chain being served
@@ -375,7 +376,10 @@ class StageServer:
         started = time.perf_counter()
         try:
             for batch in batches:
-                engine.remove(batch.keep, batch.sequence)
+                if batch.source is None:
+                    engine.remove(batch.keep, batch.sequence)
+                else:
+                    engine.copy(batch.source, batch.sequence, batch.keep)
             outputs = self._decode(batches)
             # the last stage chooses the tokens of a batch with a choice: token ids travel back, not logits
             chosen = [self._chosen(batch, output) for batch, output in zip(batches, outputs)]
@@ -394,6 +398,7 @@ class StageServer:
         self.windows_decoded += len(batches)
         # read here, in the serving thread: llama.cpp's cache must not be read while it decodes
         self.kv_cells, self.kv_sequences = engine.cells_held(), engine.sequences_held()
+        self.prefix_cells = engine.prefix_cells()
         if self.on_pass is not None:
             self.on_pass(seconds, self.kv_cells, self.kv_sequences, len(batches))
         return [self._passed_on(batch, output, tokens, batch.stage_seconds + (seconds,))
@@ -402,7 +407,7 @@ class StageServer:
     def _decode(self, batches: list[StageBatch]) -> list[np.ndarray]:
         """Each batch's rows out (hidden states, or the last stage's logit rows), from one llama_decode."""
         engine = self.engine
-        if len(batches) == 1 and len(batches[0].positions) == 0:  # a release: nothing to decode
+        if len(batches) == 1 and len(batches[0].positions) == 0:  # a release or a copy: nothing to decode
             return [np.empty((0, engine.n_vocab if engine.is_last else engine.n_embd), np.float32)]
         if len({batch.tokens is None for batch in batches}) > 1:
             raise StageError("a batched pass mixes token ids and hidden states")

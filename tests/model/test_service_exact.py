@@ -145,6 +145,7 @@ class Watched:
         self.tree_windows = 0
         self.order: list[list[tuple[int, bool]]] = []
         self.most_windows_per_pass = 0
+        self.copies: list[tuple[int, int, int]] = []
 
     def submit(self, target_pass):
         self.order.append([])
@@ -170,6 +171,10 @@ class Watched:
 
     def release(self, sequence):
         self.target.release(sequence)
+
+    def copy(self, source, destination, length):
+        self.copies.append((source, destination, length))
+        self.target.copy(source, destination, length)
 
 
 @pytest.mark.parametrize("schedule", ["sync", "async"])

@@ -54,6 +54,7 @@ class CountingModel:
         self.pending: list[np.ndarray] = []
         self.passes: list[TargetPass] = []
         self.released: list[int] = []
+        self.copies: list[tuple[int, int, int]] = []
         self.gate = threading.Semaphore(0) if gated else None
         self.fail_after: int | None = None
 
@@ -87,6 +88,10 @@ class CountingModel:
     def release(self, sequence: int) -> None:
         self.released.append(sequence)
         self.cache.pop(sequence, None)
+
+    def copy(self, source: int, destination: int, length: int) -> None:
+        self.copies.append((source, destination, length))
+        self.cache[destination] = list(self.cache.get(source, [])[:length])
 
 
 class Collector:
