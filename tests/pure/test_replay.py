@@ -16,12 +16,20 @@ def record(sequence, keep, tokens, first=None, rows=None):
 
 
 class StageCache:
-    """What a stage does with a pass (stages.engine): drop from keep on, then cache the tokens."""
+    """What a stage does with a pass (stages.engine): drop from keep on, then cache
+    the tokens; a copy: the source's cells below keep."""
 
     def __init__(self):
         self.cells: dict[int, dict[int, int]] = {}
 
     def apply(self, pass_record: PassRecord) -> None:
+        if pass_record.source is not None:
+            copied = {position: token for position, token in self.cells.get(pass_record.source, {}).items()
+                      if position < pass_record.keep}
+            self.cells.pop(pass_record.sequence, None)
+            if copied:
+                self.cells[pass_record.sequence] = copied
+            return
         cells = self.cells.setdefault(pass_record.sequence, {})
         for position in [position for position in cells if position >= pass_record.keep]:
             del cells[position]
@@ -46,6 +54,18 @@ def test_a_release_drops_the_sequence_and_a_failed_pass_keeps_only_what_every_st
     assert ledger.sequences == [1]
     ledger.settle(record(1, 2, [9, 9, 9]), decoded=False)  # a stage refused it: positions >= 2 are undefined
     assert ledger.held(1) == ([0, 1], [4, 5])
+
+
+def test_a_copy_holds_the_sources_tokens_below_keep_and_a_failed_copy_holds_nothing():
+    ledger = KvLedger()
+    ledger.settle(record(0, 0, [1, 2, 3, 4]), decoded=True)
+    ledger.settle(record(1, 0, [9]), decoded=True)
+    ledger.settle(PassRecord.copy(0, 1, 3), decoded=True)
+    assert ledger.held(1) == ([0, 1, 2], [1, 2, 3])
+    ledger.settle(record(1, 3, [7]), decoded=True)  # the copy's next pass goes on from it
+    assert ledger.held(1) == ([0, 1, 2, 3], [1, 2, 3, 7]) and ledger.held(0) == ([0, 1, 2, 3], [1, 2, 3, 4])
+    ledger.settle(PassRecord.copy(0, 2, 2), decoded=False)
+    assert 2 not in ledger.sequences
 
 
 def test_positions_that_do_not_follow_the_cache_are_a_bug_not_a_silent_gap():
@@ -77,6 +97,11 @@ def pass_histories(draw):
     history = []
     for _ in range(draw(st.integers(1, 25))):
         sequence = draw(st.sampled_from([0, 1, 2]))
+        if draw(st.integers(0, 9)) == 1:  # a copy of another sequence's prefix (decoded: copies are not refused)
+            source, keep = draw(st.sampled_from([0, 1, 2])), draw(st.integers(0, 8))
+            history.append((PassRecord.copy(source, sequence, keep), True))
+            ends[sequence] = min(keep, ends[source])
+            continue
         if draw(st.integers(0, 9)) == 0:
             history.append((PassRecord.release(sequence), True))
             ends[sequence] = 0

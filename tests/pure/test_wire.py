@@ -308,6 +308,8 @@ BATCH = {"kind": "batch", "pass": 1, "sequence": 0, "keep": 0, "positions": int3
     (frame({**BATCH, "more": 256}), "more: 256 batches to follow (at most 255)"),
     (frame({**BATCH, "more": 1, "parents": int32(-1, 0)}), "more: a batched pass carries chains"),
     (frame({**BATCH, "more": 1, "positions": b"", "tokens": b"", "rows": b""}), "more: a batched pass carries"),
+    (frame({**BATCH, "source": 2}), "source: a copy carries no tokens"),
+    (frame({**BATCH, "source": -1, "positions": b"", "tokens": b"", "rows": b""}), "source: expected an integer >= 0"),
     (frame({"kind": "collect", "epoch": 1, "wait": "yes"}), "wait: expected true or false"),
     (frame({"kind": "speculate", "epoch": 1, "array": ["<f4", [3]]}, b"\0" * 12), "context: expected"),
     (frame({"kind": "failure", "pass": 1, "stage": 0, "message": b"bytes"}), "message: expected text"),
