@@ -17,7 +17,7 @@ class StageMetrics:
     """Recorded inside a stage actor after each pass."""
 
     def __init__(self, stage_index: int):
-        from ray.util.metrics import Gauge, Histogram
+        from ray.util.metrics import Counter, Gauge, Histogram
 
         self.tags = {"stage": str(stage_index)}
         self.pass_seconds = Histogram(
@@ -93,6 +93,12 @@ class ServiceMetrics:
             "tokens arrive together: each counts the window's time over its tokens).",
             boundaries=TOKEN_SECONDS_BOUNDARIES,
         )
+        self.prefix_queries = Counter("specpipe_prefix_cache_queries",
+                                      description="Sequences begun: each looks for a prefix to copy.")
+        self.prefix_hits = Counter("specpipe_prefix_cache_hits",
+                                   description="Sequences that copied a prefix (the cache's, or a running one's).")
+        self.prefix_reused = Counter("specpipe_prefix_cache_reused_tokens",
+                                     description="Prompt tokens copied rather than prefilled.")
 
     def first_token(self, seconds: float) -> None:
         self.first_token_seconds.observe(seconds)
@@ -104,6 +110,12 @@ class ServiceMetrics:
     def load(self, active: int, queued: int) -> None:
         self.decoding.set(active)
         self.queued.set(queued)
+
+    def prefix_query(self, prompt_tokens: int, reused: int) -> None:
+        self.prefix_queries.inc()
+        if reused:
+            self.prefix_hits.inc()
+            self.prefix_reused.inc(reused)
 
 
 class RestartMetrics:

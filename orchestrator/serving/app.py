@@ -89,6 +89,7 @@ def build_app(backend: Backend) -> FastAPI:
             "stages": [{"answering": False} if stage is None else
                        {"kv_cells": stage.kv_cells, "sequences": stage.sequences, "rss_mb": round(stage.rss_mb, 1),
                         "process": stage.process_id, "restarts": stage.restarts,
+                        "prefix_cache_tokens": stage.prefix_cells,  # finished requests' prefixes kept
                         # requests per pass so far (over 1: passes shared by requests, continuous batching)
                         "sequences_per_pass": round(stage.windows / stage.passes, 2) if stage.passes else None,
                         **(stage.compute.record() if stage.compute else {})}
@@ -127,7 +128,7 @@ def build_app(backend: Backend) -> FastAPI:
         progress: asyncio.Queue[Progress] = asyncio.Queue()
         try:
             number = backend.service.submit(
-                ServiceRequest(tokens, max_tokens, parsed.sampling),
+                ServiceRequest(tokens, max_tokens, parsed.sampling, choices=parsed.choices),
                 lambda event: loop.call_soon_threadsafe(progress.put_nowait, event),
             )
         except QueueFull as error:
@@ -139,15 +140,16 @@ def build_app(backend: Backend) -> FastAPI:
             raise ApiError(400, str(error), param="max_tokens", code="context_length_exceeded") from None
         except ServiceError as error:
             raise ApiError(400, str(error)) from None
-        reply = Reply(("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), backend.model_name, chat, len(tokens))
-        assembler = TextAssembler(backend.tokenizer.piece, parsed.stop)
-        texts = follow(backend.service, number, progress, assembler, reply)
+        reply = Reply(("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), backend.model_name, chat, len(tokens),
+                      parsed.choices)
+        assemblers = [TextAssembler(backend.tokenizer.piece, parsed.stop) for _ in range(parsed.choices)]
+        texts = follow(backend.service, number, progress, assemblers, reply)
         if parsed.stream:
             return StreamingResponse(stream(texts, reply, parsed.include_usage, backend.service, number),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
-            async for text in texts:
-                reply.text += text
+            async for index, text in texts:
+                reply.texts[index] += text
         except GenerationFailed as error:
             raise ApiError(503, f"the request failed: {error}", kind="server_error", code="generation_failed") from None
         finally:
@@ -169,38 +171,47 @@ def prompt_tokens(backend: Backend, parsed) -> list[int]:
     return tokenizer.tokenize(parsed.prompt)
 
 
-async def follow(service: Service, number: int, progress: asyncio.Queue, assembler: TextAssembler, reply: Reply):
-    """The request's text as it is committed; sets reply's finish reason and token count."""
-    while True:
+async def follow(service: Service, number: int, progress: asyncio.Queue, assemblers: list[TextAssembler],
+                 reply: Reply):
+    """Each choice's text as it is committed, as (choice, text), until every
+    choice has ended; sets reply's finish reasons and token count."""
+    going = set(range(len(assemblers)))
+    while going:
         event: Progress = await progress.get()
+        index = event.choice
+        if index not in going:  # a choice stopped by its stop string: the rest of it is not wanted
+            continue
+        assembler = assemblers[index]
         if event.tokens:
             reply.completion_tokens += len(event.tokens)
             text = assembler.push(event.tokens)
             if text:
-                yield text
+                yield index, text
             if assembler.stopped:
-                service.cancel(number)
-                reply.finish_reason = "stop"
-                return
+                service.cancel_choice(number, index)
+                reply.finish_reasons[index] = "stop"
+                going.discard(index)
+                continue
         if event.finished is not None:
             if event.finished == "error":
                 raise GenerationFailed(event.error)
             tail = assembler.finish()
             if tail:
-                yield tail
-            reply.finish_reason = FINISH_REASONS[event.finished]
-            return
+                yield index, tail
+            reply.finish_reasons[index] = FINISH_REASONS[event.finished]
+            going.discard(index)
 
 
 async def stream(texts, reply: Reply, include_usage: bool, service: Service, number: int):
-    """Server-sent events: chunks of text, the end, usage if asked, [DONE]."""
+    """Server-sent events: chunks of each choice's text, each choice's end, usage if asked, [DONE]."""
     try:
-        first = reply.chat
-        if first:
-            yield sse(reply.chunk("", first=True))
-        async for text in texts:
-            yield sse(reply.chunk(text))
-        yield sse(reply.chunk("", finish_reason=reply.finish_reason))
+        if reply.chat:
+            for index in range(reply.choices):
+                yield sse(reply.chunk("", index=index, first=True))
+        async for index, text in texts:
+            yield sse(reply.chunk(text, index=index))
+        for index, finish_reason in enumerate(reply.finish_reasons):
+            yield sse(reply.chunk("", index=index, finish_reason=finish_reason))
         if include_usage:
             yield sse(reply.usage_chunk())
         yield sse("[DONE]")

@@ -26,12 +26,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.config import (
+    MAX_CONTEXT,
     MAX_RESTARTS,
     SERVE_DRAIN_SECONDS,
     SERVE_KV_MEMORY_SHARE,
     SERVE_MAX_SEQUENCES,
 )
 from orchestrator.decoding.drafting import SpeculationSettings
+from orchestrator.decoding.prefix_cache import PREFIX_BLOCK
 from stages.errors import SpecpipeError
 from stages.settings import StageSettings
 
@@ -47,7 +49,10 @@ class ServeError(SpecpipeError):
 
 @dataclass(frozen=True)
 class ServeSettings:
-    """Everything ``orchestrate serve`` was asked to do. stage.sequences is max_sequences."""
+    """Everything ``orchestrate serve`` was asked to do. stage.sequences is max_sequences;
+    prefix_cache_tokens: the most tokens finished requests' prefixes keep
+    (None: as many as max_sequences sequences hold; 0: no prefix cache),
+    in stage.prefix_sequences more KV sequences (``prepare`` fills both in)."""
 
     stage_paths: list[str]
     stage: StageSettings
@@ -66,6 +71,7 @@ class ServeSettings:
     tls: bool = False  # the chain in TLS (orchestrator.transport.tls)
     whole_model: WholeModelSettings | None = None  # --model: shipped before the replica starts (place_stages)
     vocabulary_path: str | None = None  # a file on this machine with the vocabulary (None: a local stage file)
+    prefix_cache_tokens: int | None = None
 
 
 def kv_bytes_per_sequence(path: str, context: int) -> int:
@@ -131,6 +137,8 @@ class Coordinator:
                     tree_leaves=speculation.tree_leaves,
                     # the pass cost measured here (or under --cost-curve, the curve's): batching follows it
                     batch_step=self.pipeline.draft_step(sequence=0),
+                    prefix_sequences=settings.stage.prefix_sequences,
+                    prefix_tokens=settings.prefix_cache_tokens or 0,
                 ),
                 observer=ServiceMetrics(),
             )
@@ -300,11 +308,27 @@ def prepare(settings: ServeSettings) -> ServeSettings:
             raise ServeError("token trees (--tree-leaves) need --max-sequences 1")
         settings = replace(settings, stage=replace(settings.stage, sequences=1,
                                                    tree_sequences=speculation.tree_leaves - 1))
-    if settings.stage.sequences < 1:  # not given: what fits in memory
+    if settings.stage.sequences < 1:  # not given: what fits in memory (the default prefix cache as much again)
         kv_bytes = kv_bytes_per_sequence(vocabulary_path, settings.stage.n_ctx)
+        streams = 2 if settings.prefix_cache_tokens is None and speculation.tree_leaves == 1 else 1
         settings = replace(settings, stage=replace(settings.stage, sequences=default_max_sequences(
-            kv_bytes, available_memory_bytes())))
-    return settings
+            kv_bytes * streams, available_memory_bytes())))
+    return with_prefix_cache(settings)
+
+
+def with_prefix_cache(settings: ServeSettings) -> ServeSettings:
+    """The prefix cache's budget in tokens and its KV sequences (one per
+    n_ctx tokens of the budget); none with token trees (a tree's stage holds
+    one sequence, stages.engine)."""
+    stage = settings.stage
+    tokens = stage.sequences * stage.n_ctx if settings.prefix_cache_tokens is None else settings.prefix_cache_tokens
+    if stage.tree_sequences or tokens < PREFIX_BLOCK:
+        tokens = 0
+    sequences = -(-tokens // stage.n_ctx)
+    if stage.n_ctx * (stage.sequences + sequences) > MAX_CONTEXT:
+        raise ServeError(f"--n-ctx {stage.n_ctx} x ({stage.sequences} sequences + {sequences} for the prefix "
+                         f"cache) exceeds {MAX_CONTEXT} KV cells per stage: lower --prefix-cache-tokens")
+    return replace(settings, prefix_cache_tokens=tokens, stage=replace(stage, prefix_sequences=sequences))
 
 
 def serve_until_stopped(settings: ServeSettings, on_status: Callable[[str], None]) -> None:
@@ -342,7 +366,8 @@ def _run_application(settings: ServeSettings, on_status: Callable[[str], None], 
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
 
     on_status(f"starting {len(settings.stage_paths)} stages and the service "
-              f"({settings.stage.sequences} sequences of {settings.stage.n_ctx} tokens)...")
+              f"({settings.stage.sequences} sequences of {settings.stage.n_ctx} tokens, a prefix cache of "
+              f"{settings.prefix_cache_tokens} tokens)...")
     try:
         serve.start(http_options={"host": settings.host, "port": settings.port})
         # returns once the replica has started (the stages loaded) or failed

@@ -4,8 +4,8 @@
 ``/v1/chat/completions`` and returns a ``CompletionRequest`` or raises an
 ``ApiError`` (status, one-line message, the offending field): the HTTP layer
 (orchestrator.serving.app) only turns it into OpenAI's error JSON. Fields that
-would change the result and are not supported (``n`` > 1, ``logprobs``,
-``tools``, ``response_format`` other than text, ...) are refused, never
+would change the result and are not supported (``n`` > 8, ``tools``,
+``logit_bias``, ...) are refused, never
 silently ignored. ``TextAssembler`` turns committed tokens into text and
 cuts it exactly before a stop string; the ``*_chunk`` and ``*_response``
 functions build the replies.
@@ -24,6 +24,7 @@ from typing import Any
 from speculators.sampling import SamplingSettings
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+MAX_CHOICES = 8  # n: choices of one request, each a KV sequence of its own
 MAX_STOP_STRINGS = 4  # as OpenAI
 ROLES = ("system", "user", "assistant", "developer")
 
@@ -83,6 +84,7 @@ class CompletionRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    choices: int = 1
 
 
 def decode_body(raw: bytes) -> dict[str, Any]:
@@ -196,8 +198,7 @@ def parse_request(body: dict[str, Any], *, chat: bool, random_seed: Callable[[],
     response_format = body.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
         raise bad("response_format: only {\"type\": \"text\"} is supported", "response_format", "unsupported_parameter")
-    if _integer(body, "n", 1) not in (None, 1):
-        raise bad("n: one choice per request (n = 1) is supported", "n", "unsupported_parameter")
+    choices = _integer(body, "n", 1, MAX_CHOICES) or 1
     if _integer(body, "best_of", 1) not in (None, 1):
         raise bad("best_of: only 1 is supported", "best_of", "unsupported_parameter")
     model = body.get("model")
@@ -233,7 +234,7 @@ def parse_request(body: dict[str, Any], *, chat: bool, random_seed: Callable[[],
         seed=seed % 2**64 if seed is not None else random_seed(),
     )
     return CompletionRequest(chat, model, prompt, prompt_tokens, messages, max_tokens, sampling, _stop(body), stream,
-                             bool(options and options.get("include_usage")))
+                             bool(options and options.get("include_usage")), choices)
 
 
 class TextAssembler:
@@ -291,16 +292,22 @@ class TextAssembler:
 
 @dataclass
 class Reply:
-    """What one request produced, for the reply: text, tokens, why it ended."""
+    """What one request produced, for the reply: each choice's text and why it
+    ended, and the tokens generated over every choice."""
 
     identifier: str
     model: str
     chat: bool
     prompt_tokens: int
+    choices: int = 1
     created: int = field(default_factory=lambda: int(time.time()))
-    text: str = ""
     completion_tokens: int = 0
-    finish_reason: str | None = None
+    texts: list[str] = field(default_factory=list)
+    finish_reasons: list[str | None] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.texts = self.texts or [""] * self.choices
+        self.finish_reasons = self.finish_reasons or [None] * self.choices
 
     @property
     def usage(self) -> dict:
@@ -314,16 +321,19 @@ class Reply:
 
     def response(self) -> dict:
         """The non-streaming reply."""
-        choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish_reason, "logprobs": None}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": self.text}
-        else:
-            choice["text"] = self.text
-        return {**self._envelope(False), "choices": [choice], "usage": self.usage}
+        choices = []
+        for index, (text, finish_reason) in enumerate(zip(self.texts, self.finish_reasons)):
+            choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "logprobs": None}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choices.append(choice)
+        return {**self._envelope(False), "choices": choices, "usage": self.usage}
 
-    def chunk(self, text: str, *, first: bool = False, finish_reason: str | None = None) -> dict:
-        """One streamed chunk: new text (and, for chat, the role first), or the end."""
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+    def chunk(self, text: str, *, index: int = 0, first: bool = False, finish_reason: str | None = None) -> dict:
+        """One streamed chunk of choice ``index``: new text (and, for chat, the role first), or its end."""
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "logprobs": None}
         if self.chat:
             delta: dict[str, str] = {"role": "assistant"} if first else {}
             if text or first:

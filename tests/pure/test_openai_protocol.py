@@ -37,7 +37,7 @@ def test_a_malformed_body_gets_one_line(raw, message):
 
 
 @pytest.mark.parametrize("body, field, message", [
-    (completion(n=2), "n", "n: one choice per request (n = 1) is supported"),
+    (completion(n=9), "n", "n must be between 1 and 8, not 9"),
     (completion(logprobs=2), "logprobs", "logprobs: logprobs are not supported"),
     (chat(tools=[{"type": "function"}]), "tools", "tools: tool calls are not supported"),
     (chat(response_format={"type": "json_object"}), "response_format", "only {\"type\": \"text\"} is supported"),
@@ -139,11 +139,18 @@ def test_replies_have_openai_shapes():
     assert reply.chunk("Hi")["choices"][0]["delta"] == {"content": "Hi"}
     end = reply.chunk("", finish_reason="stop")["choices"][0]
     assert end["delta"] == {} and end["finish_reason"] == "stop"
-    reply.text, reply.completion_tokens, reply.finish_reason = "Hi", 1, "stop"
+    reply.texts[0], reply.completion_tokens, reply.finish_reasons[0] = "Hi", 1, "stop"
     response = reply.response()
     assert response["object"] == "chat.completion" and response["choices"][0]["message"] == {"role": "assistant", "content": "Hi"}
     assert response["usage"] == {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}
     assert reply.usage_chunk()["choices"] == [] and reply.usage_chunk()["usage"]["total_tokens"] == 5
+    several = Reply("cmpl-2", "m", False, prompt_tokens=2, choices=3)
+    several.texts[2], several.finish_reasons = "c", ["stop", "length", "stop"]
+    assert [(choice["index"], choice["text"], choice["finish_reason"]) for choice in several.response()["choices"]] \
+        == [(0, "", "stop"), (1, "", "length"), (2, "c", "stop")]
+    assert several.chunk("x", index=2)["choices"][0]["index"] == 2
+    assert parse_request(completion(n=3), chat=False).choices == 3
+    assert parse_request(completion(seed=-1), chat=False).sampling.seed == 2**64 - 1  # signed seeds wrap
     text = Reply("cmpl-1", "m", False, prompt_tokens=2)
     assert text.chunk("a")["object"] == "text_completion" and text.chunk("a")["choices"][0]["text"] == "a"
     assert sse("[DONE]") == "data: [DONE]\n\n" and json.loads(sse({"a": "é"})[6:]) == {"a": "é"}
