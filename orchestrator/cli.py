@@ -306,7 +306,8 @@ def verify_split(model: Path, stage_files: tuple[Path, ...], threads: int) -> No
 @click.option("--n-ctx", default=DEFAULT_CONTEXT, show_default=True, type=click.IntRange(16, config.MAX_CONTEXT),
               help="Context per stage.")
 @speculation_options(overlap=True)
-@click.option("--dashboard", is_flag=True, help="Start the Ray dashboard with the local Ray instance.")
+@click.option("--dashboard", is_flag=True,
+              help="Start the Ray dashboard with the local Ray instance (prints its URL and how to log in).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @one_line_errors
 def run(pipeline: PipelineOptions, speculation, prompt, prompt_file, chat, max_tokens, temperature, top_p, seed,
@@ -405,14 +406,19 @@ def _whole_model_settings(files, address, whole_model, stage_count, boundaries, 
                    f"{config.SERVE_KV_MEMORY_SHARE:.0%} of free memory, at most {config.SERVE_MAX_SEQUENCES}).")
 @click.option("--queue", "queue_limit", default=config.SERVE_QUEUE, show_default=True, type=click.IntRange(0),
               help="Requests that may wait for a free sequence; more get 429.")
+@click.option("--prefix-cache-tokens", type=click.IntRange(0),
+              help="Tokens of finished requests' prompts and replies kept in the stages for later requests that "
+                   "begin alike (a chat's next turn, a shared system prompt) to copy; least recently used go "
+                   "first (default: what --max-sequences sequences hold; 0: off).")
 @click.option("--n-ctx", default=config.SERVE_CONTEXT, show_default=True,
               type=click.IntRange(16, config.MAX_CONTEXT), help="Context of each sequence (prompt + reply).")
 @speculation_options(overlap=False)
 @click.option("--dashboard/--no-dashboard", default=True, show_default=True,
-              help="Start the Ray dashboard with a local Ray (its Serve page shows the service).")
+              help="Start the Ray dashboard with a local Ray (its Serve page shows the service; "
+                   "prints its URL and how to log in).")
 @one_line_errors
-def serve(pipeline: PipelineOptions, speculation, host, port, api_key, model_name, max_sequences, queue_limit, n_ctx,
-          dashboard) -> None:
+def serve(pipeline: PipelineOptions, speculation, host, port, api_key, model_name, max_sequences, queue_limit,
+          prefix_cache_tokens, n_ctx, dashboard) -> None:
     """Serve the model (default: SmolLM2-135M split in two) with the OpenAI API until Ctrl-C or SIGTERM.
     Requests draft as ``run`` does (in this process: prompt lookup, or a draft model with a KV sequence per request)."""
     from orchestrator.serving.deployment import ServeSettings, serve_until_stopped
@@ -426,6 +432,7 @@ def serve(pipeline: PipelineOptions, speculation, host, port, api_key, model_nam
         **pipeline.settings_fields(),
         stage=pipeline.stage_settings(n_ctx, sequences=max_sequences or 0),
         queue_limit=queue_limit,
+        prefix_cache_tokens=prefix_cache_tokens,
         model_name=model_name,
         speculation=speculation,
         host=host, port=port, api_key=api_key or None,

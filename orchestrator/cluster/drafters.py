@@ -49,7 +49,10 @@ class DrafterSettings:
 def _drafter_actor_class():
     import ray
 
+    from orchestrator.cluster.connect import readable_class_name
+
     @ray.remote(num_cpus=0)
+    @readable_class_name  # the dashboard shows "DrafterActor", not "_drafter_actor_class.<locals>.DrafterActor"
     class DrafterActor:
         """Thin Ray shell over a DrafterServer."""
 
@@ -78,7 +81,7 @@ def _drafter_actor_class():
             return self.host, self.server.port, ray.get_runtime_context().get_node_id()
 
         def __repr__(self) -> str:  # the name shown on the Ray dashboard
-            return f"drafter-{self.index}"
+            return f"drafter-{self.index}" if hasattr(self, "index") else "drafter (not started)"
 
     return DrafterActor
 
@@ -234,15 +237,20 @@ def start_drafters(pipeline, make_speculator: Callable[[], Speculator], settings
 
     A drafter that fails to start, or is lost later, is restarted in the
     background (settings.max_restarts); generation goes on without it meanwhile.
+    Drafter ``index`` is named ``specpipe-drafter-<index>.<tag>`` with its
+    pipeline's stages' tag (connect.actor_name), each restart anew.
     """
     import ray
 
-    from orchestrator.cluster.connect import one_line
+    from orchestrator.cluster.connect import actor_name, one_line
 
     actor_class = _drafter_actor_class()
+    launches = [0] * len(pipeline.stages)  # per drafter: its actors started so far
 
     def start(index: int):
-        return actor_class.options(**pipeline.actor_options(index, num_cpus=0)).remote(
+        name = actor_name("drafter", index, pipeline.actors.tag, launches[index])
+        launches[index] += 1
+        return actor_class.options(**pipeline.actor_options(index, num_cpus=0), name=name).remote(
             index, make_speculator, settings, pipeline.secret, pipeline.loopback, pipeline.certificate)
 
     def connect(index: int, actor) -> tuple[object, socket.socket, str]:

@@ -10,7 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from orchestrator.cluster.connect import Reservation, one_line, peak_rss_mb, ray_get
+from orchestrator.cluster.connect import (
+    Reservation,
+    actor_name,
+    one_line,
+    peak_rss_mb,
+    pipeline_tag,
+    ray_get,
+    readable_class_name,
+)
 from orchestrator.config import ACTOR_START_SECONDS, STAGE_ANSWER_SECONDS
 from orchestrator.transport.chain import PipelineError
 from orchestrator.workers.stage_server import StageDescription, StageServer
@@ -54,6 +62,7 @@ class StageLoad(NamedTuple):
     compute: StageCompute | None = None
     passes: int = 0  # llama.cpp calls so far
     windows: int = 0  # sequences' windows they carried (over passes: batched passes)
+    prefix_cells: int = 0  # KV cells holding cached prefixes (orchestrator.decoding.prefix_cache)
 
 
 def stage_file_reader():
@@ -70,6 +79,7 @@ def stage_actor_class():
     import ray
 
     @ray.remote(num_cpus=0)
+    @readable_class_name  # the dashboard shows "StageActor", not "stage_actor_class.<locals>.StageActor"
     class StageActor:
         """Thin Ray shell over a StageServer (see orchestrator.workers.stage_server)."""
 
@@ -109,7 +119,8 @@ def stage_actor_class():
 
             process = psutil.Process()
             return StageLoad(self.server.kv_cells, self.server.kv_sequences, process.memory_info().rss / 1024**2,
-                             process.pid, passes=self.server.passes, windows=self.server.windows_decoded)
+                             process.pid, passes=self.server.passes, windows=self.server.windows_decoded,
+                             prefix_cells=self.server.prefix_cells)
 
         def peak_rss_mb(self) -> float:
             return peak_rss_mb()
@@ -126,7 +137,8 @@ def stage_actor_class():
 class StageActors:
     """One actor per stage, each started in its stage's placement bundle with
     the pipeline's settings, secret and certificate (handed over by Ray's
-    authenticated calls)."""
+    authenticated calls), and named ``specpipe-stage-<index>.<tag>``
+    (connect.actor_name; the pipeline's drafters share the tag)."""
 
     def __init__(self, reservation: Reservation, settings: StageSettings, wire_dtype: str, secret: bytes,
                  certificate):
@@ -136,6 +148,8 @@ class StageActors:
         self.secret = secret
         self.certificate = certificate
         self.actors: list = []
+        self.tag = pipeline_tag()
+        self.restarts: dict[int, int] = {}  # stage index -> its restarts so far (each names its actor anew)
 
     def __getitem__(self, index: int):
         return self.actors[index]
@@ -153,7 +167,8 @@ class StageActors:
 
     def _new(self, index: int, path: str, loopback: bool):
         """A new stage actor for stage ``index`` on its node (it loads in the background)."""
-        return stage_actor_class().options(**self.reservation.actor_options(index, num_cpus=1)).remote(
+        name = actor_name("stage", index, self.tag, self.restarts.get(index, 0))
+        return stage_actor_class().options(**self.reservation.actor_options(index, num_cpus=1), name=name).remote(
             path, self.settings, self.wire_dtype, self.secret, loopback, self.certificate)
 
     def start(self, paths: list[str], loopback: bool) -> list[StageDescription]:
@@ -187,6 +202,7 @@ class StageActors:
         import ray
 
         ray.kill(self.actors[index])
+        self.restarts[index] = self.restarts.get(index, 0) + 1
         self.actors[index] = self._new(index, path, loopback)
         late, failed = f"stage {index} did not restart", f"stage {index} could not be restarted"
         described = ray_get(self.actors[index].describe.remote(), ACTOR_START_SECONDS, PipelineError, late, failed)
