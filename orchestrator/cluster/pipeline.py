@@ -316,6 +316,7 @@ def _record_of(window: Window, origin: TargetPass) -> PassRecord:
                  else (window.first + depths(parents)).astype(np.int32))
     choice = None if window.sampling is None else TokenChoice(
         np.asarray(window.drafts, np.int32), window.first + window.logit_rows[0] + 1, window.sampling,
-        None if window.parents is None else np.asarray(window.parents, np.int32))
+        None if window.parents is None else np.asarray(window.parents, np.int32),
+        -1 if window.logprobs is None else window.logprobs)
     return PassRecord(window.sequence, window.first, positions, np.asarray(window.inputs, np.int32),
                       np.asarray(window.logit_rows, np.int32), choice, parents, origin)

@@ -38,19 +38,23 @@ from orchestrator.decoding.schedule import (
     relay,
 )
 from orchestrator.decoding.drafting import Drafting
-from orchestrator.decoding.targets import Target, committed_tokens
+from orchestrator.decoding.targets import Target, committed_logprobs, committed_tokens
+from speculators.logprobs import TokenLogprobs
 from speculators.sampling import SamplingSettings
 
 
 def sequence_state(sequence: int, prompt_tokens: list[int], max_tokens: int, sampling: SamplingSettings | None,
-                   drafting: Drafting | None, target: Target, cached: int = 0) -> SequenceState:
+                   drafting: Drafting | None, target: Target, cached: int = 0,
+                   logprobs: int | None = None) -> SequenceState:
     """The schedule's state of a new sequence that drafts as ``drafting`` says
     (None: plain); its prompt goes through ``target`` in chunks that pipeline
     (schedule.prompt_chunk), from position ``cached`` on (the stages already
-    hold the prompt's first ``cached`` tokens in its KV sequence: a copied prefix)."""
+    hold the prompt's first ``cached`` tokens in its KV sequence: a copied prefix);
+    logprobs: None, or how many alternatives each token's logprobs carry."""
     if not 0 <= cached < len(prompt_tokens):
         raise ValueError(f"a cached prefix of {cached} tokens for a prompt of {len(prompt_tokens)}")
     prefill = dict(prompt_from=cached, cached=cached, prompt_depth=target.stage_count, sampling=sampling,
+                   logprobs=logprobs,
                    prompt_chunk=prompt_chunk(len(prompt_tokens) - cached, target.stage_count, target.n_batch))
     if drafting is None:
         return SequenceState(sequence, list(prompt_tokens), len(prompt_tokens), max_tokens, **prefill)
@@ -69,6 +73,9 @@ class Listener:
 
     def verified(self, window: Window, tokens: list[int]) -> None:
         """A window that gives tokens was verified; ``tokens`` it committed (maybe none, at the end)."""
+
+    def scored(self, logprobs: TokenLogprobs) -> None:
+        """The logprobs of the tokens ``verified`` is told of next (only for windows that ask, Window.logprobs)."""
 
 
 @dataclass
@@ -138,6 +145,8 @@ class DecodingLoop:
                 state.verified(window, [], self.is_end)
                 continue
             committed = state.verified(window, self.choose(reply, window, rows), self.is_end)
+            if window.logprobs is not None:
+                decoding.listener.scored(committed_logprobs(reply, window, rows, committed))
             decoding.listener.verified(window, committed)
         self.cancel_invalid()
         return True

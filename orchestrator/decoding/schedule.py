@@ -210,6 +210,8 @@ class Window:
     were dropped after a side branch was accepted); their rows are not verified.
     parents: the verified rows (inputs[refed:]) form a token tree in preorder
     (speculators.tree; their parents, row 0 the last committed token); None: a chain.
+    logprobs: None, or the committed tokens' log-probabilities are wanted,
+    with this many likeliest alternatives each (speculators.logprobs).
     """
 
     sequence: int
@@ -220,6 +222,7 @@ class Window:
     refed: int = 0
     parents: tuple[int, ...] | None = None
     ranks: tuple[int, ...] | None = None  # a tree's rows' ranks among their siblings (speculators.tree.DraftTree)
+    logprobs: int | None = None
 
     @property
     def drafts(self) -> tuple[int, ...]:
@@ -270,6 +273,7 @@ class SequenceState:
     prompt_depth: the most chunks in flight at once (one per stage: they pipeline).
     sampling: how its tokens are chosen, given to its windows (Window.sampling)
     for the target to choose them; None: the target returns logits.
+    logprobs: given to its windows (Window.logprobs).
     cached: its leading committed tokens whose KV every stage holds and no
     pass in flight changes (windows ahead and discarded ones begin after
     them): what another sequence may copy (orchestrator.decoding.prefix_cache).
@@ -286,6 +290,7 @@ class SequenceState:
     prompt_chunk: int = 0
     prompt_depth: int = 1
     sampling: SamplingSettings | None = None
+    logprobs: int | None = None
     cached: int = 0
     speculation: list[int] = field(default_factory=list)
     in_flight: deque[Window] = field(default_factory=deque)
@@ -374,7 +379,8 @@ class SequenceState:
         """The prompt's next chunk."""
         end = min(self.prompt_from + self.prompt_chunk, self.prompt_length) if self.prompt_chunk else None
         window = Window(self.sequence, self.prompt_from, tuple(self.committed[self.prompt_from:end]), prompt=True,
-                        sampling=self.sampling)
+                        sampling=self.sampling,
+                        logprobs=self.logprobs)
         self.prompt_from = end if end is not None and end < self.prompt_length else None
         return window
 
@@ -392,7 +398,8 @@ class SequenceState:
                                    forced=min(limit, len(self.speculation)))
             self.candidates = None
             window = Window(self.sequence, first, (*self.committed[first:-1], *tree.tokens), sampling=self.sampling,
-                            refed=self.refeed, parents=None if tree.is_chain else tuple(tree.parents),
+                            logprobs=self.logprobs, refed=self.refeed,
+                            parents=None if tree.is_chain else tuple(tree.parents),
                             ranks=None if tree.is_chain else tuple(tree.ranks))
         self.in_flight.append(window)
         return window
@@ -421,7 +428,8 @@ class SequenceState:
         text = self.text
         if len(text) <= first or limit < 0:
             return None
-        window = Window(self.sequence, first, tuple(text[first : first + 1 + limit]), sampling=self.sampling)
+        window = Window(self.sequence, first, tuple(text[first : first + 1 + limit]), sampling=self.sampling,
+                        logprobs=self.logprobs)
         self.in_flight.append(window)
         return window
 

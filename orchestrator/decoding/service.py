@@ -48,6 +48,7 @@ from orchestrator.decoding.prefix_cache import PREFIX_BLOCK, PrefixCache, Prefix
 from orchestrator.decoding.schedule import Batching, Schedule, SequenceState, Window
 from orchestrator.decoding.targets import InstantDrafter, Target
 from speculators.draft_length import PRIOR_STEP
+from speculators.logprobs import TokenLogprobs
 from speculators.sampling import SamplingSettings, choice_sampling
 from stages.errors import SpecpipeError
 
@@ -73,12 +74,15 @@ class ServiceRequest:
     """prompt_tokens: the whole prompt (chat template applied); max_tokens: the
     most tokens to generate; sampling: how each token is chosen (choice i > 0
     draws with its own seed: speculators.sampling.choice_sampling); choices:
-    how many continuations (OpenAI's n), each in its own KV sequence."""
+    how many continuations (OpenAI's n), each in its own KV sequence;
+    logprobs: None, or each token's log-probability is wanted with this many
+    likeliest alternatives (speculators.logprobs)."""
 
     prompt_tokens: list[int]
     max_tokens: int
     sampling: SamplingSettings
     choices: int = 1
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -86,12 +90,14 @@ class Progress:
     """What a request's sink receives for each of its choices, in order: the
     tokens each verified window committed, then once the end: ``finished`` is
     "end" (an end token), "length" (max_tokens), "cancelled", or "error"
-    (with ``error``, one line). choice: which of the request's choices."""
+    (with ``error``, one line). choice: which of the request's choices;
+    logprobs: the tokens' logprobs, when the request asked."""
 
     tokens: tuple[int, ...] = ()
     finished: str | None = None
     error: str = ""
     choice: int = 0
+    logprobs: TokenLogprobs | None = None
 
 
 Sink = Callable[[Progress], None]
@@ -182,8 +188,13 @@ class _Ticket(Listener):
     state: SequenceState | None = None
     last_delivery: float | None = None
     error: str = ""
+    logprobs: TokenLogprobs | None = None  # of the tokens verified next (Listener.scored)
+
+    def scored(self, logprobs: TokenLogprobs) -> None:
+        self.logprobs = logprobs
 
     def verified(self, window: Window, tokens: list[int]) -> None:
+        logprobs, self.logprobs = self.logprobs, None
         if not tokens:
             return
         now = time.perf_counter()
@@ -192,7 +203,7 @@ class _Ticket(Listener):
         else:
             self.observer.tokens(now - self.last_delivery, len(tokens))
         self.last_delivery = now
-        self.send(Progress(tuple(tokens), choice=self.choice))
+        self.send(Progress(tuple(tokens), choice=self.choice, logprobs=logprobs))
 
     def send(self, progress: Progress) -> None:
         try:
@@ -395,7 +406,7 @@ class Service:
         self.observer.prefix_query(len(request.prompt_tokens), reused)
         drafting = self.settings.drafting(sequence)
         ticket.state = sequence_state(sequence, request.prompt_tokens, request.max_tokens, request.sampling, drafting,
-                                      self.target, cached=reused)
+                                      self.target, cached=reused, logprobs=request.logprobs)
         self._active[sequence] = ticket
         self.loop.add(Decoding(ticket.state, drafting, ticket))
 

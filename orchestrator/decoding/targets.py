@@ -16,6 +16,7 @@ import numpy as np
 
 from orchestrator.transport.messages import Cancelled, PassResult
 from orchestrator.decoding.schedule import TargetPass, Window
+from speculators.logprobs import TokenLogprobs, choosing_rows, token_logprobs
 from speculators.tree import DraftTree, depths, lookup_tree, verify_rows
 
 
@@ -79,6 +80,19 @@ def committed_tokens(reply: PassResult | PassReplies, window: Window, rows: slic
         return reply.tokens.tolist()
     return verify_rows(window.drafts, window.parents, reply.logits[rows], window.first + window.logit_rows[0] + 1,
                        window.sampling)
+
+
+def committed_logprobs(reply: PassResult | PassReplies, window: Window, rows: slice,
+                       tokens: list[int]) -> TokenLogprobs:
+    """The logprobs of what a verified window commits (``tokens``, all it chose
+    or fewer): those the target sent with its tokens, or, from a target that
+    returns logits, computed here from the rows that chose them."""
+    if isinstance(reply, PassReplies):
+        reply, rows = reply.of(window.sequence), slice(0, len(window.logit_rows))
+    if reply.logprobs is not None:
+        return reply.logprobs.first(len(tokens))
+    chosen_rows = reply.logits[rows][choosing_rows(window.drafts, window.parents, tokens)]
+    return token_logprobs(chosen_rows, tokens, window.logprobs or 0)
 
 
 class Drafter(Protocol):

@@ -99,7 +99,20 @@ def result_problem(record: PassRecord, reply: PassResult, n_vocab: int, stage_co
     if choice.parents is not None and len(accepted_rows([0, *choice.drafts.tolist()], choice.parents,
                                                         tokens.tolist())) != len(tokens) - 1:
         return "tokens that do not follow a path of the tree"
-    return ""
+    return _logprobs_problem(choice.top_logprobs, reply, n_vocab)
+
+
+def _logprobs_problem(top: int, reply: PassResult, n_vocab: int) -> str:
+    """What is wrong with a result's logprobs when ``top`` alternatives were asked (-1: none), or ""."""
+    if (top >= 0) != (reply.logprobs is not None):
+        return "logprobs that were not asked for" if top < 0 else "no logprobs (they were asked for)"
+    if reply.logprobs is None:
+        return ""
+    problem = reply.logprobs.check(len(reply.tokens), top)
+    if not problem and len(reply.logprobs.top_tokens.ravel()) and (
+            reply.logprobs.top_tokens.min() < 0 or reply.logprobs.top_tokens.max() >= n_vocab):
+        problem = f"alternatives outside the vocabulary of {n_vocab}"
+    return problem
 
 
 class SocketChain:

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from speculators.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
 from speculators.sampling import SamplingSettings
 from speculators.tree import TreeError, check_preorder
 from stages.errors import SpecpipeError
@@ -124,6 +125,9 @@ class TokenChoice:
     would apply to the same float32 rows: the tokens are the same).
     parents: int32[rows], the rows form a token tree in preorder
     (speculators.tree.walk verifies it); None: a chain.
+    top_logprobs: -1, none; else the result also carries each chosen
+    token's log-probability and this many likeliest alternatives
+    (speculators.logprobs, at most MAX_TOP_LOGPROBS).
 
     On the wire: a small map in the batch's header.
     """
@@ -132,10 +136,12 @@ class TokenChoice:
     first_position: int
     sampling: SamplingSettings
     parents: np.ndarray | None = None
+    top_logprobs: int = -1
 
     def to_wire(self) -> WireHeader:
         return {"drafts": _int32_bytes(self.drafts), "first": self.first_position, "parents": _int32_bytes(self.parents),
-                "temperature": self.sampling.temperature, "top_p": self.sampling.top_p, "seed": self.sampling.seed}
+                "temperature": self.sampling.temperature, "top_p": self.sampling.top_p, "seed": self.sampling.seed,
+                "logprobs": self.top_logprobs}
 
     @classmethod
     def from_wire(cls, header: WireHeader) -> TokenChoice:
@@ -148,10 +154,14 @@ class TokenChoice:
         if seed >= 2**64:
             raise ProtocolError("seed: more than 64 bits")
         drafts = _int32_array(header, "drafts")
+        top_logprobs = _integer(header, "logprobs", low=-1)
+        if top_logprobs > MAX_TOP_LOGPROBS:
+            raise ProtocolError(f"logprobs: {top_logprobs} alternatives (at most {MAX_TOP_LOGPROBS})")
         return cls(drafts=drafts,  # type: ignore[arg-type]
                    first_position=_integer(header, "first"),
                    sampling=SamplingSettings(temperature=temperature, top_p=top_p, seed=seed),
-                   parents=_tree(header, "parents", len(drafts) + 1))  # type: ignore[arg-type]
+                   parents=_tree(header, "parents", len(drafts) + 1),  # type: ignore[arg-type]
+                   top_logprobs=top_logprobs)
 
 
 @dataclass(frozen=True)
@@ -268,8 +278,11 @@ class PassResult:
     tokens: int32[k], what the pass commits (speculators.verify: the accepted
     drafts, then the target's own token); None when the logits came back.
     stage_seconds: busy seconds of every stage for this pass.
+    logprobs: with tokens, when the choice asked (TokenChoice.top_logprobs):
+    each token's log-probability and the likeliest alternatives
+    (speculators.logprobs.TokenLogprobs: float32[k], int32[k, m], float32[k, m]).
 
-    On the wire: logits raw, or the tokens in the header.
+    On the wire: logits raw, or the tokens (and logprobs) in the header.
     """
 
     KIND: ClassVar[str] = "result"
@@ -278,10 +291,16 @@ class PassResult:
     logits: np.ndarray | None
     stage_seconds: tuple[float, ...]
     tokens: np.ndarray | None = None
+    logprobs: TokenLogprobs | None = None
 
     def to_wire(self) -> tuple[WireHeader, np.ndarray | None]:
-        return {"pass": self.pass_id, "seconds": list(self.stage_seconds),
-                "tokens": _int32_bytes(self.tokens)}, self.logits
+        header = {"pass": self.pass_id, "seconds": list(self.stage_seconds), "tokens": _int32_bytes(self.tokens)}
+        if self.logprobs is not None:
+            header["logprobs"] = {"chosen": self.logprobs.logprobs.astype("<f4").tobytes(),
+                                  "top": self.logprobs.top_tokens.shape[1],
+                                  "top_tokens": _int32_bytes(self.logprobs.top_tokens),
+                                  "top_logprobs": self.logprobs.top_logprobs.astype("<f4").tobytes()}
+        return header, self.logits
 
     @classmethod
     def from_wire(cls, header: WireHeader, array: np.ndarray | None) -> PassResult:
@@ -289,8 +308,35 @@ class PassResult:
         tokens = _int32_array(header, "tokens", optional=True)
         if (logits is None) == (tokens is None):
             raise ProtocolError("a result carries exactly one of logits and tokens")
+        logprobs = None if header.get("logprobs") is None else _logprobs(header["logprobs"], tokens)
         return cls(pass_id=_integer(header, "pass"), logits=logits, stage_seconds=_seconds(header, "seconds"),
-                   tokens=tokens)
+                   tokens=tokens, logprobs=logprobs)
+
+
+def _float32_array(header: WireHeader, name: str) -> np.ndarray:
+    data = header.get(name)
+    if not isinstance(data, bytes) or len(data) % 4:
+        raise ProtocolError(f"{name}: expected float32 bytes, got {type(data).__name__}")
+    return np.frombuffer(data, dtype="<f4")
+
+
+def _logprobs(header: WireHeader, tokens: np.ndarray | None) -> TokenLogprobs:
+    """A result's logprobs map, checked against its tokens."""
+    if not isinstance(header, dict) or tokens is None:
+        raise ProtocolError("logprobs: expected a map beside chosen tokens")
+    top = _integer(header, "top")
+    if top > MAX_TOP_LOGPROBS:
+        raise ProtocolError(f"logprobs: {top} alternatives (at most {MAX_TOP_LOGPROBS})")
+    chosen, top_tokens = _float32_array(header, "chosen"), _int32_array(header, "top_tokens")
+    top_logprobs = _float32_array(header, "top_logprobs")
+    if len(chosen) != len(tokens) or len(top_tokens) != len(tokens) * top or len(top_logprobs) != len(top_tokens):
+        raise ProtocolError(f"logprobs: {len(chosen)}, {len(top_tokens)} and {len(top_logprobs)} entries for "
+                            f"{len(tokens)} tokens with {top} alternatives")
+    entries = TokenLogprobs(chosen, top_tokens.reshape(len(tokens), top), top_logprobs.reshape(len(tokens), top))
+    problem = entries.check(len(tokens), top)
+    if problem:
+        raise ProtocolError(f"logprobs: {problem}")
+    return entries
 
 
 @dataclass(frozen=True)

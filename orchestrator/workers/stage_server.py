@@ -42,6 +42,7 @@ from orchestrator.transport.handshake import (
     upstream_role,
 )
 from orchestrator.transport.messages import Boundary, Cancel, Cancelled, PassResult, Shutdown, StageBatch, StageFailure
+from speculators.logprobs import TokenLogprobs, choosing_rows, token_logprobs
 from speculators.tree import verify_rows
 from stages.backend import StageCompute
 from stages.cost_curve import CostCurveError, StageCurve
@@ -429,18 +430,24 @@ class StageServer:
         rows = np.cumsum([0] + [len(batch.logit_rows) for batch in batches])
         return [output[start:end] for start, end in zip(rows, rows[1:])]
 
-    def _chosen(self, batch: StageBatch, output: np.ndarray) -> np.ndarray | None:
-        """The tokens the last stage chooses for a batch with a choice (speculators.tree.verify_rows), else None."""
+    def _chosen(self, batch: StageBatch, output: np.ndarray) -> tuple[np.ndarray, TokenLogprobs | None] | None:
+        """The tokens the last stage chooses for a batch with a choice
+        (speculators.tree.verify_rows), and their logprobs if asked; else None."""
         if not self.engine.is_last or batch.choice is None:
             return None
         choice = batch.choice
-        return np.array(verify_rows(choice.drafts.tolist(), choice.parents, output, choice.first_position,
-                                    choice.sampling), np.int32)
+        drafts = choice.drafts.tolist()
+        tokens = verify_rows(drafts, choice.parents, output, choice.first_position, choice.sampling)
+        logprobs = None if choice.top_logprobs < 0 else token_logprobs(
+            output[choosing_rows(drafts, choice.parents, tokens)], tokens, choice.top_logprobs)
+        return np.array(tokens, np.int32), logprobs
 
-    def _passed_on(self, batch: StageBatch, output: np.ndarray, chosen: np.ndarray | None,
+    def _passed_on(self, batch: StageBatch, output: np.ndarray, chosen: tuple[np.ndarray, TokenLogprobs | None] | None,
                    stage_seconds: tuple[float, ...]) -> StageBatch | PassResult:
         """What goes downstream for a decoded batch: its result from the last stage, else its hidden states."""
+        if self.engine.is_last and chosen is not None:
+            return PassResult(batch.pass_id, None, stage_seconds, tokens=chosen[0], logprobs=chosen[1])
         if self.engine.is_last:
-            return PassResult(batch.pass_id, output if chosen is None else None, stage_seconds, tokens=chosen)
+            return PassResult(batch.pass_id, output, stage_seconds)
         return replace(batch, hidden=output.astype(self.wire_dtype, copy=False), tokens=None,
                        stage_seconds=stage_seconds)
