@@ -15,6 +15,8 @@ from collections import deque
 import numpy as np
 
 from orchestrator.decoding.schedule import TargetPass, Window
+from orchestrator.decoding.targets import PassReplies, choice_of
+from orchestrator.workers.choosing import TokenChooser
 from orchestrator.transport.messages import PassResult
 from speculators.tree import depths
 
@@ -29,7 +31,10 @@ def window_positions(window: Window) -> tuple[np.ndarray, np.ndarray | None]:
 
 class EngineChain:
     """The engines of ``paths`` (stage files in order, or one whole model) as a
-    target; one window per pass. stage_seconds of every result are zeros."""
+    target. stage_seconds of every result are zeros. A pass's logits come
+    back, and the loop verifies them; but a pass with a window under a
+    grammar has its tokens chosen here, as the last stage of a pipeline
+    chooses them (orchestrator.workers.choosing)."""
 
     def __init__(self, paths: list[str], settings):
         from stages.engine import StageEngine
@@ -43,7 +48,8 @@ class EngineChain:
             raise
         self.n_batch = settings.n_batch
         self.stage_count = len(self.engines)
-        self.pending: deque[PassResult] = deque()
+        self.pending: deque[PassResult | PassReplies] = deque()
+        self.chooser = TokenChooser(self.engines[-1].vocabulary_pointer)
 
     def submit(self, target_pass: TargetPass) -> None:
         """Run the pass through every engine now: one window, or a batched
@@ -66,12 +72,29 @@ class EngineChain:
                 hidden = engine.decode(positions, tokens=tokens, sequence=sequence, logit_rows=rows, parents=parents)
             else:
                 hidden = engine.decode(positions, hidden=hidden, sequence=sequence, logit_rows=rows, parents=parents)
-        self.pending.append(PassResult(0, hidden, (0.0,) * len(self.engines)))
+        self.pending.append(self._result(windows, hidden))
+
+    def _result(self, windows: tuple[Window, ...], logits: np.ndarray) -> PassResult | PassReplies:
+        """The pass's logits, or, with a grammar, each window's chosen tokens."""
+        seconds = (0.0,) * len(self.engines)
+        if all(window.grammar is None for window in windows):
+            return PassResult(0, logits, seconds)
+        replies, start = [], 0
+        for window in windows:
+            rows = logits[start:start + len(window.logit_rows)]
+            start += len(window.logit_rows)
+            choice = choice_of(window)
+            if choice is None:
+                replies.append(PassResult(0, rows, seconds))
+            else:
+                tokens, logprobs = self.chooser.choose(window.sequence, choice, rows)
+                replies.append(PassResult(0, None, seconds, tokens=tokens, logprobs=logprobs))
+        return replies[0] if len(windows) == 1 else PassReplies(tuple(replies), tuple(window.sequence for window in windows))
 
     def cancel(self, target_pass: TargetPass) -> None:
         """Nothing to stop: the pass was computed when submitted."""
 
-    def receive(self) -> PassResult:
+    def receive(self) -> PassResult | PassReplies:
         return self.pending.popleft()
 
     def await_boundary(self, stage_index: int) -> int:

@@ -133,6 +133,7 @@ class StageEngine:
         self.compute = StageCompute.of(detect_backend(), settings.n_gpu_layers, self.block_count)
         self.n_embd = llama_cpp.llama_model_n_embd(self._model)
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self.vocabulary_pointer = self._vocab  # for choosing under a grammar (stages.grammar.Vocabulary)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
 
         if settings.tree_sequences and settings.sequences != 1:

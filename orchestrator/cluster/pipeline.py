@@ -28,11 +28,11 @@ from orchestrator.cluster.stage_actors import LOOPBACK, StageActors, StageLoad, 
 from orchestrator.cluster.stage_cpus import CpuSet, stage_cpu_sets
 from orchestrator.config import MAX_RESTARTS
 from orchestrator.decoding.schedule import TargetPass, Window
-from orchestrator.decoding.targets import PassReplies
+from orchestrator.decoding.targets import PassReplies, choice_of
 from orchestrator.transport.chain import PassLate, PipelineError, SocketChain
 from orchestrator.transport.handshake import new_secret
 from orchestrator.transport.ledger import KvLedger, PassRecord
-from orchestrator.transport.messages import Cancelled, PassResult, TokenChoice
+from orchestrator.transport.messages import Cancelled, PassResult
 from orchestrator.transport.tls import new_chain_certificate
 from speculators.tree import depths
 from stages.settings import StageSettings
@@ -314,9 +314,5 @@ def _record_of(window: Window, origin: TargetPass) -> PassRecord:
     parents = None if window.parents is None else np.asarray(window.batch_parents, np.int32)
     positions = (np.arange(window.first, window.first + len(window.inputs), dtype=np.int32) if parents is None
                  else (window.first + depths(parents)).astype(np.int32))
-    choice = None if window.sampling is None else TokenChoice(
-        np.asarray(window.drafts, np.int32), window.first + window.logit_rows[0] + 1, window.sampling,
-        None if window.parents is None else np.asarray(window.parents, np.int32),
-        -1 if window.logprobs is None else window.logprobs)
     return PassRecord(window.sequence, window.first, positions, np.asarray(window.inputs, np.int32),
-                      np.asarray(window.logit_rows, np.int32), choice, parents, origin)
+                      np.asarray(window.logit_rows, np.int32), choice_of(window), parents, origin)

@@ -45,16 +45,17 @@ from speculators.sampling import SamplingSettings
 
 def sequence_state(sequence: int, prompt_tokens: list[int], max_tokens: int, sampling: SamplingSettings | None,
                    drafting: Drafting | None, target: Target, cached: int = 0,
-                   logprobs: int | None = None) -> SequenceState:
+                   logprobs: int | None = None, grammar: str | None = None) -> SequenceState:
     """The schedule's state of a new sequence that drafts as ``drafting`` says
     (None: plain); its prompt goes through ``target`` in chunks that pipeline
     (schedule.prompt_chunk), from position ``cached`` on (the stages already
     hold the prompt's first ``cached`` tokens in its KV sequence: a copied prefix);
-    logprobs: None, or how many alternatives each token's logprobs carry."""
+    logprobs: None, or how many alternatives each token's logprobs carry;
+    grammar: None, or its tokens are chosen under this grammar."""
     if not 0 <= cached < len(prompt_tokens):
         raise ValueError(f"a cached prefix of {cached} tokens for a prompt of {len(prompt_tokens)}")
     prefill = dict(prompt_from=cached, cached=cached, prompt_depth=target.stage_count, sampling=sampling,
-                   logprobs=logprobs,
+                   logprobs=logprobs, grammar=grammar,
                    prompt_chunk=prompt_chunk(len(prompt_tokens) - cached, target.stage_count, target.n_batch))
     if drafting is None:
         return SequenceState(sequence, list(prompt_tokens), len(prompt_tokens), max_tokens, **prefill)

@@ -212,6 +212,9 @@ class Window:
     (speculators.tree; their parents, row 0 the last committed token); None: a chain.
     logprobs: None, or the committed tokens' log-probabilities are wanted,
     with this many likeliest alternatives each (speculators.logprobs).
+    grammar: None, or its tokens are chosen under this grammar
+    (speculators.grammar), after ``generated``: the sequence's tokens after
+    its prompt up to and including row 0's input.
     """
 
     sequence: int
@@ -223,6 +226,8 @@ class Window:
     parents: tuple[int, ...] | None = None
     ranks: tuple[int, ...] | None = None  # a tree's rows' ranks among their siblings (speculators.tree.DraftTree)
     logprobs: int | None = None
+    grammar: str | None = None
+    generated: tuple[int, ...] | None = None
 
     @property
     def drafts(self) -> tuple[int, ...]:
@@ -273,7 +278,7 @@ class SequenceState:
     prompt_depth: the most chunks in flight at once (one per stage: they pipeline).
     sampling: how its tokens are chosen, given to its windows (Window.sampling)
     for the target to choose them; None: the target returns logits.
-    logprobs: given to its windows (Window.logprobs).
+    logprobs, grammar: given to its windows (Window.logprobs, Window.grammar).
     cached: its leading committed tokens whose KV every stage holds and no
     pass in flight changes (windows ahead and discarded ones begin after
     them): what another sequence may copy (orchestrator.decoding.prefix_cache).
@@ -291,6 +296,7 @@ class SequenceState:
     prompt_depth: int = 1
     sampling: SamplingSettings | None = None
     logprobs: int | None = None
+    grammar: str | None = None
     cached: int = 0
     speculation: list[int] = field(default_factory=list)
     in_flight: deque[Window] = field(default_factory=deque)
@@ -379,8 +385,7 @@ class SequenceState:
         """The prompt's next chunk."""
         end = min(self.prompt_from + self.prompt_chunk, self.prompt_length) if self.prompt_chunk else None
         window = Window(self.sequence, self.prompt_from, tuple(self.committed[self.prompt_from:end]), prompt=True,
-                        sampling=self.sampling,
-                        logprobs=self.logprobs)
+                        sampling=self.sampling, logprobs=self.logprobs, **self._constrained(self.prompt_length))
         self.prompt_from = end if end is not None and end < self.prompt_length else None
         return window
 
@@ -398,7 +403,7 @@ class SequenceState:
                                    forced=min(limit, len(self.speculation)))
             self.candidates = None
             window = Window(self.sequence, first, (*self.committed[first:-1], *tree.tokens), sampling=self.sampling,
-                            logprobs=self.logprobs, refed=self.refeed,
+                            logprobs=self.logprobs, refed=self.refeed, **self._constrained(len(self.committed)),
                             parents=None if tree.is_chain else tuple(tree.parents),
                             ranks=None if tree.is_chain else tuple(tree.ranks))
         self.in_flight.append(window)
@@ -429,9 +434,16 @@ class SequenceState:
         if len(text) <= first or limit < 0:
             return None
         window = Window(self.sequence, first, tuple(text[first : first + 1 + limit]), sampling=self.sampling,
-                        logprobs=self.logprobs)
+                        logprobs=self.logprobs, **self._constrained(first + 1))
         self.in_flight.append(window)
         return window
+
+    def _constrained(self, through: int) -> dict:
+        """A window's grammar fields: its grammar and the text generated before
+        position ``through`` (row 0's input the last of it); none without a grammar."""
+        if self.grammar is None:
+            return {}
+        return {"grammar": self.grammar, "generated": tuple(self.text[self.prompt_length:through])}
 
     def gives_token(self, window: Window) -> bool:
         """Its logits are verified: a decoding window, or the prompt's last chunk

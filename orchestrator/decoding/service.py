@@ -76,13 +76,15 @@ class ServiceRequest:
     draws with its own seed: speculators.sampling.choice_sampling); choices:
     how many continuations (OpenAI's n), each in its own KV sequence;
     logprobs: None, or each token's log-probability is wanted with this many
-    likeliest alternatives (speculators.logprobs)."""
+    likeliest alternatives (speculators.logprobs); grammar: None, or the
+    tokens are chosen under this grammar (structured output, speculators.grammar)."""
 
     prompt_tokens: list[int]
     max_tokens: int
     sampling: SamplingSettings
     choices: int = 1
     logprobs: int | None = None
+    grammar: str | None = None
 
 
 @dataclass(frozen=True)
@@ -406,7 +408,7 @@ class Service:
         self.observer.prefix_query(len(request.prompt_tokens), reused)
         drafting = self.settings.drafting(sequence)
         ticket.state = sequence_state(sequence, request.prompt_tokens, request.max_tokens, request.sampling, drafting,
-                                      self.target, cached=reused, logprobs=request.logprobs)
+                                      self.target, cached=reused, logprobs=request.logprobs, grammar=request.grammar)
         self._active[sequence] = ticket
         self.loop.add(Decoding(ticket.state, drafting, ticket))
 

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
-from orchestrator.transport.messages import Cancelled, PassResult
+from orchestrator.transport.messages import Cancelled, PassResult, TokenChoice
 from orchestrator.decoding.schedule import TargetPass, Window
 from speculators.logprobs import TokenLogprobs, choosing_rows, token_logprobs
 from speculators.tree import DraftTree, depths, lookup_tree, verify_rows
@@ -68,6 +68,18 @@ class PassReplies:
 
     def of(self, sequence: int) -> PassResult | Cancelled:
         return self.replies[self.sequences.index(sequence)]
+
+
+def choice_of(window: Window) -> TokenChoice | None:
+    """What the target's last stage needs to choose a window's tokens beside it
+    (messages.TokenChoice), or None: the window has no sampling, its logits come back."""
+    if window.sampling is None:
+        return None
+    return TokenChoice(
+        np.asarray(window.drafts, np.int32), window.first + window.logit_rows[0] + 1, window.sampling,
+        None if window.parents is None else np.asarray(window.parents, np.int32),
+        -1 if window.logprobs is None else window.logprobs, window.grammar,
+        None if window.generated is None else np.asarray(window.generated, np.int32))
 
 
 def committed_tokens(reply: PassResult | PassReplies, window: Window, rows: slice) -> list[int]:

@@ -117,38 +117,21 @@ def build_app(backend: Backend) -> FastAPI:
         if parsed.model != backend.model_name:
             raise ApiError(404, f"model {parsed.model!r} is not served here; this server serves "
                            f"{backend.model_name!r}", param="model", code="model_not_found")
-        tokens = prompt_tokens(backend, parsed)
-        room = backend.context - len(tokens) - backend.draft_room
-        max_tokens = parsed.max_tokens if parsed.max_tokens is not None else room
-        if room < 1 or max_tokens > room:
-            raise ApiError(400, f"the prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) exceed the context "
-                           f"of {backend.context - backend.draft_room} tokens", param="max_tokens",
-                           code="context_length_exceeded")
+        service_request = request_for(backend, parsed)
         loop = asyncio.get_running_loop()
         progress: asyncio.Queue[Progress] = asyncio.Queue()
-        try:
-            number = backend.service.submit(
-                ServiceRequest(tokens, max_tokens, parsed.sampling, choices=parsed.choices),
-                lambda event: loop.call_soon_threadsafe(progress.put_nowait, event),
-            )
-        except QueueFull as error:
-            raise ApiError(429, f"the server is busy: {error}", kind="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
-        except ShuttingDown as error:
-            raise ApiError(503, str(error), kind="server_error", code="unavailable") from None
-        except RequestTooLong as error:
-            raise ApiError(400, str(error), param="max_tokens", code="context_length_exceeded") from None
-        except ServiceError as error:
-            raise ApiError(400, str(error)) from None
-        reply = Reply(("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), backend.model_name, chat, len(tokens),
-                      parsed.choices)
+        number = submit(backend.service, service_request,
+                        lambda event: loop.call_soon_threadsafe(progress.put_nowait, event))
+        reply = Reply(("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), backend.model_name, chat,
+                      len(service_request.prompt_tokens), parsed.choices,
+                      piece=backend.tokenizer.piece if parsed.logprobs is not None else None)
         assemblers = [TextAssembler(backend.tokenizer.piece, parsed.stop) for _ in range(parsed.choices)]
         texts = follow(backend.service, number, progress, assemblers, reply)
         if parsed.stream:
             return StreamingResponse(stream(texts, reply, parsed.include_usage, backend.service, number),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
-            async for index, text in texts:
+            async for index, text, _ in texts:
                 reply.texts[index] += text
         except GenerationFailed as error:
             raise ApiError(503, f"the request failed: {error}", kind="server_error", code="generation_failed") from None
@@ -157,6 +140,48 @@ def build_app(backend: Backend) -> FastAPI:
         return reply.response()
 
     return app
+
+
+def request_for(backend: Backend, parsed) -> ServiceRequest:
+    """What the service is asked for a checked request: its prompt's tokens,
+    its token limit within the context, its grammar (a 400 naming the part of
+    a response_format that cannot be one)."""
+    from speculators.grammar import MAX_GRAMMAR_TOKENS, GrammarError
+    from stages.grammar import grammar_of
+
+    tokens = prompt_tokens(backend, parsed)
+    room = backend.context - len(tokens) - backend.draft_room
+    try:
+        grammar = None if parsed.response_format is None else grammar_of(parsed.response_format)
+    except GrammarError as error:
+        raise ApiError(400, str(error), param="response_format", code="invalid_response_format") from None
+    if grammar is not None:  # every pass carries the tokens generated under it (messages.TokenChoice)
+        if (parsed.max_tokens or 0) > MAX_GRAMMAR_TOKENS:
+            raise ApiError(400, f"max_tokens: at most {MAX_GRAMMAR_TOKENS} with a response_format",
+                           param="max_tokens")
+        room = min(room, MAX_GRAMMAR_TOKENS)
+    max_tokens = parsed.max_tokens if parsed.max_tokens is not None else room
+    if room < 1 or max_tokens > room:
+        raise ApiError(400, f"the prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) exceed the context "
+                       f"of {backend.context - backend.draft_room} tokens", param="max_tokens",
+                       code="context_length_exceeded")
+    return ServiceRequest(tokens, max_tokens, parsed.sampling, choices=parsed.choices, logprobs=parsed.logprobs,
+                          grammar=grammar)
+
+
+def submit(service: Service, request: ServiceRequest, sink) -> int:
+    """The request's number in the service, or the API error its refusal is."""
+    try:
+        return service.submit(request, sink)
+    except QueueFull as error:
+        raise ApiError(429, f"the server is busy: {error}", kind="rate_limit_error", code="queue_full",
+                       headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+    except ShuttingDown as error:
+        raise ApiError(503, str(error), kind="server_error", code="unavailable") from None
+    except RequestTooLong as error:
+        raise ApiError(400, str(error), param="max_tokens", code="context_length_exceeded") from None
+    except ServiceError as error:
+        raise ApiError(400, str(error)) from None
 
 
 def prompt_tokens(backend: Backend, parsed) -> list[int]:
@@ -173,8 +198,9 @@ def prompt_tokens(backend: Backend, parsed) -> list[int]:
 
 async def follow(service: Service, number: int, progress: asyncio.Queue, assemblers: list[TextAssembler],
                  reply: Reply):
-    """Each choice's text as it is committed, as (choice, text), until every
-    choice has ended; sets reply's finish reasons and token count."""
+    """Each choice's text as it is committed, as (choice, text, its tokens'
+    logprobs entries or None), until every choice has ended; sets reply's
+    finish reasons and token count, and keeps the logprobs entries."""
     going = set(range(len(assemblers)))
     while going:
         event: Progress = await progress.get()
@@ -184,9 +210,10 @@ async def follow(service: Service, number: int, progress: asyncio.Queue, assembl
         assembler = assemblers[index]
         if event.tokens:
             reply.completion_tokens += len(event.tokens)
+            entries = None if event.logprobs is None else reply.scored(index, event.tokens, event.logprobs)
             text = assembler.push(event.tokens)
-            if text:
-                yield index, text
+            if text or entries:
+                yield index, text, entries
             if assembler.stopped:
                 service.cancel_choice(number, index)
                 reply.finish_reasons[index] = "stop"
@@ -197,7 +224,7 @@ async def follow(service: Service, number: int, progress: asyncio.Queue, assembl
                 raise GenerationFailed(event.error)
             tail = assembler.finish()
             if tail:
-                yield index, tail
+                yield index, tail, None
             reply.finish_reasons[index] = FINISH_REASONS[event.finished]
             going.discard(index)
 
@@ -208,8 +235,9 @@ async def stream(texts, reply: Reply, include_usage: bool, service: Service, num
         if reply.chat:
             for index in range(reply.choices):
                 yield sse(reply.chunk("", index=index, first=True))
-        async for index, text in texts:
-            yield sse(reply.chunk(text, index=index))
+        async for index, text, entries in texts:
+            yield sse(reply.chunk(text, index=index, entries=entries, offset=len(reply.texts[index])))
+            reply.texts[index] += text
         for index, finish_reason in enumerate(reply.finish_reasons):
             yield sse(reply.chunk("", index=index, finish_reason=finish_reason))
         if include_usage:

@@ -13,6 +13,7 @@ functions build the replies.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import secrets
@@ -21,17 +22,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from speculators.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
 from speculators.sampling import SamplingSettings
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 MAX_CHOICES = 8  # n: choices of one request, each a KV sequence of its own
+MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' logprobs, as OpenAI
 MAX_STOP_STRINGS = 4  # as OpenAI
 ROLES = ("system", "user", "assistant", "developer")
 
 # Fields that change what is generated and are not supported: refused with a 400.
 UNSUPPORTED = {
-    "logprobs": "logprobs are not supported",
-    "top_logprobs": "logprobs are not supported",
     "tools": "tool calls are not supported",
     "tool_choice": "tool calls are not supported",
     "functions": "function calls are not supported",
@@ -47,7 +48,7 @@ UNSUPPORTED = {
 }
 # Fields read elsewhere or harmless (they do not change the tokens): accepted.
 KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
-         "stop", "n", "stream", "stream_options", "user", "response_format", "best_of", "store", "metadata",
+         "stop", "n", "stream", "logprobs", "top_logprobs", "stream_options", "user", "response_format", "best_of", "store", "metadata",
          "parallel_tool_calls", "service_tier", "reasoning_effort"}
 
 
@@ -85,6 +86,8 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     choices: int = 1
+    logprobs: int | None = None  # None: none; else each token's logprob and this many alternatives
+    response_format: dict | None = None  # None or text; else JSON (stages.grammar.grammar_of makes its grammar)
 
 
 def decode_body(raw: bytes) -> dict[str, Any]:
@@ -195,9 +198,7 @@ def parse_request(body: dict[str, Any], *, chat: bool, random_seed: Callable[[],
     unknown = sorted(set(body) - KNOWN - set(UNSUPPORTED))
     if unknown:
         raise bad(f"unknown field {unknown[0]!r}", unknown[0], "unknown_parameter")
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise bad("response_format: only {\"type\": \"text\"} is supported", "response_format", "unsupported_parameter")
+    response_format = _response_format(body)
     choices = _integer(body, "n", 1, MAX_CHOICES) or 1
     if _integer(body, "best_of", 1) not in (None, 1):
         raise bad("best_of: only 1 is supported", "best_of", "unsupported_parameter")
@@ -234,7 +235,35 @@ def parse_request(body: dict[str, Any], *, chat: bool, random_seed: Callable[[],
         seed=seed % 2**64 if seed is not None else random_seed(),
     )
     return CompletionRequest(chat, model, prompt, prompt_tokens, messages, max_tokens, sampling, _stop(body), stream,
-                             bool(options and options.get("include_usage")), choices)
+                             bool(options and options.get("include_usage")), choices, _logprobs(body, chat),
+                             response_format)
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives each token's logprobs carry, or None: chat's
+    ``logprobs`` (true or false) and ``top_logprobs`` (0..20), or the completions'
+    ``logprobs`` (0..5, the alternatives)."""
+    if not chat:
+        return _integer(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise bad("logprobs must be true or false", "logprobs")
+    top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top is not None and not wanted:
+        raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _response_format(body: dict) -> dict | None:
+    """The request's response_format, None for text; its schema is checked where its grammar is made."""
+    response_format = body.get("response_format")
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict) or response_format.get("type") not in ("text", "json_object",
+                                                                                     "json_schema"):
+        raise bad("response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                  "{\"type\": \"json_schema\", \"json_schema\": {...}}", "response_format")
+    return None if response_format["type"] == "text" else response_format
 
 
 class TextAssembler:
@@ -293,7 +322,9 @@ class TextAssembler:
 @dataclass
 class Reply:
     """What one request produced, for the reply: each choice's text and why it
-    ended, and the tokens generated over every choice."""
+    ended, and the tokens generated over every choice; with logprobs
+    (``piece``: a token's bytes, the tokenizer's), each choice's entries,
+    in OpenAI's form for chat or for completions."""
 
     identifier: str
     model: str
@@ -304,10 +335,41 @@ class Reply:
     completion_tokens: int = 0
     texts: list[str] = field(default_factory=list)
     finish_reasons: list[str | None] = field(default_factory=list)
+    piece: Callable[[int], bytes] | None = None
+    scores: list[list[dict]] | None = None  # each choice's logprobs entries (chat's form), when asked
 
     def __post_init__(self):
         self.texts = self.texts or [""] * self.choices
         self.finish_reasons = self.finish_reasons or [None] * self.choices
+        self.scores = [[] for _ in range(self.choices)] if self.piece is not None else None
+
+    def scored(self, index: int, tokens: tuple[int, ...], logprobs: TokenLogprobs) -> list[dict]:
+        """Keep the entries of a choice's new tokens (chat's form); returns them."""
+        entries = [self._entry(int(token), float(logprob), [(int(other), float(value)) for other, value in
+                                                             zip(top_tokens, top_logprobs)])
+                   for token, logprob, top_tokens, top_logprobs in
+                   zip(tokens, logprobs.logprobs, logprobs.top_tokens, logprobs.top_logprobs)]
+        self.scores[index].extend(entries)  # type: ignore[index]
+        return entries
+
+    def _entry(self, token: int, logprob: float, top: list[tuple[int, float]]) -> dict:
+        def described(token: int, logprob: float) -> dict:
+            piece = self.piece(token)  # type: ignore[misc]
+            return {"token": piece.decode(errors="replace"), "logprob": logprob, "bytes": list(piece)}
+        return {**described(token, logprob), "top_logprobs": [described(other, value) for other, value in top]}
+
+    def logprobs_of(self, entries: list[dict] | None, offset: int = 0) -> dict | None:
+        """A choice's ``logprobs`` field: chat's {"content": [...]}, or the
+        completions' lists (text_offset counted from ``offset`` characters)."""
+        if entries is None:
+            return None
+        if self.chat:
+            return {"content": entries}
+        offsets = list(itertools.accumulate((len(entry["token"]) for entry in entries[:-1]), initial=offset))
+        return {"tokens": [entry["token"] for entry in entries],
+                "token_logprobs": [entry["logprob"] for entry in entries],
+                "top_logprobs": [{top["token"]: top["logprob"] for top in entry["top_logprobs"]} for entry in entries],
+                "text_offset": offsets[:len(entries)]}
 
     @property
     def usage(self) -> dict:
@@ -323,7 +385,8 @@ class Reply:
         """The non-streaming reply."""
         choices = []
         for index, (text, finish_reason) in enumerate(zip(self.texts, self.finish_reasons)):
-            choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "logprobs": None}
+            choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason,
+                                      "logprobs": self.logprobs_of(self.scores[index] if self.scores else None)}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
@@ -331,9 +394,12 @@ class Reply:
             choices.append(choice)
         return {**self._envelope(False), "choices": choices, "usage": self.usage}
 
-    def chunk(self, text: str, *, index: int = 0, first: bool = False, finish_reason: str | None = None) -> dict:
-        """One streamed chunk of choice ``index``: new text (and, for chat, the role first), or its end."""
-        choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "logprobs": None}
+    def chunk(self, text: str, *, index: int = 0, first: bool = False, finish_reason: str | None = None,
+              entries: list[dict] | None = None, offset: int = 0) -> dict:
+        """One streamed chunk of choice ``index``: new text (and, for chat, the
+        role first) with its tokens' logprobs entries, or its end."""
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason,
+                                  "logprobs": self.logprobs_of(entries, offset)}
         if self.chat:
             delta: dict[str, str] = {"role": "assistant"} if first else {}
             if text or first:

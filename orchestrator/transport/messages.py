@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from speculators.grammar import MAX_GRAMMAR_BYTES, MAX_GRAMMAR_TOKENS
 from speculators.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
 from speculators.sampling import SamplingSettings
 from speculators.tree import TreeError, check_preorder
@@ -128,6 +129,11 @@ class TokenChoice:
     top_logprobs: -1, none; else the result also carries each chosen
     token's log-probability and this many likeliest alternatives
     (speculators.logprobs, at most MAX_TOP_LOGPROBS).
+    grammar: None, or the tokens are chosen under this GBNF grammar
+    (speculators.grammar, structured output), from its state after
+    ``generated``: int32[g], the tokens generated before row 0's choice (row
+    0's own input the last of them). Sent whole with every pass, so the last
+    stage needs nothing remembered to choose right (a restarted one too).
 
     On the wire: a small map in the batch's header.
     """
@@ -137,11 +143,13 @@ class TokenChoice:
     sampling: SamplingSettings
     parents: np.ndarray | None = None
     top_logprobs: int = -1
+    grammar: str | None = None
+    generated: np.ndarray | None = None
 
     def to_wire(self) -> WireHeader:
         return {"drafts": _int32_bytes(self.drafts), "first": self.first_position, "parents": _int32_bytes(self.parents),
                 "temperature": self.sampling.temperature, "top_p": self.sampling.top_p, "seed": self.sampling.seed,
-                "logprobs": self.top_logprobs}
+                "logprobs": self.top_logprobs, "grammar": self.grammar, "generated": _int32_bytes(self.generated)}
 
     @classmethod
     def from_wire(cls, header: WireHeader) -> TokenChoice:
@@ -157,11 +165,27 @@ class TokenChoice:
         top_logprobs = _integer(header, "logprobs", low=-1)
         if top_logprobs > MAX_TOP_LOGPROBS:
             raise ProtocolError(f"logprobs: {top_logprobs} alternatives (at most {MAX_TOP_LOGPROBS})")
+        grammar, generated = _grammar(header)
         return cls(drafts=drafts,  # type: ignore[arg-type]
                    first_position=_integer(header, "first"),
                    sampling=SamplingSettings(temperature=temperature, top_p=top_p, seed=seed),
                    parents=_tree(header, "parents", len(drafts) + 1),  # type: ignore[arg-type]
-                   top_logprobs=top_logprobs)
+                   top_logprobs=top_logprobs, grammar=grammar, generated=generated)
+
+
+def _grammar(header: WireHeader) -> tuple[str | None, np.ndarray | None]:
+    """A choice's grammar and the tokens generated under it, checked (both or neither)."""
+    if header.get("grammar") is None:
+        if header.get("generated") is not None:
+            raise ProtocolError("generated: tokens without a grammar")
+        return None, None
+    grammar = _text(header, "grammar")
+    if len(grammar.encode()) > MAX_GRAMMAR_BYTES:
+        raise ProtocolError(f"grammar: over {MAX_GRAMMAR_BYTES} bytes")
+    generated = _int32_array(header, "generated")
+    if len(generated) > MAX_GRAMMAR_TOKENS or (len(generated) and generated.min() < 0):  # type: ignore[arg-type]
+        raise ProtocolError(f"generated: {len(generated)} tokens (at most {MAX_GRAMMAR_TOKENS}, none negative)")
+    return grammar, generated
 
 
 @dataclass(frozen=True)

@@ -42,8 +42,8 @@ from orchestrator.transport.handshake import (
     upstream_role,
 )
 from orchestrator.transport.messages import Boundary, Cancel, Cancelled, PassResult, Shutdown, StageBatch, StageFailure
-from speculators.logprobs import TokenLogprobs, choosing_rows, token_logprobs
-from speculators.tree import verify_rows
+from orchestrator.workers.choosing import TokenChooser
+from speculators.logprobs import TokenLogprobs
 from stages.backend import StageCompute
 from stages.cost_curve import CostCurveError, StageCurve
 from stages.engine import PassAborted, StageEngine, StageError
@@ -102,6 +102,7 @@ class StageServer:
         # the Ray shell records metrics
         self.on_pass: Callable[[float, int, int, int], None] | None = None
         self.wire_dtype = WIRE_DTYPES[wire_dtype]
+        self.chooser: TokenChooser | None = None  # the last stage's, made at its first choice
         self.listener = wire.listen(host)
         self.busy_seconds = 0.0
         self.passes = 0
@@ -431,16 +432,13 @@ class StageServer:
         return [output[start:end] for start, end in zip(rows, rows[1:])]
 
     def _chosen(self, batch: StageBatch, output: np.ndarray) -> tuple[np.ndarray, TokenLogprobs | None] | None:
-        """The tokens the last stage chooses for a batch with a choice
-        (speculators.tree.verify_rows), and their logprobs if asked; else None."""
+        """The tokens the last stage chooses for a batch with a choice, and
+        their logprobs if asked (orchestrator.workers.choosing); else None."""
         if not self.engine.is_last or batch.choice is None:
             return None
-        choice = batch.choice
-        drafts = choice.drafts.tolist()
-        tokens = verify_rows(drafts, choice.parents, output, choice.first_position, choice.sampling)
-        logprobs = None if choice.top_logprobs < 0 else token_logprobs(
-            output[choosing_rows(drafts, choice.parents, tokens)], tokens, choice.top_logprobs)
-        return np.array(tokens, np.int32), logprobs
+        if self.chooser is None:
+            self.chooser = TokenChooser(self.engine.vocabulary_pointer)
+        return self.chooser.choose(batch.sequence, batch.choice, output)
 
     def _passed_on(self, batch: StageBatch, output: np.ndarray, chosen: tuple[np.ndarray, TokenLogprobs | None] | None,
                    stage_seconds: tuple[float, ...]) -> StageBatch | PassResult:

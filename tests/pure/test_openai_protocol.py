@@ -19,7 +19,10 @@ def chat(**fields):
     return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
 
 
-def refused(body, *, chat_route=False) -> ApiError:
+def refused(body, *, chat_route=None) -> ApiError:
+    """The error parsing body gives, on the chat route if it has messages and no prompt (or as told)."""
+    if chat_route is None:
+        chat_route = "messages" in body and "prompt" not in body
     with pytest.raises(ApiError) as caught:
         parse_request(body, chat=chat_route)
     return caught.value
@@ -38,9 +41,12 @@ def test_a_malformed_body_gets_one_line(raw, message):
 
 @pytest.mark.parametrize("body, field, message", [
     (completion(n=9), "n", "n must be between 1 and 8, not 9"),
-    (completion(logprobs=2), "logprobs", "logprobs: logprobs are not supported"),
+    (completion(logprobs=6), "logprobs", "logprobs must be between 0 and 5, not 6"),
+    (chat(logprobs=2), "logprobs", "logprobs must be true or false"),
+    (chat(top_logprobs=3), "top_logprobs", "top_logprobs needs logprobs: true"),
+    (chat(logprobs=True, top_logprobs=21), "top_logprobs", "top_logprobs must be between 0 and 20, not 21"),
     (chat(tools=[{"type": "function"}]), "tools", "tools: tool calls are not supported"),
-    (chat(response_format={"type": "json_object"}), "response_format", "only {\"type\": \"text\"} is supported"),
+    (chat(response_format={"type": "xml"}), "response_format", "response_format must be {\"type\": \"text\"}"),
     (completion(best_of=3), "best_of", "best_of: only 1 is supported"),
     (completion(frequency_penalty=0.5), "frequency_penalty", "frequency_penalty is not supported"),
     (completion(temperatur=0), "temperatur", "unknown field 'temperatur'"),
@@ -154,3 +160,36 @@ def test_replies_have_openai_shapes():
     text = Reply("cmpl-1", "m", False, prompt_tokens=2)
     assert text.chunk("a")["object"] == "text_completion" and text.chunk("a")["choices"][0]["text"] == "a"
     assert sse("[DONE]") == "data: [DONE]\n\n" and json.loads(sse({"a": "é"})[6:]) == {"a": "é"}
+
+
+def test_logprobs_and_response_formats_are_read_as_asked():
+    assert parse_request(chat(logprobs=True, top_logprobs=3), chat=True).logprobs == 3
+    assert parse_request(chat(logprobs=True), chat=True).logprobs == 0
+    assert parse_request(chat(logprobs=False), chat=True).logprobs is None
+    assert parse_request(completion(logprobs=2), chat=False).logprobs == 2
+    assert parse_request(chat(response_format={"type": "text"}), chat=True).response_format is None
+    assert parse_request(chat(response_format={"type": "json_object"}), chat=True).response_format == {
+        "type": "json_object"}
+
+
+def test_logprobs_take_openais_chat_and_completion_forms():
+    import numpy as np
+
+    from speculators.logprobs import TokenLogprobs
+
+    pieces = {1: b"Hi", 2: b" there", 3: b"!"}
+    scores = TokenLogprobs(np.array([-0.5, -1.5], np.float32), np.array([[1, 3], [2, 1]], np.int32),
+                           np.array([[-0.5, -2.0], [-1.5, -3.0]], np.float32))
+    chat_reply = Reply("chatcmpl-1", "m", True, prompt_tokens=1, piece=pieces.__getitem__)
+    entries = chat_reply.scored(0, (1, 2), scores)
+    content = chat_reply.response()["choices"][0]["logprobs"]["content"]
+    assert content == entries and content[1] == {
+        "token": " there", "logprob": -1.5, "bytes": list(b" there"),
+        "top_logprobs": [{"token": " there", "logprob": -1.5, "bytes": list(b" there")},
+                         {"token": "Hi", "logprob": -3.0, "bytes": list(b"Hi")}]}
+    text_reply = Reply("cmpl-1", "m", False, prompt_tokens=1, piece=pieces.__getitem__)
+    text_reply.scored(0, (1, 2), scores)
+    assert text_reply.response()["choices"][0]["logprobs"] == {
+        "tokens": ["Hi", " there"], "token_logprobs": [-0.5, -1.5],
+        "top_logprobs": [{"Hi": -0.5, "!": -2.0}, {" there": -1.5, "Hi": -3.0}], "text_offset": [0, 2]}
+    assert Reply("cmpl-2", "m", False, prompt_tokens=1).response()["choices"][0]["logprobs"] is None

@@ -170,6 +170,56 @@ def test_a_stop_string_cuts_the_text_exactly(server, model_name, reference, toke
     assert server.settled()["stages"][0]["kv_cells"] == 0
 
 
+def test_the_official_client_gets_a_parsed_pydantic_reply_n_choices_and_logprobs(server, model_name):
+    """What agents and evaluation harnesses ask: structured output parsed into
+    a pydantic model, several choices, each token's logprobs."""
+    from pydantic import BaseModel
+
+    class Ship(BaseModel):
+        name: str
+        crew: int
+
+    async def main():
+        client = server.client()
+        parsed = await client.chat.completions.parse(
+            model=model_name, messages=[{"role": "user", "content": "Describe a ship as JSON."}],
+            response_format=Ship, max_tokens=60, temperature=0)
+        several = await client.chat.completions.create(
+            model=model_name, messages=[{"role": "user", "content": "Tell me about lamps."}], max_tokens=8,
+            n=3, temperature=1.0, seed=2, logprobs=True, top_logprobs=2)
+        return parsed, several
+
+    parsed, several = asyncio.run(main())
+    ship = parsed.choices[0].message.parsed
+    assert isinstance(ship, Ship) and parsed.choices[0].finish_reason == "stop"
+    assert [choice.index for choice in several.choices] == [0, 1, 2]
+    assert len({choice.message.content for choice in several.choices}) == 3  # each choice draws with its own seed
+    assert several.usage.completion_tokens == 24
+    for choice in several.choices:
+        entries = choice.logprobs.content
+        assert "".join(entry.token for entry in entries) == choice.message.content and len(entries) == 8
+        assert all(len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob >= entry.logprob for entry in entries)
+    assert server.settled()["stages"][0]["kv_cells"] == 0
+
+
+def test_a_chats_second_turn_reuses_the_first_from_the_prefix_cache(server, model_name, reference, tokenizer):
+    turn = [{"role": "system", "content": "You keep the harbour's log. " * 20},
+            {"role": "user", "content": "Which ships came in today?"}]
+
+    async def ask_turn(messages):
+        reply = await server.client().chat.completions.create(model=model_name, messages=messages, max_tokens=12,
+                                                               temperature=0)
+        return reply.choices[0].message.content
+
+    first = asyncio.run(ask_turn(turn))
+    kept = server.settled()["stages"]
+    second_turn = [*turn, {"role": "assistant", "content": first}, {"role": "user", "content": "And yesterday?"}]
+    second = asyncio.run(ask_turn(second_turn))
+    expected, _ = whole_model_text(reference, tokenizer.chat_tokens(second_turn), 12)
+    assert second == expected
+    assert all(stage["prefix_cache_tokens"] > 100 for stage in kept)  # the first turn was kept in every stage
+
+
 def post(server, path: str, body, key: str | None = KEY) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -181,7 +231,10 @@ def post(server, path: str, body, key: str | None = KEY) -> httpx.Response:
     ("/v1/completions", {"model": "M", "prompt": "hi"}, "wrong", 401, "a valid API key is needed"),
     ("/v1/completions", b'{"model": "M", "prompt": ', KEY, 400, "not valid JSON"),
     ("/v1/completions", b'{"model": "M", "prompt": "\xff"}', KEY, 400, "not UTF-8"),
-    ("/v1/completions", {"model": "M", "prompt": "hi", "n": 2}, KEY, 400, "n = 1"),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "n": 9}, KEY, 400, "n must be between 1 and 8"),
+    ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "hi"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
+            "a": {"type": "foo"}}}}}}, KEY, 400, "response_format.json_schema.schema.properties.a"),
     ("/v1/completions", {"model": "M", "prompt": "hi", "max_tokens": -5}, KEY, 400, "at least 1, not -5"),
     ("/v1/completions", {"model": "M", "prompt": "hi", "max_tokens": 10**9}, KEY, 400,
      f"max_tokens (1000000000) exceed the context of {CONTEXT}"),
