@@ -17,7 +17,7 @@ class StageMetrics:
     """Recorded inside a stage actor after each pass."""
 
     def __init__(self, stage_index: int):
-        from ray.util.metrics import Counter, Gauge, Histogram
+        from ray.util.metrics import Gauge, Histogram
 
         self.tags = {"stage": str(stage_index)}
         self.pass_seconds = Histogram(
@@ -80,7 +80,7 @@ class ServiceMetrics:
     """Recorded by the service (orchestrator.decoding.service.ServiceObserver) in the Serve replica."""
 
     def __init__(self):
-        from ray.util.metrics import Gauge, Histogram
+        from ray.util.metrics import Counter, Gauge, Histogram
 
         self.decoding = Gauge("specpipe_requests_decoding", description="Requests holding a KV sequence.")
         self.queued = Gauge("specpipe_requests_queued", description="Requests waiting for a free KV sequence.")
