@@ -395,6 +395,7 @@ class Service:
             if min(shared, other.state.cached) > best.length:
                 best = PrefixHit(sequence, min(shared, other.state.cached))
             if other.state.prefilling and shared > other.state.cached:
+                # worth waiting for: a sibling's any token more; another request's a block more than had now
                 coming = max(coming, shared if sibling else shared - PREFIX_BLOCK + 1)
         if coming > best.length:
             return WAIT
