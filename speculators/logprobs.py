@@ -25,7 +25,8 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 class TokenLogprobs:
     """For k chosen tokens: logprobs float32[k], each token's own; top_tokens
     int32[k, m] and top_logprobs float32[k, m], the m likeliest tokens at each
-    (likeliest first; ties by token id)."""
+    (likeliest first; among equal ones by token id, though which of several
+    equal ones at the m-th place are in is the partition's choice)."""
 
     logprobs: np.ndarray
     top_tokens: np.ndarray

@@ -27,7 +27,7 @@ stage). docs/architecture.md ("Data flow") describes the technique.
   stream into another (its sequence copy between streams), and the copy's
   positions from ``keep`` on are dropped. The cells keep their places and
   values, so the copied prefix computes on bit for bit as if the sequence
-  had prefilled it itself (tests/model/test_prefix_cache.py).
+  had prefilled it itself (tests/model/test_prefix_copies.py).
 * Token trees (``speculators.tree``): a stage of one sequence may take a
   batch whose rows form a tree (``parents``). Then the cache is one unified
   stream with ``tree_sequences`` more sequence ids, one per side leaf: each

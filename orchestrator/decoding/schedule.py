@@ -384,8 +384,10 @@ class SequenceState:
     def _prompt_window(self) -> Window:
         """The prompt's next chunk."""
         end = min(self.prompt_from + self.prompt_chunk, self.prompt_length) if self.prompt_chunk else None
+        last = end is None or end >= self.prompt_length  # only the last chunk gives a token: the others choose none
         window = Window(self.sequence, self.prompt_from, tuple(self.committed[self.prompt_from:end]), prompt=True,
-                        sampling=self.sampling, logprobs=self.logprobs, **self._constrained(self.prompt_length))
+                        sampling=self.sampling, logprobs=self.logprobs if last else None,
+                        **(self._constrained(self.prompt_length) if last else {}))
         self.prompt_from = end if end is not None and end < self.prompt_length else None
         return window
 

@@ -258,7 +258,7 @@ class Service:
                 raise ShuttingDown(self.failure or "the server is shutting down")
             if len(self._queue) + request.choices > self.settings.queue_limit + len(self._free):
                 raise QueueFull(f"all {self.settings.max_sequences} sequences are busy and "
-                                f"{len(self._queue) - len(self._free)} requests are waiting")
+                                f"{max(0, len(self._queue) - len(self._free))} requests are waiting")
             number = next(self._numbers)
             self._tickets[number] = [
                 _Ticket(number, replace(request, sampling=choice_sampling(request.sampling, choice)), sink,
@@ -274,8 +274,9 @@ class Service:
             raise ServiceError("the prompt is empty")
         if request.max_tokens < 1:
             raise ServiceError("max_tokens must be at least 1")
-        if request.choices < 1:
-            raise ServiceError("choices must be at least 1")
+        if not 1 <= request.choices <= self.settings.max_sequences + self.settings.queue_limit:
+            raise ServiceError(f"{request.choices} choices: this server decodes at most "
+                               f"{self.settings.max_sequences + self.settings.queue_limit} at once or queued")
         if needed > self.settings.context:
             raise RequestTooLong(
                 f"the prompt ({len(request.prompt_tokens)} tokens) + max_tokens ({request.max_tokens})"
@@ -336,10 +337,13 @@ class Service:
         return True
 
     def _take_orders(self) -> None:
-        """Cancellations, the shutdown deadline, and admissions, under the lock."""
+        """Cancellations, the shutdown deadline, and admissions, under the lock;
+        then the admitted sequences' prefix copies, outside it (a copy is I/O on
+        the chain, and may wait out a lost stage's restart), before their first passes."""
         with self._wake:
             cancelled, self._cancelled = self._cancelled, set()
-            for ticket in [ticket for order in cancelled for ticket in self._ordered(order)]:
+            named = {id(ticket): ticket for order in cancelled for ticket in self._ordered(order)}
+            for ticket in named.values():
                 if ticket.state is None:
                     self._queue.remove(ticket)
                     self._end(ticket, "cancelled")
@@ -352,29 +356,36 @@ class Service:
                     for ticket in self._active.values():
                         ticket.error = ticket.error or "the server shut down before the request finished"
                         ticket.state.cancel()  # type: ignore[union-attr]
-            self._admit_queued()
+            copies = self._admit_queued()
             load = (len(self._active), len(self._queue))
             if load != self._reported_load:  # not every pass: the gauges change only with the load
                 self.observer.load(*load)
                 self._reported_load = load
+        for source, destination, length in copies:
+            self.target.copy(source, destination, length)
 
     def _ordered(self, order) -> list[_Ticket]:
         """The tickets a cancel names: a request number (every choice), or (number, choice)."""
         number, choice = order if isinstance(order, tuple) else (order, None)
         return [ticket for ticket in self._tickets.get(number, []) if choice in (None, ticket.choice)]
 
-    def _admit_queued(self) -> None:
+    def _admit_queued(self) -> list[tuple[int, int, int]]:
         """Queued choices take free sequences in order; one whose prompt's
-        prefix another is prefilling now waits for it (and lets later ones by)."""
-        waiting = []
+        prefix another is prefilling now waits for it (and lets later ones by).
+        Returns the prefix copies (source, destination, length) to make."""
+        waiting, copies = [], []
         while self._queue and self._free:
             ticket = self._queue.popleft()
             prefix = self._prefix_of(ticket)
             if prefix is WAIT:
                 waiting.append(ticket)
-            else:
-                self._admit(ticket, heapq.heappop(self._free), prefix)
+                continue
+            sequence = heapq.heappop(self._free)
+            self._admit(ticket, sequence, prefix)
+            if prefix is not None:
+                copies.append((prefix.sequence, sequence, prefix.length))
         self._queue.extendleft(reversed(waiting))
+        return copies
 
     def _prefix_of(self, ticket: _Ticket) -> PrefixHit | None:
         """Where the ticket's prompt prefix can be copied from: the prefix
@@ -392,8 +403,9 @@ class Service:
             shared = common_prefix(other.request.prompt_tokens, prompt[:-1])
             if shared < (1 if sibling else PREFIX_BLOCK):
                 continue
-            if min(shared, other.state.cached) > best.length:
-                best = PrefixHit(sequence, min(shared, other.state.cached))
+            ready = min(shared, other.state.cached)
+            if ready > best.length and (sibling or ready >= PREFIX_BLOCK):
+                best = PrefixHit(sequence, ready)
             if other.state.prefilling and shared > other.state.cached:
                 # worth waiting for: a sibling's any token more; another request's a block more than had now
                 coming = max(coming, shared if sibling else shared - PREFIX_BLOCK + 1)
@@ -402,10 +414,10 @@ class Service:
         return best if best.length > 0 else None
 
     def _admit(self, ticket: _Ticket, sequence: int, prefix: PrefixHit | None) -> None:
+        """The ticket decodes in KV sequence ``sequence``, from its prompt's
+        prefix's end (the caller has the prefix copied before its first pass)."""
         request = ticket.request
         reused = 0 if prefix is None else prefix.length
-        if prefix is not None:
-            self.target.copy(prefix.sequence, sequence, reused)  # in order: before the sequence's first pass
         self.observer.prefix_query(len(request.prompt_tokens), reused)
         drafting = self.settings.drafting(sequence)
         ticket.state = sequence_state(sequence, request.prompt_tokens, request.max_tokens, request.sampling, drafting,

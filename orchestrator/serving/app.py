@@ -212,6 +212,9 @@ async def follow(service: Service, number: int, progress: asyncio.Queue, assembl
             reply.completion_tokens += len(event.tokens)
             entries = None if event.logprobs is None else reply.scored(index, event.tokens, event.logprobs)
             text = assembler.push(event.tokens)
+            if assembler.stopped and entries is not None:  # no entries for the tokens past the stop string
+                dropped = reply.cut_scores(index, len(reply.texts[index]) + len(text))
+                entries = entries[:max(0, len(entries) - dropped)]
             if text or entries:
                 yield index, text, entries
             if assembler.stopped:

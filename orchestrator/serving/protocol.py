@@ -352,6 +352,16 @@ class Reply:
         self.scores[index].extend(entries)  # type: ignore[index]
         return entries
 
+    def cut_scores(self, index: int, characters: int) -> int:
+        """A stop string cut choice ``index``'s text at ``characters``: drop the
+        entries of the tokens that begin at or after the cut; how many went."""
+        scores = self.scores[index]  # type: ignore[index]
+        starts = itertools.accumulate((len(entry["token"]) for entry in scores), initial=0)
+        kept = sum(1 for start, _ in zip(starts, scores) if start < characters)
+        dropped = len(scores) - kept
+        del scores[kept:]
+        return dropped
+
     def _entry(self, token: int, logprob: float, top: list[tuple[int, float]]) -> dict:
         def described(token: int, logprob: float) -> dict:
             piece = self.piece(token)  # type: ignore[misc]
@@ -360,7 +370,8 @@ class Reply:
 
     def logprobs_of(self, entries: list[dict] | None, offset: int = 0) -> dict | None:
         """A choice's ``logprobs`` field: chat's {"content": [...]}, or the
-        completions' lists (text_offset counted from ``offset`` characters)."""
+        completions' lists (text_offset counted from ``offset`` characters, by
+        the tokens' texts: a character split across tokens counts in each)."""
         if entries is None:
             return None
         if self.chat:

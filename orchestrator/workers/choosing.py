@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from orchestrator.transport.messages import TokenChoice
-from speculators.grammar import verify_constrained
+from speculators.grammar import GrammarError, verify_constrained
 from speculators.logprobs import TokenLogprobs, choosing_rows, token_logprobs
 from speculators.tree import verify_rows
 from stages.grammar import GrammarConstraint, Vocabulary
@@ -38,15 +38,27 @@ class TokenChooser:
         if choice.grammar is None:
             tokens = verify_rows(drafts, choice.parents, rows, choice.first_position, choice.sampling)
         else:
-            state = self._grammar(sequence, choice.grammar).state_after(choice.generated.tolist())
-            try:
-                tokens = verify_constrained(drafts, choice.parents, rows, choice.first_position, choice.sampling,
-                                            state)
-            finally:
-                state.free()
+            tokens = self._constrained(sequence, choice, rows)
         logprobs = None if choice.top_logprobs < 0 else token_logprobs(
             rows[choosing_rows(drafts, choice.parents, tokens)], tokens, choice.top_logprobs)
         return np.array(tokens, np.int32), logprobs
+
+    def _constrained(self, sequence: int, choice: TokenChoice, rows: np.ndarray) -> list[int]:
+        """The tokens the rows commit under the choice's grammar. A window
+        started ahead on a speculation the grammar forbids (prompt lookup
+        proposes anything) cannot be valid: the committed text obeys the
+        grammar, so it differs from that speculation before the window's
+        start, and the loop discards the window. It gets the unconstrained
+        choice, well formed and never used."""
+        drafts = choice.drafts.tolist()
+        try:
+            state = self._grammar(sequence, choice.grammar).state_after(choice.generated.tolist())
+        except GrammarError:
+            return verify_rows(drafts, choice.parents, rows, choice.first_position, choice.sampling)
+        try:
+            return verify_constrained(drafts, choice.parents, rows, choice.first_position, choice.sampling, state)
+        finally:
+            state.free()
 
     def _grammar(self, sequence: int, grammar: str) -> GrammarConstraint:
         held = self._grammars.get(sequence)

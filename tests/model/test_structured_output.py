@@ -62,3 +62,21 @@ def test_a_schema_constrained_reply_parses_and_speculation_changes_no_token(chai
             and isinstance(person["age"], int)
     unconstrained = decoded(chain, is_end, [ServiceRequest(prompt, LIMIT, SamplingSettings())])
     assert unconstrained[0] != plain[0]  # the grammar really constrained the greedy reply
+
+
+def test_a_window_started_ahead_on_a_speculation_the_grammar_forbids_gets_a_well_formed_answer(reference):
+    """The loop discards such a window (the committed text obeys the grammar, so it
+    differs from the speculation), but the last stage must answer it, not fail the pipeline."""
+    import llama_cpp
+    import numpy as np
+
+    from orchestrator.transport.messages import TokenChoice
+    from orchestrator.workers.choosing import TokenChooser
+
+    chooser = TokenChooser(llama_cpp.llama_model_get_vocab(reference.llama.model))
+    forbidden = reference.llama.tokenize(b"hello", add_bos=False)  # a JSON object cannot begin so
+    rows = np.zeros((2, reference.llama.n_vocab()), np.float32)
+    choice = TokenChoice(np.array([5], np.int32), 10, SamplingSettings(), None, 0,
+                         grammar_of({"type": "json_object"}), np.array(forbidden, np.int32))
+    tokens, logprobs = chooser.choose(0, choice, rows)
+    assert 1 <= len(tokens) <= 2 and len(logprobs.logprobs) == len(tokens)

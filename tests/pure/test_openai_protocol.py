@@ -193,3 +193,16 @@ def test_logprobs_take_openais_chat_and_completion_forms():
         "tokens": ["Hi", " there"], "token_logprobs": [-0.5, -1.5],
         "top_logprobs": [{"Hi": -0.5, "!": -2.0}, {" there": -1.5, "Hi": -3.0}], "text_offset": [0, 2]}
     assert Reply("cmpl-2", "m", False, prompt_tokens=1).response()["choices"][0]["logprobs"] is None
+
+
+def test_a_stop_string_drops_the_logprobs_of_the_tokens_past_it():
+    import numpy as np
+
+    from speculators.logprobs import TokenLogprobs
+
+    pieces = {1: b"ab", 2: b"cd", 3: b"ef"}
+    reply = Reply("cmpl-1", "m", False, prompt_tokens=1, piece=pieces.__getitem__)
+    reply.scored(0, (1, 2, 3), TokenLogprobs(np.zeros(3, np.float32), np.zeros((3, 0), np.int32),
+                                             np.zeros((3, 0), np.float32)))
+    assert reply.cut_scores(0, 3) == 1  # "abc|": the token "cd" began before the cut, "ef" after
+    assert reply.response()["choices"][0]["logprobs"]["tokens"] == ["ab", "cd"]

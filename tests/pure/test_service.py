@@ -14,7 +14,7 @@ import pytest
 from orchestrator.transport.messages import PassResult
 from orchestrator.decoding.schedule import TargetPass
 from orchestrator.decoding.service import (
-    Progress, QueueFull, RequestTooLong, Service, ServiceRequest, ServiceSettings, ShuttingDown,
+    Progress, QueueFull, RequestTooLong, Service, ServiceError, ServiceRequest, ServiceSettings, ShuttingDown,
 )
 from speculators.prompt_lookup import PromptLookupSpeculator
 from speculators.sampling import SamplingSettings
@@ -295,3 +295,28 @@ def test_a_new_request_takes_the_lowest_free_sequence():
     for _ in range(200):
         model.gate.release()
     service.close(drain_seconds=1)
+
+
+def test_more_choices_than_the_server_can_ever_hold_are_refused_not_queued():
+    service = Service(CountingModel(), lambda token: False, settings(max_sequences=2, queue_limit=1))
+    try:
+        with pytest.raises(ServiceError, match="4 choices: this server decodes at most 3 at once or queued"):
+            service.submit(ServiceRequest([1, 2], 3, SamplingSettings(), choices=4), Collector())
+    finally:
+        service.close(drain_seconds=1)
+
+
+def test_choices_of_one_request_wait_for_its_prompt_and_copy_it():
+    """The service decides copies without a real model: the second and third
+    choice wait for the first's prompt to be prefilled, then copy it all but
+    its last token; finished requests are copied into the prefix sequences."""
+    model = CountingModel()
+    service = Service(model, lambda token: False, settings(max_sequences=4, prefix_sequences=2, prefix_tokens=400))
+    try:
+        prompt = list(range(1, 40))
+        service.submit(ServiceRequest(prompt, 5, SamplingSettings(temperature=1.0, seed=1), choices=3), Collector())
+        wait_for(lambda: service.counts() == (0, 0))
+    finally:
+        service.close(drain_seconds=1)
+    into_served = [copy for copy in model.copies if copy[1] < 4]  # the rest keep finished requests (ids 4, 5)
+    assert [length for _, _, length in into_served] == [len(prompt) - 1] * 2
