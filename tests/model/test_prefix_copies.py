@@ -106,15 +106,12 @@ def test_a_chats_second_turn_copies_the_first_and_gets_the_whole_models_tokens(c
     assert all(engine.prefix_cells() > 0 for engine in chain.engines)  # the turns are kept
 
 
-@pytest.mark.parametrize("drafting", ["plain", "ngram-async-batched"])
-def test_requests_sharing_a_system_prompt_wait_for_its_prefill_and_get_their_tokens(chain, reference, is_end,
-                                                                                      drafting):
+def test_requests_sharing_a_system_prompt_wait_for_its_prefill_and_get_their_tokens(chain, reference, is_end):
     """Submitted at once: one prefills the system prompt, the others wait for it
-    and copy it; greedy ones get the whole model's tokens, the seeded one what
-    it samples with the cache off."""
-    settings = {} if drafting == "plain" else dict(
-        speculator=lambda sequence: PromptLookupSpeculator(), draft_max=4, schedule=Schedule.ASYNC, stage_count=2,
-        batch_step=0.0)
+    and copy it; every one gets the tokens it gets with the cache off, greedy
+    and seeded, with prompt lookup (async: windows ahead) and batched passes."""
+    settings = dict(speculator=lambda sequence: PromptLookupSpeculator(), draft_max=4, schedule=Schedule.ASYNC,
+                    stage_count=2, batch_step=0.0)
     requests = [ServiceRequest(reference.tokenize(SYSTEM + question), 12, SamplingSettings())
                 for question in QUESTIONS[:3]]
     requests.append(ServiceRequest(reference.tokenize(SYSTEM + QUESTIONS[3]), 12,
