@@ -72,6 +72,13 @@ def _likeliest(logprobs: np.ndarray, top: int) -> np.ndarray:
     return np.take_along_axis(found, np.lexsort((found, -values), axis=-1), axis=-1)
 
 
+def window_logprobs(rows: np.ndarray, drafts: Sequence[int], parents: Sequence[int] | None, tokens: Sequence[int],
+                    top: int) -> TokenLogprobs:
+    """The logprobs of the tokens a window committed, from its logit rows
+    float32[rows, n_vocab] (each token's from the row that chose it)."""
+    return token_logprobs(rows[choosing_rows(drafts, parents, tokens)], tokens, top)
+
+
 def choosing_rows(drafts: Sequence[int], parents: Sequence[int] | None, tokens: Sequence[int]) -> list[int]:
     """The window's rows that chose each committed token: row 0, then the rows
     of the drafts accepted on the way (a chain's 1, 2, ...; a tree's path)."""

@@ -16,7 +16,7 @@ import numpy as np
 
 from orchestrator.transport.messages import Cancelled, PassResult, TokenChoice
 from orchestrator.decoding.schedule import TargetPass, Window
-from speculators.logprobs import TokenLogprobs, choosing_rows, token_logprobs
+from speculators.logprobs import TokenLogprobs, window_logprobs
 from speculators.tree import DraftTree, depths, lookup_tree, verify_rows
 
 
@@ -103,8 +103,7 @@ def committed_logprobs(reply: PassResult | PassReplies, window: Window, rows: sl
         reply, rows = reply.of(window.sequence), slice(0, len(window.logit_rows))
     if reply.logprobs is not None:
         return reply.logprobs.first(len(tokens))
-    chosen_rows = reply.logits[rows][choosing_rows(window.drafts, window.parents, tokens)]
-    return token_logprobs(chosen_rows, tokens, window.logprobs or 0)
+    return window_logprobs(reply.logits[rows], window.drafts, window.parents, tokens, window.logprobs or 0)
 
 
 class Drafter(Protocol):

@@ -16,7 +16,7 @@ import numpy as np
 
 from orchestrator.transport.messages import TokenChoice
 from speculators.grammar import GrammarError, verify_constrained
-from speculators.logprobs import TokenLogprobs, choosing_rows, token_logprobs
+from speculators.logprobs import TokenLogprobs, window_logprobs
 from speculators.tree import verify_rows
 from stages.grammar import GrammarConstraint, Vocabulary
 
@@ -39,8 +39,8 @@ class TokenChooser:
             tokens = verify_rows(drafts, choice.parents, rows, choice.first_position, choice.sampling)
         else:
             tokens = self._constrained(sequence, choice, rows)
-        logprobs = None if choice.top_logprobs < 0 else token_logprobs(
-            rows[choosing_rows(drafts, choice.parents, tokens)], tokens, choice.top_logprobs)
+        logprobs = None if choice.top_logprobs < 0 else window_logprobs(rows, drafts, choice.parents, tokens,
+                                                                        choice.top_logprobs)
         return np.array(tokens, np.int32), logprobs
 
     def _constrained(self, sequence: int, choice: TokenChoice, rows: np.ndarray) -> list[int]:
