@@ -20,8 +20,6 @@ def test_plan_projects_405b_on_two_machines_within_memory():
     assert sum(plan["blocks_per_stage"]) == 126 and len(plan["blocks_per_stage"]) == 2
     assert all(need <= 0.9 * 192e9 for need in plan["memory_needed_bytes"])
     assert plan["predictions"]["sync"]["tokens_per_second"] > plan["predictions"]["plain"]["tokens_per_second"]
-    table = orchestrate("plan", SETUP_405B, "--acceptance", "0.5")
-    assert table.returncode == 0 and "recommended:" in table.stdout
 
 
 @pytest.mark.parametrize("text, message", [
