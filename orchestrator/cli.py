@@ -44,6 +44,17 @@ def one_line_errors(command):
     return wrapper
 
 
+class ModelSource(click.ParamType):
+    """--model: an hf: source as given (orchestrator.sources.hub reads it), else an existing file."""
+
+    name = "PATH|hf:ORG/REPO[/FILE.gguf|:QUANT][@REVISION]"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and value.startswith("hf:"):
+            return value
+        return click.Path(exists=True, dir_okay=False, path_type=Path).convert(value, param, ctx)
+
+
 def _progress_bar(label: str):
     """A progress callback (done, total) drawing a click progress bar on stderr."""
     state: dict = {}
@@ -163,6 +174,10 @@ def pipeline_options(what: str):
             if model_split and not files:
                 raise click.UsageError("--model-split needs the stage files, e.g. --model-split a.gguf b.gguf")
             whole = _whole_model_settings(files, address, whole_model, stage_count, boundaries, profiles)
+            if whole is not None:
+                from orchestrator.cluster.model_files import with_source
+
+                whole = with_source(whole)  # an hf: source's header is read here, before anything is placed
             pipeline = PipelineOptions([] if whole is not None else [str(path) for path in files], whole, address,
                                        parse_place(place) if place else None, threads, n_gpu_layers, wire_dtype,
                                        max_restarts, tls, _cost_curve(cost_curve))
@@ -173,9 +188,10 @@ def pipeline_options(what: str):
             click.option("--model-split", "model_split", is_flag=True,
                          help=f"FILES are the stage files in order (one unsplit file {what} the whole model as one "
                               "stage)."),
-            click.option("--model", "whole_model", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-                         help="The whole model on this machine: cut into stages and shipped to the nodes that run "
-                              "them (cached there; docs/cluster.md)."),
+            click.option("--model", "whole_model", type=ModelSource(),
+                         help="The whole model: a file on this machine, cut into stages and shipped to the nodes "
+                              "that run them, or hf:ORG/REPO/FILE.gguf, hf:ORG/REPO:QUANT (@REVISION), of which "
+                              "each node fetches only its stage (cached there; docs/cluster.md)."),
             click.option("--stages", "stage_count", type=click.IntRange(1),
                          help="With --model: how many stages (default: one per node of the cluster)."),
             click.option("--boundaries", help="With --model: blocks where stages 2..n start (default: chosen for the "

@@ -114,7 +114,8 @@ class RunOutcome:
             "shipped": [
                 {"stage": shipment.stage_index, "node": shipment.node_id, "host": shipment.node_address,
                  "path": shipment.path, "bytes": shipment.size, "resumed_from": shipment.resumed_from,
-                 "bytes_sent": shipment.bytes_sent, "seconds": shipment.seconds}
+                 "bytes_sent": shipment.bytes_sent, "seconds": shipment.seconds, "from": shipment.source,
+                 "why_from_driver": shipment.note, "sha256": shipment.sha256}
                 for shipment in self.shipments
             ],
             "restarts": [
@@ -197,7 +198,7 @@ def run_generation(
     if whole is None and settings.address is None:  # a local run: bad files fail before Ray starts
         check_stage_files(settings.stage_paths)
     # On a cluster each file is checked on the node that runs its stage (Pipeline).
-    vocabulary_path = whole.path if whole is not None else local_vocabulary_file(settings.stage_paths)
+    vocabulary_path = whole.vocabulary_path if whole is not None else local_vocabulary_file(settings.stage_paths)
     prepared = _prepare(settings, Tokenizer(vocabulary_path)) if vocabulary_path else None
     relays = settings.speculation.relays
     with ray_session(settings.address, dashboard=settings.dashboard) as where:

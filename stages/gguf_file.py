@@ -42,7 +42,8 @@ class ModelFileError(SpecpipeError):
 class TensorLocation:
     """One tensor's bytes inside a (possibly multi-file) model.
 
-    shape: element counts in ggml order (ne[0] first).
+    shape: element counts in ggml order (ne[0] first). path: the file on this
+    machine, or one elsewhere (read_model_files).
     """
 
     name: str
@@ -127,26 +128,29 @@ def shard_paths(path: Path) -> tuple[Path, ...]:
     return paths
 
 
-def _header_digest(path: Path, data_offset: int) -> bytes:
-    with open(path, "rb") as handle:
-        return hashlib.sha256(handle.read(data_offset)).digest()
-
-
 def read_model(path: str | os.PathLike[str]) -> ModelFile:
     """Parse a model's header (all shards); tensor data is not read."""
-    paths = shard_paths(Path(path))
+    return read_model_files(shard_paths(Path(path)))
+
+
+def read_model_files(locations: tuple) -> ModelFile:
+    """Parse the header of a model held in ``locations`` (its shards in order):
+    local Paths, or files elsewhere that open as a file would (an object with
+    ``size`` and ``open("rb")``, as orchestrator.sources.remote_file.RemoteFile).
+    Only the header of each is read; its digest makes the fingerprint, so a
+    model has one fingerprint wherever it is read from."""
     fields: dict[str, FieldValue] = {}
     tensors: list[TensorLocation] = []
     fingerprint = hashlib.sha256()
     alignment = DEFAULT_ALIGNMENT
-    for index, shard in enumerate(paths):
-        header = _scan_header(shard, decode_all=True)
+    for index, shard in enumerate(locations):
+        header, digest = _scan_header(shard, decode_all=True, digest=True)
         if index == 0:
             fields, alignment = header.fields, header.alignment
         tensors += header.tensors
-        fingerprint.update(_header_digest(shard, header.data_start))
-    _check_model_keys(paths[0], fields, len(tensors))
-    return ModelFile(paths, fields, tuple(tensors), alignment, fingerprint.hexdigest())
+        fingerprint.update(digest)
+    _check_model_keys(locations[0], fields, len(tensors))
+    return ModelFile(tuple(locations), fields, tuple(tensors), alignment, fingerprint.hexdigest())
 
 
 def _check_model_keys(path: Path, fields: dict[str, FieldValue], tensor_count: int) -> None:
@@ -221,11 +225,11 @@ class _HeaderScanner:
     bad bytes are replaced) and the tensors are listed: what read_model needs.
     Without it the scan is what read_scalars needs, and about twice as fast."""
 
-    def __init__(self, path: Path, handle, decode_all: bool):
+    def __init__(self, path, handle, decode_all: bool, size: int):
         self.path = path
         self.handle = handle
         self.decode_all = decode_all
-        self.size = os.fstat(handle.fileno()).st_size
+        self.size = size
         self.position = 0  # kept here: the handle's tell() is slow over 100 000 tokens
 
     def corrupt(self, problem: str) -> ModelFileError:
@@ -394,22 +398,27 @@ class _HeaderScanner:
         return _Header(model_fields, located, alignment, data_start, data_end)
 
 
-def _scan_header(path: Path, decode_all: bool = False) -> _Header:
-    """Check a GGUF file's header and that the file holds all its tensor data (ModelFileError if not)."""
-    if not path.exists():
-        raise ModelFileError(f"{path}: no such file")
-    if path.is_dir():
-        raise ModelFileError(f"{path}: is a directory, not a GGUF file")
-    if not path.is_file():
-        raise ModelFileError(f"{path}: is not a regular file")
-    with open(path, "rb") as handle:
-        scanner = _HeaderScanner(path, handle, decode_all)
+def _scan_header(path, decode_all: bool = False, digest: bool = False):
+    """Check a GGUF file's header and that the file holds all its tensor data
+    (ModelFileError if not). digest: also the SHA-256 of the header's bytes
+    (up to the tensor data), returned beside it."""
+    if isinstance(path, Path):
+        if not path.exists():
+            raise ModelFileError(f"{path}: no such file")
+        if path.is_dir():
+            raise ModelFileError(f"{path}: is a directory, not a GGUF file")
+        if not path.is_file():
+            raise ModelFileError(f"{path}: is not a regular file")
+    with path.open("rb") as handle:
+        size = os.fstat(handle.fileno()).st_size if isinstance(path, Path) else path.size
+        scanner = _HeaderScanner(path, handle, decode_all, size)
         header = scanner.header()
-    if header.data_end > scanner.size:
-        raise ModelFileError(
-            f"{path}: truncated GGUF file ({scanner.size} bytes, tensor data needs {header.data_end})"
-        )
-    return header
+        if header.data_end > size:
+            raise ModelFileError(f"{path}: truncated GGUF file ({size} bytes, tensor data needs {header.data_end})")
+        if not digest:
+            return header
+        handle.seek(0)
+        return header, hashlib.sha256(handle.read(header.data_start)).digest()
 
 
 def read_scalars(path: str | os.PathLike[str]) -> dict[str, object]:

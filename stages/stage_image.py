@@ -37,11 +37,40 @@ CHUNK_BYTES = 4 * 1024 * 1024
 
 @dataclass(frozen=True)
 class SourceRange:
-    """``length`` bytes of ``path`` from ``offset`` (a tensor's data)."""
+    """``length`` bytes of ``path`` from ``offset`` (a tensor's data). path: a
+    file on this machine, or one elsewhere with ``open_ranges()`` (a
+    ByteSource: orchestrator.sources.remote_file.RemoteFile)."""
 
     path: Path
     offset: int
     length: int
+
+
+class FileRanges:
+    """A ByteSource over a file on this machine: ``read(offset, length)``
+    yields its bytes [offset, offset + length) in chunks of at most
+    ``chunk_bytes``; ``close()`` when done."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.handle = open(path, "rb")
+
+    def read(self, offset: int, length: int, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+        self.handle.seek(offset)
+        while length:
+            chunk = self.handle.read(min(chunk_bytes, length))
+            if not chunk:
+                raise ModelFileError(f"{self.path}: ended early (a tensor's data runs past its end)")
+            length -= len(chunk)
+            yield chunk
+
+    def close(self) -> None:
+        self.handle.close()
+
+
+def open_ranges(location):
+    """A ByteSource over ``location``: a file here, or one elsewhere that opens its own."""
+    return FileRanges(location) if isinstance(location, Path) else location.open_ranges()
 
 
 @dataclass(frozen=True)
@@ -64,7 +93,8 @@ class StageImage:
 
     def chunks(self, start: int = 0, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
         """The file's bytes from offset ``start`` to its end, at most ``chunk_bytes`` at a time.
-        A source shorter than its tensor table says is a ModelFileError."""
+        A source shorter than its tensor table says is a ModelFileError.
+        Each tensor's bytes are asked of its source as one range."""
         if not 0 <= start <= self.size:
             raise ValueError(f"offset {start} is outside a file of {self.size} bytes")
         position = 0  # of the current part's first byte in the file
@@ -72,7 +102,7 @@ class StageImage:
             for low in range(start, len(self.header), chunk_bytes):
                 yield self.header[low:low + chunk_bytes]
         position = len(self.header)
-        sources: dict[Path, object] = {}
+        sources: dict[object, object] = {}
         try:
             for part in self.parts:
                 skip = max(0, start - position)
@@ -84,15 +114,8 @@ class StageImage:
                     continue
                 source = sources.get(part.path)
                 if source is None:
-                    source = sources[part.path] = open(part.path, "rb")
-                source.seek(part.offset + skip)  # type: ignore[attr-defined]
-                remaining = part.length - skip
-                while remaining:
-                    chunk = source.read(min(chunk_bytes, remaining))  # type: ignore[attr-defined]
-                    if not chunk:
-                        raise ModelFileError(f"{part.path}: ended early (a tensor's data runs past its end)")
-                    remaining -= len(chunk)
-                    yield chunk
+                    source = sources[part.path] = open_ranges(part.path)
+                yield from source.read(part.offset + skip, part.length - skip, chunk_bytes)  # type: ignore[attr-defined]
         finally:
             for source in sources.values():
                 source.close()  # type: ignore[attr-defined]

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from orchestrator.cluster.shipping import ModelToShip
 from stages.errors import SpecpipeError
 from stages.engine import StageError
-from stages.gguf_file import ModelFileError, StageFileInfo, stage_info_of
+from stages.gguf_file import ModelFile, ModelFileError, StageFileInfo, read_model, stage_info, stage_info_of
 from stages.settings import StageSettings
 from stages.stage_files import check_stage_files
 from stages.tokenizer import Tokenizer
@@ -25,8 +26,9 @@ class RunError(SpecpipeError):
 
 @dataclass(frozen=True)
 class WholeModelSettings:
-    """``--model PATH``: the whole model on this machine, cut into ``stages``
-    (None: one per node the cluster has) and shipped to the nodes.
+    """``--model PATH``: the whole model on this machine, or an ``hf:`` source
+    (orchestrator.sources.hub), cut into ``stages`` (None: one per node the
+    cluster has) and shipped to the nodes, or from a source fetched by them.
     boundaries: first blocks of stages 2..n (None: chosen for the nodes'
     memory, orchestrator.planning.cluster_split); profiles: node address ->
     its ``orchestrate profile``, for the nodes' speeds."""
@@ -36,6 +38,32 @@ class WholeModelSettings:
     boundaries: list[int] | None = None
     profiles: dict[str, dict] | None = None
     single_file: bool = False  # given as the one file of --model-split: on a single node it runs as it is
+    source: ModelFile | None = None  # an hf: source's header, read once (with_source); its tensors are RemoteFiles
+    vocabulary: str | None = None  # with source: its metadata in a file on this machine, for the tokenizer
+
+    def model(self) -> ModelFile:
+        return self.source if self.source is not None else read_model(self.path)
+
+    @property
+    def vocabulary_path(self) -> str:
+        """A file on this machine the coordinator's tokenizer can load."""
+        return self.vocabulary or self.path
+
+
+def with_source(settings: WholeModelSettings) -> WholeModelSettings:
+    """An ``hf:`` source resolved and its header read, on the driver, before
+    anything is placed (one-line errors: orchestrator.sources.hub); a local path as it is."""
+    from orchestrator.cluster.shipping import write_vocabulary_file
+    from orchestrator.sources.hub import read_model_source
+    from orchestrator.sources.hub_reference import is_hub_source
+    from stages.stage_image import vocabulary_image
+
+    if not is_hub_source(settings.path):
+        return settings
+    source = read_model_source(settings.path)
+    if isinstance(source.paths[0], Path):  # HF_HUB_OFFLINE: the copy in huggingface_hub's cache
+        return replace(settings, path=str(source.paths[0]))
+    return replace(settings, source=source, vocabulary=write_vocabulary_file(vocabulary_image(source).header))
 
 
 def check_draft_model(path: str, tokenizer: Tokenizer) -> None:
@@ -72,12 +100,11 @@ def whole_model_stages(settings: WholeModelSettings, stage: StageSettings, draft
     from orchestrator.cluster.connect import alive_nodes
     from orchestrator.planning.cluster_split import choose_cluster_split
     from orchestrator.planning.loaders import model_shape_of_gguf
-    from stages.gguf_file import read_model
     from stages.layer_rules import layer_rules
     from stages.settings import ALL_LAYERS
 
-    model = read_model(settings.path)
-    if stage_info_of(settings.path) is not None:
+    model = settings.model()
+    if stage_info(model) is not None:
         raise ModelFileError(f"{settings.path}: is a stage file; --model takes the whole model")
     stage_count = settings.stages or max(1, len(alive_nodes()))
     if settings.single_file and stage_count == 1:
@@ -90,7 +117,7 @@ def whole_model_stages(settings: WholeModelSettings, stage: StageSettings, draft
     def choose_starts(nodes) -> tuple[int, ...]:
         if settings.boundaries is not None:
             return (0, *settings.boundaries)
-        shape = model_shape_of_gguf(settings.path)
+        shape = model_shape_of_gguf(model)
         draft_bytes = os.path.getsize(draft_path) if draft_path else 0
         split = choose_cluster_split(shape, nodes, context=stage.n_ctx * stage.sequences, draft_bytes=draft_bytes,
                                      boundaries=layer_rules(model.metadata).allowed_boundaries(),
@@ -102,10 +129,10 @@ def whole_model_stages(settings: WholeModelSettings, stage: StageSettings, draft
 
     shown: dict[int, int] = {}  # stage -> the last tenth of its file shown
 
-    def progress(stage_index: int, done: int, total: int) -> None:
+    def progress(stage_index: int, done: int, total: int, verb: str) -> None:
         tenth = done * 10 // total
         if on_status is not None and tenth > shown.get(stage_index, -1):
             shown[stage_index] = tenth
-            on_status(f"shipping stage {stage_index}: {done / MIB:.0f} of {total / MIB:.0f} MiB")
+            on_status(f"{verb} stage {stage_index}: {done / MIB:.0f} of {total / MIB:.0f} MiB")
 
-    return ModelToShip(settings.path, stage_count, choose_starts, progress, offloaded)
+    return ModelToShip(model, stage_count, choose_starts, settings.vocabulary_path, progress, offloaded)

@@ -129,7 +129,7 @@ class Pipeline:
         one was shipped, else stage 0's file's metadata, read on its node
         (shipping.fetch_vocabulary)."""
         if self.whole_model is not None:
-            return self.whole_model.path
+            return self.whole_model.vocabulary_path
         return fetch_vocabulary(self.stage_paths[0], self.reservation.scheduling_strategy(0))
 
     def _wire(self) -> SocketChain:

@@ -37,6 +37,7 @@ Plain classes (``StageReceiver``, ``send_stage``) do the work; the Ray actor
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
@@ -46,7 +47,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -56,6 +57,7 @@ from orchestrator.config import ACTOR_START_SECONDS, CONNECT_SECONDS, cache_dir
 from orchestrator.transport.handshake import HandshakeError, accept_peer, connect_peer
 from orchestrator.planning.cluster_split import NodeMemory
 from stages.errors import SpecpipeError
+from stages.gguf_file import ModelFile
 from stages.stage_image import CHUNK_BYTES, StageImage
 
 if TYPE_CHECKING:
@@ -70,8 +72,8 @@ MAX_FRAME_BYTES = 1024
 _LENGTH = struct.Struct("!I")
 _FINGERPRINT = re.compile(r"[0-9a-f]{64}")
 
-# Called with (stage index, bytes done, bytes in all) as a transfer goes.
-ShipProgress = Callable[[int, int, int], None]
+# Called with (stage index, bytes done, bytes in all, "shipping" or "fetching") as a transfer goes.
+ShipProgress = Callable[[int, int, int, str], None]
 
 
 class ShippingError(SpecpipeError):
@@ -146,14 +148,16 @@ def _receive_frame(sock: socket.socket, key: str, kind: type) -> object:
     return frame[key]
 
 
-class StageReceiver:
-    """One stage file arriving in this node's cache (plain class; the Ray actor below wraps it)."""
+class CachedStageFile:
+    """A stage file's place in this node's cache: the file once whole, and
+    ``<file>.partial`` while it is being written (kept for a later run to
+    resume), under ``<file>.lock``. Plain class: StageReceiver and
+    orchestrator.cluster.fetching.StageFetcher write through it."""
 
     def __init__(self, root: Path, entry: CacheEntry, size: int):
         self.path = entry.path(root)
         self.partial = self.path.with_name(self.path.name + ".partial")
         self.size = size
-        self.received = 0  # bytes that came over the socket in the last transfer
 
     def complete(self) -> bool:
         """The file is here, whole (it was renamed into place only after its digest matched)."""
@@ -170,15 +174,50 @@ class StageReceiver:
             return 0
         return held if held <= self.size else 0
 
-    def receive(self, sock: socket.socket) -> Path:
-        """Take the file from an authenticated connection; its path once complete
-        (ShippingError naming what was wrong otherwise)."""
+    @contextlib.contextmanager
+    def locked(self):
+        """This file's lock, or ShippingError if another transfer holds it."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path.with_name(self.path.name + ".lock"), "w") as lock:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 raise ShippingError(f"another transfer of {self.path.name} to this node is under way") from None
+            yield
+
+    def append(self, offset: int, chunks) -> hashlib._Hash:
+        """Keep the partial file's first ``offset`` bytes, write ``chunks`` after
+        them, and return the SHA-256 of all of it (the part kept is read back)."""
+        digest = hashlib.sha256()
+        with open(self.partial, "r+b" if self.partial.exists() else "wb") as out:
+            out.truncate(offset)
+            while out.tell() < offset:
+                digest.update(out.read(min(CHUNK_BYTES, offset - out.tell())))
+            for chunk in chunks:
+                out.write(chunk)
+                digest.update(chunk)
+            if out.tell() != self.size:
+                raise ShippingError(f"{self.path.name}: {out.tell()} of {self.size} bytes written")
+            out.flush()
+            os.fsync(out.fileno())
+        return digest
+
+    def keep(self) -> None:
+        """The partial file is whole and checked: make it the stage file."""
+        os.replace(self.partial, self.path)
+
+
+class StageReceiver(CachedStageFile):
+    """One stage file arriving in this node's cache from the driver (plain class; the Ray actor below wraps it)."""
+
+    def __init__(self, root: Path, entry: CacheEntry, size: int):
+        super().__init__(root, entry, size)
+        self.received = 0  # bytes that came over the socket in the last transfer
+
+    def receive(self, sock: socket.socket) -> Path:
+        """Take the file from an authenticated connection; its path once complete
+        (ShippingError naming what was wrong otherwise)."""
+        with self.locked():
             if self.complete():  # another run finished it while this one waited
                 _send_frame(sock, {"held": self.size})
             else:
@@ -193,30 +232,24 @@ class StageReceiver:
         offset = _receive_frame(sock, "offset", int)
         if offset not in (0, held):
             raise ShippingError(f"the sender asked to start at byte {offset}; this node holds {held}")
-        digest = hashlib.sha256()
-        with open(self.partial, "r+b" if self.partial.exists() else "wb") as out:
-            out.truncate(offset)
-            while out.tell() < offset:  # the part held before: read back, hashed
-                digest.update(out.read(min(CHUNK_BYTES, offset - out.tell())))
-            remaining = self.size - offset
-            buffer = bytearray(min(CHUNK_BYTES, max(remaining, 1)))
-            while remaining:
-                view = memoryview(buffer)[:min(len(buffer), remaining)]
-                count = sock.recv_into(view)
-                if count == 0:
-                    raise ShippingError(f"the sender closed the connection with {remaining} bytes to go")
-                out.write(view[:count])
-                digest.update(view[:count])
-                remaining -= count
-                self.received += count
-            out.flush()
-            os.fsync(out.fileno())
+        digest = self.append(offset, self._from_socket(sock, self.size - offset))
         expected = _receive_frame(sock, "sha256", bytes)
         if expected != digest.digest():
             self.partial.unlink(missing_ok=True)
             _send_frame(sock, {"problem": f"{DIGEST_REFUSED}; deleted"})
             raise ShippingError(f"{self.path.name}: {DIGEST_REFUSED}")
-        os.replace(self.partial, self.path)
+        self.keep()
+
+    def _from_socket(self, sock: socket.socket, remaining: int):
+        buffer = bytearray(min(CHUNK_BYTES, max(remaining, 1)))
+        while remaining:
+            view = memoryview(buffer)[:min(len(buffer), remaining)]
+            count = sock.recv_into(view)
+            if count == 0:
+                raise ShippingError(f"the sender closed the connection with {remaining} bytes to go")
+            yield view[:count]
+            remaining -= count
+            self.received += count
 
 
 @dataclass(frozen=True)
@@ -261,7 +294,10 @@ def send_stage(sock: socket.socket, image: StageImage, progress: Callable[[int],
 class Shipment:
     """Stage ``stage_index``'s file on its node: its path there, the node, the
     bytes the node held before (a resumed transfer) and those sent now, in
-    ``seconds`` (0 bytes sent: it was there already)."""
+    ``seconds`` (0 bytes sent: it was there already). source: where the bytes
+    came from, "driver" or "source" (the node fetched them itself,
+    orchestrator.cluster.fetching); note: why the driver sent a stage whose
+    node was to fetch it; sha256: of the file a node assembled."""
 
     stage_index: int
     path: str
@@ -271,6 +307,9 @@ class Shipment:
     resumed_from: int
     bytes_sent: int
     seconds: float
+    source: str = "driver"
+    note: str = ""
+    sha256: str = ""
 
 
 def _receiver_actor_class():
@@ -390,47 +429,91 @@ def ship_stage(image: StageImage, entry: CacheEntry, node: NodeMemory, schedulin
 def _send_to(image: StageImage, host: str, port: int, stage_index: int, secret: bytes,
              certificate: ChainCertificate | None, progress: ShipProgress) -> Sent:
     with connect_peer(host, port, secret, transfer_role(stage_index), CONNECT_SECONDS, certificate) as sock:
-        return send_stage(sock, image, lambda done: progress(stage_index, done, image.size))
+        return send_stage(sock, image, lambda done: progress(stage_index, done, image.size, "shipping"))
 
 
 @dataclass(frozen=True)
 class ModelToShip:
-    """``--model``: the whole model on this machine, cut into ``stage_count``
-    stages, each shipped to its node. choose_starts(nodes): each stage's first
-    block, for the stages' nodes in order (orchestrator.planning.cluster_split,
-    or the user's boundaries). progress(stage, bytes done, bytes in all).
-    offloaded: --n-gpu-layers all, so the nodes' GPU memory is probed too."""
+    """``--model``: the whole model (its header read: a file on this machine,
+    or RemoteFiles of an hf: source), cut into ``stage_count`` stages, each
+    shipped to its node or, from a remote source, fetched by it.
+    choose_starts(nodes): each stage's first block, for the stages' nodes in
+    order (orchestrator.planning.cluster_split, or the user's boundaries).
+    progress(stage, bytes done, bytes in all, verb). offloaded: --n-gpu-layers
+    all, so the nodes' GPU memory is probed too. vocabulary_path: a file on
+    this machine with the model's vocabulary."""
 
-    path: str
+    model: ModelFile
     stage_count: int
     choose_starts: Callable[[list[NodeMemory]], tuple[int, ...]]
-    progress: ShipProgress = lambda stage_index, done, total: None
+    vocabulary_path: str
+    progress: ShipProgress = lambda stage_index, done, total, verb: None
     offloaded: bool = False  # the stages go whole onto GPUs where a node has them: probe their memory
+
+    @property
+    def remote(self) -> bool:
+        """The model is elsewhere: each node fetches its own stage from there."""
+        return not isinstance(self.model.paths[0], Path)
 
 
 def ship_whole_model(model: ModelToShip, reservation, indices, secret: bytes, certificate: ChainCertificate | None,
                      split=None):
-    """Ship stages ``indices`` of ``model`` to the nodes ``reservation`` puts
-    them on. split: the SplitPlan already chosen (a restart), else chosen now
-    for those nodes. Returns (the SplitPlan, a Shipment per index)."""
+    """Put stages ``indices`` of ``model`` on the nodes ``reservation`` puts
+    them on: fetched there from a remote source, else (or where a node
+    cannot reach it) sent from here. split: the SplitPlan already chosen (a
+    restart), else chosen now for those nodes. Returns (the SplitPlan, a
+    Shipment per index, in order)."""
     import ray
 
-    from stages.gguf_file import read_model
     from stages.split import plan_split, stage_file_image
 
     nodes = probe_nodes(reservation, model.stage_count, devices=model.offloaded and split is None)
     if split is None:
-        source = read_model(model.path)
-        starts = model.choose_starts(nodes)
-        split = plan_split(source, model.stage_count, list(starts[1:]))
+        split = plan_split(model.model, model.stage_count, list(model.choose_starts(nodes)[1:]))
     driver = ray.util.get_node_ip_address()
-    shipments = []
+    entries = {index: CacheEntry(split.model.fingerprint, tuple(split.starts), split.model.block_count, index)
+               for index in indices}
+    images = {index: stage_file_image(split, index) for index in indices}
+    shipments: dict[int, Shipment] = {}
+    unreachable: dict[int, str] = {}
+    if model.remote:
+        shipments, unreachable = _fetch_on_nodes(entries, images, nodes, reservation, model.progress)
     for index in indices:
-        entry = CacheEntry(split.model.fingerprint, tuple(split.starts), split.model.block_count, index)
-        shipments.append(ship_stage(stage_file_image(split, index), entry, nodes[index],
-                                    reservation.scheduling_strategy(index), secret, nodes[index].address == driver,
-                                    certificate, model.progress))
-    return split, shipments
+        if index not in shipments:
+            shipment = ship_stage(images[index], entries[index], nodes[index], reservation.scheduling_strategy(index),
+                                  secret, nodes[index].address == driver, certificate, model.progress)
+            shipments[index] = replace(shipment, note=unreachable.get(index, ""))
+    return split, [shipments[index] for index in indices]
+
+
+def _fetch_on_nodes(entries: dict, images: dict, nodes: list[NodeMemory], reservation, progress: ShipProgress):
+    """Each stage fetched by its node: (stage -> Shipment, stage -> why its node could not reach the source)."""
+    from orchestrator.cluster.fetching import FetchJob, fetch_stages
+
+    started = time.monotonic()
+    jobs = [FetchJob(entry, images[index], reservation.scheduling_strategy(index),
+                     f"stage {index} on node {nodes[index].address} ({nodes[index].node_id[:8]})")
+            for index, entry in entries.items()]
+    fetched, unreachable = fetch_stages(jobs, progress)
+    seconds = time.monotonic() - started
+    shipments = {index: Shipment(index, item.path, nodes[index].address, nodes[index].node_id, images[index].size,
+                                 item.resumed_from, item.bytes_fetched, seconds if item.bytes_fetched else 0.0,
+                                 source="source", sha256=item.sha256)
+                 for index, item in fetched.items()}
+    return shipments, unreachable
+
+
+def write_vocabulary_file(header: bytes) -> str:
+    """A model's metadata (stages.stage_image.vocabulary_image) as a file in
+    this machine's cache, named by its digest: what the coordinator's
+    tokenizer loads."""
+    from stages.stage_image import StageImage, write_atomically
+
+    path = cache_dir() / "vocabularies" / f"{hashlib.sha256(header).hexdigest()[:32]}.gguf"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(StageImage(header, ()), path)
+    return str(path)
 
 
 def fetch_vocabulary(stage_path: str, scheduling_strategy) -> str:
@@ -441,7 +524,6 @@ def fetch_vocabulary(stage_path: str, scheduling_strategy) -> str:
     import ray
 
     from orchestrator.cluster.connect import ray_get
-    from stages.stage_image import StageImage, write_atomically
 
     @ray.remote(num_cpus=0, max_retries=0)
     def vocabulary_on_node(path: str) -> bytes:
@@ -453,8 +535,4 @@ def fetch_vocabulary(stage_path: str, scheduling_strategy) -> str:
     header = ray_get(vocabulary_on_node.options(scheduling_strategy=scheduling_strategy).remote(stage_path),
                      ACTOR_START_SECONDS, ShippingError, "stage 0's node did not send the vocabulary",
                      f"could not read the vocabulary of {stage_path} on stage 0's node")
-    path = cache_dir() / "vocabularies" / f"{hashlib.sha256(header).hexdigest()[:32]}.gguf"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(StageImage(header, ()), path)
-    return str(path)
+    return write_vocabulary_file(header)

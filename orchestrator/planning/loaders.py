@@ -110,11 +110,12 @@ def measured_software(profile: dict) -> Software:
     )
 
 
-def model_shape_of_gguf(path: str | Path) -> ModelShape:
-    """A model's shape from its GGUF header (tensor data is not read)."""
-    from stages.gguf_file import read_model
+def model_shape_of_gguf(path) -> ModelShape:
+    """A model's shape from its GGUF header (a path, or the header read:
+    a ModelFile); tensor data is not read."""
+    from stages.gguf_file import ModelFile, read_model
 
-    model = read_model(path)
+    model = path if isinstance(path, ModelFile) else read_model(path)
     fields = model.metadata
     architecture = model.architecture
     blocks = model.block_count
@@ -137,7 +138,7 @@ def model_shape_of_gguf(path: str | Path) -> ModelShape:
     kv_heads = int(max(kv_heads) if isinstance(kv_heads, list) else kv_heads)
     head_width = int(fields.get(f"{architecture}.attention.key_length", width // heads))
     return ModelShape(
-        name=str(fields.get("general.name", Path(path).name)),
+        name=str(fields.get("general.name", model.name)),
         blocks=blocks, width=width, vocab=int(embedding.shape[1]),
         block_bytes=tuple(block_bytes),
         head_bytes=head.n_bytes if head is not embedding else 0,

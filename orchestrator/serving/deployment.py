@@ -276,14 +276,18 @@ def place_stages(settings: ServeSettings, on_status: Callable[[str], None]) -> S
         if shipping is not None:
             _, shipments = ship_whole_model(shipping, reservation, range(count), new_secret(),
                                             new_chain_certificate() if settings.tls else None)
-            paths, nodes, vocabulary = [item.path for item in shipments], [item.node_id for item in shipments], whole.path
+            paths, nodes = [item.path for item in shipments], [item.node_id for item in shipments]
+            vocabulary = whole.vocabulary_path
         else:
             paths, nodes = settings.stage_paths, [node.node_id for node in probe_nodes(reservation, count)]
             vocabulary = fetch_vocabulary(paths[0], reservation.scheduling_strategy(0))
     finally:
         reservation.release()
+    model_name = settings.model_name
+    if model_name is None and shipping is not None:  # the vocabulary's file is named by its digest for hf: models
+        model_name = Path(shipping.model.name).name.removesuffix(".gguf")
     return replace(settings, stage_paths=paths, place=dict(enumerate(nodes)), whole_model=None,
-                   vocabulary_path=vocabulary)
+                   vocabulary_path=vocabulary, model_name=model_name)
 
 
 def prepare(settings: ServeSettings) -> ServeSettings:

@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import time
 import warnings
 from pathlib import Path
 
 import pytest
 from conftest import PROMPTS
 from support.network_hosts import NamespacesUnavailable, RayAcrossHosts, TwoHosts
+
+HUB_SERVER = Path(__file__).parent.parent / "support" / "hub_server.py"
+HUB_PORT = 8765  # the namespaces are private: a fixed port is free there
 
 MAX_TOKENS = 24
 
@@ -50,13 +55,14 @@ def report_link(hosts):
         warnings.warn("two-host test ran WITHOUT link delay: netem is not available in this kernel", stacklevel=1)
 
 
-def run_across_hosts(cluster: RayAcrossHosts, stage_files: list[str], *options: str) -> dict:
+def run_across_hosts(cluster: RayAcrossHosts, stage_files: list[str], *options: str,
+                     env: dict[str, str] | None = None) -> dict:
     """`orchestrate run` from the head's host; its JSON report. No stage files: options give --model."""
     files = ["--model-split", *stage_files] if stage_files else []
     result = cluster.driver(
         ["-m", "orchestrator.cli", "run", *files, "--address", cluster.address,
          "--prompt", PROMPTS[0], "--max-tokens", str(MAX_TOKENS), "--json", *options],
-        timeout=300,
+        timeout=300, env=env,
     )
     assert result is not None, f"orchestrate run timed out\n{cluster.log_tail()}"
     assert result.returncode == 0, f"orchestrate run failed:\n{result.stderr}\n{cluster.log_tail()}"
@@ -114,3 +120,73 @@ def test_the_whole_model_is_shipped_to_each_host_once_and_a_broken_transfer_resu
     assert [(item["resumed_from"], item["bytes_sent"]) for item in resumed["shipped"]] == \
         [(kept, report["shipped"][0]["bytes"] - kept), (report["shipped"][1]["bytes"], 0)]
     assert worker_file.read_bytes() == Path(splits[2][0]).read_bytes()
+
+
+@pytest.fixture(scope="module")
+def hub_on_head(hosts, cluster, smollm2, tmp_path_factory):
+    """The stand-in Hub (tests/support/hub_server.py) on the head's host, on
+    every address there: the worker reaches it at the head's address; at
+    127.0.0.1 only the head's host does."""
+    folder = tmp_path_factory.mktemp("hub-on-head")
+    config = {"address": "0.0.0.0", "port": HUB_PORT, "log": str(folder / "served.jsonl"),
+              "ready": str(folder / "ready"), "repos": {"org/smol": {"files": {Path(smollm2).name: smollm2}}}}
+    (folder / "config.json").write_text(json.dumps(config))
+    server = hosts.start(hosts.first, [sys.executable, str(HUB_SERVER), str(folder / "config.json")],
+                         folder / "server.log", dict(os.environ))
+    deadline = time.monotonic() + 30
+    while not (folder / "ready").exists():
+        assert server.poll() is None and time.monotonic() < deadline, (folder / "server.log").read_text()
+        time.sleep(0.2)
+    yield config["port"], folder / "served.jsonl"
+    hosts.stop(server)
+
+
+def served_by_client(log: Path, data_start: int, since: int) -> tuple[dict[str, int], dict[str, int]]:
+    """From the Hub's log (lines from ``since``): bytes of header reads and of tensor reads, by client address."""
+    header, tensors = {}, {}
+    for line in log.read_text().splitlines()[since:]:
+        item = json.loads(line)
+        into = header if item["start"] < data_start else tensors
+        into[item["client"]] = into.get(item["client"], 0) + item["sent"]
+    return header, tensors
+
+
+def test_each_host_fetches_its_own_slice_from_the_hub_or_the_driver_ships_it(cluster, hub_on_head, smollm2,
+                                                                             reference):
+    """The driver (on the head's host) reads only the header; each host
+    fetches just its stage's tensors. Where the worker cannot reach the Hub
+    (HF_ENDPOINT at 127.0.0.1: the head's own loopback), the driver ships its
+    stage instead, and the report says why."""
+    from stages.gguf_file import read_model
+    from stages.split import plan_split, stage_file_image
+    from stages.stage_image import SourceRange
+
+    port, log = hub_on_head
+    first, second = cluster.hosts.first.address, cluster.hosts.second.address
+    model = read_model(smollm2)
+    data_start = min(tensor.offset for tensor in model.tensors)
+    expected = reference.greedy(reference.tokenize(PROMPTS[0]), MAX_TOKENS).tokens
+
+    def slice_bytes(boundary: int, index: int) -> int:
+        image = stage_file_image(plan_split(model, 2, [boundary]), index)
+        return sum(part.length for part in image.parts if isinstance(part, SourceRange))
+
+    report = run_across_hosts(cluster, [], "--model", f"hf:org/smol/{Path(smollm2).name}", "--boundaries", "12",
+                              env={"HF_ENDPOINT": f"http://{first}:{port}"})
+    assert report["tokens"] == expected
+    assert [(item["host"], item["from"]) for item in report["shipped"]] == [(second, "source"), (first, "source")]
+    header, tensors = served_by_client(log, data_start, 0)
+    assert tensors == {second: slice_bytes(12, 0), first: slice_bytes(12, 1)}  # stage 0 is the worker's
+    assert list(header) == [first] and header[first] <= 3 * data_start
+
+    since = len(log.read_text().splitlines())
+    fallback = run_across_hosts(cluster, [], "--model", f"hf:org/smol/{Path(smollm2).name}", "--boundaries", "9",
+                                env={"HF_ENDPOINT": f"http://127.0.0.1:{port}"})
+    assert fallback["tokens"] == expected
+    worker, head = fallback["shipped"]
+    assert (worker["host"], worker["from"], head["from"]) == (second, "driver", "source")
+    assert "cannot reach its server" in worker["why_from_driver"]
+    assert worker["resumed_from"] + worker["bytes_sent"] == worker["bytes"]  # the header it held is not sent again
+    header, tensors = served_by_client(log, data_start, since)
+    # the head fetched its own slice; the driver (same host) read the worker's to ship it
+    assert tensors == {"127.0.0.1": slice_bytes(9, 0) + slice_bytes(9, 1)}

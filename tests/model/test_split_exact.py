@@ -9,7 +9,7 @@ from stages.settings import StageSettings
 from stages.gguf_file import read_model, stage_info
 
 from conftest import PROMPTS
-from support.gguf_reading import assert_read_as_the_gguf_package_reads
+from support.gguf_reading import assert_read_as_the_gguf_package_reads, write_shards
 
 
 def chain_greedy(engines, prompt, max_tokens, is_end):
@@ -107,24 +107,6 @@ def test_gemma3_split_inside_a_sliding_window_period_is_exact(gemma3, tmp_path):
     assert plan.ranges == ((0, 9), (9, 18))
     report = compare_split(gemma3, outputs)
     assert report.max_difference == 0.0 and report.tokens_identical
-
-
-def write_shards(source: str, output: str, tensors_per_shard: int) -> None:
-    """Re-write a model as a multi-file GGUF (…-0000k-of-0000n.gguf) with gguf's own writer."""
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
-
-    model = read_model(source)
-    writer = GGUFWriter(output, model.architecture, split_max_tensors=tensors_per_shard)
-    for key, field in model.fields.items():
-        if key != "general.architecture":
-            sub_type = GGUFValueType(field.sub_type) if field.sub_type is not None else None
-            writer.add_key_value(key, field.value, GGUFValueType(field.value_type), sub_type)
-    for tensor in GGUFReader(source).tensors:
-        writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 def test_multi_file_model_splits_exactly(smollm2, tmp_path):

@@ -22,15 +22,17 @@ MAY_IMPORT = {
     "orchestrator.decoding": {"orchestrator.config", "orchestrator.transport.messages", "speculators", "stages"},
     "orchestrator.workers": {"orchestrator.config", "orchestrator.transport", "speculators", "stages", "socket"},
     "orchestrator.planning": {"orchestrator.config", "orchestrator.decoding", "speculators", "stages"},
+    "orchestrator.sources": {"orchestrator.config", "stages"},
     "orchestrator.cluster": {"orchestrator.config", "orchestrator.transport", "orchestrator.decoding",
-                             "orchestrator.workers", "orchestrator.planning", "speculators", "stages", "socket", "ray"},
+                             "orchestrator.workers", "orchestrator.planning", "orchestrator.sources", "speculators",
+                             "stages", "socket", "ray"},
     "orchestrator.serving": {"orchestrator.config", "orchestrator.transport", "orchestrator.decoding",
                              "orchestrator.cluster", "orchestrator.planning", "speculators", "stages", "ray",
                              "fastapi", "starlette"},
     "orchestrator": {"orchestrator", "speculators", "stages", "socket", "ray", "benchmarks"},
 }
 WATCHED = {"orchestrator", "stages", "speculators", "benchmarks", "ray", "llama_cpp", "socket", "fastapi", "starlette"}
-LAYERED = ("decoding", "transport", "workers", "cluster", "serving", "planning")
+LAYERED = ("decoding", "transport", "workers", "cluster", "serving", "planning", "sources")
 
 
 def package_of(module: str) -> str:
@@ -88,6 +90,7 @@ def test_every_import_goes_down_the_layers():
     ("speculators.tree", "from orchestrator.decoding import schedule"),
     ("stages.engine", "import orchestrator.config"),
     ("orchestrator.serving.deployment", "from orchestrator.run import run_generation"),
+    ("orchestrator.sources.hub", "def f():\n    import ray"),
 ])
 def test_an_upward_import_is_found(importer, line):
     """Planted upward imports, one per rule that matters, each caught (lazy ones too)."""

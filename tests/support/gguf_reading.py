@@ -1,4 +1,5 @@
-"""The gguf package's reading of a file, the reference read_model's own scanner is held to."""
+"""The gguf package's reading of a file, the reference read_model's own scanner is held to;
+and its writer, making a multi-file copy of a model."""
 
 from __future__ import annotations
 
@@ -26,3 +27,21 @@ def assert_read_as_the_gguf_package_reads(path) -> None:
         == [(tensor.name, tuple(int(dim) for dim in tensor.shape), int(tensor.tensor_type), int(tensor.n_bytes),
              int(tensor.data_offset)) for tensor in theirs.tensors]
     assert ours.alignment == theirs.alignment
+
+
+def write_shards(source: str, output: str, tensors_per_shard: int) -> None:
+    """Re-write a model as a multi-file GGUF (…-0000k-of-0000n.gguf) with gguf's own writer."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    model = read_model(source)
+    writer = GGUFWriter(output, model.architecture, split_max_tensors=tensors_per_shard)
+    for key, field in model.fields.items():
+        if key != "general.architecture":
+            sub_type = GGUFValueType(field.sub_type) if field.sub_type is not None else None
+            writer.add_key_value(key, field.value, GGUFValueType(field.value_type), sub_type)
+    for tensor in GGUFReader(source).tensors:
+        writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

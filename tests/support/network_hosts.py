@@ -277,12 +277,14 @@ class RayAcrossHosts:
             if process.poll() is not None:
                 raise RuntimeError(f"ray {name} exited with status {process.returncode}\n{self.log_tail()}")
 
-    def driver(self, arguments: list[str], timeout: float) -> subprocess.CompletedProcess | None:
-        """Run this Python with ``arguments`` on the head's host as a driver; None if it timed out."""
+    def driver(self, arguments: list[str], timeout: float, env: dict[str, str] | None = None
+               ) -> subprocess.CompletedProcess | None:
+        """Run this Python with ``arguments`` on the head's host as a driver
+        (env: variables added); None if it timed out."""
         try:
             return subprocess.run(
                 self.hosts.first.command(sys.executable, *arguments), capture_output=True, text=True,
-                env=self.environment, timeout=timeout, cwd=REPOSITORY,
+                env={**self.environment, **(env or {})}, timeout=timeout, cwd=REPOSITORY,
             )
         except subprocess.TimeoutExpired:
             return None

@@ -1,0 +1,196 @@
+"""Stage files assembled on their own nodes from the model's source (``--model hf:...``).
+
+The driver has read only the model's header. Each stage's node fetches just
+its tensors' byte ranges from the source (orchestrator.sources.remote_file)
+and writes its stage file from the same stage image a shipped stage is sent
+from, so the file is byte for byte what ``orchestrate split`` makes, into
+the same cache (shipping.CachedStageFile: a second run fetches nothing, an
+interrupted one resumes from its ``.partial``, one lock per file). The nodes
+fetch at once, each over its own link.
+
+The SHA-256 of each assembled file is computed and reported. It is not
+checked against an expectation: the Hub gives the digest of whole files
+only, and no node holds a whole file. What keeps the bytes right instead:
+the files are asked for at the commit the driver resolved (immutable), and
+every response must carry exactly the byte range and file size asked for.
+
+A node that cannot reach the source (no route, no name, ``HF_HUB_OFFLINE``
+set there) says so having written only the header it was given; the driver
+then ships that stage itself (shipping.ship_stage, reading the same ranges
+from the source), resuming from what the node holds. The report says which
+happened, per stage.
+
+Plain class (``StageFetcher``) does the work; the Ray actor is its shell.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from orchestrator.cluster.shipping import CacheEntry, CachedStageFile, ShippingError, ShipProgress, stage_cache_root
+from orchestrator.config import ACTOR_START_SECONDS
+from orchestrator.sources.remote_file import CONNECT_SECONDS, READ_SECONDS, RETRIES, SourceUnreachable
+from stages.errors import SpecpipeError
+from stages.stage_image import StageImage
+
+POLL_SECONDS = 0.5
+# The longest a fetch may go without a byte: a range reader gives up on its own before.
+FETCH_IDLE_SECONDS = (RETRIES + 1) * (CONNECT_SECONDS + READ_SECONDS) + 30.0
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """A stage file in the node's cache: it held ``resumed_from`` bytes
+    before, fetched ``bytes_fetched`` now; sha256 of the whole file ("" when
+    it was there whole already)."""
+
+    path: str
+    resumed_from: int
+    bytes_fetched: int
+    sha256: str
+
+
+class StageFetcher(CachedStageFile):
+    """One stage file assembled in this node's cache from its image's sources."""
+
+    def __init__(self, root: Path, entry: CacheEntry, image: StageImage):
+        super().__init__(root, entry, image.size)
+        self.image = image
+        self.done = 0  # bytes of the file this node holds so far
+
+    def fetch(self) -> Fetched:
+        """SourceUnreachable if the source cannot be reached (the partial file kept for the driver to complete)."""
+        with self.locked():
+            if self.complete():
+                self.done = self.size
+                return Fetched(str(self.path), self.size, 0, "")
+            held = self.done = self._resumable()
+            digest = self.append(held, self._counted(self.image.chunks(held)))
+            self.keep()
+            return Fetched(str(self.path), held, self.size - held, digest.hexdigest())
+
+    def _resumable(self) -> int:
+        """Bytes of the partial file to keep: none unless it starts with this
+        image's header (the cache is keyed by the source's fingerprint; a file
+        of another name has another header, of another length)."""
+        held = self.held()
+        if not held:
+            return 0
+        with open(self.partial, "rb") as partial:
+            start = partial.read(min(held, len(self.image.header)))
+        return held if start == self.image.header[:len(start)] else 0
+
+    def _counted(self, chunks):
+        for chunk in chunks:
+            yield chunk
+            self.done += len(chunk)
+
+
+@dataclass(frozen=True)
+class FetchStatus:
+    """What a fetcher actor says when asked: bytes held so far; once
+    finished, the Fetched or why not (unreachable: the source could not be reached)."""
+
+    done: int
+    finished: bool
+    fetched: Fetched | None = None
+    problem: str = ""
+    unreachable: bool = False
+
+
+def _fetcher_actor_class():
+    import ray
+
+    @ray.remote(num_cpus=0, max_restarts=0)
+    class StageFetcherActor:
+        """Thin Ray shell over a StageFetcher, on the stage's node; it starts fetching at once."""
+
+        def __init__(self, entry: CacheEntry, image: StageImage):
+            self.fetcher = StageFetcher(stage_cache_root(), entry, image)
+            self.outcome: Fetched | BaseException | None = None
+            self.finished = threading.Event()
+            threading.Thread(target=self._run, daemon=True).start()
+
+        def _run(self) -> None:
+            try:
+                self.outcome = self.fetcher.fetch()
+            except (OSError, SpecpipeError) as error:
+                self.outcome = error
+            finally:
+                self.finished.set()
+
+        def status(self, wait_seconds: float) -> FetchStatus:
+            if not self.finished.wait(wait_seconds):
+                return FetchStatus(self.fetcher.done, False)
+            if isinstance(self.outcome, Fetched):
+                return FetchStatus(self.fetcher.done, True, self.outcome)
+            problem = (self.outcome.strerror or str(self.outcome)) if isinstance(self.outcome, OSError) \
+                else str(self.outcome)
+            return FetchStatus(self.fetcher.done, True, problem=problem,
+                               unreachable=isinstance(self.outcome, SourceUnreachable))
+
+    return StageFetcherActor
+
+
+@dataclass(frozen=True)
+class FetchJob:
+    """Stage ``entry.stage_index``'s file to assemble on its node (``where``
+    names both in messages) from ``image``."""
+
+    entry: CacheEntry
+    image: StageImage
+    scheduling_strategy: object
+    where: str
+
+
+def fetch_stages(jobs: list[FetchJob], progress: ShipProgress) -> tuple[dict[int, Fetched], dict[int, str]]:
+    """Every job's node fetches its stage at once. Returns (stage index ->
+    Fetched, stage index -> why its node could not reach the source);
+    ShippingError naming the stage and node for any other failure."""
+    import ray
+
+    from orchestrator.cluster.connect import one_line
+
+    actors = {job.entry.stage_index: _fetcher_actor_class().options(
+        scheduling_strategy=job.scheduling_strategy).remote(job.entry, job.image) for job in jobs}
+    by_index = {job.entry.stage_index: job for job in jobs}
+    fetched: dict[int, Fetched] = {}
+    unreachable: dict[int, str] = {}
+    last = {index: (-1, time.monotonic()) for index in actors}  # bytes done, when they last grew
+    try:
+        while len(fetched) + len(unreachable) < len(actors):
+            pending = [index for index in actors if index not in fetched and index not in unreachable]
+            try:
+                statuses = ray.get([actors[index].status.remote(POLL_SECONDS) for index in pending],
+                                   timeout=ACTOR_START_SECONDS + POLL_SECONDS)
+            except ray.exceptions.GetTimeoutError:
+                raise ShippingError(f"{', '.join(by_index[index].where for index in pending)}: the fetcher did not "
+                                    f"answer within {ACTOR_START_SECONDS:.0f} s") from None
+            except ray.exceptions.RayError as error:
+                raise ShippingError(f"{', '.join(by_index[index].where for index in pending)}: could not fetch: "
+                                    f"{one_line(error)}") from None
+            for index, status in zip(pending, statuses):
+                _take(index, status, by_index[index], fetched, unreachable, last, progress)
+    finally:
+        for actor in actors.values():
+            ray.kill(actor)
+    return fetched, unreachable
+
+
+def _take(index: int, status: FetchStatus, job: FetchJob, fetched: dict, unreachable: dict, last: dict,
+          progress: ShipProgress) -> None:
+    now = time.monotonic()
+    if status.done != last[index][0]:
+        last[index] = (status.done, now)
+        progress(index, status.done, job.image.size, "fetching")
+    if status.finished and status.fetched is not None:
+        fetched[index] = status.fetched
+    elif status.finished and status.unreachable:
+        unreachable[index] = status.problem
+    elif status.finished:
+        raise ShippingError(f"{job.where}: could not fetch its slice: {status.problem}")
+    elif now - last[index][1] > FETCH_IDLE_SECONDS:
+        raise ShippingError(f"{job.where}: its fetch got no byte for {FETCH_IDLE_SECONDS:.0f} s")
