@@ -41,6 +41,8 @@ def hub(smollm2, tmp_path_factory):
                               for k in (1, 2, 3)})
     server.add("org/private", {name: Path(smollm2)}, token=TOKEN)
     server.add("org/quants", {"a-Q4_1.gguf": Path(smollm2), "b-Q4_1.gguf": Path(smollm2)})
+    server.add("org/no-ranges", {name: Path(smollm2)}, ranges=False)
+    server.add("org/shifted", {name: Path(smollm2)}, shift=1)
     server.folder = folder
     yield server
     server.close()
@@ -160,6 +162,9 @@ def test_a_partial_file_of_another_header_is_started_again(hub, smollm2, tmp_pat
     ("hf:org/quants:Q8_0", None, "no model's name carries Q8_0; the repo has a-Q4_1.gguf, b-Q4_1.gguf"),
     ("hf:org/smol", None, "the repo has 2 models"),
     ("hf:org/shards/smol-00002-of-00003.gguf", None, "give the first shard"),
+    ("hf:org/no-ranges/SmolLM2-135M-Instruct.Q4_1.gguf", None, "sent the whole file, not the range asked for"),
+    ("hf:org/shifted/SmolLM2-135M-Instruct.Q4_1.gguf", None, "asked for bytes 0-524287/98362432, the server sent "
+                                                            "'bytes 1-524288/98362432'"),
 ])
 def test_each_bad_source_is_one_line(source, token, problem, monkeypatch):
     if token:

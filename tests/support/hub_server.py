@@ -37,6 +37,8 @@ class Repo:
     files: dict[str, Path]
     token: str | None = None
     commit: str = ""
+    ranges: bool = True  # False: a server that ignores Range and sends whole files
+    shift: int = 0  # a server that sends a range this many bytes on from the one asked for
 
 
 @dataclass(frozen=True)
@@ -132,12 +134,12 @@ class _Handler(BaseHTTPRequestHandler):
         size = local.stat().st_size
         start, end = 0, size - 1
         asked = self.headers.get("Range")
-        match = _RANGE.match(asked) if asked else None
-        if asked and (not match or int(match.group(1)) > int(match.group(2)) or int(match.group(2)) >= size):
+        match = _RANGE.match(asked) if asked and repo.ranges else None
+        if asked and repo.ranges and (not match or int(match.group(1)) > int(match.group(2)) or int(match.group(2)) >= size):
             self._fail(416, "RangeNotSatisfiable")
             return
         if match:
-            start, end = int(match.group(1)), int(match.group(2))
+            start, end = int(match.group(1)) + repo.shift, min(int(match.group(2)) + repo.shift, size - 1)
         self.send_response(206 if match else 200)
         self.send_header("Content-Length", str(end - start + 1))
         self.send_header("Accept-Ranges", "bytes")
@@ -189,10 +191,12 @@ class HubServer:
         host, port = self.server.server_address[:2]
         return f"http://{host}:{port}"
 
-    def add(self, repo: str, files: dict[str, Path], token: str | None = None) -> str:
+    def add(self, repo: str, files: dict[str, Path], token: str | None = None, ranges: bool = True,
+            shift: int = 0) -> str:
         """Serve ``files`` (path in the repo -> file here) as ``repo``; its commit."""
         commit = hashlib.sha1(repo.encode()).hexdigest()
-        self.state.repos[repo] = Repo({path: Path(local) for path, local in files.items()}, token, commit)
+        self.state.repos[repo] = Repo({path: Path(local) for path, local in files.items()}, token, commit, ranges,
+                                      shift)
         return commit
 
     def cut(self, key: str, budget: int | None) -> None:
