@@ -28,6 +28,7 @@ KEY_TOTAL_BLOCKS = "specpipe.block.total"
 KEY_SOURCE_FINGERPRINT = "specpipe.source.fingerprint"
 KEY_SOURCE_NAME = "specpipe.source.name"
 
+MAX_TENSORLESS_BLOCKS = 4096  # the largest models have a few hundred
 SHARD_PATTERN = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 # Keys a model does not carry into its stages: the gguf package's reader's own, and llama.cpp's
 # multi-file format's.
@@ -166,7 +167,9 @@ def _check_model_keys(path: Path, fields: dict[str, FieldValue], tensor_count: i
         raise ModelFileError(f"{path}: GGUF file has no {_shown(key)}")
     if block_count.value_type not in _INTEGER_TYPES:
         raise ModelFileError(f"{path}: {_shown(key)} is a {_TYPE_NAMES[block_count.value_type]}, not an integer")
-    if not 0 <= block_count.value <= tensor_count:  # type: ignore[operator]
+    # A block has tensors; a file of metadata only (a vocabulary file) is held to a bound instead.
+    most = tensor_count if tensor_count else MAX_TENSORLESS_BLOCKS
+    if not 0 <= block_count.value <= most:  # type: ignore[operator]
         raise ModelFileError(
             f"{path}: {_shown(key)} is {block_count.value}, not a block count (the file has {tensor_count} tensors)"
         )
@@ -390,7 +393,8 @@ class _HeaderScanner:
         names: set[str] = set()
         tensors = [self.tensor(names, alignment) for _ in range(tensor_count)]
         data_start = -(-self.position // alignment) * alignment
-        data_end = data_start + max((tensor.offset + tensor.n_bytes for tensor in tensors), default=0)
+        # no tensors (a vocabulary file): nothing follows the header, not even its padding
+        data_end = data_start + max(tensor.offset + tensor.n_bytes for tensor in tensors) if tensors else self.position
         if not self.decode_all:
             return _Header(fields, (), alignment, data_start, data_end)
         model_fields = {key: value for key, value in fields.items() if not key.startswith(SYNTHETIC_KEY_PREFIXES)}

@@ -15,10 +15,15 @@ the files are asked for at the commit the driver resolved (immutable), and
 every response must carry exactly the byte range and file size asked for.
 
 A node that cannot reach the source (no route, no name, ``HF_HUB_OFFLINE``
-set there) says so having written only the header it was given; the driver
-then ships that stage itself (shipping.ship_stage, reading the same ranges
-from the source), resuming from what the node holds. The report says which
-happened, per stage.
+set there) says so; the driver then ships that stage itself
+(shipping.ship_stage, reading the same ranges from the source), resuming
+from what the node holds (at least the header it was given). The report
+says which happened, per stage.
+
+A ``.partial`` is resumed only if it was written from the same files (a
+``<file>.partial.source`` beside it names their URLs, which carry the
+commit): the cache is keyed by the header's digest, and a re-uploaded model
+may keep its header and change its weights.
 
 Plain class (``StageFetcher``) does the work; the Ray actor is its shell.
 """
@@ -37,8 +42,9 @@ from stages.errors import SpecpipeError
 from stages.stage_image import StageImage
 
 POLL_SECONDS = 0.5
-# The longest a fetch may go without a byte: a range reader gives up on its own before.
-FETCH_IDLE_SECONDS = (RETRIES + 1) * (CONNECT_SECONDS + READ_SECONDS) + 30.0
+# The longest a fetch may go without a byte: a range reader gives up on its own
+# before (each try a redirect and the file, each with its deadlines, and the sleeps between).
+FETCH_IDLE_SECONDS = (RETRIES + 1) * 2 * (CONNECT_SECONDS + READ_SECONDS) + 8.0 * RETRIES + 30.0
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,8 @@ class StageFetcher(CachedStageFile):
         super().__init__(root, entry, image.size)
         self.image = image
         self.done = 0  # bytes of the file this node holds so far
+        self.activity = 0  # bytes written or read back: grows while the fetch is alive
+        self.source_note = self.partial.with_name(self.partial.name + ".source")
 
     def fetch(self) -> Fetched:
         """SourceUnreachable if the source cannot be reached (the partial file kept for the driver to complete)."""
@@ -68,16 +76,27 @@ class StageFetcher(CachedStageFile):
                 self.done = self.size
                 return Fetched(str(self.path), self.size, 0, "")
             held = self.done = self._resumable()
-            digest = self.append(held, self._counted(self.image.chunks(held)))
+            self.source_note.write_text(self._sources())
+            digest = self.append(held, self._counted(self.image.chunks(held)), self._read_back)
             self.keep()
+            self.source_note.unlink(missing_ok=True)
             return Fetched(str(self.path), held, self.size - held, digest.hexdigest())
 
+    def _sources(self) -> str:
+        """The files this image's bytes come from, one per line (their URLs carry the commit)."""
+        return "\n".join(sorted({str(getattr(part.path, "url", part.path)) for part in self.image.parts
+                                  if hasattr(part, "path")}))
+
     def _resumable(self) -> int:
-        """Bytes of the partial file to keep: none unless it starts with this
-        image's header (the cache is keyed by the source's fingerprint; a file
-        of another name has another header, of another length)."""
+        """Bytes of the partial file to keep: none unless it was written from
+        the same files and starts with this image's header (the cache is keyed
+        by the source's fingerprint; a file of another name has another header)."""
         held = self.held()
-        if not held:
+        try:
+            same_sources = self.source_note.read_text() == self._sources()
+        except FileNotFoundError:
+            same_sources = False
+        if not held or not same_sources:
             return 0
         with open(self.partial, "rb") as partial:
             start = partial.read(min(held, len(self.image.header)))
@@ -87,6 +106,10 @@ class StageFetcher(CachedStageFile):
         for chunk in chunks:
             yield chunk
             self.done += len(chunk)
+            self.activity += len(chunk)
+
+    def _read_back(self, count: int) -> None:
+        self.activity += count
 
 
 @dataclass(frozen=True)
@@ -96,6 +119,7 @@ class FetchStatus:
 
     done: int
     finished: bool
+    activity: int = 0
     fetched: Fetched | None = None
     problem: str = ""
     unreachable: bool = False
@@ -117,19 +141,24 @@ def _fetcher_actor_class():
         def _run(self) -> None:
             try:
                 self.outcome = self.fetcher.fetch()
-            except (OSError, SpecpipeError) as error:
+            except Exception as error:  # reported by status(), whatever it was
                 self.outcome = error
             finally:
                 self.finished.set()
 
         def status(self, wait_seconds: float) -> FetchStatus:
+            fetcher = self.fetcher
             if not self.finished.wait(wait_seconds):
-                return FetchStatus(self.fetcher.done, False)
+                return FetchStatus(fetcher.done, False, fetcher.activity)
             if isinstance(self.outcome, Fetched):
-                return FetchStatus(self.fetcher.done, True, self.outcome)
-            problem = (self.outcome.strerror or str(self.outcome)) if isinstance(self.outcome, OSError) \
-                else str(self.outcome)
-            return FetchStatus(self.fetcher.done, True, problem=problem,
+                return FetchStatus(fetcher.done, True, fetcher.activity, self.outcome)
+            if isinstance(self.outcome, OSError):
+                problem = self.outcome.strerror or str(self.outcome)
+            elif isinstance(self.outcome, SpecpipeError):
+                problem = str(self.outcome)
+            else:
+                problem = f"{type(self.outcome).__name__}: {self.outcome}"
+            return FetchStatus(fetcher.done, True, fetcher.activity, problem=problem,
                                unreachable=isinstance(self.outcome, SourceUnreachable))
 
     return StageFetcherActor
@@ -159,7 +188,7 @@ def fetch_stages(jobs: list[FetchJob], progress: ShipProgress) -> tuple[dict[int
     by_index = {job.entry.stage_index: job for job in jobs}
     fetched: dict[int, Fetched] = {}
     unreachable: dict[int, str] = {}
-    last = {index: (-1, time.monotonic()) for index in actors}  # bytes done, when they last grew
+    last = {index: (-1, time.monotonic()) for index in actors}  # activity, when it last grew
     try:
         while len(fetched) + len(unreachable) < len(actors):
             pending = [index for index in actors if index not in fetched and index not in unreachable]
@@ -183,8 +212,8 @@ def fetch_stages(jobs: list[FetchJob], progress: ShipProgress) -> tuple[dict[int
 def _take(index: int, status: FetchStatus, job: FetchJob, fetched: dict, unreachable: dict, last: dict,
           progress: ShipProgress) -> None:
     now = time.monotonic()
-    if status.done != last[index][0]:
-        last[index] = (status.done, now)
+    if status.activity != last[index][0]:
+        last[index] = (status.activity, now)
         progress(index, status.done, job.image.size, "fetching")
     if status.finished and status.fetched is not None:
         fetched[index] = status.fetched

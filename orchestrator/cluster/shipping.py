@@ -160,7 +160,8 @@ class CachedStageFile:
         self.size = size
 
     def complete(self) -> bool:
-        """The file is here, whole (it was renamed into place only after its digest matched)."""
+        """The file is here, whole (renamed into place only once all of it was
+        written: after its digest matched the sender's, or fetched from a pinned source)."""
         try:
             return self.path.stat().st_size == self.size
         except FileNotFoundError:
@@ -185,14 +186,17 @@ class CachedStageFile:
                 raise ShippingError(f"another transfer of {self.path.name} to this node is under way") from None
             yield
 
-    def append(self, offset: int, chunks) -> hashlib._Hash:
+    def append(self, offset: int, chunks, on_read_back: Callable[[int], None] = lambda count: None) -> hashlib._Hash:
         """Keep the partial file's first ``offset`` bytes, write ``chunks`` after
-        them, and return the SHA-256 of all of it (the part kept is read back)."""
+        them, and return the SHA-256 of all of it (the part kept is read back:
+        on_read_back(count) after each piece)."""
         digest = hashlib.sha256()
         with open(self.partial, "r+b" if self.partial.exists() else "wb") as out:
             out.truncate(offset)
             while out.tell() < offset:
-                digest.update(out.read(min(CHUNK_BYTES, offset - out.tell())))
+                piece = out.read(min(CHUNK_BYTES, offset - out.tell()))
+                digest.update(piece)
+                on_read_back(len(piece))
             for chunk in chunks:
                 out.write(chunk)
                 digest.update(chunk)
@@ -417,7 +421,7 @@ def ship_stage(image: StageImage, entry: CacheEntry, node: NodeMemory, schedulin
             raise ShippingError(f"{where}: its file could not be shipped: {error}") from None
         except ShippingError as error:
             raise ShippingError(f"{where}: its file could not be shipped: {error}") from None
-        except HandshakeError as error:
+        except (HandshakeError, SpecpipeError) as error:  # a source read for it too (--model hf:...)
             raise ShippingError(f"{where}: its file could not be shipped: {error}") from None
         except OSError as error:
             raise ShippingError(f"{where}: the transfer failed: {error.strerror or error}") from None

@@ -133,10 +133,6 @@ def model_shape_of_gguf(path) -> ModelShape:
     embedding = by_name["token_embd.weight"]
     head = by_name.get("output.weight", embedding)  # tied: the head reads the embedding table
     width = int(fields[f"{architecture}.embedding_length"])
-    heads = int(fields[f"{architecture}.attention.head_count"])
-    kv_heads = fields.get(f"{architecture}.attention.head_count_kv", heads)
-    kv_heads = int(max(kv_heads) if isinstance(kv_heads, list) else kv_heads)
-    head_width = int(fields.get(f"{architecture}.attention.key_length", width // heads))
     return ModelShape(
         name=str(fields.get("general.name", model.name)),
         blocks=blocks, width=width, vocab=int(embedding.shape[1]),
@@ -145,8 +141,18 @@ def model_shape_of_gguf(path) -> ModelShape:
         embedding_bytes=embedding.n_bytes,
         block_parameters=max(block_parameters),
         head_parameters=width * int(embedding.shape[1]),
-        kv_bytes_per_token=2 * kv_heads * head_width * 2,
+        kv_bytes_per_token=kv_bytes_per_token(fields, architecture),
     )
+
+
+def kv_bytes_per_token(fields: dict, architecture: str) -> int:
+    """KV cache bytes one position takes in one block (keys and values, f16), from a model's metadata."""
+    width = int(fields[f"{architecture}.embedding_length"])
+    heads = int(fields[f"{architecture}.attention.head_count"])
+    kv_heads = fields.get(f"{architecture}.attention.head_count_kv", heads)
+    kv_heads = int(max(kv_heads) if isinstance(kv_heads, list) else kv_heads)
+    head_width = int(fields.get(f"{architecture}.attention.key_length", width // heads))
+    return 2 * kv_heads * head_width * 2
 
 
 def setup_from_profile(profile: dict, *, behaviour: DraftBehaviour | None, drafter: str = "ngram",

@@ -75,11 +75,14 @@ class ServeSettings:
 
 
 def kv_bytes_per_sequence(path: str, context: int) -> int:
-    """KV cache bytes one sequence of ``context`` positions takes in the stage file at path."""
-    from orchestrator.planning.loaders import model_shape_of_gguf
+    """KV cache bytes one sequence of ``context`` positions takes in the
+    model file at path (a stage file, a whole model, or a vocabulary file:
+    its metadata is enough)."""
+    from orchestrator.planning.loaders import kv_bytes_per_token
+    from stages.gguf_file import read_model
 
-    shape = model_shape_of_gguf(path)
-    return shape.blocks * shape.kv_bytes_per_token * context
+    model = read_model(path)
+    return model.block_count * kv_bytes_per_token(model.metadata, model.architecture) * context
 
 
 def default_max_sequences(kv_bytes: int, available_bytes: int) -> int:

@@ -31,9 +31,22 @@ def read_model_source(text: str) -> ModelFile:
     from huggingface_hub import constants
 
     reference = parse_reference(text)
+    _check_repo_id(reference)
     if constants.HF_HUB_OFFLINE:
         return read_model(_cached_first_file(reference))
     return read_model_files(_remote_files(reference))
+
+
+def _check_repo_id(reference: HubReference) -> None:
+    """The Hub's own rules for a repo id (no "--" or "..", no ".git" at the end, ...)."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(reference.repo)
+    except HFValidationError as error:
+        raise SourceReferenceError(f"{reference}: not a repo id the Hub takes "
+                                   f"({str(error).splitlines()[0][:120]})") from None
 
 
 def _http_problem(reference: HubReference, error: Exception) -> SourceError:
@@ -67,8 +80,11 @@ def _remote_files(reference: HubReference) -> tuple[RemoteFile, ...]:
         return f"{endpoint}/{reference.repo}/resolve/{quote(revision or 'main', safe='')}/{quote(name)}"
 
     try:
-        listing = None if reference.filename else HfApi(endpoint=endpoint).list_repo_files(
-            reference.repo, revision=reference.revision)
+        listing = None
+        if reference.filename is None:
+            info = HfApi(endpoint=endpoint).model_info(reference.repo, revision=reference.revision,
+                                                       timeout=METADATA_SECONDS)
+            listing = [sibling.rfilename for sibling in info.siblings or []]
         names = shard_names(choose_file(reference, listing or []))
         metadata = [get_hf_file_metadata(url(name, reference.revision), timeout=METADATA_SECONDS, endpoint=endpoint)
                     for name in names]

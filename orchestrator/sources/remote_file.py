@@ -27,6 +27,7 @@ from stages.errors import SpecpipeError
 CONNECT_SECONDS = 10.0
 READ_SECONDS = 60.0  # the longest one read of a response may wait
 RETRIES = 3
+CONNECT_TRIES = 2  # connections refused before the server counts as unreachable
 FIRST_HEADER_WINDOW = 512 * 1024  # the header is read in windows that double from this
 MAX_HEADER_WINDOW = 16 * 1024 * 1024
 CHUNK_BYTES = 4 * 1024 * 1024
@@ -85,7 +86,6 @@ class RangeReader:
     def __init__(self, remote: RemoteFile):
         self.remote = remote
         self.fetched = 0
-        self.closed = False
 
     def read(self, offset: int, length: int, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
         """Bytes [offset, offset + length) of the file, in chunks of at most chunk_bytes."""
@@ -104,14 +104,18 @@ class RangeReader:
                 if position < end:
                     raise httpx2.RemoteProtocolError("the response ended early")
             except httpx2.TransportError as error:
-                if self.fetched == 0 and isinstance(error, (httpx2.ConnectError, httpx2.ConnectTimeout)):
+                failures += 1
+                if self.fetched == 0 and isinstance(error, (httpx2.ConnectError, httpx2.ConnectTimeout)) \
+                        and failures >= CONNECT_TRIES:
                     raise SourceUnreachable(f"{self.remote}: cannot reach its server ({error or type(error).__name__})"
                                             ) from None
-                failures += 1
                 if failures > RETRIES:
                     raise SourceError(f"{self.remote}: the transfer failed {failures} times at byte {position} "
                                       f"({error or type(error).__name__})") from None
                 time.sleep(min(2.0 ** failures, 8.0))
+            except (httpx2.HTTPError, httpx2.InvalidURL, httpx2.StreamError) as error:
+                raise SourceError(f"{self.remote}: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+                                  ) from None
 
     def _response(self, low: int, end: int, chunk_bytes: int) -> Iterator[bytes]:
         import httpx2
@@ -141,7 +145,7 @@ class RangeReader:
                     return
 
     def close(self) -> None:
-        self.closed = True
+        """Nothing held between reads (each range is its own request on the shared client)."""
 
 
 class HeaderReader:

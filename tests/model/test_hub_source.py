@@ -43,6 +43,7 @@ def hub(smollm2, tmp_path_factory):
     server.add("org/quants", {"a-Q4_1.gguf": Path(smollm2), "b-Q4_1.gguf": Path(smollm2)})
     server.add("org/no-ranges", {name: Path(smollm2)}, ranges=False)
     server.add("org/shifted", {name: Path(smollm2)}, shift=1)
+    server.add("org/reuploaded", {name: Path(smollm2)})  # another commit of the same file
     server.folder = folder
     yield server
     server.close()
@@ -140,12 +141,27 @@ def test_an_interrupted_fetch_resumes_where_it_stopped(hub, smollm2, tmp_path, m
                                                                         1).chunks())
 
 
+def test_a_partial_file_from_another_commit_is_started_again(hub, smollm2, tmp_path, monkeypatch):
+    """Same header, so the same cache entry; but another commit may hold other weights: not spliced."""
+    monkeypatch.setattr(remote_file, "RETRIES", 0)
+    name = Path(smollm2).name
+    image, fetcher = fetch_stage(read_model_source(f"hf:org/smol/{name}"), (0, 15), 0, tmp_path)
+    hub.cut(f"org/smol/{name}", 5_000_000)
+    with pytest.raises(SourceError):
+        fetcher.fetch()
+    hub.cut(f"org/smol/{name}", None)
+    assert fetcher.held() > len(image.header)
+    fetched = fetch_stage(read_model_source(f"hf:org/reuploaded/{name}"), (0, 15), 0, tmp_path)[1].fetch()
+    assert fetched.resumed_from == 0 and Path(fetched.path).read_bytes() == b"".join(image.chunks())
+
+
 def test_a_partial_file_of_another_header_is_started_again(hub, smollm2, tmp_path):
     """The cache is keyed by the source's fingerprint: a copy under another name has another header."""
     remote = read_model_source(f"hf:org/smol/{Path(smollm2).name}")
     image, fetcher = fetch_stage(remote, (0, 15), 0, tmp_path)
     fetcher.partial.parent.mkdir(parents=True)
     fetcher.partial.write_bytes(image.header.replace(b"SmolLM2-135M", b"SmolLM2-999M"))
+    fetcher.source_note.write_text(fetcher._sources())
     fetched = fetcher.fetch()
     assert fetched.resumed_from == 0
     assert Path(fetched.path).read_bytes() == b"".join(image.chunks())
@@ -162,6 +178,7 @@ def test_a_partial_file_of_another_header_is_started_again(hub, smollm2, tmp_pat
     ("hf:org/quants:Q8_0", None, "no model's name carries Q8_0; the repo has a-Q4_1.gguf, b-Q4_1.gguf"),
     ("hf:org/smol", None, "the repo has 2 models"),
     ("hf:org/shards/smol-00002-of-00003.gguf", None, "give the first shard"),
+    ("hf:org/a..b:Q4_1", None, "not a repo id the Hub takes"),
     ("hf:org/no-ranges/SmolLM2-135M-Instruct.Q4_1.gguf", None, "sent the whole file, not the range asked for"),
     ("hf:org/shifted/SmolLM2-135M-Instruct.Q4_1.gguf", None, "asked for bytes 0-524287/98362432, the server sent "
                                                             "'bytes 1-524288/98362432'"),
@@ -207,3 +224,15 @@ def test_offline_the_copy_in_huggingface_hubs_cache_is_used(hub, smollm2, tmp_pa
     assert isinstance(model.paths[0], Path) and model.fingerprint == read_model(smollm2).fingerprint
     assert len(hub.served()) == before
     shutil.rmtree(tmp_path / "hf-cache")
+
+
+def test_the_drivers_vocabulary_file_is_enough_for_the_tokenizer_and_the_kv_budget(hub, smollm2):
+    """`serve --model hf:` sizes its sequences and tokenizes from the header alone (no tensor on the driver)."""
+    from orchestrator.cluster.model_files import WholeModelSettings, with_source
+    from orchestrator.serving.deployment import kv_bytes_per_sequence
+    from stages.tokenizer import Tokenizer
+
+    settings = with_source(WholeModelSettings(f"hf:org/smol/{Path(smollm2).name}"))
+    assert settings.source is not None and settings.vocabulary_path != smollm2
+    assert kv_bytes_per_sequence(settings.vocabulary_path, 2048) == kv_bytes_per_sequence(smollm2, 2048)
+    assert Tokenizer(settings.vocabulary_path).vocabulary_digest() == Tokenizer(smollm2).vocabulary_digest()

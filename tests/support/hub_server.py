@@ -2,7 +2,7 @@
 ``HF_ENDPOINT``: the paths huggingface_hub and specpipe use, nothing else.
 
     HEAD|GET /ORG/REPO/resolve/REVISION/PATH   a file (one byte range: 206)
-    GET /api/models/ORG/REPO/tree/REVISION     the repo's files (JSON)
+    GET /api/models/ORG/REPO[/revision/REVISION]   the repo's files and commit (JSON)
 
 REVISION is ``main`` or the repo's one commit. A repo may want a token
 (401 without one, 403 with another). Every file request is recorded (client
@@ -28,7 +28,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 _RESOLVE = re.compile(r"^/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$")
-_TREE = re.compile(r"^/api/models/([^/]+/[^/]+)/tree/([^/?]+)")
+_INFO = re.compile(r"^/api/models/([^/]+/[^/?]+)(?:/revision/([^/?]+))?(?:\?.*)?$")
 _RANGE = re.compile(r"^bytes=(\d+)-(\d+)$")
 
 
@@ -99,9 +99,9 @@ class _Handler(BaseHTTPRequestHandler):
         return repo
 
     def _answer(self, body: bool) -> None:
-        tree = _TREE.match(self.path)
-        if tree:
-            self._tree(tree.group(1), tree.group(2))
+        info = _INFO.match(self.path)
+        if info:
+            self._info(info.group(1), info.group(2) or "main")
             return
         resolve = _RESOLVE.match(self.path.split("?")[0])
         if not resolve:
@@ -117,13 +117,12 @@ class _Handler(BaseHTTPRequestHandler):
             return
         self._file(repo, f"{name}/{path}", local, body)
 
-    def _tree(self, name: str, revision: str) -> None:
+    def _info(self, name: str, revision: str) -> None:
         repo = self._repo(name, revision)
         if repo is None:
             return
-        listing = [{"type": "file", "path": path, "size": local.stat().st_size, "oid": "0" * 40}
-                   for path, local in sorted(repo.files.items())]
-        data = json.dumps(listing).encode()
+        data = json.dumps({"id": name, "sha": repo.commit, "private": repo.token is not None,
+                           "siblings": [{"rfilename": path} for path in sorted(repo.files)]}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
