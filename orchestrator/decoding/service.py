@@ -239,7 +239,7 @@ class Service:
         self._queue: collections.deque[_Ticket] = collections.deque()  # one ticket per choice
         self._active: dict[int, _Ticket] = {}  # by KV sequence id
         self._tickets: dict[int, list[_Ticket]] = {}  # by request number: its choices, queued or active
-        self._cancelled: set[int | tuple[int, int]] = set()  # request numbers, or (number, choice)
+        self._cancelled: set[tuple[int, int | None]] = set()  # (request number, choice: None for every choice)
         self._numbers = itertools.count(1)
         self._wake = threading.Condition()
         self._closing = False
@@ -289,7 +289,7 @@ class Service:
         string matched); its KV is freed within one pass. Unknown or ended requests are ignored."""
         with self._wake:
             if number in self._tickets:
-                self._cancelled.add(number)
+                self._cancelled.add((number, None))
                 self._wake.notify()
 
     def cancel_choice(self, number: int, choice: int) -> None:
@@ -364,9 +364,9 @@ class Service:
         for source, destination, length in copies:
             self.target.copy(source, destination, length)
 
-    def _ordered(self, order) -> list[_Ticket]:
-        """The tickets a cancel names: a request number (every choice), or (number, choice)."""
-        number, choice = order if isinstance(order, tuple) else (order, None)
+    def _ordered(self, order: tuple[int, int | None]) -> list[_Ticket]:
+        """The tickets a cancel names: (request number, choice), every choice where choice is None."""
+        number, choice = order
         return [ticket for ticket in self._tickets.get(number, []) if choice in (None, ticket.choice)]
 
     def _admit_queued(self) -> list[tuple[int, int, int]]:
