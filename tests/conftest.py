@@ -125,38 +125,81 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+class SessionRay:
+    """The session's three-node Ray cluster on this machine, started by the
+    first test that asks for it and stopped before a test of a file that does
+    not use it (the files that do run first in their tier; one asking later
+    starts it again): idle, it costs about a sixth of a core (measured
+    2026-12-03), which the serve tests and the model and pure tiers after it need.
+
+    Each node serves Prometheus metrics on its own port (metrics_ports),
+    reported every second instead of Ray's default ten."""
+
+    def __init__(self):
+        self._cluster = None
+        self._ports: list[int] = []
+
+    @property
+    def address(self) -> str:
+        return self._started().address
+
+    @property
+    def metrics_ports(self) -> list[int]:
+        self._started()
+        return self._ports
+
+    def _started(self):
+        if self._cluster is None:
+            import ray
+            from ray.cluster_utils import Cluster
+
+            from orchestrator.cluster.connect import ray_environment
+
+            ray_environment()
+            ports = [free_port() for _ in range(3)]
+            cluster = Cluster(
+                initialize_head=True,
+                head_node_args={
+                    "num_cpus": 2, "object_store_memory": 100 * 1024**2, "include_dashboard": False,
+                    "metrics_export_port": ports[0], "_system_config": {"metrics_report_interval_ms": 1000},
+                },
+            )
+            for port in ports[1:]:
+                cluster.add_node(num_cpus=2, object_store_memory=100 * 1024**2, metrics_export_port=port)
+            cluster.wait_for_nodes()
+            ray.init(address=cluster.address, log_to_driver=False)
+            self._cluster, self._ports = cluster, ports
+        return self._cluster
+
+    def stop(self) -> None:
+        if self._cluster is not None:
+            import ray
+
+            ray.shutdown()
+            self._cluster.shutdown()
+            self._cluster = None
+
+
+SESSION_RAY = SessionRay()
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """One three-node Ray cluster on this machine for the whole test session.
+    """The session's Ray cluster (SessionRay), this process a driver of it."""
+    SESSION_RAY.address  # started before the test, not inside its timing
+    yield SESSION_RAY
+    SESSION_RAY.stop()
 
-    Each node serves Prometheus metrics on its own port (cluster.metrics_ports),
-    reported every second instead of Ray's default ten."""
-    import ray
-    from ray.cluster_utils import Cluster
 
-    from orchestrator.cluster.connect import ray_environment
-
-    ray_environment()
-    ports = [free_port() for _ in range(3)]
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 2, "object_store_memory": 100 * 1024**2, "include_dashboard": False,
-            "metrics_export_port": ports[0], "_system_config": {"metrics_report_interval_ms": 1000},
-        },
-    )
-    for port in ports[1:]:
-        cluster.add_node(num_cpus=2, object_store_memory=100 * 1024**2, metrics_export_port=port)
-    cluster.wait_for_nodes()
-    cluster.metrics_ports = ports
-    ray.init(address=cluster.address, log_to_driver=False)
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
+@pytest.hookimpl(trylast=True)  # after the test's own fixtures are torn down (they may hold actors)
+def pytest_runtest_teardown(item, nextitem):
+    if nextitem is None or Path(nextitem.path) not in CLUSTER_FILES:
+        SESSION_RAY.stop()
 
 
 TIERS = ("pure", "model", "ray", "hosts")  # pytest markers, described in pyproject.toml
 SCHEDULE_ORDER = ("hosts", "ray", "model", "pure")
+CLUSTER_FILES: set[Path] = set()  # the test files that use the session's Ray cluster (SessionRay)
 TESTS = Path(__file__).parent
 
 
@@ -197,5 +240,8 @@ def pytest_collection_modifyitems(config, items):
             + ", ".join(f"tests/{tier}/" for tier in TIERS) + "; see pyproject.toml), and no other tier's marker; "
             "these do not:\n" + "\n".join(problems)
         )
-    # the longest tiers first, so that the many short pure files fill both workers at the end
-    items.sort(key=lambda item: SCHEDULE_ORDER.index(directory_tier(Path(item.path))))
+    # the longest tiers first, so that the many short pure files fill both workers at the end; in a
+    # tier, the files on the session's Ray cluster first, so that it stops once they are done
+    CLUSTER_FILES.update(Path(item.path) for item in items if "ray_cluster" in item.fixturenames)
+    items.sort(key=lambda item: (SCHEDULE_ORDER.index(directory_tier(Path(item.path))),
+                                 Path(item.path) not in CLUSTER_FILES))
