@@ -306,6 +306,33 @@ def test_more_choices_than_the_server_can_ever_hold_are_refused_not_queued():
         service.close(drain_seconds=1)
 
 
+def test_cancelling_one_choice_ends_it_and_lets_the_others_finish():
+    """A stop string ends its own choice only (cancel_choice); cancel ends every choice."""
+    model = CountingModel(gated=True)
+    service = Service(model, lambda token: False, settings(max_sequences=4))
+    ends: dict[int, list[Progress]] = {0: [], 1: [], 2: []}
+    finished = threading.Semaphore(0)
+
+    def sink(progress: Progress) -> None:
+        ends[progress.choice].append(progress)
+        if progress.finished is not None:
+            finished.release()
+
+    prompt = [3, 1, 4]
+    number = service.submit(ServiceRequest(prompt, 20, SamplingSettings(), choices=3), sink)
+    wait_for(lambda: len(model.passes) == 1)  # the prompt's pass
+    service.cancel_choice(number, 1)
+    for _ in range(200):
+        model.gate.release()
+    for _ in range(3):
+        assert finished.acquire(timeout=10)
+    service.close(drain_seconds=1)
+    tokens = {choice: [token for event in events for token in event.tokens] for choice, events in ends.items()}
+    assert [ends[choice][-1].finished for choice in range(3)] == ["length", "cancelled", "length"]
+    assert tokens[0] == tokens[2] == alone(prompt, 20)  # greedy: every choice the same
+    assert tokens[1] == alone(prompt, 20)[:len(tokens[1])] and len(tokens[1]) < 20
+
+
 def test_choices_of_one_request_wait_for_its_prompt_and_copy_it():
     """The service decides copies without a real model: the second and third
     choice wait for the first's prompt to be prefilled, then copy it all but
