@@ -29,7 +29,9 @@ sender's (computed over the source as it is read: the prefix a resumed
 transfer skips is read and hashed, not sent). A refused file is deleted and
 the driver starts it again from zero, once. An interrupted transfer leaves
 the ``.partial`` for the next run to resume; a lock file keeps two transfers
-of one file apart.
+of one file apart. A socket may stay silent for TRANSFER_IDLE_SECONDS, but
+before the first bytes of a resumed transfer both sides read the prefix the
+node holds, so those may take longer (``resume_wait_seconds``).
 
 Plain classes (``StageReceiver``, ``send_stage``) do the work; the Ray actor
 (``_receiver_actor_class``) and ``ship_stages`` are the shell.
@@ -65,6 +67,8 @@ if TYPE_CHECKING:
 
 STAGE_CACHE_VARIABLE = "SPECPIPE_STAGE_CACHE"
 TRANSFER_IDLE_SECONDS = 60.0  # the longest a transfer's socket may stay silent
+# A resumed transfer starts with each side reading the prefix the node holds (resume_wait_seconds):
+SLOWEST_PREFIX_READ = 20 * 1024**2  # bytes a second: the slowest such read waited for (a source over the network)
 RESULT_MARGIN_SECONDS = 10.0  # past the receiver's own deadline, for Ray's answer
 LOOPBACK = "127.0.0.1"
 DIGEST_REFUSED = "its SHA-256 differs from the sender's"
@@ -82,6 +86,15 @@ class ShippingError(SpecpipeError):
 
 class DigestRefused(ShippingError):
     """The node deleted the file it received: its SHA-256 was not the sender's (ship_stage sends it again)."""
+
+
+def resume_wait_seconds(offset: int) -> float:
+    """How long the first bytes of a transfer resumed at ``offset`` may take.
+    Before them the sender reads the ``offset`` bytes the node holds from its
+    source to hash them (from a remote source: over the network), while the
+    receiver reads them back from its partial file: either side may wait for
+    the other's read, longer than an idle socket is allowed."""
+    return TRANSFER_IDLE_SECONDS + offset / SLOWEST_PREFIX_READ
 
 
 def transfer_role(stage_index: int) -> str:
@@ -236,6 +249,7 @@ class StageReceiver(CachedStageFile):
         offset = _receive_frame(sock, "offset", int)
         if offset not in (0, held):
             raise ShippingError(f"the sender asked to start at byte {offset}; this node holds {held}")
+        sock.settimeout(resume_wait_seconds(offset))  # the sender reads what this node holds first
         digest = self.append(offset, self._from_socket(sock, self.size - offset))
         expected = _receive_frame(sock, "sha256", bytes)
         if expected != digest.digest():
@@ -251,6 +265,7 @@ class StageReceiver(CachedStageFile):
             count = sock.recv_into(view)
             if count == 0:
                 raise ShippingError(f"the sender closed the connection with {remaining} bytes to go")
+            sock.settimeout(TRANSFER_IDLE_SECONDS)
             yield view[:count]
             remaining -= count
             self.received += count
@@ -277,6 +292,7 @@ def send_stage(sock: socket.socket, image: StageImage, progress: Callable[[int],
         return Sent(size, 0)
     offset = held if 0 <= held <= size else 0
     _send_frame(sock, {"offset": offset})
+    sock.settimeout(resume_wait_seconds(offset))  # the receiver reads back what it holds first
     digest = hashlib.sha256()
     position = 0
     for chunk in image.chunks(0):
@@ -284,6 +300,7 @@ def send_stage(sock: socket.socket, image: StageImage, progress: Callable[[int],
         digest.update(chunk)
         if end > offset:
             sock.sendall(memoryview(chunk)[max(0, offset - position):])
+            sock.settimeout(TRANSFER_IDLE_SECONDS)
             progress(end)
         position = end
     _send_frame(sock, {"sha256": digest.digest()})

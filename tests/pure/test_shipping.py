@@ -9,10 +9,12 @@ import hashlib
 import socket
 import struct
 import threading
+import time
 
 import msgpack
 import pytest
 
+from orchestrator.cluster import shipping
 from orchestrator.cluster.shipping import (
     DIGEST_REFUSED,
     DigestRefused,
@@ -112,6 +114,56 @@ def test_an_interrupted_transfer_resumes_where_it_stopped(tmp_path, image):
     sent, path = transfer(resumed, image)
     assert (sent.offset, sent.bytes_sent) == (1_000_003, image.size - 1_000_003)
     assert resumed.received == image.size - 1_000_003
+    assert path.read_bytes() == image_bytes(image)
+
+
+HELD = 1_000_003  # bytes an interrupted transfer left on the node
+
+
+class SlowSource:
+    """The image read as from a slow remote source: 0.2 s for each 64 KiB of its first HELD bytes."""
+
+    def __init__(self, image: StageImage):
+        self.image, self.size = image, image.size
+
+    def chunks(self, start: int = 0):
+        position = start
+        for chunk in self.image.chunks(start, chunk_bytes=64 * 1024):
+            if position < HELD:
+                time.sleep(0.2)
+            position += len(chunk)
+            yield chunk
+
+
+class SlowDisk(StageReceiver):
+    """A receiver reading back its partial file slowly: 0.2 s for each 64 KiB."""
+
+    def append(self, offset, chunks, on_read_back=lambda count: None):
+        return super().append(offset, chunks, lambda count: time.sleep(0.2))
+
+
+@pytest.fixture
+def slow_resume(tmp_path, image, monkeypatch):
+    """HELD bytes on the node; a socket may stay idle 2 s, and the first bytes
+    of a resume at HELD 2 s + HELD at 0.4 MB/s (4.5 s); the receiver reads back in 64 KiB pieces."""
+    monkeypatch.setattr(shipping, "TRANSFER_IDLE_SECONDS", 2.0)
+    monkeypatch.setattr(shipping, "SLOWEST_PREFIX_READ", 400_000)
+    monkeypatch.setattr(shipping, "CHUNK_BYTES", 64 * 1024)
+    interrupted(receiver(tmp_path, image), image, HELD)
+
+
+def test_a_resume_waits_for_the_sender_to_read_what_the_node_holds(tmp_path, image, slow_resume):
+    """The sender hashes the HELD bytes from its source (3.2 s) before its first byte."""
+    sent, path = transfer(receiver(tmp_path, image), SlowSource(image))
+    assert (sent.offset, sent.bytes_sent) == (HELD, image.size - HELD)
+    assert path.read_bytes() == image_bytes(image)
+
+
+def test_a_resume_waits_for_the_receiver_to_read_back_what_it_holds(tmp_path, image, slow_resume):
+    """The sender's first bytes wait while the node reads back the HELD bytes (3.2 s)."""
+    resumed = SlowDisk(tmp_path / "cache", CacheEntry(FINGERPRINT, (0, 15), 30, 0), image.size)
+    sent, path = transfer(resumed, image)
+    assert (sent.offset, sent.bytes_sent) == (HELD, image.size - HELD)
     assert path.read_bytes() == image_bytes(image)
 
 
