@@ -50,7 +50,9 @@ class ModelSource(click.ParamType):
     name = "PATH|hf:ORG/REPO[/FILE.gguf|:QUANT][@REVISION]"
 
     def convert(self, value, param, ctx):
-        if isinstance(value, str) and value.startswith("hf:"):
+        from orchestrator.sources.hub_reference import is_hub_source
+
+        if isinstance(value, str) and is_hub_source(value):
             return value
         return click.Path(exists=True, dir_okay=False, path_type=Path).convert(value, param, ctx)
 

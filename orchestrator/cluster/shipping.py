@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING
 import msgpack
 
 from orchestrator.config import ACTOR_START_SECONDS, CONNECT_SECONDS, cache_dir
-from orchestrator.transport.handshake import HandshakeError, accept_peer, connect_peer
+from orchestrator.transport.handshake import accept_peer, connect_peer
 from orchestrator.planning.cluster_split import NodeMemory
 from stages.errors import SpecpipeError
 from stages.gguf_file import ModelFile
@@ -416,7 +416,7 @@ def ship_stage(image: StageImage, entry: CacheEntry, node: NodeMemory, schedulin
     from orchestrator.cluster.connect import one_line
 
     started = time.monotonic()
-    where = f"stage {entry.stage_index} on node {node.address} ({node.node_id[:8]})"
+    where = stage_on_node(entry.stage_index, node)
     for attempt in range(2):
         actor = _receiver_actor_class().options(scheduling_strategy=scheduling_strategy).remote(
             entry, image.size, secret, loopback, certificate)
@@ -436,15 +436,18 @@ def ship_stage(image: StageImage, entry: CacheEntry, node: NodeMemory, schedulin
             if attempt == 0:
                 continue
             raise ShippingError(f"{where}: its file could not be shipped: {error}") from None
-        except ShippingError as error:
-            raise ShippingError(f"{where}: its file could not be shipped: {error}") from None
-        except (HandshakeError, SpecpipeError) as error:  # a source read for it too (--model hf:...)
+        except SpecpipeError as error:  # ShippingError, HandshakeError, a source read for it (--model hf:...)
             raise ShippingError(f"{where}: its file could not be shipped: {error}") from None
         except OSError as error:
             raise ShippingError(f"{where}: the transfer failed: {error.strerror or error}") from None
         finally:
             ray.kill(actor)
     raise AssertionError("unreachable")
+
+
+def stage_on_node(stage_index: int, node: NodeMemory) -> str:
+    """Where a stage goes, as messages name it."""
+    return f"stage {stage_index} on node {node.address} ({node.node_id[:8]})"
 
 
 def _send_to(image: StageImage, host: str, port: int, stage_index: int, secret: bytes,
@@ -513,7 +516,7 @@ def _fetch_on_nodes(entries: dict, images: dict, nodes: list[NodeMemory], reserv
 
     started = time.monotonic()
     jobs = [FetchJob(entry, images[index], reservation.scheduling_strategy(index),
-                     f"stage {index} on node {nodes[index].address} ({nodes[index].node_id[:8]})")
+                     stage_on_node(index, nodes[index]))
             for index, entry in entries.items()]
     fetched, unreachable = fetch_stages(jobs, progress)
     seconds = time.monotonic() - started

@@ -16,7 +16,7 @@ from urllib.parse import quote
 
 from orchestrator.sources.hub_reference import (HubReference, SourceReferenceError, choose_file, is_hub_source,
                                                 parse_reference, shard_names)
-from orchestrator.sources.remote_file import RemoteFile, SourceError
+from orchestrator.sources.remote_file import RemoteFile, SourceError, status_problem
 from stages.gguf_file import ModelFile, read_model, read_model_files
 
 METADATA_SECONDS = 20.0  # the longest one question to the Hub may take
@@ -53,13 +53,8 @@ def _http_problem(reference: HubReference, error: Exception) -> SourceError:
     """One line for a failed question to the Hub."""
     response = getattr(error, "response", None)
     status = getattr(response, "status_code", None)
-    if status in (401, 403):
-        return SourceError(f"{reference}: no access (HTTP {status}); set HF_TOKEN to a token that may read the repo "
-                           "(a private or gated repo; the Hub also answers 401 for a repo that does not exist)")
-    if status == 404:
-        return SourceError(f"{reference}: no such repo, revision or file (HTTP 404)")
     if status is not None:
-        return SourceError(f"{reference}: the Hub answered HTTP {status}")
+        return SourceError(f"{reference}: {status_problem(status)}")
     from huggingface_hub import constants
 
     return SourceError(f"{reference}: cannot reach {constants.ENDPOINT} ({type(error).__name__}: "
@@ -120,6 +115,4 @@ def _cached_first_file(reference: HubReference) -> Path:
                  for name in names]
     except (LocalEntryNotFoundError, FileNotFoundError):
         raise SourceError(f"{reference}: HF_HUB_OFFLINE is set and huggingface_hub's cache has no copy of it") from None
-    except SourceReferenceError:
-        raise
     return Path(paths[0])

@@ -69,9 +69,11 @@ class RemoteFile:
         return RangeReader(self)
 
 
-def _status_problem(status: int) -> str:
+def status_problem(status: int) -> str:
+    """What an HTTP status from the Hub (or a file it serves) means, for a one-line error."""
     if status in (401, 403):
-        return f"no access (HTTP {status}); set HF_TOKEN to a token that may read it"
+        return (f"no access (HTTP {status}); set HF_TOKEN to a token that may read the repo (a private or gated "
+                "repo; the Hub also answers 401 for a repo that does not exist)")
     if status == 404:
         return "no such repo, revision or file (HTTP 404)"
     if status == 200:
@@ -131,7 +133,7 @@ class RangeReader:
             if 500 <= response.status_code < 600 or response.status_code == 429:
                 raise httpx2.RemoteProtocolError(f"HTTP {response.status_code}")  # worth asking again
             if response.status_code != 206:
-                raise SourceError(f"{self.remote}: {_status_problem(response.status_code)}")
+                raise SourceError(f"{self.remote}: {status_problem(response.status_code)}")
             expected = f"bytes {low}-{end - 1}/{self.remote.size}"
             if response.headers.get("Content-Range") != expected:
                 raise SourceError(f"{self.remote}: asked for {expected}, the server sent "
