@@ -338,6 +338,21 @@ class SequenceState:
         return self.max_tokens - self.generated - 1
 
     @property
+    def speculation_room(self) -> int:
+        """Tokens a drafter may still add to the speculation (the speculation
+        budget): no further than the tokens the sequence may still produce
+        (its last token is always the target's own), nor than the next two
+        windows can take: the windows in flight feed the text up to some
+        position, and when the oldest comes back the next window and one
+        started ahead of it are submitted at once, each one token and at most
+        draft_max drafts. Drafting further is never verified before the
+        drafters are asked again."""
+        fed = max((window.first + window.main_rows for window in self.in_flight if not window.prompt),
+                  default=len(self.committed) - 1)
+        usable = min(fed + 2 * (1 + self.draft_max), self.prompt_length + self.max_tokens - 1)
+        return max(0, usable - len(self.text))
+
+    @property
     def drafts_wanted(self) -> int:
         """Drafts its next window may carry: the policy's limit, within the room left."""
         return max(0, min(self.draft_limit, self.room))

@@ -294,6 +294,33 @@ def _real_loop(schedule: str, texts: list[str], draft_max: int = 6):
     return generations, target.submitted
 
 
+def test_relayed_drafters_are_never_asked_past_the_tokens_a_request_may_still_produce():
+    """The speculation budget in the loop: every ask of a relayed drafter names
+    at most the tokens still wanted after its context (the last one the target's own)."""
+    from fakes import TraceDrafter, truth_target
+    from orchestrator.decoding.drafting import Drafting
+    from orchestrator.decoding.loop import Request, generate_many
+    from orchestrator.decoding.schedule import Schedule
+
+    class Asked(TraceDrafter):
+        asks: list[tuple[int, int | None]] = []
+
+        def speculate(self, context, most=None):
+            self.asks.append((len(context), most))
+            super().speculate(context, most)
+
+    trace, prompt, max_tokens = DraftTrace.from_text(TRACES[0]), [5, 6, 7, 5, 6], 12
+    truth = prompt + [10 + position for position in range(trace.end)] + [END_TOKEN]
+    drafters = [Asked(truth, len(prompt), trace, 6) for _ in range(2)]
+    drafting = Drafting(drafters, Schedule.ASYNC, 6, step=pass_step(FlatCosts(2)))
+    (generation,) = generate_many(truth_target([truth]), [Request(prompt, max_tokens, SamplingSettings(), drafting)],
+                                  lambda token: token == END_TOKEN)
+    assert generation.tokens == truth[len(prompt):len(prompt) + max_tokens]
+    assert Asked.asks and all(most is not None and length + most <= len(prompt) + max_tokens - 1
+                              for length, most in Asked.asks), Asked.asks
+    assert any(most < 6 for _, most in Asked.asks)  # the budget, not draft_max, bounded some asks
+
+
 def _assert_same_decisions(real, simulated) -> None:
     stats = real.speculation
     assert simulated.tokens == len(real.tokens)

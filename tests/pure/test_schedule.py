@@ -39,6 +39,21 @@ def test_a_window_never_carries_more_drafts_than_tokens_still_wanted():
     assert sequence.first_window().drafts == (4,)
 
 
+def test_drafters_never_speculate_past_the_tokens_still_wanted_nor_past_the_next_window():
+    """The speculation budget: what a relayed drafter may still add."""
+    assert state(max_tokens=50).speculation_room == 9  # nothing in flight: two windows of 1 + draft_max
+    assert state(max_tokens=3).speculation_room == 1  # 1 generated, 2 more: the last is the target's own
+    assert state(max_tokens=1).speculation_room == 0
+    sequence = state(speculation=[4, 5, 6, 7, 8, 9, 10])
+    sequence.first_window()  # feeds positions 2..6: the next two windows feed positions 7..16
+    assert sequence.speculation_room == 7  # the text may reach 17 tokens and holds 10
+    sequence.on_a_roll = True
+    ahead = sequence.window_ahead()
+    assert ahead.inputs == (8, 9, 10) and sequence.speculation_room == 10  # fed to position 9 now
+    long = state(speculation=list(range(4, 24)), max_tokens=50)
+    assert long.speculation_room == 0  # already further than the next window can take
+
+
 def test_the_prompt_window_asks_only_for_its_last_rows_logits():
     sequence = SequenceState(0, [7, 8, 9, 10], 4, 10, Schedule.SYNC, 4, prompt_from=2)
     assert not sequence.drafts_first  # nothing to draft from before the prompt is through
