@@ -194,12 +194,12 @@ def run_scenario(
     step is held to (emulated figures), or None."""
     from benchmarks.reference import WholeModel
     from benchmarks.side_by_side import draft_steps
-    from orchestrator.cluster.drafters import DrafterSettings, start_drafters, stop_drafters
+    from orchestrator.cluster.drafters import stop_drafters
     from orchestrator.decoding.loop import generate
     from orchestrator.cluster.pipeline import Pipeline
     from speculators.sampling import SamplingSettings
     from orchestrator.decoding.drafting import SpeculationSettings
-    from orchestrator.run import make_drafting, speculator_factory
+    from orchestrator.run import draft_wait_cost, make_drafting, speculator_factory
     from stages.tokenizer import Tokenizer
     from stages.settings import StageSettings
     from stages.gguf_file import stage_info_of
@@ -230,8 +230,7 @@ def run_scenario(
         speculators = {kind: speculator_factory(SpeculationSettings(kind, draft if kind == "model" else None),
                                                 tokenizer, settings)
                        for kind in scenario.speculators}
-        drafters = {kind: start_drafters(pipeline, speculators[kind], DrafterSettings(draft_max=DRAFT_MAX))
-                    for kind in scenario.speculators}
+        drafters = start_kinds(pipeline, speculators)
         try:
             def run_mode(mode: str, prompt: list[int], max_tokens: int) -> Run:
                 if mode in ("whole", "whole-lookup"):
@@ -244,7 +243,7 @@ def run_scenario(
                 if mode.startswith("spec-"):
                     schedule, kind, tree = parse_mode(mode)
                     drafting = make_drafting(kind, drafters[kind], Schedule(schedule), DRAFT_MAX, speculators[kind],
-                                             steps[schedule == "async"], BENCH_TREE_LEAVES if tree else 1)
+                                             steps[schedule == "async"], BENCH_TREE_LEAVES if tree else 1, waits[kind])
                     if tree == "tree-all":  # side rows priced at nothing: every candidate is verified
                         drafting = dataclasses.replace(drafting, side_row_step=0.0)
                     clients = drafters[kind]
@@ -273,6 +272,10 @@ def run_scenario(
 
             # what a wider pass costs here, measured once per scenario as a run measures it, per pinning
             steps = draft_steps(pipeline)
+            pipeline.pin_stages(overlapping=False)
+            # what waiting for a draft token costs, in one-token passes, as a run measures it
+            waits = {kind: draft_wait_cost(kind, clients, prompts[0], pipeline.pass_costs()[0])
+                     for kind, clients in drafters.items()}
             for mode in modes:  # warm-up
                 run_mode(mode, prompts[0], 8)
             done = 0
@@ -303,8 +306,17 @@ def run_scenario(
     summary["stage_starts"] = [stage_info_of(path).first_block for path in stage_paths]
     summary["draft_max"] = DRAFT_MAX
     summary["draft_step"] = {"sync": steps[False], "async": steps[True]}  # the draft policy's measured batch cost
+    summary["draft_wait"] = waits  # per kind: a draft token's wait, in one-token passes
     summary["draft_traces"] = draft_traces(scenario, prompts, runs)
     return summary
+
+
+def start_kinds(pipeline, speculators: dict) -> dict:
+    """A set of drafters beside the stages for each speculator kind, named apart by kind."""
+    from orchestrator.cluster.drafters import DrafterSettings, start_drafters
+
+    return {kind: start_drafters(pipeline, make, DrafterSettings(draft_max=DRAFT_MAX), kind=kind)
+            for kind, make in speculators.items()}
 
 
 def draft_traces(scenario: Scenario, prompts: list[list[int]], runs: list[Run]) -> dict[str, list[str]]:

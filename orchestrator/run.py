@@ -174,17 +174,32 @@ def speculator_factory(settings: SpeculationSettings, tokenizer: Tokenizer, stag
 
 
 def make_drafting(kind: str, drafters: list, schedule: Schedule, draft_max: int, make_speculator,
-                  step: float = PRIOR_STEP, tree_leaves: int = 1) -> Drafting:
+                  step: float = PRIOR_STEP, tree_leaves: int = 1, draft_token_cost: float = 0.0) -> Drafting:
     """The Drafting of a run: prompt lookup is asked before a window in this
     process (no round trip; the actors beside the stages still relay in
     async), a draft model beside stage 0. step: Pipeline.draft_step's.
-    tree_leaves: prompt lookup's trees (a draft model drafts chains)."""
+    tree_leaves: prompt lookup's trees (a draft model drafts chains).
+    draft_token_cost: a draft model's wait per token (draft_wait_cost)."""
     from orchestrator.decoding.targets import InstantDrafter
 
     if kind == "ngram":
         return Drafting(drafters, schedule, draft_max, first=InstantDrafter(make_speculator(), draft_max),
                         call_cost=ask_cost(kind), step=step, tree_leaves=tree_leaves)
-    return Drafting(drafters, schedule, draft_max, call_cost=ask_cost(kind), step=step)
+    return Drafting(drafters, schedule, draft_max, call_cost=ask_cost(kind), step=step,
+                    draft_token_cost=draft_token_cost)
+
+
+def draft_wait_cost(kind: str, drafters: list, context: list[int], pass_seconds: float) -> float:
+    """What waiting for one draft token costs, in one-token passes: a draft
+    model's step, measured on the drafter beside stage 0 from ``context``,
+    over the one-token pass (Pipeline.pass_costs); prompt lookup in this
+    process, or a drafter that drafts nothing: 0."""
+    from orchestrator.cluster.drafters import draft_seconds_per_token
+
+    if kind != "model" or not drafters or pass_seconds <= 0:
+        return 0.0
+    seconds = draft_seconds_per_token(drafters[0], context)
+    return seconds / pass_seconds if seconds else 0.0
 
 
 def run_generation(
@@ -273,8 +288,10 @@ def _generate_through(pipeline: Pipeline, settings: RunSettings, prepared, resta
                             max_restarts=settings.max_restarts),
             on_restart=lambda index: restart_metrics.record("drafter", index),
         )
+        pass_seconds, step = pipeline.pass_costs()
         drafting = make_drafting(speculation.speculator, drafters, speculation.schedule, speculation.draft_max,
-                                 make_speculator, pipeline.draft_step(), speculation.tree_leaves)
+                                 make_speculator, step, speculation.tree_leaves,
+                                 draft_wait_cost(speculation.speculator, drafters, tokens, pass_seconds))
     live = GenerationMetrics()
     try:
         generation = generate(

@@ -23,8 +23,11 @@ online:
   starts (``step_from_timings`` over a few passes of 1 and of 8 tokens:
   ``Pipeline.draft_step``); the default is that 2026-11-30 figure's;
 * ``draft_token_cost``, what the loop waits for each draft token before a
-  pass (a draft model in the sync schedule: about its size over the
-  target's; prompt lookup: nothing);
+  pass when it waits for the drafting (a draft model's measured step over
+  the measured one-token pass: ``orchestrator.run``; prompt lookup: nothing).
+  Only awaited drafts are priced (``limit(awaited=True)``): every window's in
+  sync, in async only a window drafted after a rejection; drafts made on
+  idle machines while a pass runs cost the pass nothing;
 * ``call_cost``, what asking a drafter costs before a pass, whether it
   proposes anything or not (a drafter actor's round trip; nothing in process),
   weighed with the share of asks that got a proposal (``availability``).
@@ -141,24 +144,26 @@ class DraftPolicy:
             expected += reach
         return expected
 
-    def cost(self, drafts: int) -> float:
-        """The pass's cost with ``drafts`` drafts, in one-token passes."""
-        return 1.0 + (self.step + self.draft_token_cost) * drafts
+    def cost(self, drafts: int, awaited: bool = True) -> float:
+        """The pass's cost with ``drafts`` drafts, in one-token passes, with
+        the wait for drafting them (awaited) or without (drafted while hidden)."""
+        return 1.0 + (self.step + (self.draft_token_cost if awaited else 0.0)) * drafts
 
-    def rate(self, drafts: int) -> float:
+    def rate(self, drafts: int, awaited: bool = True) -> float:
         """Expected committed tokens per one-token pass of cost, drafting up to ``drafts``."""
         if drafts == 0:
             return 1.0
         available = self.availability
         return ((1.0 - available + available * self.expected_committed(drafts))
-                / (self.call_cost + 1.0 - available + available * self.cost(drafts)))
+                / (self.call_cost + 1.0 - available + available * self.cost(drafts, awaited)))
 
-    def limit(self) -> int:
-        """The draft length with the most committed tokens per second (0: none).
+    def limit(self, awaited: bool = True) -> int:
+        """The draft length with the most committed tokens per second (0: none),
+        for drafts the loop waits for (awaited) or drafted while a pass runs.
         With no evidence at all it is at least 1: the prior alone (1/2) would
         never draft once a wider pass costs half a pass or more, and nothing
         else could ever be learnt."""
-        rates = [self.rate(drafts) for drafts in range(self.maximum + 1)]
+        rates = [self.rate(drafts, awaited) for drafts in range(self.maximum + 1)]
         best = max(range(self.maximum + 1), key=lambda drafts: (rates[drafts], -drafts))
         return max(best, 1) if self.asked == 0 and self.reached[0] == 0 else best
 

@@ -232,13 +232,15 @@ class DrafterClient:
 
 
 def start_drafters(pipeline, make_speculator: Callable[[], Speculator], settings: DrafterSettings,
-                   on_restart: Callable[[int], None] | None = None) -> list[DrafterClient]:
+                   on_restart: Callable[[int], None] | None = None, kind: str = "") -> list[DrafterClient]:
     """One drafter actor beside each stage of ``pipeline``, connected to this process.
 
     A drafter that fails to start, or is lost later, is restarted in the
     background (settings.max_restarts); generation goes on without it meanwhile.
     Drafter ``index`` is named ``specpipe-drafter-<index>.<tag>`` with its
-    pipeline's stages' tag (connect.actor_name), each restart anew.
+    pipeline's stages' tag (connect.actor_name), each restart anew; with a
+    ``kind``, ``specpipe-drafter-<kind>-<index>.<tag>``, so several sets of
+    drafters (the bench's kinds) can stand beside one pipeline.
     """
     import ray
 
@@ -248,7 +250,7 @@ def start_drafters(pipeline, make_speculator: Callable[[], Speculator], settings
     launches = [0] * len(pipeline.stages)  # per drafter: its actors started so far
 
     def start(index: int):
-        name = actor_name("drafter", index, pipeline.actors.tag, launches[index])
+        name = actor_name(f"drafter-{kind}" if kind else "drafter", index, pipeline.actors.tag, launches[index])
         launches[index] += 1
         return actor_class.options(**pipeline.actor_options(index, num_cpus=0), name=name).remote(
             index, make_speculator, settings, pipeline.secret, pipeline.loopback, pipeline.certificate)
@@ -276,6 +278,20 @@ def start_drafters(pipeline, make_speculator: Callable[[], Speculator], settings
             client.lost_reason = f"did not start: {one_line(error)}"
             clients.append(client)
     return clients
+
+
+def draft_seconds_per_token(client: DrafterClient, context: list[int], tokens: int = 4) -> float | None:
+    """What one draft token of ``client`` takes, measured by its own clock
+    (DraftReply.busy_seconds): it first drafts a token from ``context`` (its
+    prefill, not counted), then ``tokens`` more one by one; None if it drafts nothing."""
+    client.speculate(context, 1)
+    first = client.collect(wait=True)
+    if not first:
+        return None
+    before = client.busy_seconds
+    client.speculate(context + first, tokens)
+    drafted = client.collect(wait=True)
+    return (client.busy_seconds - before) / len(drafted) if drafted else None
 
 
 def stop_drafters(clients: list[DrafterClient]) -> None:

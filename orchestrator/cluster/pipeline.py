@@ -185,6 +185,10 @@ class Pipeline:
         passes (speculators.draft_length.step_from_timings): passes of one and
         of ``batch`` tokens, wall time, in ``sequence``, which the next pass
         with keep 0 clears (a generation's first)."""
+        return self.pass_costs(batch, repetitions, sequence)[1]
+
+    def pass_costs(self, batch: int = 8, repetitions: int = 3, sequence: int = 0) -> tuple[float, float]:
+        """(the median one-token pass in seconds, draft_step's step), from the same passes."""
         from speculators.draft_length import step_from_timings
 
         timings: dict[int, list[float]] = {1: [], batch: []}
@@ -193,7 +197,8 @@ class Pipeline:
                 started = time.perf_counter()
                 self.forward(np.arange(tokens, dtype=np.int32), np.ones(tokens, np.int32), 0, sequence=sequence)
                 timings[tokens].append(time.perf_counter() - started)
-        return step_from_timings(timings[1][1:], timings[batch][1:], batch)
+        ones = sorted(timings[1][1:])
+        return ones[len(ones) // 2], step_from_timings(timings[1][1:], timings[batch][1:], batch)
 
     def submit(self, target_pass: TargetPass) -> None:
         """Start a pass (each window's ``sequence`` is its KV sequence in every

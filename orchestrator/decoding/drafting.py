@@ -80,6 +80,9 @@ class Drafting:
     and the schedule verifies the rows that pay.
     side_row_step: what the tree rule prices a side row at, in one-token
     passes (None: ``step``, as any row; the bench's tree-all mode: 0).
+    draft_token_cost: what waiting for one draft token costs, in one-token
+    passes (a draft model's measured step over the measured pass, orchestrator.run;
+    prompt lookup in process: 0); the draft policy prices awaited drafts by it.
     """
 
     drafters: Sequence[Drafter]
@@ -90,6 +93,7 @@ class Drafting:
     step: float = PRIOR_STEP
     tree_leaves: int = 1
     side_row_step: float | None = None
+    draft_token_cost: float = 0.0
 
     @property
     def drafter_first(self) -> Drafter:

@@ -302,9 +302,11 @@ class SequenceState:
     in_flight: deque[Window] = field(default_factory=deque)
     discards_pending: int = 0  # windows found invalid in flight, whose results are still to come
     draft_limit: int = 0  # the next window's most drafts: the policy's choice after every verified window
+    awaited_limit: int = 0  # async: ... when nothing is speculated and the loop waits for the drafts
     policy: DraftPolicy | None = None  # speculators.draft_length; made from draft_max and the costs below
     draft_call_cost: float = DRAFTER_CALL_COST  # asking the drafter, in one-token passes (0: in process)
     draft_step: float = PRIOR_STEP  # each extra token of a pass, in one-token passes (measured by a run)
+    draft_token_cost: float = 0.0  # waiting for one draft token, in one-token passes (measured by a run)
     on_a_roll: bool = False  # the last verified window accepted all its drafts
     tree_leaves: int = 1  # the most leaves a window's token tree may have (1: chains only)
     side_row_step: float | None = None  # what the tree rule prices a side row at (None: draft_step)
@@ -321,8 +323,18 @@ class SequenceState:
             raise ValueError("draft_max must be at least 1")
         if self.tree_leaves < 1:
             raise ValueError("tree_leaves must be at least 1")
-        self.policy = self.policy or DraftPolicy(self.draft_max, step=self.draft_step, call_cost=self.draft_call_cost)
-        self.draft_limit = self.draft_limit or self.policy.limit()
+        self.policy = self.policy or DraftPolicy(self.draft_max, step=self.draft_step, call_cost=self.draft_call_cost,
+                                                 draft_token_cost=self.draft_token_cost)
+        if not self.draft_limit:
+            self._choose_limits()
+        self.awaited_limit = self.awaited_limit or self.draft_limit
+
+    def _choose_limits(self) -> None:
+        """The policy's draft lengths for the next window: sync waits for
+        every draft; async drafts while passes run (draft_limit) and waits only
+        when nothing is speculated, at the start and after a rejection (awaited_limit)."""
+        self.awaited_limit = self.policy.limit(awaited=True)
+        self.draft_limit = self.policy.limit(awaited=False) if self.schedule.relays else self.awaited_limit
 
     @property
     def text(self) -> list[int]:
@@ -354,8 +366,10 @@ class SequenceState:
 
     @property
     def drafts_wanted(self) -> int:
-        """Drafts its next window may carry: the policy's limit, within the room left."""
-        return max(0, min(self.draft_limit, self.room))
+        """Drafts its next window may carry: the policy's limit, within the room
+        left; awaited drafts (nothing speculated, or sync) priced with their wait."""
+        limit = self.awaited_limit if self.schedule.relays and not self.speculation else self.draft_limit
+        return max(0, min(limit, self.room))
 
     @property
     def prefilling(self) -> bool:
@@ -519,7 +533,7 @@ class SequenceState:
             self.on_a_roll = bool(drafts) and accepted == len(drafts) == len(path)
             if self.schedule.speculative:
                 self.policy.observe_window(len(drafts), accepted)
-                self.draft_limit = self.policy.limit()
+                self._choose_limits()
         committed = self._commit(new_tokens, is_end)
         if kept is not None:
             self.cached = min(kept, len(self.committed))

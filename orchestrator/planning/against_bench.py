@@ -123,7 +123,8 @@ def predict_scenario(profile: dict, scenario: dict, runs: int = RUNS, curve: Cos
             # the batch cost the run's draft policy measured (older results: from the costs)
             step = scenario.get("draft_step", {}).get(schedule)
             mode = Mode(schedule, scenario["draft_max"], call_cost=ask_cost(kind), step=step,
-                        tree_leaves=BENCH_TREE_LEAVES if tree else 1, side_row_step=0.0 if tree == "tree-all" else None)
+                        tree_leaves=BENCH_TREE_LEAVES if tree else 1, side_row_step=0.0 if tree == "tree-all" else None,
+                        draft_token_cost=scenario.get("draft_wait", {}).get(kind))  # as the run priced a draft's wait
             try:
                 traces = [DraftTrace.from_text(text) for text in scenario.get("draft_traces", {}).get(kind, [])]
             except ValueError as error:

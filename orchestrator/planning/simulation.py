@@ -232,6 +232,7 @@ class Mode:
     step: float | None = None
     tree_leaves: int = 1  # above 1: prompt lookup's token trees (from a trace's forks)
     side_row_step: float | None = None  # the tree rule's price of a side row (None: the step)
+    draft_token_cost: float | None = None  # waiting for a draft token (None: from the costs, ``wait_cost``)
 
     def __post_init__(self):
         object.__setattr__(self, "schedule", Schedule(self.schedule))
@@ -507,15 +508,22 @@ class _Timekeeper(Listener):
             self.last_token_time = self.clock.now
 
 
+def _pass_seconds(costs: PipelineCosts, tokens: int) -> float:
+    """The wall time of a pass of ``tokens`` tokens: its hops and stages."""
+    return (sum(costs.hop_seconds(hop, tokens) for hop in range(costs.stage_count + 1))
+            + sum(costs.stage_seconds(stage, tokens) for stage in range(costs.stage_count)))
+
+
 def pass_step(costs: PipelineCosts, batch: int = 8) -> float:
     """What each extra token costs a pass of the pipeline, in one-token passes,
-    as Pipeline.draft_step measures it: the wall time of a pass (its hops and
-    stages) of ``batch`` tokens against one of a single token."""
-    def pass_seconds(tokens: int) -> float:
-        return (sum(costs.hop_seconds(hop, tokens) for hop in range(costs.stage_count + 1))
-                + sum(costs.stage_seconds(stage, tokens) for stage in range(costs.stage_count)))
+    as Pipeline.draft_step measures it: a pass of ``batch`` tokens against one of a single token."""
+    return step_from_timings([_pass_seconds(costs, 1)], [_pass_seconds(costs, batch)], batch)
 
-    return step_from_timings([pass_seconds(1)], [pass_seconds(batch)], batch)
+
+def wait_cost(costs: PipelineCosts) -> float:
+    """What waiting for one draft token of the drafter beside stage 0 costs,
+    in one-token passes of the pipeline, as a run prices it (orchestrator.run.draft_wait_cost)."""
+    return costs.draft_seconds(0) / _pass_seconds(costs, 1)
 
 
 def _target_tokens(window, end: int | None) -> list[int]:
@@ -554,6 +562,7 @@ def simulate_many(costs: PipelineCosts, mode: Mode, workloads: list[DraftOutcome
     clock = _Clock()
     target = _SimulatedTarget(costs, clock)
     step = pass_step(costs) if mode.step is None else mode.step
+    wait = wait_cost(costs) if mode.draft_token_cost is None else mode.draft_token_cost
     ends = [workload.end for workload in workloads]
     loop = DecodingLoop(target, _is_end, choose=lambda reply, window, rows: _target_tokens(window, ends[window.sequence]))
     keepers = []
@@ -562,10 +571,10 @@ def simulate_many(costs: PipelineCosts, mode: Mode, workloads: list[DraftOutcome
         drafters = [_SimulatedDrafter(clock, costs.draft_seconds(machine), costs.draft_call_seconds(), mode.draft_max,
                                       workload, rng) for machine in range(costs.stage_count)]
         drafting = Drafting(drafters, mode.schedule, mode.draft_max, call_cost=mode.call_cost, step=step,
-                            tree_leaves=tree_leaves, side_row_step=mode.side_row_step)
+                            tree_leaves=tree_leaves, side_row_step=mode.side_row_step, draft_token_cost=wait)
         state = SequenceState(index, [_TRUE], 0, max_tokens, mode.schedule, mode.draft_max,
                               draft_call_cost=mode.call_cost, draft_step=step, tree_leaves=tree_leaves,
-                              side_row_step=mode.side_row_step)
+                              side_row_step=mode.side_row_step, draft_token_cost=wait)
         for drafter in drafters:
             drafter.state = state
         keepers.append(_Timekeeper(costs, clock))

@@ -204,9 +204,10 @@ def test_a_draft_model_kind_with_a_hyphen_is_priced_with_its_timing_and_the_acto
     predicted = predict_scenario(measured, scenario, runs=3)
     assert [(one.mode, one.from_rates, one.from_trace) for one in predicted] == expected(measured, scenario, 3)
     assert [one.behaviour for one in predicted] == [DraftBehaviour(0.9, 1.0, 0.8, 1.0)] * 2  # both from the sync row
-    # the actor's call cost changes the draft policy's choices: a cost of 0 would predict otherwise
+    # the actor's call cost and the draft's wait change the draft policy's choices: pricing neither predicts otherwise
     costs = costs_of(measured, (0, 10, 20), 0.004)
-    free_calls = predict(costs, Mode("sync", 4, call_cost=0.0), DraftBehaviour(0.9, 1.0, 0.8, 1.0), 33, 3)
+    free_calls = predict(costs, Mode("sync", 4, call_cost=0.0, draft_token_cost=0.0), DraftBehaviour(0.9, 1.0, 0.8, 1.0),
+                         33, 3)
     assert predicted[0].from_rates != free_calls.tokens_per_second
 
 

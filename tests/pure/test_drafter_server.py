@@ -130,3 +130,32 @@ def test_a_drafter_whose_connection_closes_is_dropped():
     assert not client.alive and client.lost_reason
     client.speculate([1, 2, 1])
     assert client.collect() == []
+
+
+class PrefillingSpeculator(fakes.ScriptedSpeculator):
+    """Right; a context it has not seen costs PREFILL seconds, each token after it STEP."""
+
+    PREFILL, STEP = 1.0, 0.01
+
+    def __init__(self, truth):
+        super().__init__(truth, set())
+        self.seen = 0
+
+    def extend(self, context):
+        time.sleep(self.STEP if len(context) == self.seen + 1 else self.PREFILL)
+        self.seen = len(context)
+        return super().extend(context)
+
+
+def test_a_draft_token_is_timed_after_the_prefill_of_its_context():
+    """The draft's step that prices awaited drafts (orchestrator.run.draft_wait_cost)
+    leaves out the prefill of the prompt: a sleep of a second, against a step of 10 ms."""
+    from orchestrator.cluster.drafters import draft_seconds_per_token
+    from orchestrator.run import draft_wait_cost
+
+    server, client = serve(functools.partial(PrefillingSpeculator, TRUTH), draft_max=8)
+    seconds = draft_seconds_per_token(client, TRUTH[:10])
+    assert PrefillingSpeculator.STEP <= seconds < PrefillingSpeculator.PREFILL / 8  # counted over 4 tokens
+    assert draft_wait_cost("ngram", [client], TRUTH[:10], 0.1) == 0.0  # prompt lookup in process: no wait
+    assert PrefillingSpeculator.STEP / 0.1 <= draft_wait_cost("model", [client], TRUTH[:20], 0.1) < 1.25
+    client.close()

@@ -54,6 +54,26 @@ def test_drafters_never_speculate_past_the_tokens_still_wanted_nor_past_the_next
     assert long.speculation_room == 0  # already further than the next window can take
 
 
+def test_awaited_drafts_are_priced_with_their_wait_and_drafts_made_while_passes_run_are_not():
+    """A draft model's step is a quarter of a pass: sync waits for every draft,
+    async only when nothing is speculated (its start, after a rejection)."""
+    def fresh(schedule, cost):
+        return SequenceState(0, [1, 2, 3], 2, 50, schedule, 8, draft_step=0.0, draft_token_cost=cost)
+
+    free, sync, asynchronous = fresh(Schedule.SYNC, 0.0), fresh(Schedule.SYNC, 0.25), fresh(Schedule.ASYNC, 0.25)
+    for sequence in (free, sync, asynchronous):  # short runs of right drafts, on a flat pass
+        for _ in range(12):
+            for accepted in (0, 1, 2):
+                sequence.policy.observe_window(8, accepted)
+        sequence._choose_limits()
+    assert sync.draft_limit < free.draft_limit == 8  # waiting a quarter of a pass a draft: shorter windows
+    assert sync.drafts_wanted == sync.awaited_limit == sync.draft_limit
+    assert asynchronous.draft_limit == 8 and asynchronous.awaited_limit == sync.draft_limit
+    assert asynchronous.drafts_first and asynchronous.drafts_wanted == sync.draft_limit  # nothing speculated: it waits
+    asynchronous.drafted([4] * 8)
+    assert asynchronous.drafts_wanted == 8  # relayed drafts cost the pass nothing
+
+
 def test_the_prompt_window_asks_only_for_its_last_rows_logits():
     sequence = SequenceState(0, [7, 8, 9, 10], 4, 10, Schedule.SYNC, 4, prompt_from=2)
     assert not sequence.drafts_first  # nothing to draft from before the prompt is through

@@ -68,3 +68,21 @@ def test_stage_and_drafter_actors_are_named_per_pipeline_and_anew_on_a_restart(r
             assert f"specpipe-stage-1.{tag}" not in alive and f"specpipe-drafter-0.{tag}" not in alive
         finally:
             stop_drafters(drafters)
+
+
+def test_the_bench_starts_a_set_of_drafters_per_speculator_kind_beside_one_pipeline(ray_cluster, splits):
+    """Two kinds in a scenario (speculators = ["model", "ngram"]) failed with
+    ActorAlreadyExistsError: both sets were named specpipe-drafter-<i>.<tag>."""
+    from benchmarks.suite import start_kinds
+    from speculators.prompt_lookup import PromptLookupSpeculator
+
+    with Pipeline(splits[2], SETTINGS) as pipeline:
+        kinds = start_kinds(pipeline, {"model": OUT_OF_VOCABULARY, "ngram": PromptLookupSpeculator})
+        try:
+            assert all(client.alive for clients in kinds.values() for client in clients), kinds
+            alive = alive_named_actors()
+            for kind in ("model", "ngram"):
+                assert expected(f"drafter-{kind}", pipeline.actors.tag, 2, "DrafterActor").items() <= alive.items()
+        finally:
+            for clients in kinds.values():
+                stop_drafters(clients)
