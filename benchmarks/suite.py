@@ -181,6 +181,20 @@ def _stage_paths(scenario: Scenario, workdir: Path) -> tuple[str, list[str]]:
     return model, paths
 
 
+def draft_of(scenario: Scenario, model: str, workdir: Path) -> str:
+    """The draft model of a scenario: "default" the model itself (a check of
+    the machinery: it agrees on every token), "requantized:TYPE" the model
+    requantized (benchmarks.drafts: a draft of realistic agreement, made in
+    ``workdir``), else a path."""
+    from benchmarks.drafts import PREFIX, realistic_draft
+
+    if scenario.draft == "default":
+        return model
+    if scenario.draft.startswith(PREFIX):
+        return realistic_draft(model, workdir, scenario.draft[len(PREFIX):])
+    return scenario.draft
+
+
 def prompts_of(tokenizer, scenario: Scenario) -> list[list[int]]:
     """A scenario's prompts as tokens (in the chat template if it says so)."""
     return [tokenizer.chat_prompt(text) if scenario.chat else tokenizer.tokenize(text) for text in scenario.prompts]
@@ -212,7 +226,7 @@ def run_scenario(
     prompts = prompts_of(tokenizer, scenario)
     whole = WholeModel(model)
     whole_lookup = WholeModel(model, prompt_lookup_tokens=DRAFT_MAX)
-    draft = model if scenario.draft == "default" else scenario.draft
+    draft = draft_of(scenario, model, workdir)
     modes = ["whole", "whole-lookup", "pipeline"] + speculative_modes(scenario.speculators) + peer_modes(scenario)
     runs: list[Run] = []
     total = scenario.repetitions * len(prompts) * len(modes)
@@ -308,6 +322,12 @@ def run_scenario(
     summary["draft_step"] = {"sync": steps[False], "async": steps[True]}  # the draft policy's measured batch cost
     summary["draft_wait"] = waits  # per kind: a draft token's wait, in one-token passes
     summary["draft_traces"] = draft_traces(scenario, prompts, runs)
+    if "model" in scenario.speculators:  # the draft's per-token acceptance along the whole model's greedy text
+        from benchmarks.drafts import agreement
+
+        outputs = {run.prompt_index: run.tokens for run in runs if run.mode == "whole" and run.repetition == 0}
+        summary["draft"] = {"path": draft, "agreement": agreement(draft, [(prompt, outputs[index])
+                                                                           for index, prompt in enumerate(prompts)])}
     return summary
 
 

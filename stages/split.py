@@ -96,11 +96,10 @@ def _stage_tensors(model: ModelFile, first: int, end: int) -> list[tuple[str, Te
     return selected
 
 
-def stage_file_image(plan: SplitPlan, stage_index: int, *, as_stage: bool = True) -> StageImage:
-    """The bytes of stage ``stage_index``'s file (stages.stage_image): as a
-    stage file, or (as_stage False) as a whole model of its own."""
+def stage_file_image(plan: SplitPlan, stage_index: int) -> StageImage:
+    """The bytes of stage ``stage_index``'s file (stages.stage_image)."""
     tensors = _stage_tensors(plan.model, *plan.ranges[stage_index])
-    return stage_image(plan.model, plan.ranges, stage_index, tensors, as_stage=as_stage)
+    return stage_image(plan.model, plan.ranges, stage_index, tensors)
 
 
 def split_model(
@@ -154,11 +153,3 @@ def split_model(
     for stage_index in stages_to_write:
         write_atomically(stage_file_image(plan, stage_index), output_paths[stage_index], advance)
     return plan
-
-
-def write_first_blocks(model_path: str | os.PathLike[str], output: str | os.PathLike[str], block_count: int) -> None:
-    """A whole model made of the first block_count blocks of another (with its
-    embedding, norm and head): a cheap, poor draft model of the same vocabulary."""
-    model = read_model(model_path)
-    plan = plan_split(model, 2, [block_count])
-    write_atomically(stage_file_image(plan, 0, as_stage=False), Path(output))

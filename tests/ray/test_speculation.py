@@ -1,9 +1,10 @@
 """Speculative decoding on the real model, through Ray: output never changes.
 
 SmolLM2 has no smaller sibling, so it drafts for itself (acceptance near 100 %:
-a check of the machinery) and a copy cut to its first 6 blocks drafts badly
-(a check of the rejection paths). Scripted drafters are wrong at chosen
-positions or fail on purpose (tests/fakes.py)."""
+a check of the machinery), and a copy requantized to Q4_0 drafts with
+realistic agreement (benchmarks.drafts: accepted and rejected within one
+generation). Scripted drafters are wrong at chosen positions or fail on
+purpose (tests/fakes.py)."""
 
 import functools
 import os
@@ -54,15 +55,6 @@ def tokenizer(splits):
     return Tokenizer(splits[2][0])
 
 
-@pytest.fixture(scope="module")
-def poor_draft(smollm2, tmp_path_factory):
-    from stages.split import write_first_blocks
-
-    path = tmp_path_factory.mktemp("draft") / "smollm2-first-6-blocks.gguf"
-    write_first_blocks(smollm2, path, 6)
-    return str(path)
-
-
 def decode(pipeline, tokenizer, prompt, sampling, drafters=None, schedule="sync", draft_max=6):
     drafting = Drafting(drafters, Schedule(schedule), draft_max) if drafters else None
     tokens = tokenizer.chat_prompt(prompt)
@@ -101,11 +93,11 @@ def test_model_as_its_own_draft_is_accepted_and_exact(pipelines, tokenizer, smol
     assert all(s.drafted_tokens > 0 and s.acceptance_rate == 1.0 for s in greedy)
 
 
-def test_poor_draft_is_rejected_and_still_exact(pipelines, tokenizer, poor_draft):
-    make = functools.partial(ModelSpeculator, poor_draft, n_ctx=1024)
+def test_a_draft_of_realistic_agreement_is_partly_rejected_and_still_exact(pipelines, tokenizer, realistic_draft):
+    make = functools.partial(ModelSpeculator, realistic_draft, n_ctx=1024)
     stats = assert_unchanged(pipelines[2], tokenizer, make, prompts=(OPEN,))
     assert all(s.drafted_tokens > 0 for s in stats)
-    assert sum(s.accepted_tokens for s in stats) < sum(s.drafted_tokens for s in stats)
+    assert 0 < sum(s.accepted_tokens for s in stats) < sum(s.drafted_tokens for s in stats)
 
 
 @pytest.mark.parametrize("stage_count", [2, 3])
