@@ -229,13 +229,13 @@ def speculation_options(overlap: bool):
 
     def decorate(command):
         @functools.wraps(command)
-        def wrapper(*args, speculator, draft_path, draft_max, draft_p_min, schedule, tree_leaves,
-                    draft_overlap=False, **kwargs):
+        def wrapper(*args, speculator, draft_path, draft_max, draft_p_min, schedule, tree_leaves, draft_device,
+                    draft_threads, draft_overlap=False, **kwargs):
             from orchestrator.decoding.drafting import SpeculationError, SpeculationSettings
 
             try:
                 speculation = SpeculationSettings(speculator, draft_path, Schedule(schedule), draft_max, draft_p_min,
-                                                  draft_overlap, tree_leaves)
+                                                  draft_overlap, tree_leaves, draft_device, draft_threads)
             except SpeculationError as error:
                 raise click.UsageError(str(error)) from None
             return command(*args, speculation=speculation, **kwargs)
@@ -251,6 +251,12 @@ def speculation_options(overlap: bool):
                          help="Most draft tokens per target pass."),
             click.option("--draft-p-min", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0),
                          help="A draft model stops drafting below this probability."),
+            click.option("--draft-device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto",
+                         show_default=True,
+                         help="Where a draft model computes on its machine: cpu (its cores, beside a stage on the "
+                              "GPU), gpu, or auto (the GPU where the llama.cpp build has one)."),
+            click.option("--draft-threads", type=click.IntRange(1, 1024),
+                         help="A draft model's CPU threads (default: the stages' --threads)."),
             click.option("--schedule", type=click.Choice([Schedule.ASYNC.value, Schedule.SYNC.value]),
                          default=Schedule.ASYNC.value, show_default=True,
                          help="async: draft on machines while their stage is idle, and start windows ahead; sync: "

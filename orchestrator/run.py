@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from orchestrator.cluster.connect import ray_session
 from orchestrator.config import MAX_RESTARTS
-from orchestrator.cluster.drafters import DrafterClient, DrafterSettings, start_drafters, stop_drafters
+from orchestrator.cluster.drafters import (DrafterClient, DrafterSettings, drafter_compute, start_drafters,
+                                          stop_drafters)
 from orchestrator.decoding.drafting import Drafting, SpeculationSettings
 from orchestrator.decoding.loop import Generation, generate
 from orchestrator.cluster.metrics import GenerationMetrics, RestartMetrics
@@ -49,13 +50,15 @@ class RunSettings:
 
 @dataclass(frozen=True)
 class SpeculatorReport:
-    """lost: why the drafter was last lost ("" if never); restarts: replacements that rejoined."""
+    """lost: why the drafter was last lost ("" if never); restarts: replacements that rejoined;
+    compute: where its draft model computes (DrafterServer.compute; None: prompt lookup, or no answer)."""
 
     index: int
     node_id: str
     busy_seconds: float
     lost: str
     restarts: int = 0
+    compute: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,7 @@ class RunOutcome:
             ],
             "speculators": [
                 {"index": report.index, "node": report.node_id, "busy_seconds": report.busy_seconds, "lost": report.lost,
-                 "restarts": report.restarts}
+                 "restarts": report.restarts, "compute": report.compute}
                 for report in self.speculators
             ],
             "shipped": [
@@ -167,7 +170,8 @@ def speculator_factory(settings: SpeculationSettings, tokenizer: Tokenizer, stag
     if settings.speculator == "model":
         check_draft_model(settings.draft_path, tokenizer)
         return functools.partial(
-            ModelSpeculator, settings.draft_path, p_min=settings.draft_p_min, n_ctx=stage.n_ctx, threads=stage.threads,
+            ModelSpeculator, settings.draft_path, p_min=settings.draft_p_min, n_ctx=stage.n_ctx,
+            threads=settings.draft_threads or stage.threads, device=settings.draft_device,
             step_seconds=stage.cost_curve.draft_seconds if stage.cost_curve else 0.0,
         )
     return None
@@ -301,7 +305,7 @@ def _generate_through(pipeline: Pipeline, settings: RunSettings, prepared, resta
         )
     finally:
         speculator_reports = [SpeculatorReport(client.index, client.node_id, client.busy_seconds, client.lost_reason,
-                                               client.restarts) for client in drafters]
+                                               client.restarts, drafter_compute(client)) for client in drafters]
         stop_drafters(drafters)
     curve = settings.stage.cost_curve
     return RunOutcome(text.finish(), generation, pipeline.reports(), speculator_reports, pipeline.hop_seconds,
@@ -322,4 +326,8 @@ def _prepare(settings: RunSettings, tokenizer: Tokenizer):
             f"{f' + --draft-max {drafts}' if drafts else ''} exceed the context of "
             f"{settings.stage.n_ctx} tokens; raise --n-ctx or lower --max-tokens"
         )
+    if settings.speculation.speculator == "model" and settings.address is None:
+        from speculators.model import draft_gpu_layers
+
+        draft_gpu_layers(settings.speculation.draft_device)  # a local run's drafters use this build: no GPU, no gpu
     return tokenizer, tokens, speculator_factory(settings.speculation, tokenizer, settings.stage)

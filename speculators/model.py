@@ -17,12 +17,34 @@ def common_prefix_length(first: Sequence[int], second: Sequence[int]) -> int:
     return length
 
 
-def load_draft_engine(path: str, *, n_ctx: int = 4096, threads: int = 1, sequences: int = 1):
-    """A draft model's engine, with ``sequences`` KV sequences (one per request it drafts for)."""
+DRAFT_DEVICES = ("auto", "cpu", "gpu")
+
+
+def draft_gpu_layers(device: str) -> int:
+    """n_gpu_layers of a draft model on ``device`` (--draft-device), for this
+    process's llama.cpp build: cpu none (the seed's setup: the target on the
+    GPU, its draft on the CPU cores beside it); gpu all, refused on a build
+    without a GPU; auto: all where the build has a GPU, else none."""
+    from stages.backend import detect
+    from stages.engine import StageError
+    from stages.settings import ALL_LAYERS
+
+    if device not in DRAFT_DEVICES:
+        raise StageError(f"unknown draft device {device!r} (choose {', '.join(DRAFT_DEVICES)})")
+    backend = detect()
+    if device == "gpu" and not backend.offloads:
+        raise StageError(f"--draft-device gpu: this llama.cpp build ({backend.name}) has no GPU")
+    return 0 if device == "cpu" or not backend.offloads else ALL_LAYERS
+
+
+def load_draft_engine(path: str, *, n_ctx: int = 4096, threads: int = 1, sequences: int = 1, device: str = "auto"):
+    """A draft model's engine on ``device`` (draft_gpu_layers), with
+    ``sequences`` KV sequences (one per request it drafts for)."""
     from stages.engine import StageEngine, StageError
     from stages.settings import StageSettings
 
-    engine = StageEngine(path, StageSettings(n_ctx=n_ctx, threads=threads, sequences=sequences))
+    engine = StageEngine(path, StageSettings(n_ctx=n_ctx, threads=threads, sequences=sequences,
+                                             n_gpu_layers=draft_gpu_layers(device)))
     if engine.stage_count != 1:
         engine.close()
         raise StageError(f"{path}: a draft model must be a whole model, not a stage file")
@@ -34,15 +56,16 @@ class ModelSpeculator:
 
     The draft model keeps its own KV cache of the tokens it has seen; a new
     context rolls it back to the common prefix and decodes only what is new.
-    ``ModelSpeculator(path)`` loads its own draft model; ``on(engine, sequence)``
+    ``ModelSpeculator(path)`` loads its own draft model (on ``device``,
+    load_draft_engine, with ``threads``); ``on(engine, sequence)``
     drafts in one KV sequence of a draft model shared by several requests.
     step_seconds: under an emulated cost curve (stages.cost_curve), the least
     time one step (one drafted token) takes; 0: as long as it really takes.
     """
 
     def __init__(self, path: str, *, p_min: float = 0.0, n_ctx: int = 4096, threads: int = 1,
-                 step_seconds: float = 0.0):
-        self._use(load_draft_engine(path, n_ctx=n_ctx, threads=threads), 0, p_min, step_seconds)
+                 step_seconds: float = 0.0, device: str = "auto"):
+        self._use(load_draft_engine(path, n_ctx=n_ctx, threads=threads, device=device), 0, p_min, step_seconds)
 
     @classmethod
     def on(cls, engine, sequence: int, p_min: float = 0.0, step_seconds: float = 0.0) -> ModelSpeculator:

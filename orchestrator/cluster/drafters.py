@@ -72,6 +72,9 @@ def _drafter_actor_class():
 
             return peak_rss_mb()
 
+        def compute(self) -> dict | None:
+            return self.server.compute()
+
         def process_id(self) -> int:
             import os
 
@@ -292,6 +295,18 @@ def draft_seconds_per_token(client: DrafterClient, context: list[int], tokens: i
     client.speculate(context + first, tokens)
     drafted = client.collect(wait=True)
     return (client.busy_seconds - before) / len(drafted) if drafted else None
+
+
+def drafter_compute(client: DrafterClient) -> dict | None:
+    """Where the client's drafter computes (DrafterServer.compute), or None if it does not answer."""
+    import ray
+
+    if client.actor is None or not client.alive:
+        return None
+    try:
+        return ray.get(client.actor.compute.remote(), timeout=DRAFTER_REPLY_SECONDS)
+    except ray.exceptions.RayError:
+        return None
 
 
 def stop_drafters(clients: list[DrafterClient]) -> None:

@@ -28,7 +28,10 @@ class SpeculationSettings:
     below this probability; overlap: draft even while the machine's own stage
     runs (drafter actors only).
     tree_leaves: above 1, prompt lookup drafts token trees of up to that many
-    leaves (speculators.tree) and every stage holds as many KV ids less one."""
+    leaves (speculators.tree) and every stage holds as many KV ids less one.
+    draft_device: where a draft model computes on its machine (cpu, gpu, or
+    auto: the GPU where the build has one; speculators.model.draft_gpu_layers);
+    draft_threads: its CPU threads (None: the stages' --threads)."""
 
     speculator: str = "none"
     draft_path: str | None = None
@@ -37,6 +40,8 @@ class SpeculationSettings:
     draft_p_min: float = 0.0
     overlap: bool = False
     tree_leaves: int = 1
+    draft_device: str = "auto"
+    draft_threads: int | None = None
 
     def __post_init__(self):
         if self.speculator not in SPECULATORS:
@@ -45,6 +50,10 @@ class SpeculationSettings:
             raise SpeculationError("--speculator model needs --draft DRAFT.gguf")
         if self.draft_path and self.speculator != "model":
             raise SpeculationError("--draft is only used with --speculator model")
+        if (self.draft_device != "auto" or self.draft_threads is not None) and self.speculator != "model":
+            raise SpeculationError("--draft-device and --draft-threads are only used with --speculator model")
+        if self.draft_threads is not None and self.draft_threads < 1:
+            raise SpeculationError(f"--draft-threads must be at least 1, not {self.draft_threads}")
         if self.tree_leaves > 1 and self.speculator != "ngram":
             raise SpeculationError("--tree-leaves needs --speculator ngram (prompt lookup drafts the trees)")
 

@@ -165,7 +165,8 @@ class Coordinator:
             return lambda sequence: PromptLookupSpeculator()
         if speculation.speculator == "model":
             self.draft_engine = load_draft_engine(speculation.draft_path, n_ctx=settings.stage.n_ctx + speculation.draft_max,
-                                                  threads=settings.stage.threads, sequences=settings.stage.sequences)
+                                                  threads=speculation.draft_threads or settings.stage.threads,
+                                                  sequences=settings.stage.sequences, device=speculation.draft_device)
             engine, p_min = self.draft_engine, speculation.draft_p_min
             step = settings.stage.cost_curve.draft_seconds if settings.stage.cost_curve else 0.0
             return lambda sequence: ModelSpeculator.on(engine, sequence, p_min, step)
@@ -307,9 +308,11 @@ def prepare(settings: ServeSettings) -> ServeSettings:
     speculation = settings.speculation
     if speculation.speculator == "model":  # checked here: a bad draft fails before Ray starts
         from orchestrator.cluster.model_files import check_draft_model
+        from speculators.model import draft_gpu_layers
         from stages.tokenizer import Tokenizer
 
         check_draft_model(speculation.draft_path, Tokenizer(vocabulary_path))
+        draft_gpu_layers(speculation.draft_device)  # the draft runs in this process's build: a GPU it lacks is refused
     if speculation.tree_leaves > 1:  # a stage holds a tree's branches beside one sequence only (stages.engine)
         if settings.stage.sequences > 1:
             raise ServeError("token trees (--tree-leaves) need --max-sequences 1")

@@ -71,6 +71,12 @@ class DrafterServer:
         threading.Thread(target=self._draft_loop, name="drafting", daemon=True).start()
         threading.Thread(target=self._serve, name="drafter-socket", daemon=True).start()
 
+    def compute(self) -> dict | None:
+        """Where a draft model computes (its threads, backend, devices, layers
+        on a GPU: stages.backend.StageCompute); None for a speculator without one."""
+        engine = getattr(self.speculator, "engine", None)
+        return None if engine is None else {"threads": engine.settings.threads, **engine.compute.record()}
+
     @property
     def stalled(self) -> bool:
         """A synchronous wait timed out and no token has been produced since."""

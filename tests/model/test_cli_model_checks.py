@@ -3,6 +3,8 @@ the checks that refuse a run (a draft model of another vocabulary, a context too
 
 from pathlib import Path
 
+import pytest
+
 from conftest import orchestrate
 
 
@@ -34,3 +36,16 @@ def test_the_context_check_counts_drafts_only_when_speculating(smollm2):
     too_long = orchestrate(*common[:-1], "40")
     assert too_long.returncode == 1 and "exceed the context of 40 tokens" in too_long.stderr
     assert "--draft-max" not in too_long.stderr
+
+
+def test_a_draft_on_a_gpu_this_build_lacks_is_refused_in_one_line(splits, smollm2):
+    """--draft-device gpu on the CPU build: one line before anything runs (a local run's drafters use this build)."""
+    from stages.backend import detect
+
+    if detect().offloads:
+        pytest.skip("a GPU build has a GPU for the draft")
+    result = orchestrate("run", "--model-split", *splits[2], "--prompt", "hi", "--speculator", "model", "--draft",
+                         smollm2, "--draft-device", "gpu")
+    assert result.returncode == 1 and result.stderr.strip().splitlines() == [
+        "error: --draft-device gpu: this llama.cpp build (cpu) has no GPU"], result.stderr
+

@@ -103,6 +103,23 @@ def test_run_with_speculation_reports_its_figures(splits, orchestrate_on_cluster
     assert all(entry["lost"] == "" for entry in speculative["speculators"])
 
 
+def test_a_draft_model_on_the_cpu_with_its_own_threads_beside_every_stage_keeps_the_whole_models_tokens(
+        splits, reference, realistic_draft, orchestrate_on_cluster):
+    """--draft-device cpu --draft-threads 1 (the seed's setup: the draft on the CPU cores beside
+    a stage), a drafter beside each of 2 stages; each says where it computed (--json)."""
+    prompt = PROMPTS[1]
+    result = orchestrate_on_cluster("run", "--model-split", *splits[2], "--prompt", prompt, "--max-tokens", "24",
+                                    "--json", "--speculator", "model", "--draft", realistic_draft,
+                                    "--draft-device", "cpu", "--draft-threads", "1", "--threads", "2")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["tokens"] == reference.greedy(reference.tokenize(prompt), 24).tokens
+    assert 0 < report["accepted_tokens"] and report["acceptance_rate"] < 1  # a draft, not the target itself
+    computes = [entry["compute"] for entry in report["speculators"]]
+    assert len(computes) == 2 and all(entry["lost"] == "" for entry in report["speculators"])
+    assert all(compute["threads"] == 1 and compute["offloaded_layers"] == 0 for compute in computes), computes
+
+
 def test_a_run_under_an_emulated_cost_curve_keeps_its_tokens_and_lasts_the_curve(splits, reference, tmp_path,
                                                                                    orchestrate_on_cluster):
     """--cost-curve (a curve file, 40 ms a pass whatever its width): prompt
