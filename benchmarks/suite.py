@@ -208,12 +208,12 @@ def run_scenario(
     step is held to (emulated figures), or None."""
     from benchmarks.reference import WholeModel
     from benchmarks.side_by_side import draft_steps
-    from orchestrator.cluster.drafters import stop_drafters
     from orchestrator.decoding.loop import generate
     from orchestrator.cluster.pipeline import Pipeline
     from speculators.sampling import SamplingSettings
     from orchestrator.decoding.drafting import SpeculationSettings
-    from orchestrator.run import draft_wait_cost, make_drafting, speculator_factory
+    from orchestrator.cluster.drafters import draft_wait_cost, speculator_factory, stop_drafters
+    from orchestrator.run import make_drafting
     from stages.tokenizer import Tokenizer
     from stages.settings import StageSettings
     from stages.gguf_file import stage_info_of

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from orchestrator.cluster.connect import ray_session
 from orchestrator.config import MAX_RESTARTS
-from orchestrator.cluster.drafters import (DrafterClient, DrafterSettings, drafter_compute, start_drafters,
-                                          stop_drafters)
+from orchestrator.cluster.drafters import (DrafterClient, DrafterSettings, draft_wait_cost, drafter_compute,
+                                          speculator_factory, start_drafters, stop_drafters)
 from orchestrator.decoding.drafting import Drafting, SpeculationSettings
 from orchestrator.decoding.loop import Generation, generate
 from orchestrator.cluster.metrics import GenerationMetrics, RestartMetrics
@@ -18,7 +17,7 @@ from orchestrator.cluster.pipeline import Pipeline, StageReport, StageRestart
 from orchestrator.decoding.schedule import Schedule
 from orchestrator.cluster.shipping import Shipment
 from stages.tokenizer import Tokenizer
-from orchestrator.cluster.model_files import (RunError, WholeModelSettings, check_draft_model, check_same_model,
+from orchestrator.cluster.model_files import (RunError, WholeModelSettings, check_same_model,
                                               local_vocabulary_file, whole_model_stages)
 from speculators.draft_length import PRIOR_STEP, ask_cost
 from speculators.sampling import SamplingSettings
@@ -157,26 +156,6 @@ def prompt_tokens(tokenizer: Tokenizer, prompt: str, chat: bool) -> list[int]:
     return tokenizer.chat_prompt(prompt) if chat else tokenizer.tokenize(prompt)
 
 
-def speculator_factory(settings: SpeculationSettings, tokenizer: Tokenizer, stage: StageSettings):
-    """A picklable function building the speculator inside each drafter actor.
-
-    Checks a draft model before anything runs: it must exist and share the
-    target's vocabulary token for token."""
-    from speculators.model import ModelSpeculator
-    from speculators.prompt_lookup import PromptLookupSpeculator
-
-    if settings.speculator == "ngram":
-        return PromptLookupSpeculator
-    if settings.speculator == "model":
-        check_draft_model(settings.draft_path, tokenizer)
-        return functools.partial(
-            ModelSpeculator, settings.draft_path, p_min=settings.draft_p_min, n_ctx=stage.n_ctx,
-            threads=settings.draft_threads or stage.threads, device=settings.draft_device,
-            step_seconds=stage.cost_curve.draft_seconds if stage.cost_curve else 0.0,
-        )
-    return None
-
-
 def make_drafting(kind: str, drafters: list, schedule: Schedule, draft_max: int, make_speculator,
                   step: float = PRIOR_STEP, tree_leaves: int = 1, draft_token_cost: float = 0.0) -> Drafting:
     """The Drafting of a run: prompt lookup is asked before a window in this
@@ -191,19 +170,6 @@ def make_drafting(kind: str, drafters: list, schedule: Schedule, draft_max: int,
                         call_cost=ask_cost(kind), step=step, tree_leaves=tree_leaves)
     return Drafting(drafters, schedule, draft_max, call_cost=ask_cost(kind), step=step,
                     draft_token_cost=draft_token_cost)
-
-
-def draft_wait_cost(kind: str, drafters: list, context: list[int], pass_seconds: float) -> float:
-    """What waiting for one draft token costs, in one-token passes: a draft
-    model's step, measured on the drafter beside stage 0 from ``context``,
-    over the one-token pass (Pipeline.pass_costs); prompt lookup in this
-    process, or a drafter that drafts nothing: 0."""
-    from orchestrator.cluster.drafters import draft_seconds_per_token
-
-    if kind != "model" or not drafters or pass_seconds <= 0:
-        return 0.0
-    seconds = draft_seconds_per_token(drafters[0], context)
-    return seconds / pass_seconds if seconds else 0.0
 
 
 def run_generation(

@@ -57,15 +57,21 @@ class ModelSpeculator:
     The draft model keeps its own KV cache of the tokens it has seen; a new
     context rolls it back to the common prefix and decodes only what is new.
     ``ModelSpeculator(path)`` loads its own draft model (on ``device``,
-    load_draft_engine, with ``threads``); ``on(engine, sequence)``
+    load_draft_engine, with ``threads`` and ``sequences`` KV sequences, the
+    others drafted in by its ``sibling``s); ``on(engine, sequence)``
     drafts in one KV sequence of a draft model shared by several requests.
     step_seconds: under an emulated cost curve (stages.cost_curve), the least
     time one step (one drafted token) takes; 0: as long as it really takes.
     """
 
     def __init__(self, path: str, *, p_min: float = 0.0, n_ctx: int = 4096, threads: int = 1,
-                 step_seconds: float = 0.0, device: str = "auto"):
-        self._use(load_draft_engine(path, n_ctx=n_ctx, threads=threads, device=device), 0, p_min, step_seconds)
+                 step_seconds: float = 0.0, device: str = "auto", sequences: int = 1):
+        engine = load_draft_engine(path, n_ctx=n_ctx, threads=threads, device=device, sequences=sequences)
+        self._use(engine, 0, p_min, step_seconds)
+
+    def sibling(self, sequence: int) -> ModelSpeculator:
+        """A speculator drafting in KV sequence ``sequence`` of this one's draft model."""
+        return ModelSpeculator.on(self.engine, sequence, self.p_min, self.step_seconds)
 
     @classmethod
     def on(cls, engine, sequence: int, p_min: float = 0.0, step_seconds: float = 0.0) -> ModelSpeculator:

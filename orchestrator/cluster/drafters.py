@@ -11,6 +11,7 @@ only ever change the speed, never the output.
 
 from __future__ import annotations
 
+import functools
 import socket
 import threading
 from collections.abc import Callable
@@ -38,12 +39,14 @@ class DrafterSettings:
     """draft_max: most tokens drafted per request (--draft-max).
     overlap: keep drafting while the machine's own stage runs (--draft-overlap).
     wait_seconds: how long a synchronous request may wait for the draft to finish.
-    max_restarts: how often a lost drafter is restarted (--max-restarts)."""
+    max_restarts: how often a lost drafter is restarted (--max-restarts).
+    sequences: the requests it drafts for at once, a KV sequence each (serve's --max-sequences)."""
 
     draft_max: int = DRAFT_MAX
     overlap: bool = False
     wait_seconds: float = DRAFTER_WAIT_SECONDS
     max_restarts: int = MAX_RESTARTS
+    sequences: int = 1
 
 
 def _drafter_actor_class():
@@ -64,7 +67,7 @@ def _drafter_actor_class():
             self.server = DrafterServer(
                 make_speculator, self.host,
                 draft_max=settings.draft_max, overlap=settings.overlap, wait_seconds=settings.wait_seconds,
-                secret=secret, certificate=certificate, index=index,
+                secret=secret, certificate=certificate, index=index, sequences=settings.sequences,
             )
 
         def peak_rss_mb(self) -> float:
@@ -108,8 +111,8 @@ class DrafterClient:
         self.n_vocab = n_vocab
         self.draft_max = draft_max
         self._sock = sock
-        self._epoch = 0
-        self._speculating = False
+        self._epochs: dict[int, int] = {}  # by KV sequence: its latest request's number
+        self._speculating: set[int] = set()  # KV sequences asked to draft and not collected since
         self._busy_earlier = 0.0  # drafting seconds of the drafters this one replaced
         self.busy_seconds = 0.0
         self.last_error = ""
@@ -136,7 +139,7 @@ class DrafterClient:
         if self._sock is not None:
             self._sock.close()
         self._sock = None
-        self._speculating = False
+        self._speculating.clear()
         self._restart_in_background()
 
     def _restart_in_background(self) -> None:
@@ -178,33 +181,38 @@ class DrafterClient:
         if self._on_restart is not None:
             self._on_restart(self.index)
 
-    def speculate(self, context: list[int], most: int | None = None) -> None:
+    def for_sequence(self, sequence: int) -> SequenceDrafter:
+        """This drafter as one request's (its KV sequence ``sequence``): the loop's Drafter."""
+        return SequenceDrafter(self, sequence)
+
+    def speculate(self, context: list[int], most: int | None = None, sequence: int = 0) -> None:
         """Ask the drafter to extend context (committed text + speculation) from
-        now on, by at most ``most`` tokens (None: up to draft_max)."""
+        now on, by at most ``most`` tokens (None: up to draft_max), in KV sequence ``sequence``."""
         self._rejoin()
         if self._sock is None:
             return
-        self._epoch += 1
+        epoch = self._epochs[sequence] = self._epochs.get(sequence, 0) + 1
         try:
-            wire.send_message(self._sock, SpeculateFrom(self._epoch, np.asarray(context, dtype=np.int32), most or 0))
-            self._speculating = True
+            wire.send_message(self._sock, SpeculateFrom(epoch, np.asarray(context, dtype=np.int32), most or 0, sequence))
+            self._speculating.add(sequence)
         except OSError as error:
             self._lose(f"send failed: {error}")
 
-    def collect(self, wait: bool = False) -> list[int]:
-        """The tokens drafted since the last speculate (best effort); [] if none or lost."""
-        if self._sock is None or not self._speculating:
+    def collect(self, wait: bool = False, sequence: int = 0) -> list[int]:
+        """The tokens drafted since the last speculate of ``sequence`` (best effort); [] if none or lost."""
+        if self._sock is None or sequence not in self._speculating:
             return []
-        self._speculating = False
+        self._speculating.discard(sequence)
+        epoch = self._epochs[sequence]
         try:
-            wire.send_message(self._sock, CollectDraft(self._epoch, wait))
+            wire.send_message(self._sock, CollectDraft(epoch, wait, sequence))
             self._sock.settimeout(DRAFTER_REPLY_SECONDS)
             reply = wire.receive_message(self._sock)
             self._sock.settimeout(None)
         except (OSError, wire.ConnectionClosed, wire.ProtocolError) as error:
             self._lose(f"no reply: {error or type(error).__name__}")
             return []
-        if not isinstance(reply, DraftReply) or reply.epoch != self._epoch:
+        if not isinstance(reply, DraftReply) or reply.epoch != epoch or reply.sequence != sequence:
             self._lose(f"unexpected reply {reply!r:.100}")
             return []
         tokens = reply.tokens
@@ -232,6 +240,21 @@ class DrafterClient:
                 pass
             self._sock.close()
             self._sock = None
+
+
+class SequenceDrafter:
+    """One request's view of a drafter shared by a service's requests: its
+    speculate and collect name the request's KV sequence (the loop's Drafter)."""
+
+    def __init__(self, client: DrafterClient, sequence: int):
+        self.client = client
+        self.sequence = sequence
+
+    def speculate(self, context: list[int], most: int | None = None) -> None:
+        self.client.speculate(context, most, self.sequence)
+
+    def collect(self, wait: bool = False) -> list[int]:
+        return self.client.collect(wait, self.sequence)
 
 
 def start_drafters(pipeline, make_speculator: Callable[[], Speculator], settings: DrafterSettings,
@@ -307,6 +330,41 @@ def drafter_compute(client: DrafterClient) -> dict | None:
         return ray.get(client.actor.compute.remote(), timeout=DRAFTER_REPLY_SECONDS)
     except ray.exceptions.RayError:
         return None
+
+
+def speculator_factory(settings, tokenizer, stage, sequences: int = 1, spare_context: int = 0):
+    """A picklable function building the speculator inside each drafter actor
+    (settings: a SpeculationSettings; stage: the stages' StageSettings): prompt
+    lookup, or a draft model with ``sequences`` KV sequences of the stages'
+    context plus ``spare_context``; None without a speculator.
+
+    Checks a draft model before anything runs: it must exist and share the
+    target's vocabulary token for token."""
+    from speculators.model import ModelSpeculator
+    from speculators.prompt_lookup import PromptLookupSpeculator
+    from orchestrator.cluster.model_files import check_draft_model
+
+    if settings.speculator == "ngram":
+        return PromptLookupSpeculator
+    if settings.speculator == "model":
+        check_draft_model(settings.draft_path, tokenizer)
+        return functools.partial(
+            ModelSpeculator, settings.draft_path, p_min=settings.draft_p_min, n_ctx=stage.n_ctx + spare_context,
+            threads=settings.draft_threads or stage.threads, device=settings.draft_device, sequences=sequences,
+            step_seconds=stage.cost_curve.draft_seconds if stage.cost_curve else 0.0,
+        )
+    return None
+
+
+def draft_wait_cost(kind: str, drafters: list[DrafterClient], context: list[int], pass_seconds: float) -> float:
+    """What waiting for one draft token costs, in one-token passes: a draft
+    model's step, measured on the drafter beside stage 0 from ``context``,
+    over the one-token pass (Pipeline.pass_costs); prompt lookup in this
+    process, or a drafter that drafts nothing: 0."""
+    if kind != "model" or not drafters or pass_seconds <= 0:
+        return 0.0
+    seconds = draft_seconds_per_token(drafters[0], context)
+    return seconds / pass_seconds if seconds else 0.0
 
 
 def stop_drafters(clients: list[DrafterClient]) -> None:

@@ -38,7 +38,7 @@ import heapq
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from orchestrator.decoding.drafting import Drafting
@@ -46,8 +46,8 @@ from orchestrator.decoding.drafting import Drafting
 from orchestrator.decoding.loop import Decoding, DecodingLoop, Listener, sequence_state
 from orchestrator.decoding.prefix_cache import PREFIX_BLOCK, PrefixCache, PrefixHit, common_prefix
 from orchestrator.decoding.schedule import Batching, Schedule, SequenceState, Window
-from orchestrator.decoding.targets import InstantDrafter, Target
-from speculators.draft_length import PRIOR_STEP
+from orchestrator.decoding.targets import Drafter, InstantDrafter, Target
+from speculators.draft_length import DRAFTER_CALL_COST, PRIOR_STEP
 from speculators.logprobs import TokenLogprobs
 from speculators.sampling import SamplingSettings, choice_sampling
 from stages.errors import SpecpipeError
@@ -111,8 +111,13 @@ class ServiceSettings:
     """max_sequences: requests decoded at once (each holds a KV sequence in every stage).
     queue_limit: requests waiting for a free sequence before new ones are refused.
     context: positions of one sequence (prompt + generated + a window of drafts).
-    speculator: builds the speculator of a request from its KV sequence id (a
-    draft model drafts in that sequence of its own cache), or None: no drafting.
+    speculator: builds the speculator of a request from its KV sequence id,
+    asked in this process (prompt lookup: microseconds a token, where asking
+    an actor costs a round trip); drafters: or the drafters of a request, one
+    beside each stage, from its KV sequence id (a draft model drafts in that
+    sequence of each machine's engine); neither: no drafting.
+    draft_token_cost: what waiting for one draft token costs, in one-token
+    passes (drafting.Drafting: a draft model's measured step).
     draft_max: the most drafts a window carries.
     schedule: sync or async (orchestrator.decoding.schedule), with a speculator.
     stage_count: the target's stages; async drafting relays along them.
@@ -132,6 +137,8 @@ class ServiceSettings:
     queue_limit: int
     context: int
     speculator: Callable[[int], object] | None = None
+    drafters: Callable[[int], Sequence[Drafter]] | None = None
+    draft_token_cost: float = 0.0
     draft_max: int = 8
     schedule: Schedule = Schedule.SYNC
     stage_count: int = 1
@@ -146,17 +153,25 @@ class ServiceSettings:
             return None
         return PrefixCache(range(self.max_sequences, self.max_sequences + self.prefix_sequences), self.prefix_tokens)
 
+    @property
+    def drafts(self) -> bool:
+        return self.speculator is not None or self.drafters is not None
+
     def drafting(self, sequence: int) -> Drafting | None:
-        """How the request in KV sequence ``sequence`` drafts: its speculator
-        asked in this process, before a window and (async) at every stage boundary."""
+        """How the request in KV sequence ``sequence`` drafts: its drafters
+        beside the stages, or its speculator asked in this process, before a
+        window and (async) at every stage boundary."""
+        step = PRIOR_STEP if self.batch_step is None else self.batch_step
+        if self.drafters is not None:
+            return Drafting(self.drafters(sequence), self.schedule, self.draft_max, call_cost=DRAFTER_CALL_COST,
+                            step=step, draft_token_cost=self.draft_token_cost)
         if self.speculator is None:
             return None
         speculator = self.speculator(sequence)
         first = InstantDrafter(speculator, self.draft_max)
         machines = [InstantDrafter(speculator, self.draft_max) for _ in range(self.stage_count)]
         return Drafting(machines, self.schedule, self.draft_max, first=first, call_cost=0.0,
-                        step=PRIOR_STEP if self.batch_step is None else self.batch_step,
-                        tree_leaves=self.tree_leaves, side_row_step=self.side_row_step)
+                        step=step, tree_leaves=self.tree_leaves, side_row_step=self.side_row_step)
 
 
 class ServiceObserver:
@@ -269,7 +284,7 @@ class Service:
             return number
 
     def _check(self, request: ServiceRequest) -> None:
-        needed = len(request.prompt_tokens) + request.max_tokens + (self.settings.draft_max if self.settings.speculator else 0)
+        needed = len(request.prompt_tokens) + request.max_tokens + (self.settings.draft_max if self.settings.drafts else 0)
         if not request.prompt_tokens:
             raise ServiceError("the prompt is empty")
         if request.max_tokens < 1:
@@ -280,7 +295,7 @@ class Service:
         if needed > self.settings.context:
             raise RequestTooLong(
                 f"the prompt ({len(request.prompt_tokens)} tokens) + max_tokens ({request.max_tokens})"
-                f"{' + a window of drafts' if self.settings.speculator else ''} exceed the context of "
+                f"{' + a window of drafts' if self.settings.drafts else ''} exceed the context of "
                 f"{self.settings.context} tokens"
             )
 

@@ -44,7 +44,7 @@ class Backend:
     """What the app serves: the service, the tokenizer, the model's name, one
     sequence's context, the drafts a window may add, and how to read each
     stage's load (an async function returning a pipeline.StageLoad per stage, None for one that
-    does not answer)."""
+    does not answer), and the drafters beside the stages (a function returning a record each)."""
 
     service: Service
     tokenizer: TokenizerLike
@@ -53,6 +53,7 @@ class Backend:
     draft_room: int
     stage_load: Any = None
     api_key: str | None = None
+    drafters: Any = None
 
 
 class GenerationFailed(Exception):
@@ -94,6 +95,7 @@ def build_app(backend: Backend) -> FastAPI:
                         "sequences_per_pass": round(stage.windows / stage.passes, 2) if stage.passes else None,
                         **(stage.compute.record() if stage.compute else {})}
                        for stage in stages],
+            "drafters": [] if backend.drafters is None else backend.drafters(),
         }
         return JSONResponse(body, status_code=503 if backend.service.failure else 200)
 

@@ -111,6 +111,7 @@ class Coordinator:
     """What the Serve replica holds: tokenizer, pipeline, service, and the app over them."""
 
     def __init__(self, settings: ServeSettings):
+        from orchestrator.cluster.drafters import stop_drafters
         from orchestrator.cluster.metrics import ServiceMetrics
         from orchestrator.serving.app import Backend
         from orchestrator.cluster.pipeline import Pipeline
@@ -120,7 +121,7 @@ class Coordinator:
 
         self.settings = settings
         tokenizer = Tokenizer(vocabulary_of(settings))
-        self.draft_engine = None
+        self.drafters: list = []
         from orchestrator.cluster.metrics import RestartMetrics
 
         restart_metrics = RestartMetrics()
@@ -131,46 +132,58 @@ class Coordinator:
                                  on_restart=lambda restart: restart_metrics.record("stage", restart.stage_index))
         try:
             check_same_model(vocabulary_of(settings), self.pipeline.stage_files)
+            # the pass cost measured here (or under --cost-curve, the curve's): batching follows it
+            pass_seconds, batch_step = self.pipeline.pass_costs(sequence=0)
+            drafters, draft_token_cost = self._drafters(tokenizer, pass_seconds, restart_metrics)
             self.service = Service(
                 self.pipeline, tokenizer.is_end,
                 ServiceSettings(
                     max_sequences=settings.stage.sequences, queue_limit=settings.queue_limit,
-                    context=settings.stage.n_ctx, speculator=self._speculator(), draft_max=speculation.draft_max,
+                    context=settings.stage.n_ctx, speculator=self._speculator(), drafters=drafters,
+                    draft_token_cost=draft_token_cost, draft_max=speculation.draft_max,
                     schedule=speculation.schedule, stage_count=len(settings.stage_paths),
-                    tree_leaves=speculation.tree_leaves,
-                    # the pass cost measured here (or under --cost-curve, the curve's): batching follows it
-                    batch_step=self.pipeline.draft_step(sequence=0),
+                    tree_leaves=speculation.tree_leaves, batch_step=batch_step,
                     prefix_sequences=settings.stage.prefix_sequences,
                     prefix_tokens=settings.prefix_cache_tokens or 0,
                 ),
                 observer=ServiceMetrics(),
             )
         except BaseException:
+            stop_drafters(self.drafters)
             self.pipeline.close()
-            if self.draft_engine is not None:
-                self.draft_engine.close()
             raise
         self.backend = Backend(self.service, tokenizer, settings.model_name, settings.stage.n_ctx, speculation.draft_room,
-                               stage_load=self.stage_load, api_key=settings.api_key)
+                               stage_load=self.stage_load, api_key=settings.api_key, drafters=self.drafter_health)
         self._closed = False
 
     def _speculator(self):
-        """Builds a request's speculator from its KV sequence id, or None (no drafting).
-        A draft model is loaded here once, with a KV sequence per request."""
-        from speculators.model import ModelSpeculator, load_draft_engine
+        """Prompt lookup's speculator of a request, from its KV sequence id,
+        asked here (microseconds a token; an actor's round trip would cost
+        more than it drafts), or None."""
         from speculators.prompt_lookup import PromptLookupSpeculator
 
-        settings, speculation = self.settings, self.settings.speculation
-        if speculation.speculator == "ngram":
+        if self.settings.speculation.speculator == "ngram":
             return lambda sequence: PromptLookupSpeculator()
-        if speculation.speculator == "model":
-            self.draft_engine = load_draft_engine(speculation.draft_path, n_ctx=settings.stage.n_ctx + speculation.draft_max,
-                                                  threads=speculation.draft_threads or settings.stage.threads,
-                                                  sequences=settings.stage.sequences, device=speculation.draft_device)
-            engine, p_min = self.draft_engine, speculation.draft_p_min
-            step = settings.stage.cost_curve.draft_seconds if settings.stage.cost_curve else 0.0
-            return lambda sequence: ModelSpeculator.on(engine, sequence, p_min, step)
         return None
+
+    def _drafters(self, tokenizer, pass_seconds: float, restart_metrics):
+        """A draft model's drafter actors, one beside every stage, each with a
+        KV sequence per request (run's actors, relayed by the same loop), and
+        the measured wait for one draft token; (None, 0) without a draft model."""
+        from orchestrator.cluster.drafters import DrafterSettings, draft_wait_cost, speculator_factory, start_drafters
+
+        settings, speculation = self.settings, self.settings.speculation
+        if speculation.speculator != "model":
+            return None, 0.0
+        make = speculator_factory(speculation, tokenizer, settings.stage, sequences=settings.stage.sequences,
+                                  spare_context=speculation.draft_max)
+        self.drafters = start_drafters(
+            self.pipeline, make, DrafterSettings(draft_max=speculation.draft_max, max_restarts=settings.max_restarts,
+                                                 sequences=settings.stage.sequences),
+            on_restart=lambda index: restart_metrics.record("drafter", index))
+        wait = draft_wait_cost("model", self.drafters, tokenizer.chat_prompt("Hello."), pass_seconds)
+        clients = self.drafters
+        return (lambda sequence: [client.for_sequence(sequence) for client in clients]), wait
 
     async def stage_load(self):
         """Each stage's StageLoad (KV cells, sequences, resident MiB, process,
@@ -182,6 +195,12 @@ class Coordinator:
         return [None if isinstance(load, BaseException) else
                 load._replace(restarts=restarted.count(index), compute=self.pipeline.stages[index].compute)
                 for index, load in enumerate(loads)]
+
+    def drafter_health(self) -> list[dict]:
+        """Each drafter beside a stage: alive, or why it was last lost, its restarts and drafting seconds."""
+        return [{"index": client.index, "node": client.node_id, "alive": client.alive, "lost": client.lost_reason,
+                 "restarts": client.restarts, "busy_seconds": round(client.busy_seconds, 3)}
+                for client in self.drafters]
 
     def app(self):
         from orchestrator.serving.app import build_app
@@ -196,10 +215,11 @@ class Coordinator:
         if self._closed:
             return
         self._closed = True
+        from orchestrator.cluster.drafters import stop_drafters
+
         self.service.close(self.settings.drain_seconds)
+        stop_drafters(self.drafters)
         self.pipeline.close()
-        if self.draft_engine is not None:
-            self.draft_engine.close()
 
 
 def _deployment(settings: ServeSettings):

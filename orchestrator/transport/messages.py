@@ -462,11 +462,12 @@ class SpeculateFrom:
     """Coordinator -> drafter: extend this text (committed tokens then the
     current speculation) until collected.
 
-    epoch: increasing number of the request, echoed in the reply.
+    epoch: increasing number of the request (per sequence), echoed in the reply.
     context: int32[n_tokens].
     most: draft at most this many tokens (0: up to the drafter's draft_max).
+    sequence: the request's KV sequence in the drafter (one per request it drafts for).
 
-    On the wire: context raw (it can be long), as int32.
+    On the wire: context raw (it can be long), as int32; sequence only when not 0.
     """
 
     KIND: ClassVar[str] = "speculate"
@@ -474,19 +475,31 @@ class SpeculateFrom:
     epoch: int
     context: np.ndarray
     most: int = 0
+    sequence: int = 0
 
     def to_wire(self) -> tuple[WireHeader, np.ndarray | None]:
-        return {"epoch": self.epoch, "most": self.most}, np.ascontiguousarray(self.context, dtype=np.int32)
+        return ({"epoch": self.epoch, "most": self.most, **_sequence_field(self.sequence)},
+                np.ascontiguousarray(self.context, dtype=np.int32))
 
     @classmethod
     def from_wire(cls, header: WireHeader, array: np.ndarray | None) -> SpeculateFrom:
         return cls(epoch=_integer(header, "epoch"), context=_array(array, "context", 1, ("<i4",)),
-                   most=_integer(header, "most"))
+                   most=_integer(header, "most"), sequence=_sequence(header))
+
+
+def _sequence_field(sequence: int) -> WireHeader:
+    """A drafter message's KV sequence on the wire: left out when 0 (every run's)."""
+    return {"sequence": sequence} if sequence else {}
+
+
+def _sequence(header: WireHeader) -> int:
+    return _integer(header, "sequence") if "sequence" in header else 0
 
 
 @dataclass(frozen=True)
 class CollectDraft:
-    """Coordinator -> drafter: reply with what you have drafted for ``epoch``.
+    """Coordinator -> drafter: reply with what you have drafted for ``epoch``
+    of KV sequence ``sequence``.
 
     wait: first let the drafting finish by itself (synchronous schedule).
     """
@@ -495,19 +508,21 @@ class CollectDraft:
 
     epoch: int
     wait: bool
+    sequence: int = 0
 
     def to_wire(self) -> tuple[WireHeader, np.ndarray | None]:
-        return {"epoch": self.epoch, "wait": self.wait}, None
+        return {"epoch": self.epoch, "wait": self.wait, **_sequence_field(self.sequence)}, None
 
     @classmethod
     def from_wire(cls, header: WireHeader, array: np.ndarray | None) -> CollectDraft:
-        return cls(epoch=_integer(header, "epoch"), wait=_flag(header, "wait"))
+        return cls(epoch=_integer(header, "epoch"), wait=_flag(header, "wait"), sequence=_sequence(header))
 
 
 @dataclass(frozen=True)
 class DraftReply:
     """Drafter -> coordinator: tokens int32[k] extending the context of ``epoch``
-    (empty when the epoch is stale or drafting failed); busy_seconds: drafting time so far.
+    of KV sequence ``sequence`` (empty when the epoch is stale or drafting
+    failed); busy_seconds: drafting time so far, all sequences together.
 
     On the wire: tokens in the header.
     """
@@ -518,9 +533,11 @@ class DraftReply:
     tokens: np.ndarray
     busy_seconds: float
     error: str = ""
+    sequence: int = 0
 
     def to_wire(self) -> tuple[WireHeader, np.ndarray | None]:
-        header = {"epoch": self.epoch, "tokens": _int32_bytes(self.tokens), "busy": self.busy_seconds, "error": self.error}
+        header = {"epoch": self.epoch, "tokens": _int32_bytes(self.tokens), "busy": self.busy_seconds, "error": self.error,
+                  **_sequence_field(self.sequence)}
         return header, None
 
     @classmethod
@@ -530,6 +547,7 @@ class DraftReply:
             tokens=_int32_array(header, "tokens"),  # type: ignore[arg-type]
             busy_seconds=_number(header, "busy"),
             error=_text(header, "error")[:2000],
+            sequence=_sequence(header),
         )
 
 

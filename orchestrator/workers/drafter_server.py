@@ -1,18 +1,21 @@
 """A speculator behind a socket, drafting in a thread, best effort.
 
-Plain class, no Ray (the Ray actor in orchestrator.cluster.pipeline builds one beside
-its stage). The coordinator connects and sends:
+Plain class, no Ray (the Ray actor in orchestrator.cluster.drafters builds one beside
+its stage). The coordinator connects and sends, for KV sequence ``sequence``
+(one per request the drafter drafts for; 0 in a run):
 
-* ``SpeculateFrom(epoch, context, most)``: start extending ``context`` now,
-  by at most ``most`` tokens;
-* ``CollectDraft(epoch, wait)``: reply at once with what has been drafted for
-  that epoch, and stop drafting (the machine's stage is about to run). With
-  ``wait`` the drafting is first allowed to finish by itself (up to
-  ``draft_max`` or the speculator's own stop), for at most ``wait_seconds``.
+* ``SpeculateFrom(epoch, context, most, sequence)``: start extending
+  ``context`` now, by at most ``most`` tokens;
+* ``CollectDraft(epoch, wait, sequence)``: reply at once with what has been
+  drafted for that epoch, and stop drafting it (the machine's stage is about
+  to run). With ``wait`` the drafting is first allowed to finish by itself
+  (up to ``draft_max`` or the speculator's own stop), for at most ``wait_seconds``.
 
 The socket is served by its own thread, so a speculator that is slow, hangs
 or raises never delays a reply: the reply is whatever exists by then. A result
-computed for an older epoch is thrown away.
+computed for an older epoch is thrown away. One drafting thread serves the
+sequences in turn, a token each (a draft model's sequences share its engine:
+speculators.model.ModelSpeculator.sibling).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -28,6 +32,32 @@ from speculators import Speculator
 from orchestrator.transport.handshake import HandshakeError, accept_peer, drafter_role
 from orchestrator.config import CONNECT_SECONDS, DRAFTER_WAIT_SECONDS
 from orchestrator.transport.messages import CollectDraft, DraftReply, Shutdown, SpeculateFrom
+
+
+@dataclass
+class _Request:
+    """What one KV sequence's drafting stands at."""
+
+    speculator: Speculator
+    epoch: int = -1
+    context: list[int] = field(default_factory=list)
+    extension: list[int] = field(default_factory=list)
+    most: int = 0  # of the current request (SpeculateFrom.most)
+    drafting: bool = False  # allowed to draft now
+    finished: threading.Event = field(default_factory=threading.Event)  # stopped by itself for this epoch
+    error: str = ""
+
+    @property
+    def wants(self) -> bool:
+        return self.drafting and len(self.extension) < self.most
+
+
+def _speculators(make_speculator: Callable[[], Speculator], sequences: int) -> list[Speculator]:
+    """One speculator per KV sequence: the first made, the others its siblings
+    (sharing its model) where it has them, else made alike."""
+    first = make_speculator()
+    sibling = getattr(first, "sibling", None)
+    return [first, *(sibling(sequence) if sibling else make_speculator() for sequence in range(1, sequences))]
 
 
 class DrafterServer:
@@ -42,16 +72,18 @@ class DrafterServer:
         secret: bytes,
         certificate=None,
         index: int = 0,
+        sequences: int = 1,
     ):
         """secret: the pipeline's; the coordinator's connection must prove it holds it.
         certificate: the pipeline's tls.ChainCertificate with --tls, else None.
-        index: the stage this drafter sits beside (its connection's role names it)."""
+        index: the stage this drafter sits beside (its connection's role names it).
+        sequences: the KV sequences (requests) it drafts for."""
         self.secret = secret
         self.role = drafter_role(index)
         self.certificate = certificate
-        self.speculator = make_speculator()
+        self._requests = [_Request(speculator) for speculator in _speculators(make_speculator, sequences)]
+        self.speculator = self._requests[0].speculator
         self.draft_max = draft_max
-        self._most = draft_max  # of the current request (SpeculateFrom.most)
         self.overlap = overlap
         self.wait_seconds = wait_seconds
         self.listener = wire.listen(host)
@@ -60,27 +92,22 @@ class DrafterServer:
         self.drafted_tokens = 0
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._epoch = -1
-        self._context: list[int] = []
-        self._extension: list[int] = []
-        self._drafting = False  # allowed to draft now
-        self._finished = threading.Event()  # drafting stopped by itself for this epoch
-        self._error = ""
+        self._turn = 0  # the sequence the drafting thread looks at first
         self._closed = False
         self._stalled = False  # a wait timed out: the speculator is stuck; stop waiting for it
         threading.Thread(target=self._draft_loop, name="drafting", daemon=True).start()
         threading.Thread(target=self._serve, name="drafter-socket", daemon=True).start()
+
+    @property
+    def stalled(self) -> bool:
+        """A synchronous wait timed out and no token has been produced since."""
+        return self._stalled
 
     def compute(self) -> dict | None:
         """Where a draft model computes (its threads, backend, devices, layers
         on a GPU: stages.backend.StageCompute); None for a speculator without one."""
         engine = getattr(self.speculator, "engine", None)
         return None if engine is None else {"threads": engine.settings.threads, **engine.compute.record()}
-
-    @property
-    def stalled(self) -> bool:
-        """A synchronous wait timed out and no token has been produced since."""
-        return self._stalled
 
     # -- the socket -------------------------------------------------------
     def _serve(self) -> None:
@@ -110,42 +137,64 @@ class DrafterServer:
             self.listener.close()
 
     def _start(self, message: SpeculateFrom) -> None:
+        if message.sequence >= len(self._requests):
+            return  # its collect says so
         with self._lock:
-            self._epoch = message.epoch
-            self._context = message.context.tolist()
-            self._most = min(message.most or self.draft_max, self.draft_max)
-            self._extension = []
-            self._error = ""
-            self._drafting = True
-            self._finished.clear()
+            request = self._requests[message.sequence]
+            request.epoch = message.epoch
+            request.context = message.context.tolist()
+            request.most = min(message.most or self.draft_max, self.draft_max)
+            request.extension = []
+            request.error = ""
+            request.drafting = True
+            request.finished.clear()
             self._wake.notify_all()
 
     def _collect(self, message: CollectDraft) -> DraftReply:
+        if message.sequence >= len(self._requests):
+            return DraftReply(message.epoch, np.zeros(0, np.int32), self.busy_seconds,
+                              f"no KV sequence {message.sequence} here (it drafts for {len(self._requests)})",
+                              message.sequence)
+        request = self._requests[message.sequence]
         if message.wait and not self._stalled:
-            self._stalled = not self._finished.wait(self.wait_seconds)
+            self._stalled = not request.finished.wait(self.wait_seconds)
         with self._lock:
-            current = message.epoch == self._epoch
-            tokens = list(self._extension) if current else []
+            current = message.epoch == request.epoch
+            tokens = list(request.extension) if current else []
             if current and not self.overlap:
-                self._drafting = False
-            return DraftReply(message.epoch, np.asarray(tokens, dtype=np.int32), self.busy_seconds, self._error)
+                request.drafting = False
+            return DraftReply(message.epoch, np.asarray(tokens, dtype=np.int32), self.busy_seconds, request.error,
+                              message.sequence)
 
     # -- drafting ---------------------------------------------------------
+    def _next_request(self) -> _Request | None:
+        """The next sequence that wants a token, in turn (under the lock); the
+        ones that reached what they asked for are finished on the way."""
+        count = len(self._requests)
+        for offset in range(count):
+            request = self._requests[(self._turn + offset) % count]
+            if request.drafting and not request.wants:  # reached the most asked for
+                request.drafting = False
+                request.finished.set()
+            elif request.wants:
+                self._turn = (self._turn + offset + 1) % count
+                return request
+        return None
+
     def _draft_loop(self) -> None:
         while True:
             with self._lock:
-                while not self._closed and not (self._drafting and len(self._extension) < self._most):
-                    if self._drafting:  # reached the most asked for
-                        self._drafting = False
-                        self._finished.set()
+                request = self._next_request()
+                while not self._closed and request is None:
                     self._wake.wait()
+                    request = self._next_request()
                 if self._closed:
                     return
-                epoch = self._epoch
-                context = self._context + self._extension
+                epoch = request.epoch
+                context = request.context + request.extension
             started = time.perf_counter()
             try:
-                token = self.speculator.extend(context)
+                token = request.speculator.extend(context)
                 error = ""
             except Exception as failure:  # a drafter's failure must never stop generation
                 token, error = None, f"{type(failure).__name__}: {failure}"
@@ -155,11 +204,11 @@ class DrafterServer:
             if token is not None:
                 self.drafted_tokens += 1  # computed, whether or not it is still wanted
             with self._lock:
-                if epoch != self._epoch or not self._drafting:
+                if epoch != request.epoch or not request.drafting:
                     continue  # the text moved on while this token was computed
                 if token is None:
-                    self._drafting = False
-                    self._error = error
-                    self._finished.set()
+                    request.drafting = False
+                    request.error = error
+                    request.finished.set()
                 else:
-                    self._extension.append(token)
+                    request.extension.append(token)

@@ -151,7 +151,7 @@ def test_a_draft_token_is_timed_after_the_prefill_of_its_context():
     """The draft's step that prices awaited drafts (orchestrator.run.draft_wait_cost)
     leaves out the prefill of the prompt: a sleep of a second, against a step of 10 ms."""
     from orchestrator.cluster.drafters import draft_seconds_per_token
-    from orchestrator.run import draft_wait_cost
+    from orchestrator.cluster.drafters import draft_wait_cost
 
     server, client = serve(functools.partial(PrefillingSpeculator, TRUTH), draft_max=8)
     seconds = draft_seconds_per_token(client, TRUTH[:10])
