@@ -24,8 +24,11 @@ The rules:
 * How ``async`` hands drafting between machines while a pass runs
   (``relay``): while stage i computes, the drafter beside stage i + 1 extends
   the speculation; when the pass leaves stage i, that drafter is collected
-  and the drafter of the machine that just went idle goes on from the end of
-  the speculation; the result collects the drafter beside stage 0. A
+  and the drafter beside stage i + 2 goes on from the end of the speculation
+  (with two stages, the machine that just went idle; with more, one the pass
+  reaches only after the next stage, so it is idle even when stage i takes a
+  window started ahead at once); the result collects the drafter beside
+  stage 0. A
   sequence whose draft policy takes no drafts does not relay.
 * When a window is started ahead (``SequenceState.window_ahead``, ``async``
   only, PipeInfer's idea): while one window of the sequence is in flight and
@@ -357,11 +360,13 @@ class SequenceState:
         windows can take: the windows in flight feed the text up to some
         position, and when the oldest comes back the next window and one
         started ahead of it are submitted at once, each one token and at most
-        draft_max drafts. Drafting further is never verified before the
-        drafters are asked again."""
+        the draft policy's draft_limit drafts (the policy's choice now; it
+        grows by evidence, a window at a time). Drafting further is never
+        verified before the drafters are asked again, and where drafters share
+        cores with the stages it would slow them for nothing."""
         fed = max((window.first + window.main_rows for window in self.in_flight if not window.prompt),
                   default=len(self.committed) - 1)
-        usable = min(fed + 2 * (1 + self.draft_max), self.prompt_length + self.max_tokens - 1)
+        usable = min(fed + 2 * (1 + self.draft_limit), self.prompt_length + self.max_tokens - 1)
         return max(0, usable - len(self.text))
 
     @property

@@ -434,7 +434,9 @@ class _SimulatedDrafter:
             self.tokens.append(_TRUE + len(context) + len(self.tokens) if right else _WRONG)
 
     def collect(self, wait: bool = False) -> list[int]:
-        """The tokens drafted by now (with ``wait``: all, once drafted)."""
+        """The tokens drafted by now (with ``wait``: all, once drafted); the
+        speculation ends here, as a drafter stops at a collect: another
+        collect without a speculate in between gets nothing."""
         if wait:
             self.clock.now = max(self.clock.now, self.started + len(self.tokens) * self.seconds_per_token)
             drafted = self.tokens
@@ -443,6 +445,7 @@ class _SimulatedDrafter:
         else:
             drafted = self.tokens[:int(max(0.0, self.clock.now - self.started) / self.seconds_per_token)]
         self.clock.now += self.call_seconds
+        self.tokens = []
         return list(drafted)
 
     def collect_tree(self, leaves: int) -> DraftTree:

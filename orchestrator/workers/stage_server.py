@@ -41,7 +41,8 @@ from orchestrator.transport.handshake import (
     connect_peer,
     upstream_role,
 )
-from orchestrator.transport.messages import Boundary, Cancel, Cancelled, PassResult, Shutdown, StageBatch, StageFailure
+from orchestrator.transport.messages import Boundary, Cancelled, PassResult, Shutdown, StageBatch, StageFailure
+from orchestrator.workers.cancels import PassCancels
 from orchestrator.workers.choosing import TokenChooser
 from speculators.logprobs import TokenLogprobs
 from stages.backend import StageCompute
@@ -114,14 +115,7 @@ class StageServer:
         self._connections: list[socket.socket] = []  # of the chain being served
         self._thread: threading.Thread | None = None
         self._downstream_ready = threading.Event()
-        # Cancellation, shared by the serving thread and the cancel reader under _cancel_lock:
-        self._cancel_lock = threading.Lock()
-        self._cancel_wanted: set[int] = set()  # passes of this chain cancelled before they arrived here
-        self._latest_pass = 0  # the last pass of this chain taken by the serving thread (ids increase)
-        self._running: set[int] = set()  # the passes llama.cpp is computing now (several: a batched pass)
-        self._running_cancelled: set[int] = set()  # those of them cancelled: all of them stops the computation
-        self._chain_generation = 0  # a reader of an older chain's cancels changes nothing
-        self._cancel_problem = ""  # a bad frame on the cancel connection, reported with the next pass
+        self.cancels = PassCancels(self.engine.abort)  # read by a thread of its own (connect_cancel)
         self.windows_decoded = 0  # sequences' windows over all passes (more than passes: batched passes)
         self.dropped_passes = 0  # cancelled passes this stage never started
         self.stopped_passes = 0  # cancelled passes this stage stopped mid-graph
@@ -157,32 +151,8 @@ class StageServer:
         connection = connect_peer(host, port, self.secret, cancel_role(self.engine.stage_index), CONNECT_SECONDS,
                                   self.certificate)
         self._connections.append(connection)
-        threading.Thread(target=self._read_cancels, args=(connection, self._chain_generation),
+        threading.Thread(target=self.cancels.read, args=(connection, self.cancels.generation),
                          name=f"stage-{self.engine.stage_index}-cancels", daemon=True).start()
-
-    def _read_cancels(self, connection: socket.socket, generation: int) -> None:
-        while True:
-            try:
-                message = wire.receive_message(connection)
-            except (wire.ConnectionClosed, OSError):
-                return  # the chain ended
-            except wire.ProtocolError as error:
-                message = f"a bad frame on the cancel connection: {error}"
-            if not isinstance(message, Cancel):
-                with self._cancel_lock:
-                    if generation == self._chain_generation:
-                        self._cancel_problem = message if isinstance(message, str) else \
-                            f"the cancel connection sent {type(message).__name__}, not a cancel"
-                return
-            with self._cancel_lock:
-                if generation != self._chain_generation:
-                    return
-                if message.pass_id in self._running:
-                    self._running_cancelled.add(message.pass_id)
-                    if self._running_cancelled >= self._running:  # a batched pass stops only when all of it is unwanted
-                        self.engine.abort.set()
-                elif message.pass_id > self._latest_pass:  # not here yet (a pass already gone is ignored)
-                    self._cancel_wanted.add(message.pass_id)
 
     def connect_downstream(self, host: str, port: int) -> None:
         """Start serving the upstream peer in a thread (it first waits for it to
@@ -194,11 +164,7 @@ class StageServer:
         what is left of the old chain first and keeps the loaded model and
         the listening socket: the coordinator wires a new chain through it."""
         self._end_chain()
-        with self._cancel_lock:  # pass ids start again in a new chain
-            self._chain_generation += 1
-            self._cancel_wanted.clear()
-            self._latest_pass = 0
-            self._cancel_problem = ""
+        self.cancels.new_chain()  # pass ids start again in a new chain
         self._downstream_ready.clear()
         self._notify = None
         self._downstream = None
@@ -276,76 +242,29 @@ class StageServer:
         """What goes downstream for a message from upstream (a batched pass:
         its other batches are read first, then every one of its passes' outcomes, in order)."""
         if isinstance(message, StageBatch):
-            return self._take_passes(self._batched_pass(message, upstream))
+            return self._take_passes(batched_pass(message, upstream))
         if isinstance(message, Cancelled):  # dropped by a stage before: it is not coming here
-            with self._cancel_lock:
-                self._took(message.pass_id)
+            with self.cancels.lock:
+                self.cancels.took(message.pass_id)
             return [message]
         if isinstance(message, (Shutdown, StageFailure)):
             return [message]
         return [StageFailure(0, self.engine.stage_index, f"upstream sent {type(message).__name__}, not a batch")]
 
-    @staticmethod
-    def _batched_pass(first: StageBatch, upstream: socket.socket) -> list[StageBatch | Cancelled]:
-        """``first`` and the ``first.more`` batches decoded with it (StageBatch.more),
-        with the cancellations a stage before sent in their places."""
-        received: list[StageBatch | Cancelled] = [first]
-        waiting = first.more
-        while waiting:
-            message = wire.receive_message(upstream)
-            if isinstance(message, StageBatch) and message.more == waiting - 1:
-                waiting -= 1
-            elif not isinstance(message, Cancelled):
-                raise wire.ProtocolError(f"a batched pass waiting for {waiting} more batches got "
-                                         f"{type(message).__name__} (more {getattr(message, 'more', '-')})")
-            received.append(message)
-        return received
-
-    def _took(self, pass_id: int) -> None:
-        """The serving thread takes pass ``pass_id`` (under _cancel_lock)."""
-        self._latest_pass = pass_id
-        self._cancel_wanted = {wanted for wanted in self._cancel_wanted if wanted > pass_id}
-
     def _take_passes(self, received: list[StageBatch | Cancelled]) -> list:
         """Run the batches of one pass (several: a batched pass), in order with
         the cancellations among them; a batch cancelled before it arrived is
         dropped, and the computation stops if a cancel of all of them comes while it runs."""
-        stage = self.engine.stage_index
-        outcomes: dict[int, object] = {}
-        with self._cancel_lock:
-            if self._cancel_problem:
-                return [StageFailure(received[0].pass_id, stage, self._cancel_problem)]
-            for message in received:
-                dropped = isinstance(message, StageBatch) and message.pass_id in self._cancel_wanted
-                self._took(message.pass_id)
-                if dropped:
-                    self.dropped_passes += 1
-                    outcomes[message.pass_id] = Cancelled(message.pass_id, stage, message.stage_seconds + (0.0,))
-            running = [message for message in received
-                       if isinstance(message, StageBatch) and message.pass_id not in outcomes]
-            self._running, self._running_cancelled = {batch.pass_id for batch in running}, set()
+        if self.cancels.problem:
+            return [StageFailure(received[0].pass_id, self.engine.stage_index, self.cancels.problem)]
+        running, outcomes = self.cancels.take(received, self.engine.stage_index)
+        self.dropped_passes += len(outcomes)
         try:
             if running:
                 outcomes.update(zip((batch.pass_id for batch in running), self.run_passes(running)))
         finally:
-            with self._cancel_lock:
-                self._running = set()
-                self.engine.abort.clear()
-        return self._in_order(received, outcomes)
-
-    @staticmethod
-    def _in_order(received: list[StageBatch | Cancelled], outcomes: dict[int, object]) -> list:
-        """Every pass's outcome in the order received; the batches still
-        travelling together counted down again (StageBatch.more). A failure
-        of a batched pass is reported once, for its first pass."""
-        ordered = [outcomes.get(message.pass_id, message) for message in received]
-        failures = [message for message in ordered if isinstance(message, StageFailure)]
-        if failures:
-            return failures[:1]
-        together = [index for index, message in enumerate(ordered) if isinstance(message, StageBatch)]
-        for left, index in enumerate(reversed(together)):
-            ordered[index] = replace(ordered[index], more=left)
-        return ordered
+            self.cancels.finished()
+        return in_order(received, outcomes)
 
     def _hold_to_curve(self, batches: list[StageBatch], started: float) -> None:
         """Under --cost-curve, sleep until the pass has lasted the curve's time
@@ -449,3 +368,33 @@ class StageServer:
             return PassResult(batch.pass_id, output, stage_seconds)
         return replace(batch, hidden=output.astype(self.wire_dtype, copy=False), tokens=None,
                        stage_seconds=stage_seconds)
+
+
+def batched_pass(first: StageBatch, upstream: socket.socket) -> list[StageBatch | Cancelled]:
+    """``first`` and the ``first.more`` batches decoded with it (StageBatch.more),
+    with the cancellations a stage before sent in their places."""
+    received: list[StageBatch | Cancelled] = [first]
+    waiting = first.more
+    while waiting:
+        message = wire.receive_message(upstream)
+        if isinstance(message, StageBatch) and message.more == waiting - 1:
+            waiting -= 1
+        elif not isinstance(message, Cancelled):
+            raise wire.ProtocolError(f"a batched pass waiting for {waiting} more batches got "
+                                     f"{type(message).__name__} (more {getattr(message, 'more', '-')})")
+        received.append(message)
+    return received
+
+
+def in_order(received: list[StageBatch | Cancelled], outcomes: dict[int, object]) -> list:
+    """Every pass's outcome in the order received; the batches still
+    travelling together counted down again (StageBatch.more). A failure
+    of a batched pass is reported once, for its first pass."""
+    ordered = [outcomes.get(message.pass_id, message) for message in received]
+    failures = [message for message in ordered if isinstance(message, StageFailure)]
+    if failures:
+        return failures[:1]
+    together = [index for index, message in enumerate(ordered) if isinstance(message, StageBatch)]
+    for left, index in enumerate(reversed(together)):
+        ordered[index] = replace(ordered[index], more=left)
+    return ordered

@@ -207,7 +207,7 @@ def test_a_pass_cancelled_before_it_arrives_is_dropped_and_the_next_pass_is_exac
     wire.send_message(upstream, numbered(1, PROMPT))
     assert isinstance(wire.receive_message(downstream), StageBatch)
     wire.send_message(cancels, Cancel(2))
-    wait_until(lambda: 2 in server._cancel_wanted)
+    wait_until(lambda: 2 in server.cancels.wanted)
     wire.send_message(upstream, numbered(2, [50, 51, 52, 53], first=len(PROMPT)))
     assert wire.receive_message(downstream) == Cancelled(2, 0, (0.0,))
     assert (server.dropped_passes, server.stopped_passes) == (1, 0)
@@ -223,7 +223,7 @@ def test_a_pass_cancelled_while_it_runs_is_stopped_mid_graph_and_the_next_pass_i
     wire.receive_message(downstream)
     long = np.arange(100, 600, dtype=np.int32)  # 500 tokens: a pass of a second or so here
     wire.send_message(upstream, numbered(2, long, first=len(PROMPT)))
-    wait_until(lambda: 2 in server._running)
+    wait_until(lambda: 2 in server.cancels.running)
     wire.send_message(cancels, Cancel(2))
     stopped = wire.receive_message(downstream)
     assert isinstance(stopped, Cancelled) and (stopped.pass_id, stopped.stage_index) == (2, 0)
@@ -242,8 +242,8 @@ def test_a_cancel_of_a_pass_that_already_left_changes_nothing(cancelling_stage):
     wire.receive_message(downstream)
     wire.send_message(cancels, Cancel(1))
     wire.send_message(cancels, Cancel(3))  # read after Cancel(1): once 3 waits, 1 was seen
-    wait_until(lambda: 3 in server._cancel_wanted)
-    assert server._cancel_wanted == {3}
+    wait_until(lambda: 3 in server.cancels.wanted)
+    assert server.cancels.wanted == {3}
     wire.send_message(upstream, numbered(2, NEXT, first=len(PROMPT)))
     assert isinstance(wire.receive_message(downstream), StageBatch)
 
@@ -251,7 +251,7 @@ def test_a_cancel_of_a_pass_that_already_left_changes_nothing(cancelling_stage):
 def test_anything_but_a_cancel_on_the_cancel_connection_fails_the_next_pass(cancelling_stage):
     server, upstream, downstream, cancels = cancelling_stage
     wire.send_message(cancels, Boundary(1, 0))
-    wait_until(lambda: server._cancel_problem)
+    wait_until(lambda: server.cancels.problem)
     wire.send_message(upstream, numbered(1, PROMPT))
     failure = wire.receive_message(downstream)
     assert failure == StageFailure(1, 0, "the cancel connection sent Boundary, not a cancel")
@@ -296,7 +296,7 @@ def test_a_cancel_ends_an_emulated_pass_as_it_would_stop_a_real_one(splits):
                          secret=SECRET)
     for server, upstream, downstream, cancels in serving_with_cancels(server):
         wire.send_message(upstream, numbered(1, PROMPT))
-        wait_until(lambda: 1 in server._running)
+        wait_until(lambda: 1 in server.cancels.running)
         time.sleep(2)  # llama.cpp's 8 tokens take milliseconds: the stage now sleeps out the curve
         wire.send_message(cancels, Cancel(1))
         stopped = wire.receive_message(downstream)  # downstream's 30 s timeout: never the 600 s of the curve
@@ -349,7 +349,7 @@ def test_a_batch_of_a_batched_pass_cancelled_before_it_arrives_is_dropped_in_its
         wire.send_message(upstream, of_sequence(pass_id, PROMPT, sequence))
         wire.receive_message(downstream)
     wire.send_message(cancels, Cancel(4))
-    wait_until(lambda: 4 in server._cancel_wanted)
+    wait_until(lambda: 4 in server.cancels.wanted)
     wire.send_message(upstream, of_sequence(3, NEXT, 0, first=len(PROMPT), more=1))
     wire.send_message(upstream, of_sequence(4, NEXT, 1, first=len(PROMPT)))
     kept, dropped = wire.receive_message(downstream), wire.receive_message(downstream)

@@ -52,6 +52,9 @@ def test_drafters_never_speculate_past_the_tokens_still_wanted_nor_past_the_next
     assert ahead.inputs == (8, 9, 10) and sequence.speculation_room == 10  # fed to position 9 now
     long = state(speculation=list(range(4, 24)), max_tokens=50)
     assert long.speculation_room == 0  # already further than the next window can take
+    short = state(max_tokens=50)
+    short.draft_limit = 1
+    assert short.speculation_room == 3  # the policy takes one draft a window now: two windows of 1 + 1
 
 
 def test_awaited_drafts_are_priced_with_their_wait_and_drafts_made_while_passes_run_are_not():

@@ -36,6 +36,8 @@ def test_collect_without_wait_hands_back_only_the_tokens_drafted_by_now():
     assert drafter.collect() == [_TRUE + 1, _TRUE + 2]
     assert clock.now == 1.5  # the round trip only: nothing waited for
     clock.now = 10.0
+    assert drafter.collect(wait=True) == []  # a collect ends the speculation, as a drafter stops at one
+    drafter.speculate([ROOT])
     assert drafter.collect(wait=True) == [_TRUE + 1, _TRUE + 2, _TRUE + 3, _TRUE + 4]
 
 
