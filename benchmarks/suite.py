@@ -212,7 +212,7 @@ def run_scenario(
     from orchestrator.cluster.pipeline import Pipeline
     from speculators.sampling import SamplingSettings
     from orchestrator.decoding.drafting import SpeculationSettings
-    from orchestrator.cluster.drafters import draft_wait_cost, speculator_factory, stop_drafters
+    from orchestrator.cluster.drafters import draft_prices, speculator_factory, stop_drafters
     from orchestrator.run import make_drafting
     from stages.tokenizer import Tokenizer
     from stages.settings import StageSettings
@@ -257,7 +257,7 @@ def run_scenario(
                 if mode.startswith("spec-"):
                     schedule, kind, tree = parse_mode(mode)
                     drafting = make_drafting(kind, drafters[kind], Schedule(schedule), DRAFT_MAX, speculators[kind],
-                                             steps[schedule == "async"], BENCH_TREE_LEAVES if tree else 1, waits[kind])
+                                             steps[schedule == "async"], BENCH_TREE_LEAVES if tree else 1, prices[kind])
                     if tree == "tree-all":  # side rows priced at nothing: every candidate is verified
                         drafting = dataclasses.replace(drafting, side_row_step=0.0)
                     clients = drafters[kind]
@@ -287,9 +287,9 @@ def run_scenario(
             # what a wider pass costs here, measured once per scenario as a run measures it, per pinning
             steps = draft_steps(pipeline)
             pipeline.pin_stages(overlapping=False)
-            # what waiting for a draft token costs, in one-token passes, as a run measures it
-            waits = {kind: draft_wait_cost(kind, clients, prompts[0], pipeline.pass_costs()[0])
-                     for kind, clients in drafters.items()}
+            # what drafting a token costs, in one-token passes, as a run measures it
+            prices = {kind: draft_prices(kind, pipeline, clients, prompts[0], pipeline.pass_costs()[0])
+                      for kind, clients in drafters.items()}
             for mode in modes:  # warm-up
                 run_mode(mode, prompts[0], 8)
             done = 0
@@ -320,7 +320,8 @@ def run_scenario(
     summary["stage_starts"] = [stage_info_of(path).first_block for path in stage_paths]
     summary["draft_max"] = DRAFT_MAX
     summary["draft_step"] = {"sync": steps[False], "async": steps[True]}  # the draft policy's measured batch cost
-    summary["draft_wait"] = waits  # per kind: a draft token's wait, in one-token passes
+    # per kind: what drafting a token costs, awaited and relayed, in one-token passes
+    summary["draft_prices"] = {kind: {"awaited": price.awaited, "relayed": price.relayed} for kind, price in prices.items()}
     summary["draft_traces"] = draft_traces(scenario, prompts, runs)
     if "model" in scenario.speculators:  # the draft's per-token acceptance along the whole model's greedy text
         from benchmarks.drafts import agreement

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from orchestrator.cluster.connect import ray_session
 from orchestrator.config import MAX_RESTARTS
-from orchestrator.cluster.drafters import (DrafterClient, DrafterSettings, draft_wait_cost, drafter_compute,
+from orchestrator.cluster.drafters import (DrafterClient, DrafterSettings, draft_prices, drafter_compute,
                                           speculator_factory, start_drafters, stop_drafters)
 from orchestrator.decoding.drafting import Drafting, SpeculationSettings
 from orchestrator.decoding.loop import Generation, generate
@@ -19,7 +19,7 @@ from orchestrator.cluster.shipping import Shipment
 from stages.tokenizer import Tokenizer
 from orchestrator.cluster.model_files import (RunError, WholeModelSettings, check_same_model,
                                               local_vocabulary_file, whole_model_stages)
-from speculators.draft_length import PRIOR_STEP, ask_cost
+from speculators.draft_length import PRIOR_STEP, DraftPrices, ask_cost
 from speculators.sampling import SamplingSettings
 from stages.settings import StageSettings
 from stages.stage_files import check_stage_files
@@ -157,19 +157,19 @@ def prompt_tokens(tokenizer: Tokenizer, prompt: str, chat: bool) -> list[int]:
 
 
 def make_drafting(kind: str, drafters: list, schedule: Schedule, draft_max: int, make_speculator,
-                  step: float = PRIOR_STEP, tree_leaves: int = 1, draft_token_cost: float = 0.0) -> Drafting:
+                  step: float = PRIOR_STEP, tree_leaves: int = 1, draft_prices: DraftPrices = DraftPrices()) -> Drafting:
     """The Drafting of a run: prompt lookup is asked before a window in this
     process (no round trip; the actors beside the stages still relay in
     async), a draft model beside stage 0. step: Pipeline.draft_step's.
     tree_leaves: prompt lookup's trees (a draft model drafts chains).
-    draft_token_cost: a draft model's wait per token (draft_wait_cost)."""
+    draft_prices: a draft model's (cluster.drafters.draft_prices)."""
     from orchestrator.decoding.targets import InstantDrafter
 
     if kind == "ngram":
         return Drafting(drafters, schedule, draft_max, first=InstantDrafter(make_speculator(), draft_max),
                         call_cost=ask_cost(kind), step=step, tree_leaves=tree_leaves)
     return Drafting(drafters, schedule, draft_max, call_cost=ask_cost(kind), step=step,
-                    draft_token_cost=draft_token_cost)
+                    draft_prices=draft_prices)
 
 
 def run_generation(
@@ -261,7 +261,7 @@ def _generate_through(pipeline: Pipeline, settings: RunSettings, prepared, resta
         pass_seconds, step = pipeline.pass_costs()
         drafting = make_drafting(speculation.speculator, drafters, speculation.schedule, speculation.draft_max,
                                  make_speculator, step, speculation.tree_leaves,
-                                 draft_wait_cost(speculation.speculator, drafters, tokens, pass_seconds))
+                                 draft_prices(speculation.speculator, pipeline, drafters, tokens, pass_seconds))
     live = GenerationMetrics()
     try:
         generation = generate(

@@ -22,12 +22,14 @@ online:
   is close to 1 + step (n - 1) here). A run measures it once, before it
   starts (``step_from_timings`` over a few passes of 1 and of 8 tokens:
   ``Pipeline.draft_step``); the default is that 2026-11-30 figure's;
-* ``draft_token_cost``, what the loop waits for each draft token before a
-  pass when it waits for the drafting (a draft model's measured step over
-  the measured one-token pass: ``orchestrator.run``; prompt lookup: nothing).
-  Only awaited drafts are priced (``limit(awaited=True)``): every window's in
-  sync, in async only a window drafted after a rejection; drafts made on
-  idle machines while a pass runs cost the pass nothing;
+* ``prices`` (``DraftPrices``), what a draft token costs besides its row:
+  ``awaited``, the loop's wait for it before a pass (a draft model's
+  measured step over the measured one-token pass; prompt lookup: nothing),
+  for every window in sync and, in async, a window drafted after a
+  rejection (``limit(awaited=True)``); ``relayed``, what drafting while
+  passes run slows them by (0 where every drafter has idle cores; on a
+  machine whose cores the stages use, about the draft's step), for async's
+  other windows. Both measured before a run (orchestrator.cluster.drafters.draft_prices);
 * ``call_cost``, what asking a drafter costs before a pass, whether it
   proposes anything or not (a drafter actor's round trip; nothing in process),
   weighed with the share of asks that got a proposal (``availability``).
@@ -44,7 +46,7 @@ stay a function of its text.
 
     (1 - a + a * committed(k)) / (call_cost + 1 - a + a * cost(k))   for k >= 1, and 1 for k = 0,
 
-    committed(k) = 1 + sum_{i<=k} prod_{j<=i} accept(j),   cost(k) = 1 + (step + draft_token_cost) * k,
+    committed(k) = 1 + sum_{i<=k} prod_{j<=i} accept(j),   cost(k) = 1 + (step + price) * k,
 
 with a the availability: a drafter that proposes nothing leaves a plain pass.
 
@@ -79,18 +81,28 @@ def ask_cost(speculator: str) -> float:
     return 0.0 if speculator == "ngram" else DRAFTER_CALL_COST
 
 
+@dataclass(frozen=True)
+class DraftPrices:
+    """What drafting one token costs the target, in one-token passes: awaited
+    (the loop waits for it before a pass) and relayed (drafted while passes
+    run: how much it slows them)."""
+
+    awaited: float = 0.0
+    relayed: float = 0.0
+
+
 @dataclass
 class DraftPolicy:
     """The draft length that maximises committed tokens per second (see the module text).
 
     maximum: the most drafts a pass may carry (--draft-max).
-    step, draft_token_cost: the costs of one more draft token, in one-token passes.
+    step, prices: the costs of one more draft token (its row; its drafting), in one-token passes.
     call_cost: the cost of asking the drafter, in one-token passes.
     """
 
     maximum: int
     step: float = PRIOR_STEP
-    draft_token_cost: float = 0.0
+    prices: DraftPrices = field(default_factory=lambda: DraftPrices())
     call_cost: float = 0.0
     reached: list[float] = field(default_factory=list)  # by draft position: windows that reached it
     accepted: list[float] = field(default_factory=list)  # ... and accepted it
@@ -147,7 +159,7 @@ class DraftPolicy:
     def cost(self, drafts: int, awaited: bool = True) -> float:
         """The pass's cost with ``drafts`` drafts, in one-token passes, with
         the wait for drafting them (awaited) or without (drafted while hidden)."""
-        return 1.0 + (self.step + (self.draft_token_cost if awaited else 0.0)) * drafts
+        return 1.0 + (self.step + (self.prices.awaited if awaited else self.prices.relayed)) * drafts
 
     def rate(self, drafts: int, awaited: bool = True) -> float:
         """Expected committed tokens per one-token pass of cost, drafting up to ``drafts``."""

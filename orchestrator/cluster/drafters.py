@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from orchestrator.config import (
 )
 from orchestrator.workers.drafter_server import DrafterServer
 from speculators import Speculator
+from speculators.draft_length import DraftPrices
 from orchestrator.transport.messages import CollectDraft, DraftReply, Shutdown, SpeculateFrom
 
 
@@ -356,15 +358,35 @@ def speculator_factory(settings, tokenizer, stage, sequences: int = 1, spare_con
     return None
 
 
-def draft_wait_cost(kind: str, drafters: list[DrafterClient], context: list[int], pass_seconds: float) -> float:
-    """What waiting for one draft token costs, in one-token passes: a draft
-    model's step, measured on the drafter beside stage 0 from ``context``,
-    over the one-token pass (Pipeline.pass_costs); prompt lookup in this
-    process, or a drafter that drafts nothing: 0."""
+def draft_prices(kind: str, pipeline, drafters: list[DrafterClient], context: list[int], pass_seconds: float,
+                 passes: int = 4) -> DraftPrices:
+    """What drafting a token costs the target, in one-token passes
+    (Pipeline.pass_costs' ``pass_seconds``), measured before a run:
+
+    * awaited: a draft model's step on the drafter beside stage 0, after its
+      prefill of ``context`` (draft_seconds_per_token);
+    * relayed: how much every drafter drafting at once slows ``passes``
+      one-token passes, per token drafted meanwhile: about 0 where the
+      drafters have cores the stages do not use, about the step where they share them.
+
+    Prompt lookup (asked in the coordinator), or a drafter that drafts nothing: nothing."""
     if kind != "model" or not drafters or pass_seconds <= 0:
-        return 0.0
-    seconds = draft_seconds_per_token(drafters[0], context)
-    return seconds / pass_seconds if seconds else 0.0
+        return DraftPrices()
+    step = draft_seconds_per_token(drafters[0], context)
+    if not step:
+        return DraftPrices()
+    for client in drafters[1:]:  # its prefill, as drafter 0's, left out
+        client.speculate(context, 1)
+        client.collect(wait=True)
+    for client in drafters:
+        client.speculate(context)
+    started = time.perf_counter()
+    for _ in range(passes):
+        pipeline.forward(np.arange(1, dtype=np.int32), np.ones(1, np.int32), 0)
+    slower = time.perf_counter() - started - passes * pass_seconds
+    drafted = sum(len(client.collect()) for client in drafters)
+    relayed = max(0.0, slower) / pass_seconds / drafted if drafted else 0.0
+    return DraftPrices(awaited=step / pass_seconds, relayed=relayed)
 
 
 def stop_drafters(clients: list[DrafterClient]) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from orchestrator.config import DRAFT_MAX
 from orchestrator.decoding.schedule import Schedule
 from orchestrator.decoding.targets import Drafter
-from speculators.draft_length import DRAFTER_CALL_COST, PRIOR_STEP
+from speculators.draft_length import DRAFTER_CALL_COST, PRIOR_STEP, DraftPrices
 
 SPECULATORS = ("none", "ngram", "model")
 
@@ -89,9 +89,9 @@ class Drafting:
     and the schedule verifies the rows that pay.
     side_row_step: what the tree rule prices a side row at, in one-token
     passes (None: ``step``, as any row; the bench's tree-all mode: 0).
-    draft_token_cost: what waiting for one draft token costs, in one-token
-    passes (a draft model's measured step over the measured pass, orchestrator.run;
-    prompt lookup in process: 0); the draft policy prices awaited drafts by it.
+    draft_prices: what drafting a token costs the target (awaited, relayed:
+    speculators.draft_length.DraftPrices, measured before a run,
+    orchestrator.cluster.drafters.draft_prices; prompt lookup in process: nothing).
     """
 
     drafters: Sequence[Drafter]
@@ -102,7 +102,7 @@ class Drafting:
     step: float = PRIOR_STEP
     tree_leaves: int = 1
     side_row_step: float | None = None
-    draft_token_cost: float = 0.0
+    draft_prices: DraftPrices = DraftPrices()
 
     @property
     def drafter_first(self) -> Drafter:

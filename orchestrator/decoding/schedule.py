@@ -71,7 +71,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 
-from speculators.draft_length import DRAFTER_CALL_COST, PRIOR_STEP, DraftPolicy
+from speculators.draft_length import DRAFTER_CALL_COST, PRIOR_STEP, DraftPolicy, DraftPrices
 from speculators.sampling import SamplingSettings
 from speculators.tree import DraftTree, RankAcceptance, accepted_rows, choose_rows, main_chain_length
 
@@ -309,7 +309,7 @@ class SequenceState:
     policy: DraftPolicy | None = None  # speculators.draft_length; made from draft_max and the costs below
     draft_call_cost: float = DRAFTER_CALL_COST  # asking the drafter, in one-token passes (0: in process)
     draft_step: float = PRIOR_STEP  # each extra token of a pass, in one-token passes (measured by a run)
-    draft_token_cost: float = 0.0  # waiting for one draft token, in one-token passes (measured by a run)
+    draft_prices: DraftPrices = DraftPrices()  # what drafting a token costs, awaited and relayed (measured by a run)
     on_a_roll: bool = False  # the last verified window accepted all its drafts
     tree_leaves: int = 1  # the most leaves a window's token tree may have (1: chains only)
     side_row_step: float | None = None  # what the tree rule prices a side row at (None: draft_step)
@@ -327,7 +327,7 @@ class SequenceState:
         if self.tree_leaves < 1:
             raise ValueError("tree_leaves must be at least 1")
         self.policy = self.policy or DraftPolicy(self.draft_max, step=self.draft_step, call_cost=self.draft_call_cost,
-                                                 draft_token_cost=self.draft_token_cost)
+                                                 prices=self.draft_prices)
         if not self.draft_limit:
             self._choose_limits()
         self.awaited_limit = self.awaited_limit or self.draft_limit

@@ -47,7 +47,7 @@ from orchestrator.decoding.loop import Decoding, DecodingLoop, Listener, sequenc
 from orchestrator.decoding.prefix_cache import PREFIX_BLOCK, PrefixCache, PrefixHit, common_prefix
 from orchestrator.decoding.schedule import Batching, Schedule, SequenceState, Window
 from orchestrator.decoding.targets import Drafter, InstantDrafter, Target
-from speculators.draft_length import DRAFTER_CALL_COST, PRIOR_STEP
+from speculators.draft_length import DRAFTER_CALL_COST, PRIOR_STEP, DraftPrices
 from speculators.logprobs import TokenLogprobs
 from speculators.sampling import SamplingSettings, choice_sampling
 from stages.errors import SpecpipeError
@@ -116,8 +116,8 @@ class ServiceSettings:
     an actor costs a round trip); drafters: or the drafters of a request, one
     beside each stage, from its KV sequence id (a draft model drafts in that
     sequence of each machine's engine); neither: no drafting.
-    draft_token_cost: what waiting for one draft token costs, in one-token
-    passes (drafting.Drafting: a draft model's measured step).
+    draft_prices: what drafting a token costs the target, awaited and
+    relayed (drafting.Drafting: a draft model's measured).
     draft_max: the most drafts a window carries.
     schedule: sync or async (orchestrator.decoding.schedule), with a speculator.
     stage_count: the target's stages; async drafting relays along them.
@@ -138,7 +138,7 @@ class ServiceSettings:
     context: int
     speculator: Callable[[int], object] | None = None
     drafters: Callable[[int], Sequence[Drafter]] | None = None
-    draft_token_cost: float = 0.0
+    draft_prices: DraftPrices = DraftPrices()
     draft_max: int = 8
     schedule: Schedule = Schedule.SYNC
     stage_count: int = 1
@@ -164,7 +164,7 @@ class ServiceSettings:
         step = PRIOR_STEP if self.batch_step is None else self.batch_step
         if self.drafters is not None:
             return Drafting(self.drafters(sequence), self.schedule, self.draft_max, call_cost=DRAFTER_CALL_COST,
-                            step=step, draft_token_cost=self.draft_token_cost)
+                            step=step, draft_prices=self.draft_prices)
         if self.speculator is None:
             return None
         speculator = self.speculator(sequence)

@@ -39,7 +39,7 @@ from orchestrator.planning.curves import under_curve
 from orchestrator.planning.inputs import PlanError
 from orchestrator.planning.loaders import setup_from_profile
 from orchestrator.planning.simulation import DraftBehaviour, DraftTrace, Mode, predict
-from speculators.draft_length import ask_cost
+from speculators.draft_length import DraftPrices, ask_cost
 from stages.cost_curve import CostCurve
 
 RUNS = 64
@@ -78,6 +78,13 @@ def parse_mode(mode: str) -> tuple[str, str, str]:
         if kind.endswith(f"-{tree}"):
             return schedule, kind[: -len(tree) - 1], tree
     return schedule, kind, ""
+
+
+def measured_prices(scenario: dict, kind: str) -> DraftPrices | None:
+    """What the bench's run priced a draft token of ``kind`` at (its
+    draft_prices); None for results from before it measured them."""
+    prices = scenario.get("draft_prices", {}).get(kind)
+    return None if prices is None else DraftPrices(prices["awaited"], prices["relayed"])
 
 
 def measured_behaviour(scenario: dict, kind: str) -> DraftBehaviour | None:
@@ -124,7 +131,7 @@ def predict_scenario(profile: dict, scenario: dict, runs: int = RUNS, curve: Cos
             step = scenario.get("draft_step", {}).get(schedule)
             mode = Mode(schedule, scenario["draft_max"], call_cost=ask_cost(kind), step=step,
                         tree_leaves=BENCH_TREE_LEAVES if tree else 1, side_row_step=0.0 if tree == "tree-all" else None,
-                        draft_token_cost=scenario.get("draft_wait", {}).get(kind))  # as the run priced a draft's wait
+                        draft_prices=measured_prices(scenario, kind))  # as the run priced drafting
             try:
                 traces = [DraftTrace.from_text(text) for text in scenario.get("draft_traces", {}).get(kind, [])]
             except ValueError as error:

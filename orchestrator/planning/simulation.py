@@ -63,7 +63,7 @@ from orchestrator.config import DRAFT_MAX
 from orchestrator.decoding.drafting import Drafting
 from orchestrator.decoding.loop import Decoding, DecodingLoop, Listener
 from orchestrator.decoding.schedule import Schedule, SequenceState, TargetPass, Window
-from speculators.draft_length import DRAFTER_CALL_COST, step_from_timings
+from speculators.draft_length import DRAFTER_CALL_COST, DraftPrices, step_from_timings
 from speculators.tree import DraftTree, lookup_tree
 
 class PipelineCosts(Protocol):
@@ -232,7 +232,7 @@ class Mode:
     step: float | None = None
     tree_leaves: int = 1  # above 1: prompt lookup's token trees (from a trace's forks)
     side_row_step: float | None = None  # the tree rule's price of a side row (None: the step)
-    draft_token_cost: float | None = None  # waiting for a draft token (None: from the costs, ``wait_cost``)
+    draft_prices: DraftPrices | None = None  # a draft token's (None: awaited from the costs, ``wait_cost``; relayed 0)
 
     def __post_init__(self):
         object.__setattr__(self, "schedule", Schedule(self.schedule))
@@ -525,7 +525,7 @@ def pass_step(costs: PipelineCosts, batch: int = 8) -> float:
 
 def wait_cost(costs: PipelineCosts) -> float:
     """What waiting for one draft token of the drafter beside stage 0 costs,
-    in one-token passes of the pipeline, as a run prices it (orchestrator.run.draft_wait_cost)."""
+    in one-token passes of the pipeline, as a run prices it (orchestrator.cluster.drafters.draft_prices' awaited)."""
     return costs.draft_seconds(0) / _pass_seconds(costs, 1)
 
 
@@ -565,7 +565,7 @@ def simulate_many(costs: PipelineCosts, mode: Mode, workloads: list[DraftOutcome
     clock = _Clock()
     target = _SimulatedTarget(costs, clock)
     step = pass_step(costs) if mode.step is None else mode.step
-    wait = wait_cost(costs) if mode.draft_token_cost is None else mode.draft_token_cost
+    prices = DraftPrices(awaited=wait_cost(costs)) if mode.draft_prices is None else mode.draft_prices
     ends = [workload.end for workload in workloads]
     loop = DecodingLoop(target, _is_end, choose=lambda reply, window, rows: _target_tokens(window, ends[window.sequence]))
     keepers = []
@@ -574,10 +574,10 @@ def simulate_many(costs: PipelineCosts, mode: Mode, workloads: list[DraftOutcome
         drafters = [_SimulatedDrafter(clock, costs.draft_seconds(machine), costs.draft_call_seconds(), mode.draft_max,
                                       workload, rng) for machine in range(costs.stage_count)]
         drafting = Drafting(drafters, mode.schedule, mode.draft_max, call_cost=mode.call_cost, step=step,
-                            tree_leaves=tree_leaves, side_row_step=mode.side_row_step, draft_token_cost=wait)
+                            tree_leaves=tree_leaves, side_row_step=mode.side_row_step, draft_prices=prices)
         state = SequenceState(index, [_TRUE], 0, max_tokens, mode.schedule, mode.draft_max,
                               draft_call_cost=mode.call_cost, draft_step=step, tree_leaves=tree_leaves,
-                              side_row_step=mode.side_row_step, draft_token_cost=wait)
+                              side_row_step=mode.side_row_step, draft_prices=prices)
         for drafter in drafters:
             drafter.state = state
         keepers.append(_Timekeeper(costs, clock))

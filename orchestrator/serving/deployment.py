@@ -134,13 +134,13 @@ class Coordinator:
             check_same_model(vocabulary_of(settings), self.pipeline.stage_files)
             # the pass cost measured here (or under --cost-curve, the curve's): batching follows it
             pass_seconds, batch_step = self.pipeline.pass_costs(sequence=0)
-            drafters, draft_token_cost = self._drafters(tokenizer, pass_seconds, restart_metrics)
+            drafters, draft_prices = self._drafters(tokenizer, pass_seconds, restart_metrics)
             self.service = Service(
                 self.pipeline, tokenizer.is_end,
                 ServiceSettings(
                     max_sequences=settings.stage.sequences, queue_limit=settings.queue_limit,
                     context=settings.stage.n_ctx, speculator=self._speculator(), drafters=drafters,
-                    draft_token_cost=draft_token_cost, draft_max=speculation.draft_max,
+                    draft_prices=draft_prices, draft_max=speculation.draft_max,
                     schedule=speculation.schedule, stage_count=len(settings.stage_paths),
                     tree_leaves=speculation.tree_leaves, batch_step=batch_step,
                     prefix_sequences=settings.stage.prefix_sequences,
@@ -169,21 +169,22 @@ class Coordinator:
     def _drafters(self, tokenizer, pass_seconds: float, restart_metrics):
         """A draft model's drafter actors, one beside every stage, each with a
         KV sequence per request (run's actors, relayed by the same loop), and
-        the measured wait for one draft token; (None, 0) without a draft model."""
-        from orchestrator.cluster.drafters import DrafterSettings, draft_wait_cost, speculator_factory, start_drafters
+        what drafting a token costs (measured: draft_prices); (None, nothing) without a draft model."""
+        from orchestrator.cluster.drafters import DrafterSettings, draft_prices, speculator_factory, start_drafters
+        from speculators.draft_length import DraftPrices
 
         settings, speculation = self.settings, self.settings.speculation
         if speculation.speculator != "model":
-            return None, 0.0
+            return None, DraftPrices()
         make = speculator_factory(speculation, tokenizer, settings.stage, sequences=settings.stage.sequences,
                                   spare_context=speculation.draft_max)
         self.drafters = start_drafters(
             self.pipeline, make, DrafterSettings(draft_max=speculation.draft_max, max_restarts=settings.max_restarts,
                                                  sequences=settings.stage.sequences),
             on_restart=lambda index: restart_metrics.record("drafter", index))
-        wait = draft_wait_cost("model", self.drafters, tokenizer.chat_prompt("Hello."), pass_seconds)
+        prices = draft_prices("model", self.pipeline, self.drafters, tokenizer.chat_prompt("Hello."), pass_seconds)
         clients = self.drafters
-        return (lambda sequence: [client.for_sequence(sequence) for client in clients]), wait
+        return (lambda sequence: [client.for_sequence(sequence) for client in clients]), prices
 
     async def stage_load(self):
         """Each stage's StageLoad (KV cells, sequences, resident MiB, process,

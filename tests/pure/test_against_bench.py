@@ -23,7 +23,7 @@ from orchestrator.planning.against_bench import IN_PROCESS, RUNS, ModePrediction
 from orchestrator.planning.costs import BatchCurve, MeasuredMachine, ModelShape, Software, StageCosts
 from orchestrator.planning.inputs import PlanError
 from orchestrator.planning.simulation import DraftBehaviour, DraftTrace, Mode, predict
-from speculators.draft_length import DRAFTER_CALL_COST
+from speculators.draft_length import DRAFTER_CALL_COST, DraftPrices
 
 RESULTS = Path(__file__).parents[2] / "benchmarks" / "results"
 
@@ -206,7 +206,7 @@ def test_a_draft_model_kind_with_a_hyphen_is_priced_with_its_timing_and_the_acto
     assert [one.behaviour for one in predicted] == [DraftBehaviour(0.9, 1.0, 0.8, 1.0)] * 2  # both from the sync row
     # the actor's call cost and the draft's wait change the draft policy's choices: pricing neither predicts otherwise
     costs = costs_of(measured, (0, 10, 20), 0.004)
-    free_calls = predict(costs, Mode("sync", 4, call_cost=0.0, draft_token_cost=0.0), DraftBehaviour(0.9, 1.0, 0.8, 1.0),
+    free_calls = predict(costs, Mode("sync", 4, call_cost=0.0, draft_prices=DraftPrices()), DraftBehaviour(0.9, 1.0, 0.8, 1.0),
                          33, 3)
     assert predicted[0].from_rates != free_calls.tokens_per_second
 

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from speculators.draft_length import FORGET, PRIOR_STEP, DraftPolicy, step_from_timings
+from speculators.draft_length import FORGET, PRIOR_STEP, DraftPolicy, DraftPrices, step_from_timings
 
 
 def test_expected_tokens_and_cost_follow_the_acceptance_by_position():
@@ -56,7 +56,7 @@ def test_asks_that_get_nothing_stop_drafting_only_where_asking_costs():
 
 
 def test_a_costlier_draft_is_kept_shorter():
-    cheap, costly = DraftPolicy(8), DraftPolicy(8, draft_token_cost=1.0)
+    cheap, costly = DraftPolicy(8), DraftPolicy(8, prices=DraftPrices(awaited=1.0))
     for policy in (cheap, costly):
         policy.reached, policy.accepted = [20.0] * 8, [16.0] * 8  # 80 % at every position
     assert cheap.limit() > costly.limit()

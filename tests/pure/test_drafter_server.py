@@ -8,7 +8,8 @@ import time
 import fakes
 from orchestrator.transport import wire
 from orchestrator.workers.drafter_server import DrafterServer
-from orchestrator.cluster.drafters import DrafterClient
+from orchestrator.cluster.drafters import DrafterClient, draft_seconds_per_token
+from speculators.draft_length import DraftPrices
 from orchestrator.transport.handshake import connect_peer, drafter_role
 from speculators.prompt_lookup import PromptLookupSpeculator
 
@@ -147,15 +148,37 @@ class PrefillingSpeculator(fakes.ScriptedSpeculator):
         return super().extend(context)
 
 
+class SlowedPipeline:
+    """A pipeline double whose one-token pass takes twice PASS while drafters draft (as on shared cores)."""
+
+    PASS = 0.02
+
+    def forward(self, positions, tokens, keep):
+        time.sleep(2 * self.PASS)
+
+
 def test_a_draft_token_is_timed_after_the_prefill_of_its_context():
-    """The draft's step that prices awaited drafts (orchestrator.run.draft_wait_cost)
+    """The draft's step that prices awaited drafts (cluster.drafters.draft_prices)
     leaves out the prefill of the prompt: a sleep of a second, against a step of 10 ms."""
-    from orchestrator.cluster.drafters import draft_seconds_per_token
-    from orchestrator.cluster.drafters import draft_wait_cost
+    from orchestrator.cluster.drafters import draft_prices
 
     server, client = serve(functools.partial(PrefillingSpeculator, TRUTH), draft_max=8)
     seconds = draft_seconds_per_token(client, TRUTH[:10])
     assert PrefillingSpeculator.STEP <= seconds < PrefillingSpeculator.PREFILL / 8  # counted over 4 tokens
-    assert draft_wait_cost("ngram", [client], TRUTH[:10], 0.1) == 0.0  # prompt lookup in process: no wait
-    assert PrefillingSpeculator.STEP / 0.1 <= draft_wait_cost("model", [client], TRUTH[:20], 0.1) < 1.25
+    assert draft_prices("ngram", SlowedPipeline(), [client], TRUTH[:10], 0.1) == DraftPrices()  # asked in process
+    prices = draft_prices("model", SlowedPipeline(), [client], TRUTH[:20], 0.1)
+    assert PrefillingSpeculator.STEP / 0.1 <= prices.awaited < 1.25
     client.close()
+
+
+def test_drafting_that_slows_the_passes_prices_each_relayed_token_by_the_slowdown():
+    """Two drafters draft 8 tokens each while 4 passes take twice their time:
+    4 passes lost over 16 tokens, a quarter of a pass a token."""
+    from orchestrator.cluster.drafters import draft_prices
+
+    pairs = [serve(functools.partial(fakes.ScriptedSpeculator, TRUTH, set()), draft_max=8) for _ in range(2)]
+    clients = [client for _, client in pairs]
+    prices = draft_prices("model", SlowedPipeline(), clients, TRUTH[:10], SlowedPipeline.PASS, passes=4)
+    assert 0.25 <= prices.relayed < 0.5 and prices.awaited >= 0
+    for client in clients:
+        client.close()

@@ -4,7 +4,7 @@ from collections import Counter, deque
 
 import pytest
 
-from speculators.draft_length import DraftPolicy
+from speculators.draft_length import DraftPolicy, DraftPrices
 from speculators.sampling import SamplingSettings
 from orchestrator.decoding.schedule import (Batching, Handoff, Schedule, Scheduler, SequenceState, SpeculationStats,
                                             TargetPass, Window, prompt_chunk, relay)
@@ -60,11 +60,13 @@ def test_drafters_never_speculate_past_the_tokens_still_wanted_nor_past_the_next
 def test_awaited_drafts_are_priced_with_their_wait_and_drafts_made_while_passes_run_are_not():
     """A draft model's step is a quarter of a pass: sync waits for every draft,
     async only when nothing is speculated (its start, after a rejection)."""
-    def fresh(schedule, cost):
-        return SequenceState(0, [1, 2, 3], 2, 50, schedule, 8, draft_step=0.0, draft_token_cost=cost)
+    def fresh(schedule, cost, relayed=0.0):
+        return SequenceState(0, [1, 2, 3], 2, 50, schedule, 8, draft_step=0.0,
+                             draft_prices=DraftPrices(awaited=cost, relayed=relayed))
 
     free, sync, asynchronous = fresh(Schedule.SYNC, 0.0), fresh(Schedule.SYNC, 0.25), fresh(Schedule.ASYNC, 0.25)
-    for sequence in (free, sync, asynchronous):  # short runs of right drafts, on a flat pass
+    shared = fresh(Schedule.ASYNC, 0.25, relayed=0.25)  # drafters on the stages' cores: relayed drafts slow passes
+    for sequence in (free, sync, asynchronous, shared):  # short runs of right drafts, on a flat pass
         for _ in range(12):
             for accepted in (0, 1, 2):
                 sequence.policy.observe_window(8, accepted)
@@ -75,6 +77,7 @@ def test_awaited_drafts_are_priced_with_their_wait_and_drafts_made_while_passes_
     assert asynchronous.drafts_first and asynchronous.drafts_wanted == sync.draft_limit  # nothing speculated: it waits
     asynchronous.drafted([4] * 8)
     assert asynchronous.drafts_wanted == 8  # relayed drafts cost the pass nothing
+    assert shared.draft_limit == shared.awaited_limit == sync.draft_limit
 
 
 def test_the_prompt_window_asks_only_for_its_last_rows_logits():
