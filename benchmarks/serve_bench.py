@@ -7,6 +7,9 @@ prompts, the same total threads:
   one thread per stage;
 * ``specpipe-whole``: ``orchestrate serve`` over the unsplit model as one
   stage with both threads;
+* ``specpipe-2-stages-draft`` (under an emulated curve only): the same with
+  a draft model beside every stage (``--speculator model``, the draft of
+  realistic agreement, benchmarks.drafts), against ``specpipe-2-stages``;
 * ``specpipe-2-stages-no-http``: the same pipeline and service loop
   (orchestrator.decoding.service) driven in this process, without HTTP, Serve or the
   client: what the pipeline itself gives, and so what the serving layers on
@@ -48,6 +51,7 @@ from orchestrator.cluster.connect import free_port
 
 SERVERS = ("specpipe-2-stages", "specpipe-whole", "llama-cpp-server")
 IN_PROCESS = "specpipe-2-stages-no-http"
+DRAFTED = "specpipe-2-stages-draft"
 START_SECONDS = 300.0
 CONTEXT = 1024
 
@@ -102,7 +106,11 @@ def _start(server: str, stage_paths: list[str], whole_path: str, threads: int, p
         return start([tool("llama-server"), "-m", whole_path, "-t", str(threads), "-tb", str(threads),
                       "-c", str(CONTEXT * PEER_SLOTS), "--parallel", str(PEER_SLOTS), "-fa", "off",
                       "--host", "127.0.0.1", "--port", str(port)], port, workdir / f"{server}.log")
-    if server == "specpipe-2-stages":
+    if server in ("specpipe-2-stages", DRAFTED):
+        if server == DRAFTED:
+            from benchmarks.drafts import realistic_draft
+
+            more = [*more, "--speculator", "model", "--draft", realistic_draft(whole_path, workdir)]
         return start_specpipe_server(["--model-split", *stage_paths, "--threads", str(max(1, threads // 2)),
                                       "--n-ctx", str(CONTEXT), "--max-sequences", "8", *more], port,
                                      workdir / f"{server}.log")
@@ -138,10 +146,11 @@ def run_serve_bench(stage_paths: list[str], whole_path: str, *, threads: int = 2
                     progress: Callable[[int, int], None] | None = None, cost_curve: str | None = None) -> dict:
     """Every server under every concurrency level; see the module docstring.
     cost_curve: a --cost-curve CURVE every stage is held to (emulated figures):
-    then only this project's 2-stage servers run (no curve holds the peers,
-    and the 2-stage curve does not fit the whole model as one stage)."""
+    then only this project's 2-stage servers run, with and without a draft
+    model (no curve holds the peers, and the 2-stage curve does not fit the
+    whole model as one stage)."""
     prompts = list(prompts or DEFAULT_PROMPTS)
-    servers = servers_here() if cost_curve is None else ("specpipe-2-stages",)
+    servers = servers_here() if cost_curve is None else ("specpipe-2-stages", DRAFTED)
     total = (len(servers) + 1) * repetitions * len(concurrencies)
     done = 0
     runs: dict[str, dict[int, list[LoadResult]]] = {server: {level: [] for level in concurrencies} for server in servers}
@@ -263,6 +272,10 @@ def _results(runs: dict[str, dict[int, list[LoadResult]]], concurrencies: tuple[
                 "over_llama_cpp_server": None if baseline_rates is None else
                 statistics.median(rate / other for rate, other in zip(rates, baseline_rates)),
                 "matches_solo": all(text == solo[server] for text in texts),
+                # with a draft model: against the same pipeline without one, at the same concurrency
+                "over_specpipe_2_stages": None if server != DRAFTED else
+                statistics.median(rate / plain.tokens_per_s
+                                  for rate, plain in zip(rates, runs["specpipe-2-stages"][level])),
                 "matches_llama_cpp_server": None if baseline not in solo else
                 all(text == solo[baseline] for text in texts),
             })
@@ -293,15 +306,16 @@ def serve_table(results: dict) -> str:
         f"max_tokens {results['max_tokens']}, greedy, streamed; {results['threads']} threads in all per server; "
         f"median [min–max] over {results['repetitions']} repetitions.",
         "",
-        "| server | concurrency | tokens/s | × concurrency 1 | × llama-cpp-server | TTFT p50 / p95 (s) "
-        "| ITL p50 / p95 (ms) | errors | same as solo | same as llama-cpp-server |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "| server | concurrency | tokens/s | × concurrency 1 | × llama-cpp-server | × without a draft "
+        "| TTFT p50 / p95 (s) | ITL p50 / p95 (ms) | errors | same as solo | same as llama-cpp-server |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for row in results["rows"]:
         rate = row["tokens_per_second"]
         lines.append(
             f"| {row['server']} | {row['concurrency']} | {rate['median']:.1f} [{rate['min']:.1f}–{rate['max']:.1f}] "
             f"| {row['over_concurrency_1']:.2f} | {_ratio(row['over_llama_cpp_server'])} "
+            f"| {_ratio(row['over_specpipe_2_stages'])} "
             f"| {row['ttft_p50']['median']:.3f} / {row['ttft_p95']['median']:.3f} "
             f"| {row['itl_p50']['median'] * 1e3:.1f} / {row['itl_p95']['median'] * 1e3:.1f} "
             f"| {row['errors']} | {'yes' if row['matches_solo'] else 'NO'} "

@@ -475,11 +475,14 @@ def serve(pipeline: PipelineOptions, speculation, host, port, api_key, model_nam
 @click.option("--address", help="Ray cluster to use; default: start a local Ray.")
 @click.option("--serve", "serving", is_flag=True,
               help="Instead: servers under concurrent load (this server with 2 stages and whole, and "
-                   "llama-cpp-python's server), into serve.json, serve.md and serve.png.")
+                   "llama-cpp-python's server; under --cost-curve the 2-stage server with and without a draft "
+                   "model), into serve.json, serve.md and serve.png.")
+@click.option("--concurrency", "concurrencies", multiple=True, type=click.IntRange(1, 64),
+              help="With --serve: this many requests at once (repeatable; default 1, 2, 4 and 8).")
 @COST_CURVE_OPTION
 @one_line_errors
 def bench(out_dir: Path, quick: bool, names: tuple[str, ...], folder: Path | None, address: str | None,
-          serving: bool, cost_curve: str | None) -> None:
+          serving: bool, concurrencies: tuple[int, ...], cost_curve: str | None) -> None:
     """Run the benchmark scenarios, every mode side by side; exit 1 if any mode's output differs."""
     import platform
     import tempfile
@@ -489,8 +492,10 @@ def bench(out_dir: Path, quick: bool, names: tuple[str, ...], folder: Path | Non
     from orchestrator.cluster.connect import ray_session
 
     curve = _cost_curve(cost_curve)
+    if concurrencies and not serving:
+        raise click.UsageError("--concurrency goes with --serve")
     if serving:
-        _bench_serve(out_dir, quick, cost_curve, curve)
+        _bench_serve(out_dir, quick, cost_curve, curve, tuple(sorted(set(concurrencies))))
         return
 
     scenarios = load_scenarios(folder or SCENARIO_DIR, quick=quick, only=list(names) or None)
@@ -517,7 +522,7 @@ def bench(out_dir: Path, quick: bool, names: tuple[str, ...], folder: Path | Non
         sys.exit(1)
 
 
-def _bench_serve(out_dir: Path, quick: bool, cost_curve: str | None, curve) -> None:
+def _bench_serve(out_dir: Path, quick: bool, cost_curve: str | None, curve, concurrencies: tuple[int, ...]) -> None:
     """orchestrate bench --serve (benchmarks.serve_bench) on the default model."""
     import tempfile
 
@@ -526,6 +531,8 @@ def _bench_serve(out_dir: Path, quick: bool, cost_curve: str | None, curve) -> N
 
     stage_paths = default_stage_paths(progress=_progress_bar("splitting default model"))
     shape = dict(concurrencies=(1, 2), repetitions=1, max_tokens=8) if quick else {}
+    if concurrencies:
+        shape["concurrencies"] = concurrencies
     with tempfile.TemporaryDirectory() as workdir:
         results = run_serve_bench(stage_paths, str(default_model_path()), workdir=Path(workdir),
                                   progress=_progress_bar("serve bench"), cost_curve=cost_curve, **shape)
