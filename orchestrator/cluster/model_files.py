@@ -94,6 +94,17 @@ def check_same_model(vocabulary_path: str | None, stage_files: list[StageFileInf
         )
 
 
+def draft_memory_bytes(path: str | None, positions: int) -> int:
+    """What a draft model holds on each machine it drafts on: its file, and
+    its KV cache for ``positions`` (its context times the requests it drafts for); 0 without one."""
+    from orchestrator.planning.loaders import kv_bytes_per_token
+
+    if not path:
+        return 0
+    model = read_model(path)
+    return os.path.getsize(path) + model.block_count * kv_bytes_per_token(model.metadata, model.architecture) * positions
+
+
 def whole_model_stages(settings: WholeModelSettings, stage: StageSettings, draft_path: str | None,
                        on_status: Callable[[str], None] | None) -> ModelToShip | None:
     """What Pipeline needs to cut ``settings.path`` and ship its stages: how many, and where to cut for the nodes."""
@@ -118,7 +129,7 @@ def whole_model_stages(settings: WholeModelSettings, stage: StageSettings, draft
         if settings.boundaries is not None:
             return (0, *settings.boundaries)
         shape = model_shape_of_gguf(model)
-        draft_bytes = os.path.getsize(draft_path) if draft_path else 0
+        draft_bytes = draft_memory_bytes(draft_path, stage.n_ctx * stage.sequences)
         split = choose_cluster_split(shape, nodes, context=stage.n_ctx * stage.sequences, draft_bytes=draft_bytes,
                                      boundaries=layer_rules(model.metadata).allowed_boundaries(),
                                      profiles=settings.profiles, offloaded=offloaded)

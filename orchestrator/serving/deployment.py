@@ -333,7 +333,8 @@ def prepare(settings: ServeSettings) -> ServeSettings:
         from stages.tokenizer import Tokenizer
 
         check_draft_model(speculation.draft_path, Tokenizer(vocabulary_path))
-        draft_gpu_layers(speculation.draft_device)  # the draft runs in this process's build: a GPU it lacks is refused
+        if settings.address is None:  # a local service's drafters use this build: a GPU it lacks is refused
+            draft_gpu_layers(speculation.draft_device)
     if speculation.tree_leaves > 1:  # a stage holds a tree's branches beside one sequence only (stages.engine)
         if settings.stage.sequences > 1:
             raise ServeError("token trees (--tree-leaves) need --max-sequences 1")
@@ -342,8 +343,10 @@ def prepare(settings: ServeSettings) -> ServeSettings:
     if settings.stage.sequences < 1:  # not given: what fits in memory (the default prefix cache as much again)
         kv_bytes = kv_bytes_per_sequence(vocabulary_path, settings.stage.n_ctx)
         streams = 2 if settings.prefix_cache_tokens is None and speculation.tree_leaves == 1 else 1
+        draft_bytes = 0 if speculation.speculator != "model" else \
+            kv_bytes_per_sequence(speculation.draft_path, settings.stage.n_ctx + speculation.draft_max)
         settings = replace(settings, stage=replace(settings.stage, sequences=default_max_sequences(
-            kv_bytes * streams, available_memory_bytes())))
+            kv_bytes * streams + draft_bytes, available_memory_bytes())))  # a drafter holds a sequence per request
     return with_prefix_cache(settings)
 
 

@@ -49,3 +49,15 @@ def test_a_draft_on_a_gpu_this_build_lacks_is_refused_in_one_line(splits, smollm
     assert result.returncode == 1 and result.stderr.strip().splitlines() == [
         "error: --draft-device gpu: this llama.cpp build (cpu) has no GPU"], result.stderr
 
+
+
+def test_a_draft_model_is_counted_with_its_kv_cache_where_it_drafts(realistic_draft):
+    """The memory check of --model counts the draft on every machine: its file
+    and its KV cache (SmolLM2: 30 blocks x 3 KV heads x 64 x f16 keys and
+    values = 23,040 bytes a position) for its context times its requests."""
+    from orchestrator.cluster.model_files import draft_memory_bytes
+
+    size = Path(realistic_draft).stat().st_size
+    assert draft_memory_bytes(realistic_draft, 0) == size
+    assert draft_memory_bytes(realistic_draft, 4 * 1024) == size + 4 * 1024 * 23_040
+    assert draft_memory_bytes(None, 4 * 1024) == 0
