@@ -47,7 +47,9 @@ The rules:
   stops; its result, whatever comes back, is discarded as above.
 * How many drafts a window carries (``draft_limit``, none included: then
   the drafter is not even asked): ``speculators.draft_length.DraftPolicy``,
-  from the acceptance by draft position and the cost of a longer pass.
+  from the acceptance by draft position and the cost of a longer pass. With
+  continuous batching, chains ready at once carry as many as the one with
+  fewest (``Scheduler.shared_drafts``), so that they share passes.
 * When a window is a token tree (``SequenceState.drafted_tree``, a sequence
   with ``tree_leaves`` > 1 whose drafter proposes one): the draft policy's
   chain is its main chain, and ``speculators.tree.choose_rows`` adds the side
@@ -425,12 +427,14 @@ class SequenceState:
         self.prompt_from = end if end is not None and end < self.prompt_length else None
         return window
 
-    def first_window(self) -> Window:
-        """The window of its next pass (it must be ``ready``)."""
+    def first_window(self, most: int | None = None) -> Window:
+        """The window of its next pass (it must be ``ready``); most: at most
+        this many drafts (Scheduler.shared_drafts), None: as its policy says."""
         if self.prompt_from is not None:
             window = self._prompt_window()
         else:
             limit = self.drafts_wanted if self.schedule.speculative else 0
+            limit = limit if most is None else min(limit, most)
             first = len(self.committed) - 1 - self.refeed
             tree = DraftTree.chain(self.committed[-1], self.speculation[:limit])
             if self.candidates is not None and limit > 0:
@@ -725,8 +729,9 @@ class Scheduler:
         passes = []
         # while windows wait to share a pass (Batching.holds), only prompt chunks go
         holding = self._holding()
-        firsts = tuple(state.first_window() for state in self.sequences.values()
-                       if state.ready and not (holding and state.prompt_from is None))
+        ready = [state for state in self.sequences.values() if state.ready and not (holding and state.prompt_from is None)]
+        most = self.shared_drafts(ready)
+        firsts = tuple(state.first_window(most) for state in ready)
         aheads = [state.windows_ahead() for state in self.sequences.values()]
         # the k-th window started ahead of each sequence in the k-th pass: a pass holds one window of a sequence
         rounds = [tuple(windows[k] for windows in aheads if len(windows) > k)
@@ -741,6 +746,18 @@ class Scheduler:
                 passes.append(TargetPass(windows))
         self.in_flight.extend(passes)
         return passes
+
+    def shared_drafts(self, ready: list[SequenceState]) -> int | None:
+        """With batching, the decoding chains ready at once carry as many drafts
+        as the one with fewest (its policy's limit, or what it has speculated),
+        so they are one width and can share a pass (Batching): windows of
+        different widths would take a pass each, and under load that costs
+        more than the drafts save. None: each as its policy says (alone, or no batching)."""
+        chains = [state for state in ready if state.prompt_from is None and state.tree_leaves == 1]
+        if self.batching is None or len(chains) < 2:
+            return None
+        return min(min(state.drafts_wanted if state.schedule.speculative else 0, len(state.speculation))
+                   for state in chains)
 
     def relaying(self) -> list[SequenceState]:
         """Sequences whose drafters relay while the oldest pass runs: async ones
