@@ -288,7 +288,8 @@ def run_scenario(
             steps = draft_steps(pipeline)
             pipeline.pin_stages(overlapping=False)
             # what drafting a token costs, in one-token passes, as a run measures it
-            prices = {kind: draft_prices(kind, pipeline, clients, prompts[0], pipeline.pass_costs()[0])
+            pass_seconds = pipeline.pass_costs()[0]
+            prices = {kind: draft_prices(kind, pipeline, clients, prompts[0], pass_seconds)
                       for kind, clients in drafters.items()}
             for mode in modes:  # warm-up
                 run_mode(mode, prompts[0], 8)

@@ -22,6 +22,7 @@ import click
 
 from orchestrator import config
 from orchestrator.decoding.schedule import Schedule
+from speculators.model import DRAFT_DEVICES
 from speculators.sampling import SamplingSettings
 from stages.errors import SpecpipeError
 from stages.settings import DEFAULT_CONTEXT
@@ -251,7 +252,7 @@ def speculation_options(overlap: bool):
                          help="Most draft tokens per target pass."),
             click.option("--draft-p-min", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0),
                          help="A draft model stops drafting below this probability."),
-            click.option("--draft-device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto",
+            click.option("--draft-device", type=click.Choice(DRAFT_DEVICES), default="auto",
                          show_default=True,
                          help="Where a draft model computes on its machine: cpu (its cores, beside a stage on the "
                               "GPU), gpu, or auto (the GPU where the llama.cpp build has one)."),

@@ -102,7 +102,7 @@ class DraftPolicy:
 
     maximum: int
     step: float = PRIOR_STEP
-    prices: DraftPrices = field(default_factory=lambda: DraftPrices())
+    prices: DraftPrices = DraftPrices()
     call_cost: float = 0.0
     reached: list[float] = field(default_factory=list)  # by draft position: windows that reached it
     accepted: list[float] = field(default_factory=list)  # ... and accepted it

@@ -1,6 +1,7 @@
 """Which model files a run or a service uses: the stage files given, or the
 whole model to cut on the driver and ship to the nodes; where the
-coordinator's vocabulary comes from; and the check of a draft model."""
+coordinator's vocabulary comes from; the check of a draft model; what a
+model's KV cache and a draft model take in memory."""
 
 from __future__ import annotations
 
@@ -94,15 +95,20 @@ def check_same_model(vocabulary_path: str | None, stage_files: list[StageFileInf
         )
 
 
+def kv_bytes_per_sequence(path: str, context: int) -> int:
+    """KV cache bytes one sequence of ``context`` positions takes in the
+    model file at path (a stage file, a whole model, or a vocabulary file:
+    its metadata is enough)."""
+    from orchestrator.planning.loaders import kv_bytes_per_token
+
+    model = read_model(path)
+    return model.block_count * kv_bytes_per_token(model.metadata, model.architecture) * context
+
+
 def draft_memory_bytes(path: str | None, positions: int) -> int:
     """What a draft model holds on each machine it drafts on: its file, and
     its KV cache for ``positions`` (its context times the requests it drafts for); 0 without one."""
-    from orchestrator.planning.loaders import kv_bytes_per_token
-
-    if not path:
-        return 0
-    model = read_model(path)
-    return os.path.getsize(path) + model.block_count * kv_bytes_per_token(model.metadata, model.architecture) * positions
+    return os.path.getsize(path) + kv_bytes_per_sequence(path, positions) if path else 0
 
 
 def whole_model_stages(settings: WholeModelSettings, stage: StageSettings, draft_path: str | None,

@@ -12,6 +12,7 @@ from orchestrator.config import DRAFT_MAX
 from orchestrator.decoding.schedule import Schedule
 from orchestrator.decoding.targets import Drafter
 from speculators.draft_length import DRAFTER_CALL_COST, PRIOR_STEP, DraftPrices
+from speculators.model import DRAFT_DEVICES
 
 SPECULATORS = ("none", "ngram", "model")
 
@@ -50,6 +51,8 @@ class SpeculationSettings:
             raise SpeculationError("--speculator model needs --draft DRAFT.gguf")
         if self.draft_path and self.speculator != "model":
             raise SpeculationError("--draft is only used with --speculator model")
+        if self.draft_device not in DRAFT_DEVICES:
+            raise SpeculationError(f"unknown draft device {self.draft_device!r} (choose {', '.join(DRAFT_DEVICES)})")
         if (self.draft_device != "auto" or self.draft_threads is not None) and self.speculator != "model":
             raise SpeculationError("--draft-device and --draft-threads are only used with --speculator model")
         if self.draft_threads is not None and self.draft_threads < 1:

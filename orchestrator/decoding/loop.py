@@ -184,8 +184,9 @@ class DecodingLoop:
             for state, drafters in zip(relaying, machines):
                 if handoff.collect is not None:
                     state.drafted(drafters[handoff.collect].collect())
-                if handoff.start is not None and state.speculation_room > 0:
-                    drafters[handoff.start].speculate(state.text, state.speculation_room)
+                room = state.speculation_room if handoff.start is not None else 0
+                if room > 0:
+                    drafters[handoff.start].speculate(state.text, room)
         return reply
 
 

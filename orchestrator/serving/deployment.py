@@ -74,17 +74,6 @@ class ServeSettings:
     prefix_cache_tokens: int | None = None
 
 
-def kv_bytes_per_sequence(path: str, context: int) -> int:
-    """KV cache bytes one sequence of ``context`` positions takes in the
-    model file at path (a stage file, a whole model, or a vocabulary file:
-    its metadata is enough)."""
-    from orchestrator.planning.loaders import kv_bytes_per_token
-    from stages.gguf_file import read_model
-
-    model = read_model(path)
-    return model.block_count * kv_bytes_per_token(model.metadata, model.architecture) * context
-
-
 def default_max_sequences(kv_bytes: int, available_bytes: int) -> int:
     """Sequences (requests at once) whose KV cache fits SERVE_KV_MEMORY_SHARE of
     the available memory, at most SERVE_MAX_SEQUENCES, at least 1."""
@@ -341,6 +330,8 @@ def prepare(settings: ServeSettings) -> ServeSettings:
         settings = replace(settings, stage=replace(settings.stage, sequences=1,
                                                    tree_sequences=speculation.tree_leaves - 1))
     if settings.stage.sequences < 1:  # not given: what fits in memory (the default prefix cache as much again)
+        from orchestrator.cluster.model_files import kv_bytes_per_sequence
+
         kv_bytes = kv_bytes_per_sequence(vocabulary_path, settings.stage.n_ctx)
         streams = 2 if settings.prefix_cache_tokens is None and speculation.tree_leaves == 1 else 1
         draft_bytes = 0 if speculation.speculator != "model" else \

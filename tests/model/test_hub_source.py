@@ -229,7 +229,7 @@ def test_offline_the_copy_in_huggingface_hubs_cache_is_used(hub, smollm2, tmp_pa
 def test_the_drivers_vocabulary_file_is_enough_for_the_tokenizer_and_the_kv_budget(hub, smollm2):
     """`serve --model hf:` sizes its sequences and tokenizes from the header alone (no tensor on the driver)."""
     from orchestrator.cluster.model_files import WholeModelSettings, with_source
-    from orchestrator.serving.deployment import kv_bytes_per_sequence
+    from orchestrator.cluster.model_files import kv_bytes_per_sequence
     from stages.tokenizer import Tokenizer
 
     settings = with_source(WholeModelSettings(f"hf:org/smol/{Path(smollm2).name}"))
