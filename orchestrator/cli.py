@@ -231,12 +231,13 @@ def speculation_options(overlap: bool):
     def decorate(command):
         @functools.wraps(command)
         def wrapper(*args, speculator, draft_path, draft_max, draft_p_min, schedule, tree_leaves, draft_device,
-                    draft_threads, draft_overlap=False, **kwargs):
+                    draft_threads, drafter_nodes, draft_overlap=False, **kwargs):
             from orchestrator.decoding.drafting import SpeculationError, SpeculationSettings
 
             try:
                 speculation = SpeculationSettings(speculator, draft_path, Schedule(schedule), draft_max, draft_p_min,
-                                                  draft_overlap, tree_leaves, draft_device, draft_threads)
+                                                  draft_overlap, tree_leaves, draft_device, draft_threads,
+                                                  tuple(drafter_nodes))
             except SpeculationError as error:
                 raise click.UsageError(str(error)) from None
             return command(*args, speculation=speculation, **kwargs)
@@ -258,6 +259,9 @@ def speculation_options(overlap: bool):
                               "GPU), gpu, or auto (the GPU where the llama.cpp build has one)."),
             click.option("--draft-threads", type=click.IntRange(1, 1024),
                          help="A draft model's CPU threads (default: the stages' --threads)."),
+            click.option("--drafter-node", "drafter_nodes", multiple=True, metavar="NODE",
+                         help="A Ray node (address or id) that drafts in place of the machine of stage 0 (given "
+                              "again: of stage 1, ...), e.g. one that holds no stage. Repeatable."),
             click.option("--schedule", type=click.Choice([Schedule.ASYNC.value, Schedule.SYNC.value]),
                          default=Schedule.ASYNC.value, show_default=True,
                          help="async: draft on machines while their stage is idle, and start windows ahead; sync: "

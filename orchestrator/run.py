@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from orchestrator.cluster.connect import ray_session
 from orchestrator.config import MAX_RESTARTS
-from orchestrator.cluster.drafters import (DrafterClient, DrafterSettings, draft_prices, drafter_compute,
+from orchestrator.cluster.drafters import (DrafterClient, draft_prices, drafter_compute, drafter_nodes,
+                                          drafter_settings,
                                           speculator_factory, start_drafters, stop_drafters)
 from orchestrator.decoding.drafting import Drafting, SpeculationSettings
 from orchestrator.decoding.loop import Generation, generate
@@ -189,6 +190,7 @@ def run_generation(
     with ray_session(settings.address, dashboard=settings.dashboard) as where:
         if where and on_status is not None:
             on_status(f"[{where}]")
+        drafter_nodes(settings.speculation.drafter_nodes)  # a node not alive fails before the stages load
         restart_metrics = RestartMetrics()
         stage_settings = _stage_settings(settings)
         stages = None if whole is None else whole_model_stages(whole, stage_settings, settings.speculation.draft_path,
@@ -253,9 +255,7 @@ def _generate_through(pipeline: Pipeline, settings: RunSettings, prepared, resta
     drafting = None
     if make_speculator is not None:
         drafters = start_drafters(
-            pipeline, make_speculator,
-            DrafterSettings(draft_max=speculation.draft_max, overlap=speculation.overlap,
-                            max_restarts=settings.max_restarts),
+            pipeline, make_speculator, drafter_settings(speculation, pipeline.settings, settings.max_restarts),
             on_restart=lambda index: restart_metrics.record("drafter", index),
         )
         pass_seconds, step = pipeline.pass_costs()

@@ -1,7 +1,8 @@
 """Drafter actors beside the stages, and the coordinator's side of their sockets.
 
 One drafter per machine, placed on its stage's node (in the same placement
-bundle). Every failure of a drafter (it raises, hangs, its actor dies, its
+bundle), or on a node the user names (``DrafterSettings.nodes``: a
+drafter-only node drafts in place of the one beside stage i). Every failure of a drafter (it raises, hangs, its actor dies, its
 socket closes, it sends tokens outside the vocabulary) is absorbed here: the
 client answers with an empty draft, marks the drafter lost, and the pipeline
 goes on without it. A lost drafter is restarted in the background (at most
@@ -42,13 +43,30 @@ class DrafterSettings:
     overlap: keep drafting while the machine's own stage runs (--draft-overlap).
     wait_seconds: how long a synchronous request may wait for the draft to finish.
     max_restarts: how often a lost drafter is restarted (--max-restarts).
-    sequences: the requests it drafts for at once, a KV sequence each (serve's --max-sequences)."""
+    sequences: the requests it drafts for at once, a KV sequence each (serve's --max-sequences).
+    nodes: Ray nodes (address or id): drafter i runs on nodes[i] instead of
+    beside stage i (--drafter-node); the others beside their stages.
+    memory_bytes: what the draft holds where it runs, its file and KV cache
+    (model_files.draft_memory_bytes): a drafter whose node has less available refuses to start."""
 
     draft_max: int = DRAFT_MAX
     overlap: bool = False
     wait_seconds: float = DRAFTER_WAIT_SECONDS
     max_restarts: int = MAX_RESTARTS
     sequences: int = 1
+    nodes: tuple[str, ...] = ()
+    memory_bytes: int = 0
+
+
+def drafter_settings(speculation, stage, max_restarts: int, sequences: int = 1) -> DrafterSettings:
+    """The drafters of ``speculation`` (a SpeculationSettings) beside stages of
+    ``stage`` (StageSettings), drafting for ``sequences`` requests at once."""
+    from orchestrator.cluster.model_files import draft_memory_bytes
+
+    memory = draft_memory_bytes(speculation.draft_path, (stage.n_ctx + speculation.draft_max) * sequences) \
+        if speculation.speculator == "model" else 0
+    return DrafterSettings(draft_max=speculation.draft_max, overlap=speculation.overlap, max_restarts=max_restarts,
+                           sequences=sequences, nodes=speculation.drafter_nodes, memory_bytes=memory)
 
 
 def _drafter_actor_class():
@@ -64,8 +82,12 @@ def _drafter_actor_class():
         def __init__(self, index: int, make_speculator: Callable[[], Speculator], settings: DrafterSettings,
                      secret: bytes, loopback: bool, certificate=None):
             """loopback: the coordinator is on this machine; listen on 127.0.0.1 only."""
+            from orchestrator.cluster.model_files import check_memory_available
+
             self.index = index
             self.host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
+            check_memory_available(settings.memory_bytes, f"drafter {index}'s draft model (its file and KV cache)",
+                                   self.host)
             self.server = DrafterServer(
                 make_speculator, self.host,
                 draft_max=settings.draft_max, overlap=settings.overlap, wait_seconds=settings.wait_seconds,
@@ -276,12 +298,14 @@ def start_drafters(pipeline, make_speculator: Callable[[], Speculator], settings
 
     actor_class = _drafter_actor_class()
     launches = [0] * len(pipeline.stages)  # per drafter: its actors started so far
+    placed = drafter_placement(pipeline, settings.nodes)
 
     def start(index: int):
         name = actor_name(f"drafter-{kind}" if kind else "drafter", index, pipeline.actors.tag, launches[index])
         launches[index] += 1
-        return actor_class.options(**pipeline.actor_options(index, num_cpus=0), name=name).remote(
-            index, make_speculator, settings, pipeline.secret, pipeline.loopback, pipeline.certificate)
+        options, loopback = placed[index]
+        return actor_class.options(**options, name=name).remote(
+            index, make_speculator, settings, pipeline.secret, loopback, pipeline.certificate)
 
     def connect(index: int, actor) -> tuple[object, socket.socket, str]:
         try:
@@ -306,6 +330,35 @@ def start_drafters(pipeline, make_speculator: Callable[[], Speculator], settings
             client.lost_reason = f"did not start: {one_line(error)}"
             clients.append(client)
     return clients
+
+
+def drafter_nodes(nodes: tuple[str, ...], stage_count: int | None = None) -> list:
+    """The alive Ray nodes (placement.NodeInfo) that ``nodes`` (addresses or
+    ids, --drafter-node) name; PlacementError, one line, for a node not alive
+    or more nodes than the ``stage_count`` stages (None: not known yet)."""
+    from orchestrator.cluster.connect import alive_nodes
+    from orchestrator.cluster.placement import PlacementError, find_node
+
+    if stage_count is not None and len(nodes) > stage_count:
+        raise PlacementError(f"--drafter-node given {len(nodes)} times, but the pipeline has {stage_count} "
+                             f"stage{'s' * (stage_count != 1)}: drafter i drafts in place of the one beside stage i")
+    alive = alive_nodes() if nodes else []
+    return [find_node(alive, node) for node in nodes]
+
+
+def drafter_placement(pipeline, nodes: tuple[str, ...]) -> list[tuple[dict, bool]]:
+    """For each drafter: (its Ray options, whether it listens on loopback
+    only). Drafter i runs on ``nodes[i]`` where given (drafter_nodes), else beside stage i."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    found = drafter_nodes(nodes, len(pipeline.stages))
+    here = ray.util.get_node_ip_address()
+    placed = [({"max_restarts": 0, "num_cpus": 0,
+                "scheduling_strategy": NodeAffinitySchedulingStrategy(node.node_id, soft=False)},
+               pipeline.loopback and node.address == here) for node in found]
+    return placed + [(pipeline.actor_options(index, num_cpus=0), pipeline.loopback)
+                     for index in range(len(found), len(pipeline.stages))]
 
 
 def draft_seconds_per_token(client: DrafterClient, context: list[int], tokens: int = 4) -> float | None:

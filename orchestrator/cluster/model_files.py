@@ -111,6 +111,19 @@ def draft_memory_bytes(path: str | None, positions: int) -> int:
     return os.path.getsize(path) + kv_bytes_per_sequence(path, positions) if path else 0
 
 
+def check_memory_available(needed: int, what: str, where: str) -> None:
+    """Raise StageError, one line, unless ``needed`` bytes fit within
+    MEMORY_HEADROOM of the memory this machine (``where``, for the message) has available now."""
+    import psutil
+
+    from orchestrator.planning.search import MEMORY_HEADROOM
+
+    available = psutil.virtual_memory().available
+    if needed > MEMORY_HEADROOM * available:
+        raise StageError(f"{what} needs {needed / 2**20:.0f} MiB, but {where} has {available / 2**20:.0f} MiB "
+                         f"available (at most {MEMORY_HEADROOM:.0%} of it is used)")
+
+
 def whole_model_stages(settings: WholeModelSettings, stage: StageSettings, draft_path: str | None,
                        on_status: Callable[[str], None] | None) -> ModelToShip | None:
     """What Pipeline needs to cut ``settings.path`` and ship its stages: how many, and where to cut for the nodes."""

@@ -73,7 +73,7 @@ def parse_place(text: str) -> dict[int, str]:
     return mapping
 
 
-def _find_node(nodes: list[NodeInfo], wanted: str) -> NodeInfo:
+def find_node(nodes: list[NodeInfo], wanted: str) -> NodeInfo:
     exact = [node for node in nodes if wanted in (node.address, node.node_id)]
     if exact:
         return exact[0]
@@ -117,7 +117,7 @@ def plan_placement(
         missing = [stage for stage in range(stage_count) if stage not in place]
         if missing:
             raise PlacementError(f"--place gives no node for stage {missing[0]}")
-        return PlacementPlan("explicit", tuple(_find_node(nodes, place[stage]).node_id for stage in range(stage_count)))
+        return PlacementPlan("explicit", tuple(find_node(nodes, place[stage]).node_id for stage in range(stage_count)))
     if any(advertised_stages(node) for node in nodes):
         return PlacementPlan("explicit", tuple(_advertising_node(nodes, stage).node_id for stage in range(stage_count)))
     if len(nodes) == 1:

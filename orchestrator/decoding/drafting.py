@@ -32,7 +32,11 @@ class SpeculationSettings:
     leaves (speculators.tree) and every stage holds as many KV ids less one.
     draft_device: where a draft model computes on its machine (cpu, gpu, or
     auto: the GPU where the build has one; speculators.model.draft_gpu_layers);
-    draft_threads: its CPU threads (None: the stages' --threads)."""
+    draft_threads: its CPU threads (None: the stages' --threads).
+    drafter_nodes: Ray nodes (address or id) that draft instead of the
+    machines beside the first stages: drafter i runs on drafter_nodes[i]
+    (a drafter-only node, llama_duo's laptop drafting for a Mac Studio), the
+    rest beside their stages; relayed like any other."""
 
     speculator: str = "none"
     draft_path: str | None = None
@@ -43,6 +47,7 @@ class SpeculationSettings:
     tree_leaves: int = 1
     draft_device: str = "auto"
     draft_threads: int | None = None
+    drafter_nodes: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.speculator not in SPECULATORS:
@@ -57,6 +62,8 @@ class SpeculationSettings:
             raise SpeculationError("--draft-device and --draft-threads are only used with --speculator model")
         if self.draft_threads is not None and self.draft_threads < 1:
             raise SpeculationError(f"--draft-threads must be at least 1, not {self.draft_threads}")
+        if self.drafter_nodes and self.speculator != "model":
+            raise SpeculationError("--drafter-node needs --speculator model (prompt lookup drafts in the coordinator)")
         if self.tree_leaves > 1 and self.speculator != "ngram":
             raise SpeculationError("--tree-leaves needs --speculator ngram (prompt lookup drafts the trees)")
 

@@ -159,7 +159,7 @@ class Coordinator:
         """A draft model's drafter actors, one beside every stage, each with a
         KV sequence per request (run's actors, relayed by the same loop), and
         what drafting a token costs (measured: draft_prices); (None, nothing) without a draft model."""
-        from orchestrator.cluster.drafters import DrafterSettings, draft_prices, speculator_factory, start_drafters
+        from orchestrator.cluster.drafters import draft_prices, drafter_settings, speculator_factory, start_drafters
         from speculators.draft_length import DraftPrices
 
         settings, speculation = self.settings, self.settings.speculation
@@ -168,8 +168,8 @@ class Coordinator:
         make = speculator_factory(speculation, tokenizer, settings.stage, sequences=settings.stage.sequences,
                                   spare_context=speculation.draft_max)
         self.drafters = start_drafters(
-            self.pipeline, make, DrafterSettings(draft_max=speculation.draft_max, max_restarts=settings.max_restarts,
-                                                 sequences=settings.stage.sequences),
+            self.pipeline, make, drafter_settings(speculation, settings.stage, settings.max_restarts,
+                                                  sequences=settings.stage.sequences),
             on_restart=lambda index: restart_metrics.record("drafter", index))
         prices = draft_prices("model", self.pipeline, self.drafters, tokenizer.chat_prompt("Hello."), pass_seconds)
         clients = self.drafters
@@ -360,6 +360,7 @@ def serve_until_stopped(settings: ServeSettings, on_status: Callable[[str], None
     """Start Ray (or join --address), run the deployment, serve until SIGINT or
     SIGTERM, then delete it (in-flight requests drain) and stop Serve."""
     from orchestrator.cluster.connect import ray_session
+    from orchestrator.cluster.drafters import drafter_nodes
 
     placing = needs_placing(settings)
     if not placing:
@@ -371,6 +372,7 @@ def serve_until_stopped(settings: ServeSettings, on_status: Callable[[str], None
         try:
             if where:
                 on_status(f"[{where}]")
+            drafter_nodes(settings.speculation.drafter_nodes)  # a node not alive fails before the stages load
             if placing:
                 settings = prepare(place_stages(settings, on_status))
             _run_application(settings, on_status, stop)

@@ -86,6 +86,24 @@ def test_run_across_two_hosts_equals_whole_model(cluster, splits, reference, spe
         assert {drafter["node"] for drafter in report["speculators"]} == {stage["node"] for stage in report["stages"]}
 
 
+def test_a_host_that_holds_no_stage_drafts_for_the_pipeline(cluster, splits, realistic_draft, reference):
+    """llama_duo's setup: both stages on the head, and the worker, which holds
+    no stage, runs drafter 0 (--drafter-node); the other drafter stays beside
+    stage 1. Under an emulated curve the draft policy takes drafts, so tokens
+    drafted on the worker are verified, and the output is the whole model's."""
+    first, second = cluster.hosts.first.address, cluster.hosts.second.address
+    report = run_across_hosts(cluster, splits[2], "--place", f"0={first},1={first}", "--speculator", "model",
+                              "--draft", realistic_draft, "--drafter-node", second,
+                              "--cost-curve", "benchmarks/setups/llama-405b-two-machines.toml@40")
+    assert report["tokens"] == reference.greedy(reference.tokenize(PROMPTS[0]), MAX_TOKENS).tokens
+    head = report["stages"][0]["node"]
+    assert report["stages"][1]["node"] == head  # both on the driver's host: they listen on loopback
+    drafters = report["speculators"]
+    assert [drafter["lost"] for drafter in drafters] == ["", ""]
+    assert drafters[0]["node"] != head and drafters[1]["node"] == head
+    assert drafters[0]["busy_seconds"] > 0 and report["accepted_tokens"] > 0
+
+
 def test_the_whole_model_is_shipped_to_each_host_once_and_a_broken_transfer_resumes(cluster, smollm2, splits,
                                                                                    reference):
     """`--model` from the driver, no stage file on either host beforehand: each

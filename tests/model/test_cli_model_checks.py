@@ -61,3 +61,18 @@ def test_a_draft_model_is_counted_with_its_kv_cache_where_it_drafts(realistic_dr
     assert draft_memory_bytes(realistic_draft, 0) == size
     assert draft_memory_bytes(realistic_draft, 4 * 1024) == size + 4 * 1024 * 23_040
     assert draft_memory_bytes(None, 4 * 1024) == 0
+
+
+def test_a_drafter_refuses_to_start_where_its_draft_does_not_fit():
+    """Each drafter checks, where it runs, that its draft (file and KV cache)
+    fits the memory available there, in one line that names it and the machine."""
+    import psutil
+
+    from orchestrator.cluster.model_files import check_memory_available
+    from stages.engine import StageError
+
+    available = psutil.virtual_memory().available
+    check_memory_available(available // 2, "drafter 0's draft model", "10.0.0.2")
+    with pytest.raises(StageError, match=r"^drafter 0's draft model needs \d+ MiB, but 10.0.0.2 has \d+ MiB "
+                                         r"available \(at most 90% of it is used\)$"):
+        check_memory_available(available, "drafter 0's draft model", "10.0.0.2")

@@ -31,6 +31,8 @@ def test_a_usage_error_is_one_error_line_after_clicks_usage_hint(arguments, mess
     (["run", "--prompt", "hi", "--speculator", "ngram", "--draft-device", "cpu"],
      "--draft-device and --draft-threads are only used with --speculator model"),
     (["serve", "--draft-threads", "2"], "--draft-device and --draft-threads are only used with --speculator model"),
+    (["run", "--prompt", "hi", "--speculator", "ngram", "--drafter-node", "10.0.0.3"],
+     "--drafter-node needs --speculator model"),
     (["bench", "--out", "OUT", "--concurrency", "4"], "--concurrency goes with --serve"),
     (["run", "--prompt", "hi", "--n-ctx", str(2**32 + 16)], "--n-ctx"),
     (["run", "--prompt", "hi", "--threads", str(2**31)], "--threads"),

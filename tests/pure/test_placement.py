@@ -144,3 +144,11 @@ def test_a_stage_nobody_advertises_lists_what_is_advertised():
         plan_placement([a, b], 2, a.node_id)
     assert str(error.value).startswith(
         "no alive node advertises specpipe-stage-1 (advertised: 10.0.0.1 stage 0,2, 10.0.0.2 stage 3); ")
+
+
+def test_more_drafter_nodes_than_stages_is_refused_before_ray_is_asked():
+    """A drafter node drafts in place of the one beside stage i: one stage takes one node."""
+    from orchestrator.cluster.drafters import drafter_nodes
+
+    with pytest.raises(PlacementError, match="^--drafter-node given 2 times, but the pipeline has 1 stage: "):
+        drafter_nodes(("10.0.0.2", "10.0.0.3"), 1)
