@@ -19,7 +19,7 @@ from orchestrator.decoding.schedule import Schedule
 from orchestrator.cluster.shipping import Shipment
 from stages.tokenizer import Tokenizer
 from orchestrator.cluster.model_files import (RunError, WholeModelSettings, check_same_model,
-                                              local_vocabulary_file, whole_model_stages)
+                                              local_vocabulary_file, transfer_progress, whole_model_stages)
 from speculators.draft_length import PRIOR_STEP, DraftPrices, ask_cost
 from speculators.sampling import SamplingSettings
 from stages.settings import StageSettings
@@ -115,7 +115,8 @@ class RunOutcome:
                 for report in self.speculators
             ],
             "shipped": [
-                {"stage": shipment.stage_index, "node": shipment.node_id, "host": shipment.node_address,
+                {"what": shipment.what, "stage": shipment.stage_index if shipment.what == "stage" else None,
+                 "node": shipment.node_id, "host": shipment.node_address,
                  "path": shipment.path, "bytes": shipment.size, "resumed_from": shipment.resumed_from,
                  "bytes_sent": shipment.bytes_sent, "seconds": shipment.seconds, "from": shipment.source,
                  "why_from_driver": shipment.note, "sha256": shipment.sha256}
@@ -205,7 +206,7 @@ def run_generation(
             check_same_model(vocabulary_path if whole is None else None, pipeline.stage_files)
             if prepared is None:  # no stage file here: the vocabulary comes from stage 0's node
                 prepared = _prepare(settings, Tokenizer(pipeline.vocabulary_file()))
-            return _generate_through(pipeline, settings, prepared, restart_metrics, on_text)
+            return _generate_through(pipeline, settings, prepared, restart_metrics, on_text, on_status)
 
 
 def _stage_settings(settings: RunSettings) -> StageSettings:
@@ -246,8 +247,9 @@ class _Text:
 
 
 def _generate_through(pipeline: Pipeline, settings: RunSettings, prepared, restart_metrics: RestartMetrics,
-                      on_text: Callable[[str], None] | None) -> RunOutcome:
-    """Start the drafters beside the stages (with a speculator), generate, stop them, and report."""
+                      on_text: Callable[[str], None] | None, on_status: Callable[[str], None] | None) -> RunOutcome:
+    """Start the drafters beside the stages (with a speculator; a draft model
+    shipped to their nodes first), generate, stop them, and report."""
     tokenizer, tokens, make_speculator = prepared
     speculation = settings.speculation
     text = _Text(tokenizer, on_text)
@@ -257,6 +259,7 @@ def _generate_through(pipeline: Pipeline, settings: RunSettings, prepared, resta
         drafters = start_drafters(
             pipeline, make_speculator, drafter_settings(speculation, pipeline.settings, settings.max_restarts),
             on_restart=lambda index: restart_metrics.record("drafter", index),
+            progress=transfer_progress(on_status, lambda _: "the draft model"),
         )
         pass_seconds, step = pipeline.pass_costs()
         drafting = make_drafting(speculation.speculator, drafters, speculation.schedule, speculation.draft_max,
@@ -274,8 +277,11 @@ def _generate_through(pipeline: Pipeline, settings: RunSettings, prepared, resta
                                                client.restarts, drafter_compute(client)) for client in drafters]
         stop_drafters(drafters)
     curve = settings.stage.cost_curve
+    drafts_shipped = {client.draft_shipment.node_id: client.draft_shipment for client in drafters
+                      if client.draft_shipment is not None}
     return RunOutcome(text.finish(), generation, pipeline.reports(), speculator_reports, pipeline.hop_seconds,
-                      list(pipeline.restarts), list(pipeline.shipments), curve.name if curve else None)
+                      list(pipeline.restarts), [*pipeline.shipments, *drafts_shipped.values()],
+                      curve.name if curve else None)
 
 
 def _prepare(settings: RunSettings, tokenizer: Tokenizer):

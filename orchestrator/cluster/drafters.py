@@ -47,7 +47,9 @@ class DrafterSettings:
     nodes: Ray nodes (address or id): drafter i runs on nodes[i] instead of
     beside stage i (--drafter-node); the others beside their stages.
     memory_bytes: what the draft holds where it runs, its file and KV cache
-    (model_files.draft_memory_bytes): a drafter whose node has less available refuses to start."""
+    (model_files.draft_memory_bytes): a drafter whose node has less available refuses to start.
+    draft_path: a draft model's file here, shipped to every drafter's node
+    but this one (shipping.ship_draft) and loaded there from its cache; None: nothing to ship."""
 
     draft_max: int = DRAFT_MAX
     overlap: bool = False
@@ -56,6 +58,7 @@ class DrafterSettings:
     sequences: int = 1
     nodes: tuple[str, ...] = ()
     memory_bytes: int = 0
+    draft_path: str | None = None
 
 
 def drafter_settings(speculation, stage, max_restarts: int, sequences: int = 1) -> DrafterSettings:
@@ -66,7 +69,8 @@ def drafter_settings(speculation, stage, max_restarts: int, sequences: int = 1) 
     memory = draft_memory_bytes(speculation.draft_path, (stage.n_ctx + speculation.draft_max) * sequences) \
         if speculation.speculator == "model" else 0
     return DrafterSettings(draft_max=speculation.draft_max, overlap=speculation.overlap, max_restarts=max_restarts,
-                           sequences=sequences, nodes=speculation.drafter_nodes, memory_bytes=memory)
+                           sequences=sequences, nodes=speculation.drafter_nodes, memory_bytes=memory,
+                           draft_path=speculation.draft_path if speculation.speculator == "model" else None)
 
 
 def _drafter_actor_class():
@@ -146,6 +150,7 @@ class DrafterClient:
         self._on_restart = on_restart
         self.restarts_started = 0
         self.restarts = 0  # replacements that rejoined
+        self.draft_shipment = None  # a draft model's file on its node (shipping.Shipment), set by start_drafters
         self._lock = threading.Lock()
         self._replacement: tuple[object, socket.socket, str] | None = None
         self._closed = False
@@ -281,10 +286,15 @@ class SequenceDrafter:
         return self.client.collect(wait, self.sequence)
 
 
-def start_drafters(pipeline, make_speculator: Callable[[], Speculator], settings: DrafterSettings,
-                   on_restart: Callable[[int], None] | None = None, kind: str = "") -> list[DrafterClient]:
-    """One drafter actor beside each stage of ``pipeline``, connected to this process.
+def start_drafters(pipeline, make_speculator: Callable[..., Speculator], settings: DrafterSettings,
+                   on_restart: Callable[[int], None] | None = None, kind: str = "",
+                   progress=None) -> list[DrafterClient]:
+    """One drafter actor beside each stage of ``pipeline`` (or on the node
+    settings.nodes names for it), connected to this process.
 
+    A draft model (settings.draft_path) is first shipped to every drafter's
+    node but this one, and each drafter loads it from there: make_speculator
+    then takes the file as ``path=``. progress: shipping.ShipProgress, as it goes.
     A drafter that fails to start, or is lost later, is restarted in the
     background (settings.max_restarts); generation goes on without it meanwhile.
     Drafter ``index`` is named ``specpipe-drafter-<index>.<tag>`` with its
@@ -295,17 +305,23 @@ def start_drafters(pipeline, make_speculator: Callable[[], Speculator], settings
     import ray
 
     from orchestrator.cluster.connect import actor_name, one_line
+    from orchestrator.cluster.shipping import ship_draft
 
     actor_class = _drafter_actor_class()
     launches = [0] * len(pipeline.stages)  # per drafter: its actors started so far
     placed = drafter_placement(pipeline, settings.nodes)
+    shipped = {}
+    if settings.draft_path is not None:
+        shipped = ship_draft(settings.draft_path, [place.node for place in placed], pipeline.secret,
+                             pipeline.certificate, progress or (lambda *_: None))
+    makers = [functools.partial(make_speculator, path=shipped[place.node.node_id].path)
+              if place.node.node_id in shipped else make_speculator for place in placed]
 
     def start(index: int):
         name = actor_name(f"drafter-{kind}" if kind else "drafter", index, pipeline.actors.tag, launches[index])
         launches[index] += 1
-        options, loopback = placed[index]
-        return actor_class.options(**options, name=name).remote(
-            index, make_speculator, settings, pipeline.secret, loopback, pipeline.certificate)
+        return actor_class.options(**placed[index].options, name=name).remote(
+            index, makers[index], settings, pipeline.secret, placed[index].loopback, pipeline.certificate)
 
     def connect(index: int, actor) -> tuple[object, socket.socket, str]:
         try:
@@ -324,11 +340,12 @@ def start_drafters(pipeline, make_speculator: Callable[[], Speculator], settings
                       relaunch=lambda index=index: connect(index, start(index)), on_restart=on_restart)
         try:
             _, sock, node_id = connect(index, actor)
-            clients.append(DrafterClient(index, sock, node_id, actor, **checks))
+            client = DrafterClient(index, sock, node_id, actor, **checks)
         except (ray.exceptions.RayError, OSError, HandshakeError) as error:
             client = DrafterClient(index, None, **checks)
             client.lost_reason = f"did not start: {one_line(error)}"
-            clients.append(client)
+        client.draft_shipment = shipped.get(placed[index].node.node_id)
+        clients.append(client)
     return clients
 
 
@@ -346,19 +363,33 @@ def drafter_nodes(nodes: tuple[str, ...], stage_count: int | None = None) -> lis
     return [find_node(alive, node) for node in nodes]
 
 
-def drafter_placement(pipeline, nodes: tuple[str, ...]) -> list[tuple[dict, bool]]:
-    """For each drafter: (its Ray options, whether it listens on loopback
-    only). Drafter i runs on ``nodes[i]`` where given (drafter_nodes), else beside stage i."""
+@dataclass(frozen=True)
+class DrafterPlace:
+    """Where a drafter runs: its Ray options, whether it listens on loopback
+    only (the coordinator is on its machine), and its node (shipping.NodeMemory: address and id)."""
+
+    options: dict
+    loopback: bool
+    node: object
+
+
+def drafter_placement(pipeline, nodes: tuple[str, ...]) -> list[DrafterPlace]:
+    """For each drafter, where it runs: on ``nodes[i]`` where given (drafter_nodes), else beside stage i."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    found = drafter_nodes(nodes, len(pipeline.stages))
+    from orchestrator.planning.cluster_split import NodeMemory
+
     here = ray.util.get_node_ip_address()
-    placed = [({"max_restarts": 0, "num_cpus": 0,
-                "scheduling_strategy": NodeAffinitySchedulingStrategy(node.node_id, soft=False)},
-               pipeline.loopback and node.address == here) for node in found]
-    return placed + [(pipeline.actor_options(index, num_cpus=0), pipeline.loopback)
-                     for index in range(len(found), len(pipeline.stages))]
+    placed = [DrafterPlace({"max_restarts": 0, "num_cpus": 0,
+                            "scheduling_strategy": NodeAffinitySchedulingStrategy(node.node_id, soft=False)},
+                           pipeline.loopback and node.address == here, NodeMemory(node.address, node.node_id, 0))
+              for node in drafter_nodes(nodes, len(pipeline.stages))]
+    for stage in pipeline.stages[len(placed):]:
+        address = here if stage.host == "127.0.0.1" else stage.host
+        placed.append(DrafterPlace(pipeline.actor_options(stage.stage_index, num_cpus=0), pipeline.loopback,
+                                   NodeMemory(address, stage.node_id, 0)))
+    return placed
 
 
 def draft_seconds_per_token(client: DrafterClient, context: list[int], tokens: int = 4) -> float | None:
@@ -404,7 +435,7 @@ def speculator_factory(settings, tokenizer, stage, sequences: int = 1, spare_con
     if settings.speculator == "model":
         check_draft_model(settings.draft_path, tokenizer)
         return functools.partial(
-            ModelSpeculator, settings.draft_path, p_min=settings.draft_p_min, n_ctx=stage.n_ctx + spare_context,
+            ModelSpeculator, path=settings.draft_path, p_min=settings.draft_p_min, n_ctx=stage.n_ctx + spare_context,
             threads=settings.draft_threads or stage.threads, device=settings.draft_device, sequences=sequences,
             step_seconds=stage.cost_curve.draft_seconds if stage.cost_curve else 0.0,
         )

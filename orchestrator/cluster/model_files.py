@@ -157,12 +157,19 @@ def whole_model_stages(settings: WholeModelSettings, stage: StageSettings, draft
                 on_status(line)
         return split.starts
 
-    shown: dict[int, int] = {}  # stage -> the last tenth of its file shown
-
-    def progress(stage_index: int, done: int, total: int, verb: str) -> None:
-        tenth = done * 10 // total
-        if on_status is not None and tenth > shown.get(stage_index, -1):
-            shown[stage_index] = tenth
-            on_status(f"{verb} stage {stage_index}: {done / MIB:.0f} of {total / MIB:.0f} MiB")
-
+    progress = transfer_progress(on_status, lambda stage_index: f"stage {stage_index}")
     return ModelToShip(model, stage_count, choose_starts, settings.vocabulary_path, progress, offloaded)
+
+
+def transfer_progress(on_status: Callable[[str], None] | None, named: Callable[[int], str]):
+    """A shipping.ShipProgress that tells on_status each tenth of a file sent
+    or fetched: "shipping <named(index)>: 30 of 91 MiB"."""
+    shown: dict[int, int] = {}  # index -> the last tenth of its file shown
+
+    def progress(index: int, done: int, total: int, verb: str) -> None:
+        tenth = done * 10 // total
+        if on_status is not None and tenth != shown.get(index):  # a tenth lower: the next node's transfer
+            shown[index] = tenth
+            on_status(f"{verb} {named(index)}: {done / MIB:.0f} of {total / MIB:.0f} MiB")
+
+    return progress

@@ -111,12 +111,14 @@ def stage_cache_root() -> Path:
 @dataclass(frozen=True)
 class CacheEntry:
     """Which stage file: of the model with this fingerprint, cut at ``starts``
-    (first block of each stage) out of ``blocks``, stage ``stage_index``."""
+    (first block of each stage) out of ``blocks``, stage ``stage_index``.
+    whole: instead the model's own file, unsplit (a draft model: draft_entry)."""
 
     fingerprint: str
     starts: tuple[int, ...]
     blocks: int
     stage_index: int
+    whole: bool = False
 
     def __post_init__(self):
         if not _FINGERPRINT.fullmatch(self.fingerprint):
@@ -127,8 +129,25 @@ class CacheEntry:
                                 "is not a split")
 
     def path(self, root: Path) -> Path:
+        if self.whole:
+            return root / f"{self.fingerprint}-whole" / "model.gguf"
         folder = f"{self.fingerprint}-blocks-{'-'.join(map(str, self.starts))}-of-{self.blocks}"
         return root / folder / f"stage-{self.stage_index + 1}-of-{len(self.starts)}.gguf"
+
+    @property
+    def role(self) -> str:
+        """The handshake role of the connection that carries its file."""
+        return "a whole model's file" if self.whole else transfer_role(self.stage_index)
+
+    def on_node(self, node: NodeMemory) -> str:
+        """Where the file goes, as messages name it."""
+        what = "the draft model" if self.whole else f"stage {self.stage_index}"
+        return f"{what} on node {node.address} ({node.node_id[:8]})"
+
+
+def draft_entry(model: ModelFile) -> CacheEntry:
+    """A draft model's file as it is kept in a node's cache: whole, by its fingerprint."""
+    return CacheEntry(model.fingerprint, (0,), model.block_count, 0, whole=True)
 
 
 def _send_frame(sock: socket.socket, frame: dict) -> None:
@@ -318,7 +337,8 @@ class Shipment:
     ``seconds`` (0 bytes sent: it was there already). source: where the bytes
     came from, "driver" or "source" (the node fetched them itself,
     orchestrator.cluster.fetching); note: why the driver sent a stage whose
-    node was to fetch it; sha256: of the file a node assembled."""
+    node was to fetch it; sha256: of the file a node assembled; what: "stage",
+    or "draft" (a draft model's whole file, ship_draft)."""
 
     stage_index: int
     path: str
@@ -331,6 +351,7 @@ class Shipment:
     source: str = "driver"
     note: str = ""
     sha256: str = ""
+    what: str = "stage"
 
 
 def _receiver_actor_class():
@@ -342,7 +363,7 @@ def _receiver_actor_class():
 
         def __init__(self, entry: CacheEntry, size: int, secret: bytes, loopback: bool, certificate):
             self.receiver = StageReceiver(stage_cache_root(), entry, size)
-            self.role = transfer_role(entry.stage_index)
+            self.role = entry.role
             self.secret, self.loopback, self.certificate = secret, loopback, certificate
             self.outcome: Path | BaseException | None = None
             self.done = threading.Event()
@@ -416,7 +437,7 @@ def ship_stage(image: StageImage, entry: CacheEntry, node: NodeMemory, schedulin
     from orchestrator.cluster.connect import one_line
 
     started = time.monotonic()
-    where = stage_on_node(entry.stage_index, node)
+    where = entry.on_node(node)
     for attempt in range(2):
         actor = _receiver_actor_class().options(scheduling_strategy=scheduling_strategy).remote(
             entry, image.size, secret, loopback, certificate)
@@ -424,7 +445,7 @@ def ship_stage(image: StageImage, entry: CacheEntry, node: NodeMemory, schedulin
             path, host, port, held = ray.get(actor.open.remote(), timeout=ACTOR_START_SECONDS)
             if port == 0:
                 return Shipment(entry.stage_index, path, node.address, node.node_id, image.size, image.size, 0, 0.0)
-            sent = _send_to(image, host, port, entry.stage_index, secret, certificate, progress)
+            sent = _send_to(image, host, port, entry, secret, certificate, progress)
             ray.get(actor.result.remote(CONNECT_SECONDS), timeout=CONNECT_SECONDS + RESULT_MARGIN_SECONDS)
             return Shipment(entry.stage_index, path, node.address, node.node_id, image.size, sent.offset,
                             sent.bytes_sent, time.monotonic() - started)
@@ -445,15 +466,35 @@ def ship_stage(image: StageImage, entry: CacheEntry, node: NodeMemory, schedulin
     raise AssertionError("unreachable")
 
 
-def stage_on_node(stage_index: int, node: NodeMemory) -> str:
-    """Where a stage goes, as messages name it."""
-    return f"stage {stage_index} on node {node.address} ({node.node_id[:8]})"
-
-
-def _send_to(image: StageImage, host: str, port: int, stage_index: int, secret: bytes,
+def _send_to(image: StageImage, host: str, port: int, entry: CacheEntry, secret: bytes,
              certificate: ChainCertificate | None, progress: ShipProgress) -> Sent:
-    with connect_peer(host, port, secret, transfer_role(stage_index), CONNECT_SECONDS, certificate) as sock:
-        return send_stage(sock, image, lambda done: progress(stage_index, done, image.size, "shipping"))
+    with connect_peer(host, port, secret, entry.role, CONNECT_SECONDS, certificate) as sock:
+        return send_stage(sock, image, lambda done: progress(entry.stage_index, done, image.size, "shipping"))
+
+
+def ship_draft(path: str, nodes: list[NodeMemory], secret: bytes, certificate: ChainCertificate | None,
+               progress: ShipProgress) -> dict[str, Shipment]:
+    """The draft model ``path`` (a file here) onto each of ``nodes`` but this
+    one, whole, as a stage file goes (hashed, resumed, kept in the node's
+    cache: a second run sends nothing). Returns the other nodes' Shipments by node id."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from stages.gguf_file import read_model
+    from stages.stage_image import SourceRange
+
+    model = read_model(path)
+    size = os.path.getsize(path)
+    image = StageImage(b"", (SourceRange(Path(path), 0, size),))
+    here = ray.get_runtime_context().get_node_id()
+    shipped = {}
+    for node in nodes:
+        if node.node_id in shipped or node.node_id == here:
+            continue
+        shipment = ship_stage(image, draft_entry(model), node, NodeAffinitySchedulingStrategy(node.node_id, soft=False),
+                              secret, False, certificate, progress)
+        shipped[node.node_id] = replace(shipment, what="draft")
+    return shipped
 
 
 @dataclass(frozen=True)
@@ -516,7 +557,7 @@ def _fetch_on_nodes(entries: dict, images: dict, nodes: list[NodeMemory], reserv
 
     started = time.monotonic()
     jobs = [FetchJob(entry, images[index], reservation.scheduling_strategy(index),
-                     stage_on_node(index, nodes[index]))
+                     entry.on_node(nodes[index]))
             for index, entry in entries.items()]
     fetched, unreachable = fetch_stages(jobs, progress)
     seconds = time.monotonic() - started

@@ -104,10 +104,12 @@ class DrafterServer:
         return self._stalled
 
     def compute(self) -> dict | None:
-        """Where a draft model computes (its threads, backend, devices, layers
-        on a GPU: stages.backend.StageCompute); None for a speculator without one."""
+        """Where a draft model computes (its file on this machine, its threads,
+        backend, devices, layers on a GPU: stages.backend.StageCompute); None for a speculator without one."""
         engine = getattr(self.speculator, "engine", None)
-        return None if engine is None else {"threads": engine.settings.threads, **engine.compute.record()}
+        if engine is None:
+            return None
+        return {"path": engine.path, "threads": engine.settings.threads, **engine.compute.record()}
 
     # -- the socket -------------------------------------------------------
     def _serve(self) -> None:

@@ -86,24 +86,6 @@ def test_run_across_two_hosts_equals_whole_model(cluster, splits, reference, spe
         assert {drafter["node"] for drafter in report["speculators"]} == {stage["node"] for stage in report["stages"]}
 
 
-def test_a_host_that_holds_no_stage_drafts_for_the_pipeline(cluster, splits, realistic_draft, reference):
-    """llama_duo's setup: both stages on the head, and the worker, which holds
-    no stage, runs drafter 0 (--drafter-node); the other drafter stays beside
-    stage 1. Under an emulated curve the draft policy takes drafts, so tokens
-    drafted on the worker are verified, and the output is the whole model's."""
-    first, second = cluster.hosts.first.address, cluster.hosts.second.address
-    report = run_across_hosts(cluster, splits[2], "--place", f"0={first},1={first}", "--speculator", "model",
-                              "--draft", realistic_draft, "--drafter-node", second,
-                              "--cost-curve", "benchmarks/setups/llama-405b-two-machines.toml@40")
-    assert report["tokens"] == reference.greedy(reference.tokenize(PROMPTS[0]), MAX_TOKENS).tokens
-    head = report["stages"][0]["node"]
-    assert report["stages"][1]["node"] == head  # both on the driver's host: they listen on loopback
-    drafters = report["speculators"]
-    assert [drafter["lost"] for drafter in drafters] == ["", ""]
-    assert drafters[0]["node"] != head and drafters[1]["node"] == head
-    assert drafters[0]["busy_seconds"] > 0 and report["accepted_tokens"] > 0
-
-
 def test_the_whole_model_is_shipped_to_each_host_once_and_a_broken_transfer_resumes(cluster, smollm2, splits,
                                                                                    reference):
     """`--model` from the driver, no stage file on either host beforehand: each
@@ -208,3 +190,34 @@ def test_each_host_fetches_its_own_slice_from_the_hub_or_the_driver_ships_it(clu
     header, tensors = served_by_client(log, data_start, since)
     # the head fetched its own slice; the driver (same host) read the worker's to ship it
     assert tensors == {"127.0.0.1": slice_bytes(9, 0) + slice_bytes(9, 1)}
+
+
+def test_a_host_that_holds_no_stage_drafts_for_the_pipeline_with_the_draft_shipped_there(
+        cluster, splits, realistic_draft, reference):
+    """llama_duo's setup: both stages on the head, and the worker, which holds
+    no stage, runs drafter 0 (--drafter-node); the other drafter stays beside
+    stage 1. The draft model is shipped from the driver into the worker's
+    cache, once. Under an emulated curve the draft policy takes drafts, so
+    tokens drafted on the worker are verified, and the output is the whole model's."""
+    first, second = cluster.hosts.first.address, cluster.hosts.second.address
+    expected = reference.greedy(reference.tokenize(PROMPTS[0]), MAX_TOKENS).tokens
+    options = ["--place", f"0={first},1={first}", "--speculator", "model", "--draft", realistic_draft,
+               "--drafter-node", second, "--cost-curve", "benchmarks/setups/llama-405b-two-machines.toml@40"]
+    report = run_across_hosts(cluster, splits[2], *options)
+    assert report["tokens"] == expected
+    head = report["stages"][0]["node"]
+    assert report["stages"][1]["node"] == head  # both on the driver's host: they listen on loopback
+    drafters = report["speculators"]
+    assert [drafter["lost"] for drafter in drafters] == ["", ""]
+    assert drafters[0]["node"] != head and drafters[1]["node"] == head
+    assert drafters[0]["busy_seconds"] > 0 and report["accepted_tokens"] > 0
+    size = Path(realistic_draft).stat().st_size
+    [draft] = report["shipped"]
+    assert (draft["what"], draft["host"], draft["bytes"], draft["bytes_sent"]) == ("draft", second, size, size)
+    assert Path(draft["path"]).is_relative_to(cluster.stage_cache("worker"))
+    assert Path(draft["path"]).read_bytes() == Path(realistic_draft).read_bytes()
+    assert [drafter["compute"]["path"] for drafter in drafters] == [draft["path"], realistic_draft]
+
+    again = run_across_hosts(cluster, splits[2], *options)
+    assert again["tokens"] == expected
+    assert [(item["what"], item["bytes_sent"]) for item in again["shipped"]] == [("draft", 0)]
