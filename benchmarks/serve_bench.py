@@ -192,6 +192,7 @@ def _in_process(stage_paths: list[str], prompts: list[str], concurrencies: tuple
     from orchestrator.cluster.connect import ray_session
     from orchestrator.cluster.pipeline import Pipeline
     from orchestrator.decoding.service import Progress, Service, ServiceRequest, ServiceSettings
+    from speculators.draft_length import curve_step
     from stages.tokenizer import Tokenizer
     from speculators.sampling import SamplingSettings
     from stages.settings import StageSettings
@@ -203,12 +204,14 @@ def _in_process(stage_paths: list[str], prompts: list[str], concurrencies: tuple
     settings = StageSettings(n_ctx=CONTEXT, sequences=max(concurrencies),
                              cost_curve=load_cost_curve(cost_curve) if cost_curve else None)
     with ray_session(None), Pipeline(stage_paths, settings, overlapping=True) as pipeline:
-        batch_step = pipeline.draft_step()
+        pass_curve = pipeline.pass_curve()
+        batch_step = curve_step(pass_curve)
         for _ in range(repetitions):
             for level in concurrencies:
                 service = Service(pipeline, tokenizer.is_end,
                                   ServiceSettings(max_sequences=level, queue_limit=len(prompts), context=CONTEXT,
-                                                  stage_count=pipeline.stage_count, batch_step=batch_step))
+                                                  stage_count=pipeline.stage_count, batch_step=batch_step,
+                                                  pass_curve=pass_curve))
                 outcomes = [RequestOutcome(index, usage_received=True) for index in range(len(prompts))]
                 tokens: list[list[int]] = [[] for _ in prompts]
                 last = [0.0] * len(prompts)

@@ -180,6 +180,12 @@ class DraftPolicy:
         return max(best, 1) if self.asked == 0 and self.reached[0] == 0 else best
 
 
+def curve_step(curve, batch_tokens: int = 8) -> float:
+    """step_from_timings's step from a pass measured at several widths
+    (stages.cost_curve.BatchCurve, seconds): the line through 1 and ``batch_tokens``."""
+    return step_from_timings([curve.at(1)], [curve.at(batch_tokens)], batch_tokens)
+
+
 def step_from_timings(one_token_seconds: list[float], batch_seconds: list[float], batch_tokens: int) -> float:
     """The cost of each extra batch token, in one-token passes, from timed
     passes of one token and of ``batch_tokens`` (medians; within [0, 2])."""

@@ -141,6 +141,7 @@ class DrafterClient:
         self._sock = sock
         self._epochs: dict[int, int] = {}  # by KV sequence: its latest request's number
         self._speculating: set[int] = set()  # KV sequences asked to draft and not collected since
+        self._asked: set[int] = set()  # KV sequences whose collect was sent (ask) and not yet read
         self._busy_earlier = 0.0  # drafting seconds of the drafters this one replaced
         self.busy_seconds = 0.0
         self.last_error = ""
@@ -169,6 +170,7 @@ class DrafterClient:
             self._sock.close()
         self._sock = None
         self._speculating.clear()
+        self._asked.clear()
         self._restart_in_background()
 
     def _restart_in_background(self) -> None:
@@ -227,14 +229,28 @@ class DrafterClient:
         except OSError as error:
             self._lose(f"send failed: {error}")
 
+    def ask(self, sequence: int = 0) -> None:
+        """Send the collect of ``sequence`` now; its collect() (without wait) then reads the reply."""
+        if self._sock is None or sequence not in self._speculating:
+            return
+        self._speculating.discard(sequence)
+        try:
+            wire.send_message(self._sock, CollectDraft(self._epochs[sequence], False, sequence))
+            self._asked.add(sequence)
+        except OSError as error:
+            self._lose(f"send failed: {error}")
+
     def collect(self, wait: bool = False, sequence: int = 0) -> list[int]:
         """The tokens drafted since the last speculate of ``sequence`` (best effort); [] if none or lost."""
-        if self._sock is None or sequence not in self._speculating:
+        asked = sequence in self._asked
+        if self._sock is None or not (asked or sequence in self._speculating):
             return []
         self._speculating.discard(sequence)
+        self._asked.discard(sequence)
         epoch = self._epochs[sequence]
         try:
-            wire.send_message(self._sock, CollectDraft(epoch, wait, sequence))
+            if not asked:
+                wire.send_message(self._sock, CollectDraft(epoch, wait, sequence))
             self._sock.settimeout(DRAFTER_REPLY_SECONDS)
             reply = wire.receive_message(self._sock)
             self._sock.settimeout(None)
@@ -281,6 +297,9 @@ class SequenceDrafter:
 
     def speculate(self, context: list[int], most: int | None = None) -> None:
         self.client.speculate(context, most, self.sequence)
+
+    def ask(self) -> None:
+        self.client.ask(self.sequence)
 
     def collect(self, wait: bool = False) -> list[int]:
         return self.client.collect(wait, self.sequence)

@@ -26,7 +26,7 @@ from orchestrator.cluster.recovery import StageRestart
 from orchestrator.cluster.shipping import Shipment, ModelToShip, fetch_vocabulary, ship_whole_model
 from orchestrator.cluster.stage_actors import LOOPBACK, StageActors, StageLoad, StageReport
 from orchestrator.cluster.stage_cpus import CpuSet, stage_cpu_sets
-from orchestrator.config import MAX_RESTARTS
+from orchestrator.config import MAX_RESTARTS, PASS_CURVE_SIZES
 from orchestrator.decoding.schedule import TargetPass, Window
 from orchestrator.decoding.targets import PassReplies, choice_of
 from orchestrator.transport.chain import PassLate, PipelineError, SocketChain
@@ -35,6 +35,7 @@ from orchestrator.transport.ledger import KvLedger, PassRecord
 from orchestrator.transport.messages import Cancelled, PassResult
 from orchestrator.transport.tls import new_chain_certificate
 from speculators.tree import depths
+from stages.cost_curve import BatchCurve
 from stages.settings import StageSettings
 from stages.stage_files import NOT_FOUND, check_stage_files_on_nodes
 
@@ -191,14 +192,31 @@ class Pipeline:
         """(the median one-token pass in seconds, draft_step's step), from the same passes."""
         from speculators.draft_length import step_from_timings
 
-        timings: dict[int, list[float]] = {1: [], batch: []}
-        for _ in range(repetitions + 1):  # the first of each only warms up
-            for tokens in timings:
+        timings = self._timed_passes((1, batch), repetitions, sequence)
+        ones = sorted(timings[1])
+        return ones[len(ones) // 2], step_from_timings(timings[1], timings[batch], batch)
+
+    def pass_curve(self, sizes: tuple[int, ...] = PASS_CURVE_SIZES, repetitions: int = 2,
+                   sequence: int = 0) -> BatchCurve:
+        """The median pass of each width in ``sizes`` (within n_batch), in
+        seconds, wall time, in ``sequence`` (released after): what continuous batching reads a pass's cost from
+        (schedule.Batching), where a line through two widths cannot show a
+        memory-bound machine's flat start and the width where it ends."""
+        sizes = tuple(size for size in sizes if size <= self.n_batch)
+        timings = self._timed_passes(sizes, repetitions, sequence)
+        return BatchCurve(sizes, tuple(sorted(timings[size])[len(timings[size]) // 2] for size in sizes))
+
+    def _timed_passes(self, sizes: tuple[int, ...], repetitions: int, sequence: int) -> dict[int, list[float]]:
+        """Wall times of ``repetitions`` passes of each width in ``sizes``, after one each that warms up."""
+        timings: dict[int, list[float]] = {size: [] for size in sizes}
+        for repetition in range(repetitions + 1):
+            for tokens in sizes:
                 started = time.perf_counter()
                 self.forward(np.arange(tokens, dtype=np.int32), np.ones(tokens, np.int32), 0, sequence=sequence)
-                timings[tokens].append(time.perf_counter() - started)
-        ones = sorted(timings[1][1:])
-        return ones[len(ones) // 2], step_from_timings(timings[1][1:], timings[batch][1:], batch)
+                if repetition:
+                    timings[tokens].append(time.perf_counter() - started)
+        self.release(sequence)  # the measurement holds no cells after it
+        return timings
 
     def submit(self, target_pass: TargetPass) -> None:
         """Start a pass (each window's ``sequence`` is its KV sequence in every

@@ -174,6 +174,8 @@ class DecodingLoop:
         if not relaying:
             return self.target.receive()
         machines = [self.decodings[state.sequence].drafting.drafters for state in relaying]  # type: ignore[union-attr]
+        if self.scheduler.crowded:
+            return self._receive_drafting(relaying, machines)
         handoffs = relay(len(machines[0]))
         reply = None
         for moment, handoff in enumerate(handoffs):
@@ -181,12 +183,30 @@ class DecodingLoop:
                 reply = self.target.receive()
             elif moment > 0:
                 self.target.await_boundary(moment - 1)
+            if handoff.collect is not None:
+                for drafters in machines:
+                    drafters[handoff.collect].ask()
             for state, drafters in zip(relaying, machines):
                 if handoff.collect is not None:
                     state.drafted(drafters[handoff.collect].collect())
                 room = state.speculation_room if handoff.start is not None else 0
                 if room > 0:
                     drafters[handoff.start].speculate(state.text, room)
+        return reply
+
+
+    def _receive_drafting(self, relaying, machines):
+        """The oldest pass's result, while several sequences share passes:
+        each drafts on one machine for the whole pass (schedule.Scheduler.drafter_of)."""
+        chosen = [drafters[self.scheduler.drafter_of(state, len(drafters))] for state, drafters in zip(relaying, machines)]
+        for state, drafter in zip(relaying, chosen):
+            if (room := state.speculation_room) > 0:
+                drafter.speculate(state.text, room)
+        reply = self.target.receive()
+        for drafter in chosen:
+            drafter.ask()
+        for state, drafter in zip(relaying, chosen):
+            state.drafted(drafter.collect())
         return reply
 
 

@@ -48,8 +48,11 @@ The rules:
 * How many drafts a window carries (``draft_limit``, none included: then
   the drafter is not even asked): ``speculators.draft_length.DraftPolicy``,
   from the acceptance by draft position and the cost of a longer pass. With
-  continuous batching, chains ready at once carry as many as the one with
-  fewest (``Scheduler.shared_drafts``), so that they share passes.
+  continuous batching, chains ready at once carry one number of drafts, so
+  that they share passes: the one, up to the fewest any of them has, that
+  commits the most tokens per cost of their passes on the measured curve
+  (``Scheduler.shared_drafts``); and no window is started ahead while two
+  or more sequences decode (it would go in a pass of its own).
 * When a window is a token tree (``SequenceState.drafted_tree``, a sequence
   with ``tree_leaves`` > 1 whose drafter proposes one): the draft policy's
   chain is its main chain, and ``speculators.tree.choose_rows`` adds the side
@@ -76,6 +79,7 @@ from dataclasses import dataclass, field, fields
 from speculators.draft_length import DRAFTER_CALL_COST, PRIOR_STEP, DraftPolicy, DraftPrices
 from speculators.sampling import SamplingSettings
 from speculators.tree import DraftTree, RankAcceptance, accepted_rows, choose_rows, main_chain_length
+from stages.cost_curve import BatchCurve
 
 
 class Schedule(enum.Enum):
@@ -220,6 +224,11 @@ class Window:
     grammar: None, or its tokens are chosen under this grammar
     (speculators.grammar), after ``generated``: the sequence's tokens after
     its prompt up to and including row 0's input.
+    filler: its last ``filler`` drafts are no drafter's but padding (the last
+    token repeated), so that it is as wide as the windows it shares a pass
+    with (Scheduler.shared_drafts); verified like any row, so a filler the
+    target happens to choose is committed, but not counted as a draft nor
+    shown to the draft policy.
     """
 
     sequence: int
@@ -233,6 +242,7 @@ class Window:
     logprobs: int | None = None
     grammar: str | None = None
     generated: tuple[int, ...] | None = None
+    filler: int = 0
 
     @property
     def drafts(self) -> tuple[int, ...]:
@@ -257,7 +267,8 @@ class Window:
 
     @property
     def main_drafts(self) -> tuple[int, ...]:
-        return self.drafts[: self.main_rows - self.refed - 1]
+        """The main chain's drafts, filler left out."""
+        return self.drafts[: self.main_rows - self.refed - 1 - self.filler]
 
 
 @dataclass(frozen=True)
@@ -427,16 +438,20 @@ class SequenceState:
         self.prompt_from = end if end is not None and end < self.prompt_length else None
         return window
 
-    def first_window(self, most: int | None = None) -> Window:
-        """The window of its next pass (it must be ``ready``); most: at most
-        this many drafts (Scheduler.shared_drafts), None: as its policy says."""
+    def first_window(self, shared: int | None = None) -> Window:
+        """The window of its next pass (it must be ``ready``); shared: exactly
+        this many drafts (Scheduler.shared_drafts): its speculation's, then
+        filler (Window.filler); None: as its policy says."""
         if self.prompt_from is not None:
             window = self._prompt_window()
         else:
+            shared = shared if self.tree_leaves == 1 else None  # a tree goes in a pass of its own
             limit = self.drafts_wanted if self.schedule.speculative else 0
-            limit = limit if most is None else min(limit, most)
+            limit = limit if shared is None else min(shared, max(self.room, 0))
             first = len(self.committed) - 1 - self.refeed
-            tree = DraftTree.chain(self.committed[-1], self.speculation[:limit])
+            drafts = self.speculation[:limit]
+            filler = 0 if shared is None else limit - len(drafts)
+            tree = DraftTree.chain(self.committed[-1], drafts + [(drafts or self.committed)[-1]] * filler)
             if self.candidates is not None and limit > 0:
                 step = self.policy.step if self.side_row_step is None else self.side_row_step
                 tree = choose_rows(self.candidates, self.policy.acceptances(), self.ranks, step,
@@ -445,15 +460,15 @@ class SequenceState:
             window = Window(self.sequence, first, (*self.committed[first:-1], *tree.tokens), sampling=self.sampling,
                             logprobs=self.logprobs, refed=self.refeed, **self._constrained(len(self.committed)),
                             parents=None if tree.is_chain else tuple(tree.parents),
-                            ranks=None if tree.is_chain else tuple(tree.ranks))
+                            ranks=None if tree.is_chain else tuple(tree.ranks), filler=filler)
         self.in_flight.append(window)
         return window
 
-    def windows_ahead(self) -> list[Window]:
+    def windows_ahead(self, speculative: bool = True) -> list[Window]:
         """Windows to start while one of it is in flight: the prompt's next
-        chunks, up to prompt_depth in flight; or the next window of the speculation."""
+        chunks, up to prompt_depth in flight; or (speculative) the next window of the speculation."""
         if self.prompt_from is None:
-            window = self.window_ahead()
+            window = self.window_ahead() if speculative else None
             return [] if window is None else [window]
         chunks = []
         while self.prompt_from is not None and self.in_flight and len(self.in_flight) < self.prompt_depth \
@@ -520,10 +535,10 @@ class SequenceState:
         kept = None  # positions the stages keep after a decoding window: up to its main chain's accepted end
         if not window.prompt:
             # the policy and the chain counts see the main chain; a tree's side rows are counted apart
-            drafts = window.main_drafts
+            drafts = window.main_drafts  # filler left out: the stats and the policy see the drafter's drafts
             path = accepted_rows(window.inputs[window.refed:], window.parents, new_tokens)
-            accepted = sum(row < len(drafts) + 1 for row in path)
-            kept = window.first + window.refed + 1 + accepted
+            kept = window.first + window.refed + 1 + sum(row < len(drafts) + window.filler + 1 for row in path)
+            accepted = min(sum(row < len(drafts) + 1 for row in path), len(drafts))
             self.passes += 1
             self.stats.drafted_tokens += len(drafts)
             self.stats.accepted_tokens += accepted
@@ -578,6 +593,11 @@ class SequenceState:
         return committed
 
 
+# Scheduler.relaying: while several sequences share passes, drafting pauses after this many shared
+# passes in a row took no drafts, and drafts again for one pass in every UNUSED_DRAFTS_PROBE
+UNUSED_DRAFTS_PAUSE = 4
+UNUSED_DRAFTS_PROBE = 8
+
 # Batching.holds: sharing a pass pays when two one-token windows in one pass cost under this share of
 # two passes (below it, the wait for a shared pass is paid back; on this CPU, step 0.6: 0.8 of two passes)
 PAYING_SHARE = 0.95
@@ -589,8 +609,11 @@ class Batching:
 
     stage_count: the stages every pass goes through; step: what each extra
     token of a pass costs, in one-token passes (a pass of n tokens costs
-    c(n) = 1 + step (n - 1); measured by the target, so it is this machine's
-    curve, or an emulated one's); n_batch: the most tokens of a pass.
+    c(n) = 1 + step (n - 1)); curve: instead, the pass measured at several
+    widths (c(n) = curve(n) / curve(1), linear between them): a memory-bound
+    machine's pass is flat up to a width and then grows, which no line
+    through two widths shows. Both measured by the target, so it is this
+    machine's curve, or an emulated one's. n_batch: the most tokens of a pass.
 
     Only decoding chains of one width and consecutive KV sequences can share
     a pass (stages.engine: llama.cpp would split any other batch, and a
@@ -598,33 +621,39 @@ class Batching:
     alone. For k such windows of width w, with p passes already in flight,
     the k windows go in the g passes (1 <= g <= k) that cost a stage least
     for them, max(g, S - p) c(ceil(k / g) w): fewer than S - p passes leave
-    stages idle, and every pass costs each stage c of its tokens. Ties go to
-    more passes: on a linear curve (step 1, a compute-bound CPU) that is a
-    pass per window, today's interleaving; on a flat one (memory-bound) the
-    windows fill S passes. Where sharing a pass pays at all (two windows of
-    one token cost less than two passes, by PAYING_SHARE), a decoding window
-    ready while S passes are in flight waits (``holds``) for others to share
-    its pass: the stages are busy anyway, and windows come back one pass at a
-    time, so without waiting they would never meet.
+    stages idle, and every pass costs each stage c of its tokens (``plan``).
+    Ties go to more passes: on a linear curve (step 1, a compute-bound CPU)
+    that is a pass per window, today's interleaving; on a flat one
+    (memory-bound) the windows fill S passes. Where sharing a pass pays at
+    all (two windows of one token cost less than two passes, by
+    PAYING_SHARE), a decoding window ready while S passes are in flight
+    waits (``holds``) for others to share its pass: the stages are busy
+    anyway, and windows come back one pass at a time, so without waiting
+    they would never meet.
     """
 
     stage_count: int
     step: float
     n_batch: int
+    curve: BatchCurve | None = None
 
     def cost(self, tokens: int) -> float:
+        if self.curve is not None:
+            return self.curve.at(tokens) / self.curve.at(1)
         return 1.0 + self.step * (tokens - 1)
 
     def holds(self, in_flight: int) -> bool:
         """Decoding windows ready now wait for others (class docstring)."""
         return in_flight >= self.stage_count and self.cost(2) < PAYING_SHARE * 2 * self.cost(1)
 
-    def pass_count(self, windows: int, width: int, in_flight: int) -> int:
-        """How many passes k windows of one width go in (the class docstring's rule)."""
+    def plan(self, windows: int, width: int, in_flight: int) -> tuple[int, float]:
+        """(how many passes k windows of one width go in, what those cost a
+        stage in one-token passes): the class docstring's rule."""
         idle = max(1, self.stage_count - in_flight)
         fewest = max(1, -(-windows * width // self.n_batch))
-        options = range(fewest, windows + 1)
-        return min(options, key=lambda count: (max(count, idle) * self.cost(-(-windows // count) * width), -count))
+        costs = ((count, max(count, idle) * self.cost(-(-windows // count) * width))
+                 for count in range(fewest, windows + 1))
+        return min(costs, key=lambda option: (option[1], -option[0]))
 
     def passes(self, windows: Iterable[Window], in_flight: int) -> list[TargetPass]:
         """The passes for windows ready at once, ``in_flight`` passes already out."""
@@ -637,7 +666,8 @@ class Batching:
         passes = []
         for width, group in by_width.items():
             group.sort(key=lambda window: window.sequence)
-            size = -(-len(group) // self.pass_count(len(group), width, in_flight + len(passes) + len(alone)))
+            count = self.plan(len(group), width, in_flight + len(passes) + len(alone))[0]
+            size = -(-len(group) // count)
             for run in _consecutive_runs(group):
                 passes.extend(TargetPass(tuple(run[start:start + size])) for start in range(0, len(run), size))
         return alone + passes
@@ -700,6 +730,7 @@ class Scheduler:
         self.window_per_pass = window_per_pass or batching is not None
         self.batching = batching
         self._invalid: list[TargetPass] = []  # passes in flight already handed out by invalid_passes
+        self._unused = 0  # shared passes in a row that took no drafts (shared_drafts), however many were drafted
 
     def add(self, state: SequenceState) -> None:
         if state.sequence in self.sequences:
@@ -718,9 +749,16 @@ class Scheduler:
         return not self.in_flight and all(state.finished for state in self.sequences.values())
 
     def drafting_first(self) -> list[SequenceState]:
+        """Sequences whose drafts the loop waits for before the next passes
+        (SequenceState.drafts_first); none while windows wait to share a pass,
+        and, while several sequences share passes, no async one: each would
+        wait for its drafter in turn while every other window waits too (the
+        relay drafts for it during its next pass instead)."""
         if self._holding():
             return []
-        return [state for state in self.sequences.values() if state.drafts_first]
+        crowded = self.crowded
+        return [state for state in self.sequences.values()
+                if state.drafts_first and not (crowded and state.schedule.relays)]
 
     def _holding(self) -> bool:
         return self.batching is not None and self.batching.holds(len(self.in_flight))
@@ -731,8 +769,11 @@ class Scheduler:
         holding = self._holding()
         ready = [state for state in self.sequences.values() if state.ready and not (holding and state.prompt_from is None)]
         most = self.shared_drafts(ready)
+        if most is not None:
+            self._unused = 0 if most else self._unused + 1
         firsts = tuple(state.first_window(most) for state in ready)
-        aheads = [state.windows_ahead() for state in self.sequences.values()]
+        crowded = self.crowded
+        aheads = [state.windows_ahead(speculative=not crowded) for state in self.sequences.values()]
         # the k-th window started ahead of each sequence in the k-th pass: a pass holds one window of a sequence
         rounds = [tuple(windows[k] for windows in aheads if len(windows) > k)
                   for k in range(max(map(len, aheads), default=0))]
@@ -748,23 +789,54 @@ class Scheduler:
         return passes
 
     def shared_drafts(self, ready: list[SequenceState]) -> int | None:
-        """With batching, the decoding chains ready at once carry as many drafts
-        as the one with fewest (its policy's limit, or what it has speculated),
-        so they are one width and can share a pass (Batching): windows of
-        different widths would take a pass each, and under load that costs
-        more than the drafts save. None: each as its policy says (alone, or no batching)."""
+        """With batching, how many drafts every decoding chain ready now
+        carries, so that they are one width and share passes (Batching:
+        windows of different widths take a pass each): its speculation's,
+        then filler (Window.filler) where it has fewer. Of 0 up to the most
+        any has speculated, the number whose passes commit the most tokens
+        (each chain's expected from its own drafts, by its policy's
+        acceptances; filler counted as nothing) per cost of those passes on
+        the measured curve (Batching.plan): where the requests already fill
+        the flat part of a pass, drafts would make it cost more than they
+        commit. None: each as its policy says (alone, or no batching)."""
         chains = [state for state in ready if state.prompt_from is None and state.tree_leaves == 1]
         if self.batching is None or len(chains) < 2:
             return None
-        return min(min(state.drafts_wanted if state.schedule.speculative else 0, len(state.speculation))
-                   for state in chains)
+        own = [min(len(state.speculation), max(state.room, 0)) if state.schedule.speculative else 0
+               for state in chains]
+        in_flight = len(self.in_flight)
+
+        def rate(drafts: int) -> float:
+            committed = sum(state.policy.expected_committed(min(drafts, mine)) for state, mine in zip(chains, own))
+            return committed / self.batching.plan(len(chains), 1 + drafts, in_flight)[1]
+
+        return max(range(max(own) + 1), key=lambda drafts: (rate(drafts), -drafts))
+
+    @property
+    def crowded(self) -> bool:
+        """With batching, two or more sequences decode: their windows share passes."""
+        return self.batching is not None and sum(not state.finished for state in self.sequences.values()) > 1
+
+    @staticmethod
+    def drafter_of(state: SequenceState, machines: int) -> int:
+        """While crowded, the one machine whose drafter drafts for ``state``
+        during its passes: the sequences spread over the machines, and each
+        drafter keeps what it drafted in its cache (a relay would have the
+        next machine decode it again before drafting on)."""
+        return state.sequence % machines
 
     def relaying(self) -> list[SequenceState]:
         """Sequences whose drafters relay while the oldest pass runs: async ones
         whose next window to verify is in it, unless the draft policy takes no
         drafts now (the relay's round trips would cost every pass for nothing;
-        drafting resumes when the policy asks again, before a window)."""
+        drafting resumes when the policy asks again, before a window). While
+        several sequences share passes: none once UNUSED_DRAFTS_PAUSE shared
+        passes in a row took no drafts (the requests fill the flat part of a
+        pass, or drafting cannot keep up with them), but one pass in every
+        UNUSED_DRAFTS_PROBE, so drafting resumes as soon as drafts are taken again."""
         oldest = self.in_flight[0]
+        if self.crowded and self._unused >= UNUSED_DRAFTS_PAUSE and self._unused % UNUSED_DRAFTS_PROBE:
+            return []
         return [state for window in oldest.windows if (state := self.sequences[window.sequence]).schedule.relays
                 and state.is_head(window) and not state.finished and state.draft_limit > 0]
 

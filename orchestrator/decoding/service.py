@@ -51,6 +51,7 @@ from speculators.draft_length import DRAFTER_CALL_COST, PRIOR_STEP, DraftPrices
 from speculators.logprobs import TokenLogprobs
 from speculators.sampling import SamplingSettings, choice_sampling
 from stages.errors import SpecpipeError
+from stages.cost_curve import BatchCurve
 
 
 class ServiceError(SpecpipeError):
@@ -128,6 +129,8 @@ class ServiceSettings:
     as the target measured it (Pipeline.draft_step): the draft policy prices
     longer windows by it, and several requests' windows share a pass where
     schedule.Batching finds it pays; None: a pass per window, the prior step.
+    pass_curve: the pass measured at several widths (Pipeline.pass_curve),
+    which batching then reads a pass's cost from instead of batch_step's line.
     prefix_sequences: KV sequences after the served ones (ids max_sequences
     on) that keep finished requests' prefixes; prefix_tokens: the most tokens
     they keep in all. Either 0: no prefix cache, and prompts share a
@@ -145,6 +148,7 @@ class ServiceSettings:
     tree_leaves: int = 1
     side_row_step: float | None = None
     batch_step: float | None = None
+    pass_curve: BatchCurve | None = None
     prefix_sequences: int = 0
     prefix_tokens: int = 0
 
@@ -245,7 +249,7 @@ class Service:
         self.settings = settings
         self.observer = observer or ServiceObserver()
         batching = None if settings.batch_step is None else Batching(target.stage_count, settings.batch_step,
-                                                                      target.n_batch)
+                                                                      target.n_batch, settings.pass_curve)
         self.loop = DecodingLoop(target, is_end, window_per_pass=True, batching=batching)
         self.prefix_cache = settings.prefix_cache()  # None: prompts share prefixes only among a request's choices
         # free KV sequence ids, a heap: a request takes the lowest, so the requests decoding hold consecutive

@@ -117,6 +117,12 @@ class Drafter(Protocol):
         """The tokens drafted since the last speculate ([] if none); with ``wait``,
         first let the drafting stop by itself."""
 
+    def ask(self) -> None:
+        """Ask now for what a collect() (without wait) will return, and stop
+        drafting there: a drafter behind a socket sends the question, and the
+        collect only reads the answer, so asking several drafters costs one
+        round trip, not one each. Nothing for a drafter in this process."""
+
 
 class InstantTarget:
     """A target that answers every pass at once: timing the loop against it
@@ -177,6 +183,9 @@ class InPlaceDrafter:
 
     def speculate(self, context: list[int], most: int | None = None) -> None:
         self.context, self.most = list(context), most
+
+    def ask(self) -> None:
+        pass
 
     def collect(self, wait: bool = False) -> list[int]:
         if self.context is None:

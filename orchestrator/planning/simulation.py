@@ -433,6 +433,9 @@ class _SimulatedDrafter:
             right = right and drawn
             self.tokens.append(_TRUE + len(context) + len(self.tokens) if right else _WRONG)
 
+    def ask(self) -> None:
+        pass  # its collect's round trip is priced at the collect
+
     def collect(self, wait: bool = False) -> list[int]:
         """The tokens drafted by now (with ``wait``: all, once drafted); the
         speculation ends here, as a drafter stops at a collect: another

@@ -106,6 +106,7 @@ class Coordinator:
         from orchestrator.cluster.pipeline import Pipeline
         from orchestrator.decoding.service import Service, ServiceSettings
         from orchestrator.cluster.model_files import check_same_model
+        from speculators.draft_length import curve_step
         from stages.tokenizer import Tokenizer
 
         self.settings = settings
@@ -121,8 +122,9 @@ class Coordinator:
                                  on_restart=lambda restart: restart_metrics.record("stage", restart.stage_index))
         try:
             check_same_model(vocabulary_of(settings), self.pipeline.stage_files)
-            # the pass cost measured here (or under --cost-curve, the curve's): batching follows it
-            pass_seconds, batch_step = self.pipeline.pass_costs(sequence=0)
+            # the pass cost measured here at several widths (or under --cost-curve, the curve's): batching reads it
+            pass_curve = self.pipeline.pass_curve(sequence=0)
+            pass_seconds, batch_step = pass_curve.at(1), curve_step(pass_curve)
             drafters, draft_prices = self._drafters(tokenizer, pass_seconds, restart_metrics)
             self.service = Service(
                 self.pipeline, tokenizer.is_end,
@@ -131,7 +133,7 @@ class Coordinator:
                     context=settings.stage.n_ctx, speculator=self._speculator(), drafters=drafters,
                     draft_prices=draft_prices, draft_max=speculation.draft_max,
                     schedule=speculation.schedule, stage_count=len(settings.stage_paths),
-                    tree_leaves=speculation.tree_leaves, batch_step=batch_step,
+                    tree_leaves=speculation.tree_leaves, batch_step=batch_step, pass_curve=pass_curve,
                     prefix_sequences=settings.stage.prefix_sequences,
                     prefix_tokens=settings.prefix_cache_tokens or 0,
                 ),

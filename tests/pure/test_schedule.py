@@ -592,18 +592,46 @@ def test_while_the_stages_are_busy_decoding_windows_wait_to_share_a_pass_but_pro
     assert waiting.ready and not waiting.in_flight
 
 
-def test_with_batching_chains_ready_at_once_carry_the_fewest_drafts_and_share_a_pass():
+def test_with_batching_chains_ready_at_once_are_one_width_with_filler_and_share_a_pass():
     """Drafted windows of different widths would take a pass each (8 requests under
-    load ran at 0.53x without drafts, 2026-12-03): they are cut to one width."""
+    load ran at 0.53x without drafts, 2026-12-03): every chain carries as many
+    drafts, a chain short of them filler (its last token again), outside the drafts' count."""
     def two():
         return (state(speculation=[4, 5, 6], committed=(1, 2, 3)),
                 state(speculation=[40], committed=(1, 2, 30), sequence=1))
 
     flat = Batching(stage_count=1, step=0.0, n_batch=512)
     (shared,) = Scheduler(two(), batching=flat).next_passes()
-    assert [window.inputs for window in shared.windows] == [(3, 4), (30, 40)]
+    assert [(window.inputs, window.filler) for window in shared.windows] == [((3, 4, 5, 6), 0), ((30, 40, 40, 40), 2)]
+    assert [window.main_drafts for window in shared.windows] == [(4, 5, 6), (40,)]
     first, _ = two()
     alone = Scheduler([first], batching=flat).next_passes()
     assert [window.inputs for pass_ in alone for window in pass_.windows] == [(3, 4, 5, 6)]  # alone: its policy's
     unbatched = Scheduler(two()).next_passes()
     assert sorted(len(window.inputs) for pass_ in unbatched for window in pass_.windows) == [2, 4]
+
+
+def test_with_batching_drafts_are_taken_only_where_the_curve_has_room_for_them():
+    """On a pass flat up to 8 tokens and twice as dear at 16 (a memory-bound
+    machine's roofline), 8 one-token windows fill the flat part: one draft
+    each would double the pass for half a token each, so none go; 2 windows
+    take every draft they have, free. A line through t(1) and t(8) (step 0)
+    would see all of it as free."""
+    from stages.cost_curve import BatchCurve
+
+    roofline = Batching(stage_count=1, step=0.0, n_batch=512, curve=BatchCurve((1, 8, 16), (1.0, 1.0, 2.0)))
+    eight = [state(speculation=[7, 8, 9], committed=(1, 2, 3), sequence=index) for index in range(8)]
+    (full,) = Scheduler(eight, batching=roofline).next_passes()
+    assert [window.inputs for window in full.windows] == [(3,)] * 8
+    two = [state(speculation=[7, 8, 9], committed=(1, 2, 3), sequence=index) for index in range(2)]
+    (roomy,) = Scheduler(two, batching=roofline).next_passes()
+    assert [window.inputs for window in roomy.windows] == [(3, 7, 8, 9)] * 2
+
+
+def test_a_filler_the_target_chooses_is_committed_but_not_counted_as_a_draft():
+    sequence = state(speculation=[40], committed=(1, 2, 30))
+    window = sequence.first_window(shared=3)
+    assert (window.inputs, window.filler) == ((30, 40, 40, 40), 2)
+    assert sequence.verified(window, [40, 40, 41], lambda token: False) == [40, 40, 41]
+    assert sequence.committed == [1, 2, 30, 40, 40, 41] and sequence.cached == 5
+    assert (sequence.stats.drafted_tokens, sequence.stats.accepted_tokens) == (1, 1)
