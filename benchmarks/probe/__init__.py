@@ -13,4 +13,5 @@ common to all (benchmarks.probe.harness). The modes:
     delayed-link     a pipeline across a link with delay against `orchestrate plan` (root: namespace hosts)
     prefill          time to the first token of a long prompt: its chunks pipelined through the stages, or not, or whole
     prefix-reuse     a prefix prefilled once: a chat's second turn, 8 requests sharing a system prompt, n = 4 choices
+    drafter-host     a draft model on a host without a stage, beside the stages, or none (root: namespace hosts)
 """

@@ -2,6 +2,7 @@
 
 from benchmarks.probe import (
     delayed_link,
+    drafter_host,
     prefill,
     prefix_reuse,
     restart_cost,
@@ -13,7 +14,7 @@ from benchmarks.probe import (
 from benchmarks.probe.harness import main
 
 REGISTERED = (where_time_goes, restart_cost, sequence_batch, transport_hop, serve_overhead, delayed_link, prefill,
-              prefix_reuse)
+              prefix_reuse, drafter_host)
 """Each module registers its mode with the harness when it is imported."""
 
 if __name__ == "__main__":  # not when a spawned child process imports this as __mp_main__
