@@ -248,7 +248,8 @@ def speculation_options(overlap: bool):
                          help="Drafts for speculative decoding: prompt lookup (ngram) or a draft model (model, with "
                               "--draft)."),
             click.option("--draft", "draft_path", type=click.Path(dir_okay=False),
-                         help="Draft model (whole GGUF, same vocabulary)."),
+                         help="Draft model (whole GGUF, same vocabulary): a file, or hf:ORG/REPO[:QUANT or /FILE] "
+                              "(fetched here once, then shipped to the drafters' nodes)."),
             click.option("--draft-max", default=config.DRAFT_MAX, show_default=True, type=click.IntRange(1, 64),
                          help="Most draft tokens per target pass."),
             click.option("--draft-p-min", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0),

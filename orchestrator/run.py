@@ -19,7 +19,8 @@ from orchestrator.decoding.schedule import Schedule
 from orchestrator.cluster.shipping import Shipment
 from stages.tokenizer import Tokenizer
 from orchestrator.cluster.model_files import (RunError, WholeModelSettings, check_same_model,
-                                              local_vocabulary_file, transfer_progress, whole_model_stages)
+                                              local_draft, local_vocabulary_file, transfer_progress,
+                                              whole_model_stages)
 from speculators.draft_length import PRIOR_STEP, DraftPrices, ask_cost
 from speculators.sampling import SamplingSettings
 from stages.settings import StageSettings
@@ -181,6 +182,8 @@ def run_generation(
 ) -> RunOutcome:
     """Connect Ray, start the pipeline (shipping the stages with --model) and
     the drafters, generate, and report what each part did."""
+    draft = local_draft(settings.speculation.draft_path, on_status)  # hf:: fetched here, before Ray starts
+    settings = dataclasses.replace(settings, speculation=dataclasses.replace(settings.speculation, draft_path=draft))
     whole = settings.whole_model
     if whole is None and settings.address is None:  # a local run: bad files fail before Ray starts
         check_stage_files(settings.stage_paths)

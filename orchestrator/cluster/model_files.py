@@ -67,6 +67,47 @@ def with_source(settings: WholeModelSettings) -> WholeModelSettings:
     return replace(settings, source=source, vocabulary=write_vocabulary_file(vocabulary_image(source).header))
 
 
+def local_draft(text: str | None, on_status: Callable[[str], None] | None = None) -> str | None:
+    """``--draft``: a file here as it is, or an ``hf:`` source fetched whole
+    into this machine's stage cache first (by HTTP range, resumed, kept under
+    the draft's fingerprint: a second run fetches nothing), from where it is
+    checked and shipped to the drafters' nodes as any draft. One-line errors
+    (orchestrator.sources.hub) before anything starts."""
+    import threading
+
+    from orchestrator.cluster.fetching import StageFetcher
+    from orchestrator.cluster.shipping import draft_entry, stage_cache_root
+    from orchestrator.sources.hub import read_model_source
+    from orchestrator.sources.hub_reference import is_hub_source
+    from stages.stage_image import SourceRange, StageImage
+
+    if text is None or not is_hub_source(text):
+        return text
+    model = read_model_source(text)
+    if len(model.paths) != 1:
+        raise ModelFileError(f"{text}: a draft model must be one file, not {len(model.paths)} shards")
+    source = model.paths[0]
+    if isinstance(source, Path):  # HF_HUB_OFFLINE: the copy in huggingface_hub's cache
+        return str(source)
+    fetcher = StageFetcher(stage_cache_root(), draft_entry(model),
+                           StageImage(b"", (SourceRange(source, 0, source.size),)))
+    progress = transfer_progress(on_status, lambda _: f"the draft model {text}")
+    finished = threading.Event()
+
+    def report() -> None:
+        while not finished.wait(1.0):
+            progress(0, fetcher.done, fetcher.size, "fetching")
+
+    threading.Thread(target=report, name="draft-fetch-progress", daemon=True).start()
+    try:
+        fetched = fetcher.fetch()
+    finally:
+        finished.set()
+    if fetched.bytes_fetched:
+        progress(0, fetcher.size, fetcher.size, "fetching")
+    return fetched.path
+
+
 def check_draft_model(path: str, tokenizer: Tokenizer) -> None:
     """A draft model must be a whole model with the target's vocabulary, token for token."""
     info = check_stage_files([path])[0]

@@ -363,7 +363,10 @@ def serve_until_stopped(settings: ServeSettings, on_status: Callable[[str], None
     SIGTERM, then delete it (in-flight requests drain) and stop Serve."""
     from orchestrator.cluster.connect import ray_session
     from orchestrator.cluster.drafters import drafter_nodes
+    from orchestrator.cluster.model_files import local_draft
 
+    draft = local_draft(settings.speculation.draft_path, on_status)  # hf:: fetched here, before Ray starts
+    settings = replace(settings, speculation=replace(settings.speculation, draft_path=draft))
     placing = needs_placing(settings)
     if not placing:
         settings = prepare(settings)

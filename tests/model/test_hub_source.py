@@ -208,6 +208,36 @@ def test_the_command_says_it_in_one_line_before_ray_starts(hub):
         "may read the repo (a private or gated repo; the Hub also answers 401 for a repo that does not exist)"]
 
 
+def test_a_draft_from_the_hub_is_fetched_whole_once_into_the_drivers_cache(hub, smollm2, tmp_path, monkeypatch):
+    """--draft hf:...: the draft's file, byte for byte, in this machine's stage
+    cache (from where it is checked and shipped as any draft); a second run
+    fetches nothing; a sharded one is refused in one line."""
+    from orchestrator.cluster.model_files import local_draft
+    from stages.gguf_file import ModelFileError
+
+    monkeypatch.setenv("SPECPIPE_STAGE_CACHE", str(tmp_path))
+    before = len(hub.served())
+    shown: list[str] = []
+    path = local_draft("hf:org/smol:Q4_1", shown.append)
+    assert Path(path).is_relative_to(tmp_path) and Path(path).read_bytes() == Path(smollm2).read_bytes()
+    assert served_bytes(hub, before) < Path(smollm2).stat().st_size * 1.1
+    assert shown and all(line.startswith("fetching the draft model hf:org/smol:Q4_1: ") for line in shown)
+    again = len(hub.served())
+    assert local_draft("hf:org/smol:Q4_1") == path and served_bytes(hub, again) < Path(smollm2).stat().st_size / 20
+    assert local_draft(smollm2) == smollm2  # a file here as it is
+    with pytest.raises(ModelFileError, match="^hf:org/shards: a draft model must be one file, not 3 shards$"):
+        local_draft("hf:org/shards")
+
+
+def test_a_bad_draft_source_is_one_line_before_ray_starts(hub, splits):
+    result = orchestrate("run", "--model-split", *splits[2], "--prompt", "hi", "--speculator", "model",
+                         "--draft", "hf:org/private/SmolLM2-135M-Instruct.Q4_1.gguf",
+                         env={"HF_ENDPOINT": hub.endpoint, "HF_TOKEN": ""}, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "error: hf:org/private/SmolLM2-135M-Instruct.Q4_1.gguf: no access (HTTP 401)")
+
+
 def test_offline_the_copy_in_huggingface_hubs_cache_is_used(hub, smollm2, tmp_path, monkeypatch):
     from huggingface_hub import constants, hf_hub_download
 
