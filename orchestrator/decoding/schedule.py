@@ -594,9 +594,12 @@ class SequenceState:
 
 
 # Scheduler.relaying: while several sequences share passes, drafting pauses after this many shared
-# passes in a row took no drafts, and drafts again for one pass in every UNUSED_DRAFTS_PROBE
+# passes in a row took no drafts, and drafts again for one pass after UNUSED_DRAFTS_PROBE, then after
+# gaps that double up to UNUSED_DRAFTS_PROBE_MOST (each such pass costs the drafters a catch-up:
+# at 8 requests under the emulated 405B curve, one in every 8 passes cost 8 % of the throughput)
 UNUSED_DRAFTS_PAUSE = 4
 UNUSED_DRAFTS_PROBE = 8
+UNUSED_DRAFTS_PROBE_MOST = 128
 
 # Batching.holds: sharing a pass pays when two one-token windows in one pass cost under this share of
 # two passes (below it, the wait for a shared pass is paid back; on this CPU, step 0.6: 0.8 of two passes)
@@ -832,13 +835,23 @@ class Scheduler:
         drafting resumes when the policy asks again, before a window). While
         several sequences share passes: none once UNUSED_DRAFTS_PAUSE shared
         passes in a row took no drafts (the requests fill the flat part of a
-        pass, or drafting cannot keep up with them), but one pass in every
-        UNUSED_DRAFTS_PROBE, so drafting resumes as soon as drafts are taken again."""
+        pass, or drafting cannot keep up with them), but a pass now and then
+        (_probing), so drafting resumes once drafts are taken again."""
         oldest = self.in_flight[0]
-        if self.crowded and self._unused >= UNUSED_DRAFTS_PAUSE and self._unused % UNUSED_DRAFTS_PROBE:
+        if self.crowded and self._unused >= UNUSED_DRAFTS_PAUSE and not self._probing():
             return []
         return [state for window in oldest.windows if (state := self.sequences[window.sequence]).schedule.relays
                 and state.is_head(window) and not state.finished and state.draft_limit > 0]
+
+    def _probing(self) -> bool:
+        """While drafting pauses (relaying), whether this pass drafts anyway: the
+        gaps between such passes double from UNUSED_DRAFTS_PROBE to at most
+        UNUSED_DRAFTS_PROBE_MOST, since each costs the drafters a catch-up of
+        everything committed since the last."""
+        paused = self._unused - UNUSED_DRAFTS_PAUSE + UNUSED_DRAFTS_PROBE
+        if paused > UNUSED_DRAFTS_PROBE_MOST:
+            return paused % UNUSED_DRAFTS_PROBE_MOST == 0
+        return paused > UNUSED_DRAFTS_PROBE and paused & (paused - 1) == 0
 
     def invalid_passes(self) -> list[TargetPass]:
         """Passes in flight not handed out before whose every window is invalid
