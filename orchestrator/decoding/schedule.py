@@ -594,12 +594,14 @@ class SequenceState:
 
 
 # Scheduler.relaying: while several sequences share passes, drafting pauses after this many shared
-# passes in a row took no drafts, and drafts again for one pass after UNUSED_DRAFTS_PROBE, then after
-# gaps that double up to UNUSED_DRAFTS_PROBE_MOST (each such pass costs the drafters a catch-up:
-# at 8 requests under the emulated 405B curve, one in every 8 passes cost 8 % of the throughput)
+# passes in a row took no drafts, and drafts again for UNUSED_DRAFTS_STRETCH passes UNUSED_DRAFTS_PROBE
+# passes into the pause, then after gaps that double up to UNUSED_DRAFTS_PROBE_MOST. Each stretch costs
+# the drafters a catch-up: at 8 requests under the emulated 405B curve a pass in every 8 cost 8 %;
+# stretches of 1 pass resumed too seldom at 4 requests, of 4 cost 8 requests 5-10 % (in-process, 2026-12-03)
 UNUSED_DRAFTS_PAUSE = 4
 UNUSED_DRAFTS_PROBE = 8
 UNUSED_DRAFTS_PROBE_MOST = 128
+UNUSED_DRAFTS_STRETCH = 2
 
 # Batching.holds: sharing a pass pays when two one-token windows in one pass cost under this share of
 # two passes (below it, the wait for a shared pass is paid back; on this CPU, step 0.6: 0.8 of two passes)
@@ -733,7 +735,8 @@ class Scheduler:
         self.window_per_pass = window_per_pass or batching is not None
         self.batching = batching
         self._invalid: list[TargetPass] = []  # passes in flight already handed out by invalid_passes
-        self._unused = 0  # shared passes in a row that took no drafts (shared_drafts), however many were drafted
+        self._unused = 0  # shared passes in a row that took no drafts (shared_drafts)
+        self._paused = 0  # passes since drafting paused for that (relaying)
 
     def add(self, state: SequenceState) -> None:
         if state.sequence in self.sequences:
@@ -772,8 +775,7 @@ class Scheduler:
         holding = self._holding()
         ready = [state for state in self.sequences.values() if state.ready and not (holding and state.prompt_from is None)]
         most = self.shared_drafts(ready)
-        if most is not None:
-            self._unused = 0 if most else self._unused + 1
+        self._count_unused(most)
         firsts = tuple(state.first_window(most) for state in ready)
         crowded = self.crowded
         aheads = [state.windows_ahead(speculative=not crowded) for state in self.sequences.values()]
@@ -835,7 +837,7 @@ class Scheduler:
         drafting resumes when the policy asks again, before a window). While
         several sequences share passes: none once UNUSED_DRAFTS_PAUSE shared
         passes in a row took no drafts (the requests fill the flat part of a
-        pass, or drafting cannot keep up with them), but a pass now and then
+        pass, or the drafters cannot keep up), but a few passes now and then
         (_probing), so drafting resumes once drafts are taken again."""
         oldest = self.in_flight[0]
         if self.crowded and self._unused >= UNUSED_DRAFTS_PAUSE and not self._probing():
@@ -843,15 +845,24 @@ class Scheduler:
         return [state for window in oldest.windows if (state := self.sequences[window.sequence]).schedule.relays
                 and state.is_head(window) and not state.finished and state.draft_limit > 0]
 
+    def _count_unused(self, shared: int | None) -> None:
+        """After a shared pass's choice (shared_drafts): a pass that took drafts
+        resumes drafting; one that took none counts towards the pause, whether
+        the drafts did not fit the pass or the drafters had none ready."""
+        if shared is not None:
+            self._unused = 0 if shared else self._unused + 1
+        self._paused = self._paused + 1 if self._unused >= UNUSED_DRAFTS_PAUSE else 0
+
     def _probing(self) -> bool:
-        """While drafting pauses (relaying), whether this pass drafts anyway: the
-        gaps between such passes double from UNUSED_DRAFTS_PROBE to at most
-        UNUSED_DRAFTS_PROBE_MOST, since each costs the drafters a catch-up of
-        everything committed since the last."""
-        paused = self._unused - UNUSED_DRAFTS_PAUSE + UNUSED_DRAFTS_PROBE
-        if paused > UNUSED_DRAFTS_PROBE_MOST:
-            return paused % UNUSED_DRAFTS_PROBE_MOST == 0
-        return paused > UNUSED_DRAFTS_PROBE and paused & (paused - 1) == 0
+        """While drafting pauses (relaying), whether this pass drafts anyway:
+        UNUSED_DRAFTS_STRETCH passes in a row (the drafters catch up on what
+        was committed meanwhile, then draft), UNUSED_DRAFTS_PROBE passes into
+        the pause, then after gaps that double up to UNUSED_DRAFTS_PROBE_MOST."""
+        start, gap = UNUSED_DRAFTS_PROBE, UNUSED_DRAFTS_PROBE
+        while start + UNUSED_DRAFTS_STRETCH <= self._paused:
+            gap = min(2 * gap, UNUSED_DRAFTS_PROBE_MOST)
+            start += gap
+        return start <= self._paused
 
     def invalid_passes(self) -> list[TargetPass]:
         """Passes in flight not handed out before whose every window is invalid

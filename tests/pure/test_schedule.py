@@ -637,18 +637,23 @@ def test_a_filler_the_target_chooses_is_committed_but_not_counted_as_a_draft():
     assert (sequence.stats.drafted_tokens, sequence.stats.accepted_tokens) == (1, 1)
 
 
-def test_while_shared_passes_take_no_drafts_drafting_pauses_but_for_passes_that_grow_apart():
-    """Two async requests sharing passes with nothing speculated: the rule takes
-    no drafts, so after 4 such passes their drafters stop relaying, except
-    for a pass after 8 more, then after gaps that double (each costs the
-    drafters a catch-up of all that was committed meanwhile)."""
+def test_while_shared_passes_take_no_drafts_drafting_pauses_but_for_stretches_that_grow_apart():
+    """Two async requests sharing passes on a pass twice as dear at 4 tokens as
+    at 2: the rule takes none of the draft each has, so after 4 such passes
+    their drafters stop relaying, except for 2 passes (a catch-up, then
+    drafts) 8 passes into the pause, then after gaps that double."""
+    from stages.cost_curve import BatchCurve
+
     sequences = [state(committed=(1, 2, 3), sequence=index, max_tokens=100) for index in range(2)]
-    scheduler = Scheduler(sequences, batching=Batching(stage_count=1, step=0.0, n_batch=512))
+    dear = Batching(stage_count=1, step=0.0, n_batch=512, curve=BatchCurve((1, 2, 4), (1.0, 1.0, 2.0)))
+    scheduler = Scheduler(sequences, batching=dear)
     relayed = []
-    for turn in range(1, 40):
+    for turn in range(1, 70):
+        for sequence in sequences:
+            sequence.speculation = [7]  # what the drafters had
         (shared,) = scheduler.next_passes()
         assert [len(window.inputs) for window in shared.windows] == [1, 1]
         relayed.append(bool(scheduler.relaying()))
         for sequence, window, _ in scheduler.received():
             sequence.verified(window, [100 + turn], lambda token: False)
-    assert [turn for turn, relays in enumerate(relayed, 1) if relays] == [1, 2, 3, 12, 28]
+    assert [turn for turn, relays in enumerate(relayed, 1) if relays] == [1, 2, 3, 11, 12, 27, 28, 59, 60]
