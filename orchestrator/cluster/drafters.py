@@ -2,8 +2,9 @@
 
 One drafter per machine, placed on its stage's node (in the same placement
 bundle), or on a node the user names (``DrafterSettings.nodes``: a
-drafter-only node drafts in place of the one beside stage i). Every failure of a drafter (it raises, hangs, its actor dies, its
-socket closes, it sends tokens outside the vocabulary) is absorbed here: the
+drafter-only node drafts in place of the one beside stage i). Every failure
+of a drafter (it raises, hangs, its actor dies, its socket closes, it sends
+tokens outside the vocabulary) is absorbed here: the
 client answers with an empty draft, marks the drafter lost, and the pipeline
 goes on without it. A lost drafter is restarted in the background (at most
 max_restarts times) and rejoins at the next request once it is up; drafts
@@ -31,6 +32,7 @@ from orchestrator.config import (
     DRAFTER_WAIT_SECONDS,
     MAX_RESTARTS,
 )
+from orchestrator.planning.cluster_split import NodeMemory
 from orchestrator.workers.drafter_server import DrafterServer
 from speculators import Speculator
 from speculators.draft_length import DraftPrices
@@ -66,11 +68,10 @@ def drafter_settings(speculation, stage, max_restarts: int, sequences: int = 1) 
     ``stage`` (StageSettings), drafting for ``sequences`` requests at once."""
     from orchestrator.cluster.model_files import draft_memory_bytes
 
-    memory = draft_memory_bytes(speculation.draft_path, (stage.n_ctx + speculation.draft_max) * sequences) \
-        if speculation.speculator == "model" else 0
+    draft = speculation.draft_path if speculation.speculator == "model" else None
     return DrafterSettings(draft_max=speculation.draft_max, overlap=speculation.overlap, max_restarts=max_restarts,
-                           sequences=sequences, nodes=speculation.drafter_nodes, memory_bytes=memory,
-                           draft_path=speculation.draft_path if speculation.speculator == "model" else None)
+                           sequences=sequences, nodes=speculation.drafter_nodes, draft_path=draft,
+                           memory_bytes=draft_memory_bytes(draft, (stage.n_ctx + speculation.draft_max) * sequences))
 
 
 def _drafter_actor_class():
@@ -389,7 +390,7 @@ class DrafterPlace:
 
     options: dict
     loopback: bool
-    node: object
+    node: NodeMemory
 
 
 def drafter_placement(pipeline, nodes: tuple[str, ...]) -> list[DrafterPlace]:
@@ -397,7 +398,7 @@ def drafter_placement(pipeline, nodes: tuple[str, ...]) -> list[DrafterPlace]:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from orchestrator.planning.cluster_split import NodeMemory
+    from orchestrator.cluster.shipping import LOOPBACK
 
     here = ray.util.get_node_ip_address()
     placed = [DrafterPlace({"max_restarts": 0, "num_cpus": 0,
@@ -405,7 +406,7 @@ def drafter_placement(pipeline, nodes: tuple[str, ...]) -> list[DrafterPlace]:
                            pipeline.loopback and node.address == here, NodeMemory(node.address, node.node_id, 0))
               for node in drafter_nodes(nodes, len(pipeline.stages))]
     for stage in pipeline.stages[len(placed):]:
-        address = here if stage.host == "127.0.0.1" else stage.host
+        address = here if stage.host == LOOPBACK else stage.host
         placed.append(DrafterPlace(pipeline.actor_options(stage.stage_index, num_cpus=0), pipeline.loopback,
                                    NodeMemory(address, stage.node_id, 0)))
     return placed

@@ -190,33 +190,28 @@ class Pipeline:
 
     def pass_costs(self, batch: int = 8, repetitions: int = 3, sequence: int = 0) -> tuple[float, float]:
         """(the median one-token pass in seconds, draft_step's step), from the same passes."""
-        from speculators.draft_length import step_from_timings
+        from speculators.draft_length import curve_step
 
-        timings = self._timed_passes((1, batch), repetitions, sequence)
-        ones = sorted(timings[1])
-        return ones[len(ones) // 2], step_from_timings(timings[1], timings[batch], batch)
+        curve = self.pass_curve((1, batch), repetitions, sequence)
+        return curve.at(1), curve_step(curve, batch)
 
     def pass_curve(self, sizes: tuple[int, ...] = PASS_CURVE_SIZES, repetitions: int = 2,
                    sequence: int = 0) -> BatchCurve:
         """The median pass of each width in ``sizes`` (within n_batch), in
-        seconds, wall time, in ``sequence`` (released after): what continuous batching reads a pass's cost from
-        (schedule.Batching), where a line through two widths cannot show a
-        memory-bound machine's flat start and the width where it ends."""
+        seconds, wall time, in ``sequence`` (released after): what continuous
+        batching reads a pass's cost from (schedule.Batching), where a line
+        through two widths cannot show a memory-bound machine's flat start and
+        the width where it ends."""
         sizes = tuple(size for size in sizes if size <= self.n_batch)
-        timings = self._timed_passes(sizes, repetitions, sequence)
-        return BatchCurve(sizes, tuple(sorted(timings[size])[len(timings[size]) // 2] for size in sizes))
-
-    def _timed_passes(self, sizes: tuple[int, ...], repetitions: int, sequence: int) -> dict[int, list[float]]:
-        """Wall times of ``repetitions`` passes of each width in ``sizes``, after one each that warms up."""
         timings: dict[int, list[float]] = {size: [] for size in sizes}
-        for repetition in range(repetitions + 1):
+        for repetition in range(repetitions + 1):  # the first of each only warms up
             for tokens in sizes:
                 started = time.perf_counter()
                 self.forward(np.arange(tokens, dtype=np.int32), np.ones(tokens, np.int32), 0, sequence=sequence)
                 if repetition:
                     timings[tokens].append(time.perf_counter() - started)
         self.release(sequence)  # the measurement holds no cells after it
-        return timings
+        return BatchCurve(sizes, tuple(sorted(timings[size])[len(timings[size]) // 2] for size in sizes))
 
     def submit(self, target_pass: TargetPass) -> None:
         """Start a pass (each window's ``sequence`` is its KV sequence in every

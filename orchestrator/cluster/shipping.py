@@ -486,12 +486,13 @@ def ship_draft(path: str, nodes: list[NodeMemory], secret: bytes, certificate: C
     model = read_model(path)
     size = os.path.getsize(path)
     image = StageImage(b"", (SourceRange(Path(path), 0, size),))
+    entry = draft_entry(model)
     here = ray.get_runtime_context().get_node_id()
     shipped = {}
     for node in nodes:
         if node.node_id in shipped or node.node_id == here:
             continue
-        shipment = ship_stage(image, draft_entry(model), node, NodeAffinitySchedulingStrategy(node.node_id, soft=False),
+        shipment = ship_stage(image, entry, node, NodeAffinitySchedulingStrategy(node.node_id, soft=False),
                               secret, False, certificate, progress)
         shipped[node.node_id] = replace(shipment, what="draft")
     return shipped

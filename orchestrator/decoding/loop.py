@@ -194,7 +194,6 @@ class DecodingLoop:
                     drafters[handoff.start].speculate(state.text, room)
         return reply
 
-
     def _receive_drafting(self, relaying, machines):
         """The oldest pass's result, while several sequences share passes:
         each drafts on one machine for the whole pass (schedule.Scheduler.drafter_of)."""

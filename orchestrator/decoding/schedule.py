@@ -49,10 +49,13 @@ The rules:
   the drafter is not even asked): ``speculators.draft_length.DraftPolicy``,
   from the acceptance by draft position and the cost of a longer pass. With
   continuous batching, chains ready at once carry one number of drafts, so
-  that they share passes: the one, up to the fewest any of them has, that
-  commits the most tokens per cost of their passes on the measured curve
-  (``Scheduler.shared_drafts``); and no window is started ahead while two
-  or more sequences decode (it would go in a pass of its own).
+  that they share passes: the one, up to the most any of them has, that
+  commits the most tokens per cost of their passes on the measured curve,
+  a chain short of drafts padded with filler (``Scheduler.shared_drafts``);
+  while two or more sequences decode, no window is started ahead (it would
+  go in a pass of its own), nobody waits for drafts, each drafts on one
+  machine for its whole pass, and drafting pauses while shared passes take
+  no drafts (``Scheduler.relaying``).
 * When a window is a token tree (``SequenceState.drafted_tree``, a sequence
   with ``tree_leaves`` > 1 whose drafter proposes one): the draft policy's
   chain is its main chain, and ``speculators.tree.choose_rows`` adds the side
@@ -538,7 +541,7 @@ class SequenceState:
             drafts = window.main_drafts  # filler left out: the stats and the policy see the drafter's drafts
             path = accepted_rows(window.inputs[window.refed:], window.parents, new_tokens)
             kept = window.first + window.refed + 1 + sum(row < len(drafts) + window.filler + 1 for row in path)
-            accepted = min(sum(row < len(drafts) + 1 for row in path), len(drafts))
+            accepted = sum(row < len(drafts) + 1 for row in path)
             self.passes += 1
             self.stats.drafted_tokens += len(drafts)
             self.stats.accepted_tokens += accepted
