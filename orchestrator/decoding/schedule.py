@@ -599,8 +599,8 @@ class SequenceState:
 # Scheduler.relaying: while several sequences share passes, drafting pauses after this many shared
 # passes in a row took no drafts, and drafts again for UNUSED_DRAFTS_STRETCH passes UNUSED_DRAFTS_PROBE
 # passes into the pause, then after gaps that double up to UNUSED_DRAFTS_PROBE_MOST. Each stretch costs
-# the drafters a catch-up: at 8 requests under the emulated 405B curve a pass in every 8 cost 8 %;
-# stretches of 1 pass resumed too seldom at 4 requests, of 4 cost 8 requests 5-10 % (in-process, 2026-12-03)
+# the drafters a catch-up. orchestrate bench --serve @40, 2026-12-03: a pass in every 8 left 8 requests at
+# 0.90x the server without drafts; single passes with doubling gaps resumed too seldom at 4 requests (1.00x)
 UNUSED_DRAFTS_PAUSE = 4
 UNUSED_DRAFTS_PROBE = 8
 UNUSED_DRAFTS_PROBE_MOST = 128
