@@ -18,7 +18,7 @@ from orchestrator.decoding.schedule import TargetPass, Window
 from orchestrator.decoding.targets import PassReplies, choice_of
 from orchestrator.workers.choosing import TokenChooser
 from orchestrator.transport.messages import PassResult
-from speculators.tree import depths
+from stages.tree_shape import depths
 
 
 def window_positions(window: Window) -> tuple[np.ndarray, np.ndarray | None]:

@@ -32,18 +32,10 @@ from typing import Protocol
 import numpy as np
 
 from speculators.sampling import SamplingSettings, choose_token
-from stages.errors import SpecpipeError
+from stages.errors import GrammarError
 
 
-# One request's grammar text: it travels with every pass of the request, beside the tokens generated so far,
-# in a frame header of at most 64 KiB (orchestrator.transport.wire).
-MAX_GRAMMAR_BYTES = 16 * 1024
 MAX_GRAMMAR_TOKENS = 4096  # the most tokens generated under a grammar (each pass carries them all)
-
-
-class GrammarError(SpecpipeError):
-    """A grammar that cannot be used (a bad ``response_format``, a token the
-    grammar forbids where one was required); one line naming what is at fault."""
 
 
 class GrammarState(Protocol):

@@ -55,7 +55,7 @@ from stages.capture import AbortFlag, CaptureError, NodeCapture
 from stages.errors import SpecpipeError
 from stages.gguf_file import KEY_FIRST_BLOCK, KEY_STAGE_COUNT, KEY_STAGE_INDEX
 from stages.settings import StageSettings
-from speculators.tree import TreeError, branch_sequences, check_preorder, depths
+from stages.tree_shape import TreeError, branch_sequences, check_preorder, depths
 
 _ggml_base = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-base.so"))
 

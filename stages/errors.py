@@ -10,3 +10,8 @@ is a bug and shows its traceback.
 class SpecpipeError(Exception):
     """An error a user can cause (bad files, bad settings, a cluster that cannot
     run the stages); its message is one line that says what and where."""
+
+
+class GrammarError(SpecpipeError):
+    """A grammar that cannot be used (a bad ``response_format``, a token the
+    grammar forbids where one was required); one line naming what is at fault."""

@@ -44,8 +44,9 @@ import numpy as np
 
 import llama_cpp
 from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
-from speculators.grammar import MAX_GRAMMAR_BYTES, GrammarError
 from stages.engine import ensure_backend, quiet_logs
+from stages.errors import GrammarError
+from stages.settings import MAX_GRAMMAR_BYTES
 
 MAX_SCHEMA_DEPTH = 32  # nested schemas, counted from the root
 JSON_TYPES = ("string", "number", "integer", "boolean", "null", "object", "array")

@@ -14,6 +14,9 @@ from stages.cost_curve import CostCurve
 DEFAULT_CONTEXT = 4096  # KV cache positions per sequence
 DEFAULT_BATCH = 512  # tokens per llama_decode call, as Llama's default
 ALL_LAYERS = -1  # n_gpu_layers: every layer this build can offload
+# One request's grammar text: it travels with every pass of the request, beside the tokens generated so far,
+# in a frame header of at most 64 KiB (orchestrator.transport.wire); the last stage compiles it.
+MAX_GRAMMAR_BYTES = 16 * 1024
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from orchestrator.transport.handshake import new_secret
 from orchestrator.transport.ledger import KvLedger, PassRecord
 from orchestrator.transport.messages import Cancelled, PassResult
 from orchestrator.transport.tls import new_chain_certificate
-from speculators.tree import depths
+from stages.tree_shape import depths
 from stages.cost_curve import BatchCurve
 from stages.settings import StageSettings
 from stages.stage_files import NOT_FOUND, check_stage_files_on_nodes

@@ -81,7 +81,8 @@ from dataclasses import dataclass, field, fields
 
 from speculators.draft_length import DRAFTER_CALL_COST, PRIOR_STEP, DraftPolicy, DraftPrices
 from speculators.sampling import SamplingSettings
-from speculators.tree import DraftTree, RankAcceptance, accepted_rows, choose_rows, main_chain_length
+from speculators.tree import DraftTree, RankAcceptance, accepted_rows, choose_rows
+from stages.tree_shape import main_chain_length
 from stages.cost_curve import BatchCurve
 
 

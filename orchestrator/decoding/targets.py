@@ -17,7 +17,8 @@ import numpy as np
 from orchestrator.transport.messages import Cancelled, PassResult, TokenChoice
 from orchestrator.decoding.schedule import TargetPass, Window
 from speculators.logprobs import TokenLogprobs, window_logprobs
-from speculators.tree import DraftTree, depths, lookup_tree, verify_rows
+from speculators.tree import DraftTree, lookup_tree, verify_rows
+from stages.tree_shape import depths
 
 
 class Target(Protocol):

@@ -148,7 +148,8 @@ def request_for(backend: Backend, parsed) -> ServiceRequest:
     """What the service is asked for a checked request: its prompt's tokens,
     its token limit within the context, its grammar (a 400 naming the part of
     a response_format that cannot be one)."""
-    from speculators.grammar import MAX_GRAMMAR_TOKENS, GrammarError
+    from speculators.grammar import MAX_GRAMMAR_TOKENS
+    from stages.errors import GrammarError
     from stages.grammar import grammar_of
 
     tokens = prompt_tokens(backend, parsed)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from orchestrator.transport.messages import TokenChoice
-from speculators.tree import main_chain_length
+from stages.tree_shape import main_chain_length
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from speculators.grammar import MAX_GRAMMAR_BYTES, MAX_GRAMMAR_TOKENS
+from speculators.grammar import MAX_GRAMMAR_TOKENS
+from stages.settings import MAX_GRAMMAR_BYTES
 from speculators.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
 from speculators.sampling import SamplingSettings
-from speculators.tree import TreeError, check_preorder
+from stages.tree_shape import TreeError, check_preorder
 from stages.errors import SpecpipeError
 
 MAX_BATCHED = 255  # StageBatch.more: the most batches one batched pass adds to the first (KV sequences are fewer)

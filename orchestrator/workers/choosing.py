@@ -15,7 +15,8 @@ from __future__ import annotations
 import numpy as np
 
 from orchestrator.transport.messages import TokenChoice
-from speculators.grammar import GrammarError, verify_constrained
+from speculators.grammar import verify_constrained
+from stages.errors import GrammarError
 from speculators.logprobs import TokenLogprobs, window_logprobs
 from speculators.tree import verify_rows
 from stages.grammar import GrammarConstraint, Vocabulary

@@ -17,10 +17,12 @@ import pytest
 
 import llama_cpp
 from llama_cpp.llama_grammar import JSON_GBNF
-from speculators.grammar import GrammarError, choose_constrained, masked_row, verify_constrained
+from speculators.grammar import choose_constrained, masked_row, verify_constrained
+from stages.errors import GrammarError
 from speculators.model import common_prefix_length
 from speculators.sampling import SamplingSettings, choose_token
-from stages.grammar import MAX_GRAMMAR_BYTES, GrammarConstraint, Vocabulary, grammar_of
+from stages.grammar import GrammarConstraint, Vocabulary, grammar_of
+from stages.settings import MAX_GRAMMAR_BYTES
 
 PERSON = {
     "type": "object",

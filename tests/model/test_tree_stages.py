@@ -7,7 +7,7 @@ import pytest
 
 from stages.engine import StageEngine, StageError
 from stages.settings import StageSettings
-from speculators.tree import depths
+from stages.tree_shape import depths
 
 
 #   root - a - b - c           (main chain: rows 0..3)

@@ -15,7 +15,7 @@ ROOT = Path(__file__).parents[2]
 # package -> the packages (and outside modules) its modules may import; every
 # package may import itself. "orchestrator" is the top level: cli, run, profile...
 MAY_IMPORT = {
-    "stages": {"speculators", "llama_cpp"},
+    "stages": {"llama_cpp"},
     "speculators": {"stages"},
     "orchestrator.config": {"stages"},
     "orchestrator.transport": {"orchestrator.config", "speculators", "stages", "socket"},

@@ -11,17 +11,13 @@ from speculators.tree import (
     FORGET,
     DraftTree,
     RankAcceptance,
-    TreeError,
     accepted_rows,
-    branch_sequences,
-    check_preorder,
     choose_rows,
-    depths,
     lookup_tree,
-    main_chain_length,
     row_values,
     walk,
 )
+from stages.tree_shape import TreeError, branch_sequences, check_preorder, depths, main_chain_length
 from speculators.verify import verify
 
 
