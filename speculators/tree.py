@@ -32,19 +32,23 @@ draft policy's acceptance by position along a chain, the measured acceptance
 by candidate rank at a fork); a child never scores above its parent, so the
 rows in order of value always form a tree. The tree verified is the prefix
 of that order that maximises expected committed tokens per unit of pass
-cost, t(n) = 1 + step (n - 1) in one-token passes. Where a batch costs
-nearly n single passes (a CPU), that is usually a chain: the rule decides.
+cost (``PassCost``): the measured or emulated curve t(n) read at the width
+of each prefix (Sequoia's point: the hardware decides), or without one
+t(n) = 1 + step (n - 1) in one-token passes. Where a batch costs nearly n
+single passes (a CPU), that is usually a chain; where a pass of hundreds of
+rows costs about one (weights streamed from RAM), hundreds of rows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from speculators.sampling import SamplingSettings, choose_token
 from speculators.verify import verify
+from stages.cost_curve import BatchCurve
 from stages.tree_shape import TreeError, check_preorder, main_chain_length
 
 
@@ -263,10 +267,27 @@ def row_values(tree: DraftTree, chain_acceptance: Sequence[float], ranks: RankAc
     return values
 
 
-def choose_rows(tree: DraftTree, chain_acceptance: Sequence[float], ranks: RankAcceptance, step: float,
+PassCost = Callable[[int], float]
+"""Draft rows a pass verifies (beside its root) -> what the pass costs, in one-token passes."""
+
+
+def linear_cost(step: float) -> PassCost:
+    """t(n) = 1 + step (n - 1): every row beyond the first costs ``step`` passes."""
+    return lambda rows: 1.0 + step * rows
+
+
+def curve_cost(curve: BatchCurve, before: int = 0) -> PassCost:
+    """The pass's cost read off a measured or emulated curve at its width
+    (``before``: rows the pass carries ahead of the tree, a refeed),
+    relative to a one-token pass."""
+    one = curve.at(1)
+    return lambda rows: curve.at(before + 1 + rows) / one
+
+
+def choose_rows(tree: DraftTree, chain_acceptance: Sequence[float], ranks: RankAcceptance, cost: PassCost,
                 forced: int = 0) -> DraftTree:
     """The subtree to verify: rows in order of value, as many as maximise
-    (1 + sum of values) / (1 + step * rows) (see the module text).
+    (1 + sum of values) / cost(rows) (see the module text).
     forced: the first rows of the main chain are taken whatever they are worth
     (the draft policy chose that chain; the rule adds side rows to it)."""
     values = row_values(tree, chain_acceptance, ranks)
@@ -283,10 +304,10 @@ def choose_rows(tree: DraftTree, chain_acceptance: Sequence[float], ranks: RankA
     order = list(range(1, forced + 1)) + sorted(range(forced + 1, len(tree.tokens)),
                                                  key=lambda row: (-ordering[row], row))
     expected = 1.0 + sum(values[row] for row in order[:forced])
-    best_count, best_rate = forced, expected / (1.0 + step * forced)
+    best_count, best_rate = forced, expected / cost(forced)
     for count, row in enumerate(order[forced:], start=forced + 1):
         expected += values[row]
-        rate = expected / (1.0 + step * count)
+        rate = expected / cost(count)
         if rate > best_rate:
             best_count, best_rate = count, rate
     return tree.subtree(order[:best_count])

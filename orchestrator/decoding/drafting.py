@@ -13,6 +13,7 @@ from orchestrator.decoding.schedule import Schedule
 from orchestrator.decoding.targets import Drafter
 from speculators.draft_length import DRAFTER_CALL_COST, PRIOR_STEP, DraftPrices
 from speculators.model import DRAFT_DEVICES
+from stages.cost_curve import BatchCurve
 
 SPECULATORS = ("none", "ngram", "model")
 
@@ -102,6 +103,8 @@ class Drafting:
     draft_prices: what drafting a token costs the target (awaited, relayed:
     speculators.draft_length.DraftPrices, measured before a run,
     orchestrator.cluster.drafters.draft_prices; prompt lookup in process: nothing).
+    pass_curve: a pass's seconds at several widths (Pipeline.pass_curve),
+    which the tree rule reads at every width; None: the line through ``step``.
     """
 
     drafters: Sequence[Drafter]
@@ -113,6 +116,7 @@ class Drafting:
     tree_leaves: int = 1
     side_row_step: float | None = None
     draft_prices: DraftPrices = DraftPrices()
+    pass_curve: BatchCurve | None = None
 
     @property
     def drafter_first(self) -> Drafter:

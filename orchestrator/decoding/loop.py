@@ -62,7 +62,8 @@ def sequence_state(sequence: int, prompt_tokens: list[int], max_tokens: int, sam
     return SequenceState(
         sequence, list(prompt_tokens), len(prompt_tokens), max_tokens, drafting.schedule, drafting.draft_max,
         draft_call_cost=drafting.call_cost, draft_step=drafting.step, tree_leaves=drafting.tree_leaves,
-        side_row_step=drafting.side_row_step, draft_prices=drafting.draft_prices, **prefill,
+        side_row_step=drafting.side_row_step, draft_prices=drafting.draft_prices, pass_curve=drafting.pass_curve,
+        **prefill,
     )
 
 

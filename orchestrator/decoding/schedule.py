@@ -81,7 +81,7 @@ from dataclasses import dataclass, field, fields
 
 from speculators.draft_length import DRAFTER_CALL_COST, PRIOR_STEP, DraftPolicy, DraftPrices
 from speculators.sampling import SamplingSettings
-from speculators.tree import DraftTree, RankAcceptance, accepted_rows, choose_rows
+from speculators.tree import DraftTree, PassCost, RankAcceptance, accepted_rows, choose_rows, curve_cost, linear_cost
 from stages.tree_shape import main_chain_length
 from stages.cost_curve import BatchCurve
 
@@ -329,7 +329,8 @@ class SequenceState:
     draft_prices: DraftPrices = DraftPrices()  # what drafting a token costs, awaited and relayed (measured by a run)
     on_a_roll: bool = False  # the last verified window accepted all its drafts
     tree_leaves: int = 1  # the most leaves a window's token tree may have (1: chains only)
-    side_row_step: float | None = None  # what the tree rule prices a side row at (None: draft_step)
+    side_row_step: float | None = None  # what the tree rule prices a side row at (None: the curve, or draft_step)
+    pass_curve: BatchCurve | None = None  # a pass's seconds by width, measured (the tree rule reads it at every width)
     candidates: DraftTree | None = None  # the tree drafted for the next window (drafted_tree)
     ranks: RankAcceptance = field(default_factory=RankAcceptance)  # acceptance by candidate rank at forks
     refeed: int = 0  # committed tokens before the last whose cells the stages dropped: fed again next
@@ -457,8 +458,7 @@ class SequenceState:
             filler = 0 if shared is None else limit - len(drafts)
             tree = DraftTree.chain(self.committed[-1], drafts + [(drafts or self.committed)[-1]] * filler)
             if self.candidates is not None and limit > 0:
-                step = self.policy.step if self.side_row_step is None else self.side_row_step
-                tree = choose_rows(self.candidates, self.policy.acceptances(), self.ranks, step,
+                tree = choose_rows(self.candidates, self.policy.acceptances(), self.ranks, self._row_cost(),
                                    forced=min(limit, len(self.speculation)))
             self.candidates = None
             window = Window(self.sequence, first, (*self.committed[first:-1], *tree.tokens), sampling=self.sampling,
@@ -467,6 +467,16 @@ class SequenceState:
                             ranks=None if tree.is_chain else tuple(tree.ranks), filler=filler)
         self.in_flight.append(window)
         return window
+
+    def _row_cost(self) -> PassCost:
+        """What the tree rule prices a pass of n rows at: side_row_step if
+        set (the bench's tree-all mode), else the measured curve at every
+        width, else the policy's line through two widths."""
+        if self.side_row_step is not None:
+            return linear_cost(self.side_row_step)
+        if self.pass_curve is not None:
+            return curve_cost(self.pass_curve, self.refeed)
+        return linear_cost(self.policy.step)
 
     def windows_ahead(self, speculative: bool = True) -> list[Window]:
         """Windows to start while one of it is in flight: the prompt's next

@@ -175,7 +175,8 @@ class ServiceSettings:
         first = InstantDrafter(speculator, self.draft_max)
         machines = [InstantDrafter(speculator, self.draft_max) for _ in range(self.stage_count)]
         return Drafting(machines, self.schedule, self.draft_max, first=first, call_cost=0.0,
-                        step=step, tree_leaves=self.tree_leaves, side_row_step=self.side_row_step)
+                        step=step, tree_leaves=self.tree_leaves, side_row_step=self.side_row_step,
+                        pass_curve=self.pass_curve)
 
 
 class ServiceObserver:

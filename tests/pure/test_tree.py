@@ -13,12 +13,15 @@ from speculators.tree import (
     RankAcceptance,
     accepted_rows,
     choose_rows,
+    curve_cost,
+    linear_cost,
     lookup_tree,
     row_values,
     walk,
 )
 from stages.tree_shape import TreeError, branch_sequences, check_preorder, depths, main_chain_length
 from speculators.verify import verify
+from stages.cost_curve import BatchCurve
 
 
 #        0
@@ -154,12 +157,12 @@ def test_the_rule_grows_a_tree_only_where_rows_are_cheap():
     ranks = RankAcceptance([10.0], [5.0])
     chain_acceptance = [0.8, 0.95, 0.95]
     # a CPU: each row costs half a pass, and only the likely chain pays
-    costly = choose_rows(tree, chain_acceptance, ranks, step=0.5)
+    costly = choose_rows(tree, chain_acceptance, ranks, linear_cost(0.5))
     assert costly.is_chain and costly.drafts == [5, 6, 9]
     # nothing pays at all when every row costs a whole pass
-    assert choose_rows(tree, chain_acceptance, ranks, step=1.0).drafts == []
+    assert choose_rows(tree, chain_acceptance, ranks, linear_cost(1.0)).drafts == []
     # cheap rows (a GPU, a network-bound pipeline): the other match joins as a side branch
-    cheap = choose_rows(tree, chain_acceptance, ranks, step=0.02)
+    cheap = choose_rows(tree, chain_acceptance, ranks, linear_cost(0.02))
     check_preorder(cheap.parents)
     assert not cheap.is_chain
     assert cheap.tokens[:4] == [2, 5, 6, 9]  # its main chain is still the drafter's chain
@@ -173,11 +176,11 @@ def test_a_side_branch_never_displaces_its_main_sibling():
     ranks = RankAcceptance([10.0], [9.9])
     values = row_values(tree, [0.1], ranks)
     assert values[2] > values[1]
-    chosen = choose_rows(tree, [0.1], ranks, step=0.001)
+    chosen = choose_rows(tree, [0.1], ranks, linear_cost(0.001))
     assert chosen.tokens == [0, 5, 7] and chosen.parents == [-1, 0, 0]
     # the side branch alone would pay for its row; without its main sibling it is not verified
     assert (1.0 + values[2]) / 1.8 > 1.0
-    assert choose_rows(tree, [0.1], ranks, step=0.8).tokens == [0]
+    assert choose_rows(tree, [0.1], ranks, linear_cost(0.8)).tokens == [0]
     with pytest.raises(TreeError, match="without its parent"):
         DraftTree([0, 5, 6], [-1, 0, 1], [0, 1, 1]).subtree([2])
 
@@ -284,21 +287,21 @@ def test_the_rule_orders_a_side_row_by_value_after_the_forced_chain():
     #    \- 3            the root's second choice: 0.5 * 0.9 (below its main sibling's 0.5)
     tree = DraftTree([0, 1, 2, 3], [-1, 0, 1, 0], [0, 1, 1, 2])
     ranks = RankAcceptance([100.0], [90.0])
-    chosen = choose_rows(tree, [0.5, 0.2], ranks, step=0.3, forced=1)
+    chosen = choose_rows(tree, [0.5, 0.2], ranks, linear_cost(0.3), forced=1)
     assert chosen.tokens == [0, 1, 3] and chosen.parents == [-1, 0, 0]
     # forced rows count for what they are worth: a side row that does not pay is left out
     weak = RankAcceptance([100.0], [25.0])
-    assert choose_rows(DraftTree([0, 1, 3], [-1, 0, 0], [0, 1, 2]), [0.9], weak, step=0.3, forced=1).tokens == [0, 1]
+    assert choose_rows(DraftTree([0, 1, 3], [-1, 0, 0], [0, 1, 2]), [0.9], weak, linear_cost(0.3), forced=1).tokens == [0, 1]
 
 
 def test_forced_rows_are_the_main_chain_only():
     tree = DraftTree([0, 1, 2, 3], [-1, 0, 1, 0], [0, 1, 1, 2])
-    chosen = choose_rows(tree, [0.5, 0.5], RankAcceptance(), step=50.0, forced=10)
+    chosen = choose_rows(tree, [0.5, 0.5], RankAcceptance(), linear_cost(50.0), forced=10)
     assert chosen.tokens == [0, 1, 2]
 
 
 def test_a_row_that_adds_nothing_is_not_taken():
-    assert choose_rows(DraftTree.chain(0, [5]), [0.0], RankAcceptance(), step=0.0).tokens == [0]
+    assert choose_rows(DraftTree.chain(0, [5]), [0.0], RankAcceptance(), linear_cost(0.0)).tokens == [0]
 
 
 def test_a_side_rows_child_is_ordered_no_higher_than_the_side_row():
@@ -308,7 +311,7 @@ def test_a_side_rows_child_is_ordered_no_higher_than_the_side_row():
     #    \- 2 - 3        side (0.9 x 0.9 = 0.81 before the hold), its child 0.81 x 0.9
     tree = DraftTree([0, 1, 2, 3], [-1, 0, 0, 2], [0, 1, 2, 1])
     ranks = RankAcceptance([1000.0], [999.9])
-    chosen = choose_rows(tree, [0.1, 0.9], ranks, step=0.4)
+    chosen = choose_rows(tree, [0.1, 0.9], ranks, linear_cost(0.4))
     # ordered by value alone the child would come first and be chosen alone, without its parent
     assert chosen.tokens == [0, 1, 2, 3] and chosen.parents == [-1, 0, 0, 2]
 
@@ -321,7 +324,7 @@ def test_the_root_holds_no_row_below_its_own_value():
     #    \- 5            rank 3: ~0.0005
     tree = DraftTree([0, 1, 2, 3, 4, 5], [-1, 0, 1, 0, 3, 0], [0, 1, 1, 2, 1, 3])
     ranks = RankAcceptance([100.0, 100.0], [90.0, 0.0])
-    chosen = choose_rows(tree, [0.5, 0.4], ranks, step=0.3)
+    chosen = choose_rows(tree, [0.5, 0.4], ranks, linear_cost(0.3))
     assert chosen.tokens == [0, 1, 3] and chosen.parents == [-1, 0, 0]
 
 
@@ -330,3 +333,43 @@ def test_prompt_lookup_offers_at_most_eight_candidates_by_default():
     context = [token for follower in range(10, 20) for token in (1, follower)] + [1]  # 1 followed by ten tokens
     assert lookup.candidates(context) == list(range(19, 11, -1))
     assert lookup.candidates(context, most=2) == [19, 18]
+
+
+def _wide_tree(depth: int, width: int) -> DraftTree:
+    """A main chain of ``depth`` rows, each with ``width`` - 1 side children (rank 2..): preorder."""
+    tree = DraftTree([0], [-1], [0])
+    main = [0]
+    for _ in range(depth):  # the chain first
+        tree.tokens.append(len(tree.tokens))
+        tree.parents.append(main[-1])
+        tree.ranks.append(1)
+        main.append(len(tree.tokens) - 1)
+    for parent in reversed(main[:-1]):  # each fork's side children after its whole subtree so far
+        for rank in range(2, width + 1):
+            tree.tokens.append(len(tree.tokens))
+            tree.parents.append(parent)
+            tree.ranks.append(rank)
+    check_preorder(tree.parents)
+    return tree
+
+
+def test_the_rule_reads_the_curve_at_every_width():
+    """Sequoia's point: the hardware decides the tree. On a roofline flat up to
+    64 rows the rule verifies far more rows than on a CPU-like line, and a
+    kink in the curve (flat to 8 rows, then steep) stops it near the kink,
+    which a line through widths 1 and 8 cannot see."""
+    tree = _wide_tree(depth=8, width=8)  # 8 + 8 * 7 = 64 draft rows
+    ranks = RankAcceptance([20.0] * 7, [6.0, 3.0, 2.0, 1.0, 1.0, 0.5, 0.5])
+    chain_acceptance = [0.7] * 8
+    flat = BatchCurve((1, 64, 128), (1.0, 1.05, 2.1))
+    line = linear_cost(0.5)  # this CPU: a pass of 8 tokens costs 4.5 one-token passes
+    on_flat = choose_rows(tree, chain_acceptance, ranks, curve_cost(flat))
+    on_line = choose_rows(tree, chain_acceptance, ranks, line)
+    assert len(on_flat.drafts) >= 40 and len(on_line.drafts) <= 4
+    kinked = BatchCurve((1, 8, 16, 64), (1.0, 1.0, 2.0, 8.0))  # flat to 8 tokens, then linear
+    on_kink = choose_rows(tree, chain_acceptance, ranks, curve_cost(kinked))
+    assert 5 <= len(on_kink.drafts) <= 9
+    # the line through widths 1 and 8 of the same curve sees no cost at all and takes every row
+    assert len(choose_rows(tree, chain_acceptance, ranks, linear_cost(0.0)).drafts) == 64
+    # rows fed again before the tree (a refeed) take part of the flat region
+    assert len(choose_rows(tree, chain_acceptance, ranks, curve_cost(kinked, before=4)).drafts) < len(on_kink.drafts)
