@@ -225,19 +225,19 @@ def pipeline_options(what: str):
 
 def speculation_options(overlap: bool):
     """--speculator, --draft, --draft-max, --draft-p-min, --schedule,
-    --tree-leaves (and, with drafter actors, --draft-overlap): written once for
+    --tree-leaves, --draft-sampling (and, with drafter actors, --draft-overlap): written once for
     run and serve, passed to the command as ``speculation``, a SpeculationSettings."""
 
     def decorate(command):
         @functools.wraps(command)
         def wrapper(*args, speculator, draft_path, draft_max, draft_p_min, schedule, tree_leaves, draft_device,
-                    draft_threads, drafter_nodes, draft_overlap=False, **kwargs):
+                    draft_threads, drafter_nodes, draft_sampling, draft_overlap=False, **kwargs):
             from orchestrator.decoding.drafting import SpeculationError, SpeculationSettings
 
             try:
                 speculation = SpeculationSettings(speculator, draft_path, Schedule(schedule), draft_max, draft_p_min,
                                                   draft_overlap, tree_leaves, draft_device, draft_threads,
-                                                  tuple(drafter_nodes))
+                                                  tuple(drafter_nodes), draft_sampling)
             except SpeculationError as error:
                 raise click.UsageError(str(error)) from None
             return command(*args, speculation=speculation, **kwargs)
@@ -267,9 +267,14 @@ def speculation_options(overlap: bool):
                          default=Schedule.ASYNC.value, show_default=True,
                          help="async: draft on machines while their stage is idle, and start windows ahead; sync: "
                               "draft, then verify."),
-            click.option("--tree-leaves", default=1, show_default=True, type=click.IntRange(1, 16),
-                         help="Above 1: prompt lookup drafts token trees of up to this many leaves (other matches' "
-                              "continuations); the rows that pay are verified in one pass. 1: chains."),
+            click.option("--tree-leaves", default=1, show_default=True, type=click.IntRange(1, 64),
+                         help="Above 1: token trees of up to this many leaves, from prompt lookup (other matches' "
+                              "continuations) or the draft model (its most probable continuations, grown best-first); "
+                              "the rows that pay on the measured pass cost are verified in one pass. 1: chains."),
+            click.option("--draft-sampling", type=click.Choice(["coupled", "top"]), default="coupled",
+                         show_default=True,
+                         help="When sampling (--temperature > 0): coupled drafts draw with the target's seeded "
+                              "uniforms, top drafts are the draft's top choices. The text is the same either way."),
         ]
         if overlap:
             options.append(click.option("--draft-overlap", is_flag=True,

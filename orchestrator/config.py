@@ -23,9 +23,14 @@ MAX_TOKENS = 256  # tokens generated after the prompt when not told (orchestrate
 # best other continuations at most (speculators.tree; the rule verifies those that pay).
 BENCH_TREE_LEAVES = 4
 DRAFT_MAX = 8
+# A draft model growing token trees (speculators.model_tree): the KV ids its engine opens branches in
+# (each decoded node that is not its parent's first takes one; about a quarter of a 256-row tree's rows)
+DRAFT_TREE_BRANCHES = 127
 # the pass widths a service times at start (Pipeline.pass_curve): continuous batching reads a pass's
 # cost between them; a memory-bound pass is flat up to some width (about 9 for the emulated 405B), then grows
 PASS_CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+# ... and a run with token trees, whose rule reads the curve as wide as a tree may grow (speculators.tree)
+TREE_CURVE_SIZES = PASS_CURVE_SIZES + (128, 256, 512)
 # Seconds a synchronous draft request waits for drafting to stop by itself (a
 # prompt-lookup token takes microseconds, a small draft model's milliseconds);
 # past it the drafter is taken as stalled and answers with what it has.

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from orchestrator.cluster.connect import ray_session
-from orchestrator.config import MAX_RESTARTS
+from orchestrator.config import MAX_RESTARTS, TREE_CURVE_SIZES
 from orchestrator.cluster.drafters import (DrafterClient, draft_prices, drafter_compute, drafter_nodes,
                                           drafter_settings,
                                           speculator_factory, start_drafters, stop_drafters)
@@ -23,6 +23,8 @@ from orchestrator.cluster.model_files import (RunError, WholeModelSettings, chec
                                               whole_model_stages)
 from speculators.draft_length import PRIOR_STEP, DraftPrices, ask_cost
 from speculators.sampling import SamplingSettings
+from speculators.tree import MAX_TREE_ROWS
+from stages.cost_curve import BatchCurve
 from stages.settings import StageSettings
 from stages.stage_files import check_stage_files
 
@@ -160,19 +162,23 @@ def prompt_tokens(tokenizer: Tokenizer, prompt: str, chat: bool) -> list[int]:
 
 
 def make_drafting(kind: str, drafters: list, schedule: Schedule, draft_max: int, make_speculator,
-                  step: float = PRIOR_STEP, tree_leaves: int = 1, draft_prices: DraftPrices = DraftPrices()) -> Drafting:
+                  step: float = PRIOR_STEP, tree_leaves: int = 1, draft_prices: DraftPrices = DraftPrices(),
+                  pass_curve: BatchCurve | None = None, coupled: bool = True) -> Drafting:
     """The Drafting of a run: prompt lookup is asked before a window in this
     process (no round trip; the actors beside the stages still relay in
     async), a draft model beside stage 0. step: Pipeline.draft_step's.
-    tree_leaves: prompt lookup's trees (a draft model drafts chains).
-    draft_prices: a draft model's (cluster.drafters.draft_prices)."""
+    tree_leaves: the trees' leaves (prompt lookup's other matches, or the
+    draft model's tree grown beside stage 0); pass_curve: the pass timed at
+    every width the trees may take (Pipeline.pass_curve), for their rule.
+    draft_prices: a draft model's (cluster.drafters.draft_prices).
+    coupled: drafters sample with the target's uniforms (--draft-sampling)."""
     from orchestrator.decoding.targets import InstantDrafter
 
     if kind == "ngram":
         return Drafting(drafters, schedule, draft_max, first=InstantDrafter(make_speculator(), draft_max),
-                        call_cost=ask_cost(kind), step=step, tree_leaves=tree_leaves)
-    return Drafting(drafters, schedule, draft_max, call_cost=ask_cost(kind), step=step,
-                    draft_prices=draft_prices)
+                        call_cost=ask_cost(kind), step=step, tree_leaves=tree_leaves, pass_curve=pass_curve)
+    return Drafting(drafters, schedule, draft_max, call_cost=ask_cost(kind), step=step, tree_leaves=tree_leaves,
+                    draft_prices=draft_prices, pass_curve=pass_curve, coupled=coupled)
 
 
 def run_generation(
@@ -265,9 +271,11 @@ def _generate_through(pipeline: Pipeline, settings: RunSettings, prepared, resta
             progress=transfer_progress(on_status, lambda _: "the draft model"),
         )
         pass_seconds, step = pipeline.pass_costs()
+        curve = pipeline.pass_curve(TREE_CURVE_SIZES) if speculation.tree_leaves > 1 else None  # the tree rule's
         drafting = make_drafting(speculation.speculator, drafters, speculation.schedule, speculation.draft_max,
                                  make_speculator, step, speculation.tree_leaves,
-                                 draft_prices(speculation.speculator, pipeline, drafters, tokens, pass_seconds))
+                                 draft_prices(speculation.speculator, pipeline, drafters, tokens, pass_seconds), curve,
+                                 speculation.draft_sampling == "coupled")
     live = GenerationMetrics()
     try:
         generation = generate(
@@ -294,11 +302,15 @@ def _prepare(settings: RunSettings, tokenizer: Tokenizer):
     tokens = prompt_tokens(tokenizer, settings.prompt, settings.chat)
     if not tokens:
         raise RunError("the prompt is empty")
-    drafts = settings.speculation.draft_max if settings.speculation.speculator != "none" else 0
-    if len(tokens) + settings.max_tokens + drafts > settings.stage.n_ctx:
+    speculation = settings.speculation
+    drafts = speculation.draft_max if speculation.drafts else 0
+    # a token tree's rows each hold a KV cell while its pass runs (stages.engine), however shallow the tree
+    cells = MAX_TREE_ROWS if speculation.tree_leaves > 1 else drafts
+    reserve = f" + {cells} cells for a token tree's rows" if speculation.tree_leaves > 1 else f" + --draft-max {drafts}"
+    if len(tokens) + settings.max_tokens + cells > settings.stage.n_ctx:
         raise RunError(
             f"prompt ({len(tokens)} tokens) + --max-tokens {settings.max_tokens}"
-            f"{f' + --draft-max {drafts}' if drafts else ''} exceed the context of "
+            f"{reserve if drafts else ''} exceed the context of "
             f"{settings.stage.n_ctx} tokens; raise --n-ctx or lower --max-tokens"
         )
     if settings.speculation.speculator == "model" and settings.address is None:

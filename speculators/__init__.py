@@ -19,5 +19,7 @@ class Speculator(Protocol):
     the same part): prompt lookup, a draft model. A drafter asks it for one
     token at a time, so drafting stops the moment it is collected."""
 
-    def extend(self, context: list[int]) -> int | None:
-        """The next draft token after context, or None to stop drafting."""
+    def extend(self, context: list[int], sampling=None) -> int | None:
+        """The next draft token after context, or None to stop drafting;
+        sampling (speculators.sampling.SamplingSettings): a draft model's
+        coupled draw (speculators.model_tree); prompt lookup ignores it."""

@@ -1,4 +1,6 @@
-"""Greedy chain drafting with a small GGUF model of the target's vocabulary."""
+"""Drafting with a small GGUF model of the target's vocabulary: chains of its
+argmax (or, when sampling, its coupled draws), and token trees of its most
+probable continuations (speculators.model_tree)."""
 
 from __future__ import annotations
 
@@ -6,6 +8,10 @@ import time
 from collections.abc import Sequence
 
 import numpy as np
+
+from speculators.model_tree import TreeGrowth
+from speculators.sampling import SamplingSettings, choose_token
+from speculators.tree import DraftTree
 
 
 def common_prefix_length(first: Sequence[int], second: Sequence[int]) -> int:
@@ -37,14 +43,16 @@ def draft_gpu_layers(device: str) -> int:
     return 0 if device == "cpu" or not backend.offloads else ALL_LAYERS
 
 
-def load_draft_engine(path: str, *, n_ctx: int = 4096, threads: int = 1, sequences: int = 1, device: str = "auto"):
+def load_draft_engine(path: str, *, n_ctx: int = 4096, threads: int = 1, sequences: int = 1, device: str = "auto",
+                      tree_branches: int = 0):
     """A draft model's engine on ``device`` (draft_gpu_layers), with
-    ``sequences`` KV sequences (one per request it drafts for)."""
+    ``sequences`` KV sequences (one per request it drafts for), or one and
+    ``tree_branches`` KV ids to grow token trees in (speculators.model_tree)."""
     from stages.engine import StageEngine, StageError
     from stages.settings import StageSettings
 
     engine = StageEngine(path, StageSettings(n_ctx=n_ctx, threads=threads, sequences=sequences,
-                                             n_gpu_layers=draft_gpu_layers(device)))
+                                             n_gpu_layers=draft_gpu_layers(device), tree_sequences=tree_branches))
     if engine.stage_count != 1:
         engine.close()
         raise StageError(f"{path}: a draft model must be a whole model, not a stage file")
@@ -61,12 +69,15 @@ class ModelSpeculator:
     others drafted in by its ``sibling``s); ``on(engine, sequence)``
     drafts in one KV sequence of a draft model shared by several requests.
     step_seconds: under an emulated cost curve (stages.cost_curve), the least
-    time one step (one drafted token) takes; 0: as long as it really takes.
+    time one step (one drafted token, or one round of a growing tree) takes;
+    0: as long as it really takes. tree_branches: KV ids for growing token
+    trees (grow_tree; one sequence only).
     """
 
     def __init__(self, path: str, *, p_min: float = 0.0, n_ctx: int = 4096, threads: int = 1,
-                 step_seconds: float = 0.0, device: str = "auto", sequences: int = 1):
-        engine = load_draft_engine(path, n_ctx=n_ctx, threads=threads, device=device, sequences=sequences)
+                 step_seconds: float = 0.0, device: str = "auto", sequences: int = 1, tree_branches: int = 0):
+        engine = load_draft_engine(path, n_ctx=n_ctx, threads=threads, device=device, sequences=sequences,
+                                   tree_branches=tree_branches)
         self._use(engine, 0, p_min, step_seconds)
 
     def sibling(self, sequence: int) -> ModelSpeculator:
@@ -86,15 +97,48 @@ class ModelSpeculator:
         self.step_seconds = step_seconds
         self.cached: list[int] = []  # tokens at positions 0..len-1 of the draft's KV sequence
 
-    def extend(self, context: Sequence[int]) -> int | None:
+    def extend(self, context: Sequence[int], sampling: SamplingSettings | None = None) -> int | None:
+        """The next draft token: the draft's argmax, or with ``sampling`` (not
+        greedy) its coupled draw, sampled with the uniform the target uses at
+        that position (speculators.model_tree says why)."""
         started = time.perf_counter()
-        token = self._next_token(context)
+        logits = self._context_logits(context)
+        token = int(np.argmax(logits))
+        if self.p_min > 0.0:
+            shifted = np.exp(logits.astype(np.float64) - float(logits[token]))
+            if 1.0 / shifted.sum() < self.p_min:  # probability of the argmax
+                token = None
+        if token is not None and sampling is not None and not sampling.greedy:
+            token = choose_token(logits, len(context), sampling)
         rest = self.step_seconds - (time.perf_counter() - started)
         if rest > 0:
             time.sleep(rest)
         return token
 
-    def _next_token(self, context: Sequence[int]) -> int | None:
+    def grow_tree(self, context: Sequence[int], *, rows: int, depth: int, leaves: int,
+                  sampling: SamplingSettings | None = None, seconds: float = 1.0) -> DraftTree:
+        """SpecExec's tree of the draft's most probable continuations of
+        ``context`` (speculators.model_tree): at most ``rows`` rows, ``depth``
+        deep, ``leaves`` leaves, grown for at most ``seconds``. A draft engine
+        without tree ids (one shared by several requests) drafts a chain."""
+        if not self.engine.tree_sequences or self.sequence != 0:
+            drafts: list[int] = []
+            while len(drafts) < min(rows, depth) and (token := self.extend([*context, *drafts], sampling)) is not None:
+                drafts.append(token)
+            return DraftTree.chain(int(context[-1]), drafts)
+        deadline = time.perf_counter() + seconds
+        started = time.perf_counter()
+        growth = TreeGrowth(self.engine, context, self._context_logits(context), sampling, depth, self.step_seconds)
+        rest = self.step_seconds - (time.perf_counter() - started)
+        if rest > 0:
+            time.sleep(rest)
+        growth.grow(rows, deadline)
+        self.cached = [*context, *growth.main_tokens()]
+        return growth.tree(rows, leaves)
+
+    def _context_logits(self, context: Sequence[int]) -> np.ndarray:
+        """The draft's logits after ``context``: its cache rolled back to the
+        common prefix, the rest decoded."""
         keep = min(common_prefix_length(self.cached, context), len(context) - 1)  # always decode the last token
         self.engine.remove(keep, self.sequence)
         del self.cached[keep:]
@@ -105,9 +149,4 @@ class ModelSpeculator:
             positions = np.arange(first, first + len(chunk), dtype=np.int32)
             logits = self.engine.decode(positions, tokens=chunk, sequence=self.sequence)[-1]
         self.cached = list(context)
-        token = int(np.argmax(logits))
-        if self.p_min > 0.0:
-            shifted = np.exp(logits.astype(np.float64) - float(logits[token]))
-            if 1.0 / shifted.sum() < self.p_min:  # probability of the argmax
-                return None
-        return token
+        return logits

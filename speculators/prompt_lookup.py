@@ -20,7 +20,7 @@ class PromptLookupSpeculator:
     max_ngram: int = 3
     min_ngram: int = 2
 
-    def extend(self, context: Sequence[int]) -> int | None:
+    def extend(self, context: Sequence[int], sampling=None) -> int | None:
         """The next draft token after context, or None when no n-gram recurs."""
         for token in self._continuations(context):
             return token

@@ -52,6 +52,47 @@ from stages.cost_curve import BatchCurve
 from stages.tree_shape import TreeError, check_preorder, main_chain_length
 
 
+PassCost = Callable[[int], float]
+"""Draft rows a pass verifies (beside its root) -> what the pass costs, in one-token passes."""
+
+
+def linear_cost(step: float) -> PassCost:
+    """t(n) = 1 + step (n - 1): every row beyond the first costs ``step`` passes."""
+    return lambda rows: 1.0 + step * rows
+
+
+def curve_cost(curve: BatchCurve, before: int = 0) -> PassCost:
+    """The pass's cost read off a measured or emulated curve at its width
+    (``before``: rows the pass carries ahead of the tree, a refeed),
+    relative to a one-token pass."""
+    one = curve.at(1)
+    return lambda rows: curve.at(before + 1 + rows) / one
+
+
+MAX_TREE_ROWS = 511  # a tree's draft rows: with its root, one llama.cpp batch (stages.settings.DEFAULT_BATCH)
+TREE_COST_LIMIT = 2.0  # offered_rows: a drafter grows no more rows than a pass twice a one-token one's can verify
+
+
+@dataclass(frozen=True)
+class TreeAsk:
+    """What a drafter is asked to grow: a tree of at most ``rows`` draft rows and ``leaves`` leaves."""
+
+    rows: int
+    leaves: int
+
+
+def offered_rows(cost: PassCost, least: int, most: int = MAX_TREE_ROWS) -> int:
+    """How many rows a drafter grows a tree to: the widest pass (at least
+    ``least``, the chain's drafts; at most ``most``) that costs no more than
+    TREE_COST_LIMIT one-token passes. Growing costs the draft time, so where
+    rows are dear (this CPU: 2 or 3) the tree is small and the rule takes
+    what pays; where a pass of hundreds costs about one, hundreds."""
+    rows = least
+    while rows < most and cost(rows + 1) <= TREE_COST_LIMIT:
+        rows += 1
+    return rows
+
+
 def walk(tokens: Sequence[int], parents: Sequence[int], logits: np.ndarray, first_position: int,
          sampling: SamplingSettings) -> list[int]:
     """Tokens a tree pass commits (sample and match, speculators.verify):
@@ -265,23 +306,6 @@ def row_values(tree: DraftTree, chain_acceptance: Sequence[float], ranks: RankAc
         values[row] = values[parent] * remaining * share
         declined[parent] = remaining * (1.0 - share)
     return values
-
-
-PassCost = Callable[[int], float]
-"""Draft rows a pass verifies (beside its root) -> what the pass costs, in one-token passes."""
-
-
-def linear_cost(step: float) -> PassCost:
-    """t(n) = 1 + step (n - 1): every row beyond the first costs ``step`` passes."""
-    return lambda rows: 1.0 + step * rows
-
-
-def curve_cost(curve: BatchCurve, before: int = 0) -> PassCost:
-    """The pass's cost read off a measured or emulated curve at its width
-    (``before``: rows the pass carries ahead of the tree, a refeed),
-    relative to a one-token pass."""
-    one = curve.at(1)
-    return lambda rows: curve.at(before + 1 + rows) / one
 
 
 def choose_rows(tree: DraftTree, chain_acceptance: Sequence[float], ranks: RankAcceptance, cost: PassCost,

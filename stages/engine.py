@@ -235,6 +235,38 @@ class StageEngine:
             ctypes.memmove(logits[out_row].ctypes.data, pointer, 4 * self.n_vocab)
         return logits
 
+    def decode_branches(self, positions: np.ndarray, tokens: np.ndarray, branches: np.ndarray) -> np.ndarray:
+        """A draft model growing a token tree (speculators.model.ModelSpeculator.grow_tree):
+        each row in its own branch, a KV id (0, or 1 .. tree_sequences)
+        holding the row's ancestors (``fork`` made it); logits for every row,
+        float32[n_tokens, n_vocab]. Whole models only; the next ``remove``
+        drops every branch but 0."""
+        if not (self.is_first and self.is_last) or not self.tree_sequences:
+            raise StageError(f"{self.path}: growing a tree needs a whole model set up for token trees")
+        self._check(positions, tokens, None)
+        if len(branches) != len(positions) or int(np.min(branches)) < 0 or int(np.max(branches)) > self.tree_sequences:
+            raise StageError(f"tree branches outside 0..{self.tree_sequences}, or not one per row")
+        rows = np.arange(len(positions), dtype=np.int32)
+        batch = self._filled_batch(positions, tokens, None, rows, [[int(branch)] for branch in branches])
+        status = llama_cpp.llama_decode(self._context, batch)
+        if status != 0:
+            raise StageError(f"{self.path}: llama_decode returned {status} growing a tree")
+        logits = np.empty((len(rows), self.n_vocab), dtype=np.float32)
+        for row in rows:
+            ctypes.memmove(logits[row].ctypes.data, llama_cpp.llama_get_logits_ith(self._context, int(row)),
+                           4 * self.n_vocab)
+        return logits
+
+    def fork(self, source: int, destination: int, end: int) -> None:
+        """Make branch ``destination`` (a tree's KV id) hold ``source``'s cells
+        below position ``end``: a new branch of a tree being grown, after a row
+        whose own branch already goes on (one unified stream: the cells are
+        shared, not copied)."""
+        if not 0 < destination <= self.tree_sequences or not 0 <= source <= self.tree_sequences:
+            raise StageError(f"tree branches {source} -> {destination} outside 0..{self.tree_sequences}")
+        llama_cpp.llama_memory_seq_rm(self._memory, destination, -1, -1)
+        llama_cpp.llama_memory_seq_cp(self._memory, source, destination, -1, end)
+
     def _check(self, positions: np.ndarray, tokens: np.ndarray | None, hidden: np.ndarray | None) -> None:
         """A batch llama.cpp can take safely, or a StageError naming what is wrong."""
         n_tokens = len(positions)

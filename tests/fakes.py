@@ -27,7 +27,7 @@ class ScriptedSpeculator:
         self.truth = truth
         self.wrong_positions = wrong_positions
 
-    def extend(self, context):
+    def extend(self, context, sampling=None):
         position = len(context)
         if position >= len(self.truth):
             return None
@@ -43,7 +43,7 @@ class FailingSpeculator(ScriptedSpeculator):
         self.calls = 0
         self.good_calls = good_calls
 
-    def extend(self, context):
+    def extend(self, context, sampling=None):
         self.calls += 1
         if self.calls > self.good_calls:
             self.fail()
@@ -66,7 +66,7 @@ class HangingSpeculator(FailingSpeculator):
 class SlowSpeculator(ScriptedSpeculator):
     """Right, but slow: a drafter that can be killed mid-generation."""
 
-    def extend(self, context):
+    def extend(self, context, sampling=None):
         time.sleep(0.01)
         return super().extend(context)
 
@@ -112,7 +112,7 @@ class TraceLookup:
     def _on_truth(self, context: list[int]) -> bool:
         return context == self.truth[: len(context)]
 
-    def extend(self, context: list[int]) -> int | None:
+    def extend(self, context: list[int], sampling=None) -> int | None:
         if not self._on_truth(context):
             return TraceDrafter.WRONG
         position = len(context) - self.prompt_length

@@ -28,6 +28,7 @@ from orchestrator.config import (
     ACTOR_START_SECONDS,
     CONNECT_SECONDS,
     DRAFT_MAX,
+    DRAFT_TREE_BRANCHES,
     DRAFTER_REPLY_SECONDS,
     DRAFTER_WAIT_SECONDS,
     MAX_RESTARTS,
@@ -37,6 +38,9 @@ from orchestrator.workers.drafter_server import DrafterServer
 from speculators import Speculator
 from speculators.draft_length import DraftPrices
 from orchestrator.transport.messages import CollectDraft, DraftReply, Shutdown, SpeculateFrom
+from speculators.sampling import SamplingSettings
+from speculators.tree import MAX_TREE_ROWS, DraftTree, TreeAsk
+from stages.tree_shape import depths
 
 
 @dataclass(frozen=True)
@@ -143,6 +147,7 @@ class DrafterClient:
         self._epochs: dict[int, int] = {}  # by KV sequence: its latest request's number
         self._speculating: set[int] = set()  # KV sequences asked to draft and not collected since
         self._asked: set[int] = set()  # KV sequences whose collect was sent (ask) and not yet read
+        self._trees: dict[int, tuple[TreeAsk | None, int]] = {}  # by KV sequence: its latest request's tree, root
         self._busy_earlier = 0.0  # drafting seconds of the drafters this one replaced
         self.busy_seconds = 0.0
         self.last_error = ""
@@ -217,15 +222,19 @@ class DrafterClient:
         """This drafter as one request's (its KV sequence ``sequence``): the loop's Drafter."""
         return SequenceDrafter(self, sequence)
 
-    def speculate(self, context: list[int], most: int | None = None, sequence: int = 0) -> None:
+    def speculate(self, context: list[int], most: int | None = None, sequence: int = 0, *,
+                  sampling: SamplingSettings | None = None, tree: TreeAsk | None = None) -> None:
         """Ask the drafter to extend context (committed text + speculation) from
-        now on, by at most ``most`` tokens (None: up to draft_max), in KV sequence ``sequence``."""
+        now on, by at most ``most`` tokens (None: up to draft_max), in KV
+        sequence ``sequence``; sampling, tree: as the loop's Drafter.speculate."""
         self._rejoin()
         if self._sock is None:
             return
         epoch = self._epochs[sequence] = self._epochs.get(sequence, 0) + 1
+        self._trees[sequence] = (tree, int(context[-1]))
         try:
-            wire.send_message(self._sock, SpeculateFrom(epoch, np.asarray(context, dtype=np.int32), most or 0, sequence))
+            wire.send_message(self._sock, SpeculateFrom(epoch, np.asarray(context, dtype=np.int32), most or 0, sequence,
+                                                        tree, sampling))
             self._speculating.add(sequence)
         except OSError as error:
             self._lose(f"send failed: {error}")
@@ -243,9 +252,33 @@ class DrafterClient:
 
     def collect(self, wait: bool = False, sequence: int = 0) -> list[int]:
         """The tokens drafted since the last speculate of ``sequence`` (best effort); [] if none or lost."""
+        reply = self._reply(wait, sequence)
+        return [] if reply is None else reply.tokens.tolist()
+
+    def collect_tree(self, leaves: int, sequence: int = 0) -> DraftTree:
+        """The tree drafted since a speculate that asked for one, once grown
+        (best effort: a chain where the drafter sent one, the root alone if
+        nothing or lost); a reply beyond the tree asked for loses the drafter."""
+        ask, token = self._trees.get(sequence, (None, 0))
+        root = DraftTree([token], [-1], [0])
+        reply = self._reply(True, sequence, ask.rows if ask is not None else None)
+        if reply is None:
+            return root
+        if reply.parents is None:
+            return DraftTree.chain(token, reply.tokens.tolist())
+        tree = DraftTree([token, *reply.tokens.tolist()], reply.parents.tolist(), reply.ranks.tolist())
+        leaf_count = len(tree.parents) - len(set(tree.parents[1:]))
+        if leaf_count > min(leaves, ask.leaves):  # type: ignore[union-attr]
+            self._lose(f"sent a tree of {leaf_count} leaves (asked for {leaves})")
+            return root
+        return tree
+
+    def _reply(self, wait: bool, sequence: int, rows: int | None = None) -> DraftReply | None:
+        """The drafter's checked reply to a collect of ``sequence`` (None: none, or lost);
+        rows: the most draft rows it may carry (None: draft_max)."""
         asked = sequence in self._asked
         if self._sock is None or not (asked or sequence in self._speculating):
-            return []
+            return None
         self._speculating.discard(sequence)
         self._asked.discard(sequence)
         epoch = self._epochs[sequence]
@@ -257,21 +290,28 @@ class DrafterClient:
             self._sock.settimeout(None)
         except (OSError, wire.ConnectionClosed, wire.ProtocolError) as error:
             self._lose(f"no reply: {error or type(error).__name__}")
-            return []
+            return None
         if not isinstance(reply, DraftReply) or reply.epoch != epoch or reply.sequence != sequence:
             self._lose(f"unexpected reply {reply!r:.100}")
-            return []
+            return None
         tokens = reply.tokens
-        if self.draft_max is not None and len(tokens) > self.draft_max:
-            self._lose(f"sent {len(tokens)} draft tokens (at most {self.draft_max})")
-            return []
+        most = rows if rows is not None else self.draft_max
+        if most is not None and len(tokens) > most:
+            self._lose(f"sent {len(tokens)} draft tokens (at most {most})")
+            return None
+        if reply.parents is not None and rows is None:
+            self._lose("sent a tree where a chain was asked for")
+            return None
+        if self.draft_max is not None and reply.parents is not None and int(depths(reply.parents).max()) > self.draft_max:
+            self._lose(f"sent a tree deeper than {self.draft_max}")
+            return None
         if self.n_vocab is not None and len(tokens) and (tokens.min() < 0 or tokens.max() >= self.n_vocab):
             self._lose(f"sent token ids outside the vocabulary of {self.n_vocab}")
-            return []
+            return None
         self.busy_seconds = self._busy_earlier + reply.busy_seconds
         if reply.error:
             self.last_error = reply.error
-        return tokens.tolist()
+        return reply
 
     def close(self) -> None:
         with self._lock:
@@ -296,8 +336,12 @@ class SequenceDrafter:
         self.client = client
         self.sequence = sequence
 
-    def speculate(self, context: list[int], most: int | None = None) -> None:
-        self.client.speculate(context, most, self.sequence)
+    def speculate(self, context: list[int], most: int | None = None, sampling: SamplingSettings | None = None,
+                  tree: TreeAsk | None = None) -> None:
+        self.client.speculate(context, most, self.sequence, sampling=sampling, tree=tree)
+
+    def collect_tree(self, leaves: int) -> DraftTree:
+        return self.client.collect_tree(leaves, self.sequence)
 
     def ask(self) -> None:
         self.client.ask(self.sequence)
@@ -454,10 +498,13 @@ def speculator_factory(settings, tokenizer, stage, sequences: int = 1, spare_con
         return PromptLookupSpeculator
     if settings.speculator == "model":
         check_draft_model(settings.draft_path, tokenizer)
+        trees = settings.tree_leaves > 1 and sequences == 1  # a tree grows in the cells after its one sequence
         return functools.partial(
-            ModelSpeculator, path=settings.draft_path, p_min=settings.draft_p_min, n_ctx=stage.n_ctx + spare_context,
+            ModelSpeculator, path=settings.draft_path, p_min=settings.draft_p_min,
+            n_ctx=stage.n_ctx + spare_context + (MAX_TREE_ROWS if trees else 0),
             threads=settings.draft_threads or stage.threads, device=settings.draft_device, sequences=sequences,
             step_seconds=stage.cost_curve.draft_seconds if stage.cost_curve else 0.0,
+            tree_branches=DRAFT_TREE_BRANCHES if trees else 0,
         )
     return None
 

@@ -16,6 +16,7 @@ from speculators.model import DRAFT_DEVICES
 from stages.cost_curve import BatchCurve
 
 SPECULATORS = ("none", "ngram", "model")
+DRAFT_SAMPLINGS = ("coupled", "top")
 
 
 class SpeculationError(ValueError):
@@ -29,8 +30,13 @@ class SpeculationSettings:
     draft_max: most draft tokens per target pass; draft_p_min: a model draft stops
     below this probability; overlap: draft even while the machine's own stage
     runs (drafter actors only).
-    tree_leaves: above 1, prompt lookup drafts token trees of up to that many
-    leaves (speculators.tree) and every stage holds as many KV ids less one.
+    tree_leaves: above 1, the drafter beside stage 0 drafts token trees of up
+    to that many leaves when awaited (prompt lookup: its other matches; a
+    draft model: its most probable continuations, speculators.model_tree),
+    and every stage holds as many KV ids less one.
+    draft_sampling: when a request samples, "coupled" drafters sample with
+    the target's seeded uniforms, "top" take their top choices (the committed
+    text is the seeded run's either way; only acceptance differs).
     draft_device: where a draft model computes on its machine (cpu, gpu, or
     auto: the GPU where the build has one; speculators.model.draft_gpu_layers);
     draft_threads: its CPU threads (None: the stages' --threads).
@@ -49,6 +55,7 @@ class SpeculationSettings:
     draft_device: str = "auto"
     draft_threads: int | None = None
     drafter_nodes: tuple[str, ...] = ()
+    draft_sampling: str = "coupled"
 
     def __post_init__(self):
         if self.speculator not in SPECULATORS:
@@ -65,8 +72,10 @@ class SpeculationSettings:
             raise SpeculationError(f"--draft-threads must be at least 1, not {self.draft_threads}")
         if self.drafter_nodes and self.speculator != "model":
             raise SpeculationError("--drafter-node needs --speculator model (prompt lookup drafts in the coordinator)")
-        if self.tree_leaves > 1 and self.speculator != "ngram":
-            raise SpeculationError("--tree-leaves needs --speculator ngram (prompt lookup drafts the trees)")
+        if self.tree_leaves > 1 and not self.drafts:
+            raise SpeculationError("--tree-leaves needs a speculator (ngram or model) to draft the trees")
+        if self.draft_sampling not in DRAFT_SAMPLINGS:
+            raise SpeculationError(f"unknown draft sampling {self.draft_sampling!r} (choose {', '.join(DRAFT_SAMPLINGS)})")
 
     @property
     def drafts(self) -> bool:
@@ -105,6 +114,8 @@ class Drafting:
     orchestrator.cluster.drafters.draft_prices; prompt lookup in process: nothing).
     pass_curve: a pass's seconds at several widths (Pipeline.pass_curve),
     which the tree rule reads at every width; None: the line through ``step``.
+    coupled: when a request samples, its drafters sample with the target's
+    seeded uniforms (SpeculationSettings.draft_sampling); else their top choices.
     """
 
     drafters: Sequence[Drafter]
@@ -117,6 +128,7 @@ class Drafting:
     side_row_step: float | None = None
     draft_prices: DraftPrices = DraftPrices()
     pass_curve: BatchCurve | None = None
+    coupled: bool = True
 
     @property
     def drafter_first(self) -> Drafter:

@@ -63,6 +63,7 @@ def sequence_state(sequence: int, prompt_tokens: list[int], max_tokens: int, sam
         sequence, list(prompt_tokens), len(prompt_tokens), max_tokens, drafting.schedule, drafting.draft_max,
         draft_call_cost=drafting.call_cost, draft_step=drafting.step, tree_leaves=drafting.tree_leaves,
         side_row_step=drafting.side_row_step, draft_prices=drafting.draft_prices, pass_curve=drafting.pass_curve,
+        coupled=drafting.coupled,
         **prefill,
     )
 
@@ -162,9 +163,10 @@ class DecodingLoop:
         """The sequences whose next window waits for the drafter beside stage 0 (schedule.drafts_first)."""
         for state in self.scheduler.drafting_first():
             drafter = self.decodings[state.sequence].drafting.drafter_first  # type: ignore[union-attr]
-            drafter.speculate(state.committed, state.drafts_wanted)
-            if state.tree_leaves > 1:
-                state.drafted_tree(drafter.collect_tree(state.tree_leaves))  # type: ignore[attr-defined]
+            tree = state.tree_ask
+            drafter.speculate(state.committed, state.drafts_wanted, sampling=state.draft_sampling, tree=tree)
+            if tree is not None:
+                state.drafted_tree(drafter.collect_tree(tree.leaves))
             else:
                 state.drafted_first(drafter.collect(wait=True))
 
@@ -192,7 +194,7 @@ class DecodingLoop:
                     state.drafted(drafters[handoff.collect].collect())
                 room = state.speculation_room if handoff.start is not None else 0
                 if room > 0:
-                    drafters[handoff.start].speculate(state.text, room)
+                    drafters[handoff.start].speculate(state.text, room, sampling=state.draft_sampling)
         return reply
 
     def _receive_drafting(self, relaying, machines):
@@ -201,7 +203,7 @@ class DecodingLoop:
         chosen = [drafters[self.scheduler.drafter_of(state, len(drafters))] for state, drafters in zip(relaying, machines)]
         for state, drafter in zip(relaying, chosen):
             if (room := state.speculation_room) > 0:
-                drafter.speculate(state.text, room)
+                drafter.speculate(state.text, room, sampling=state.draft_sampling)
         reply = self.target.receive()
         for drafter in chosen:
             drafter.ask()

@@ -81,7 +81,8 @@ from dataclasses import dataclass, field, fields
 
 from speculators.draft_length import DRAFTER_CALL_COST, PRIOR_STEP, DraftPolicy, DraftPrices
 from speculators.sampling import SamplingSettings
-from speculators.tree import DraftTree, PassCost, RankAcceptance, accepted_rows, choose_rows, curve_cost, linear_cost
+from speculators.tree import (DraftTree, PassCost, RankAcceptance, TreeAsk, accepted_rows, choose_rows, curve_cost,
+                              linear_cost, offered_rows, MAX_TREE_ROWS)
 from stages.tree_shape import main_chain_length
 from stages.cost_curve import BatchCurve
 
@@ -331,6 +332,7 @@ class SequenceState:
     tree_leaves: int = 1  # the most leaves a window's token tree may have (1: chains only)
     side_row_step: float | None = None  # what the tree rule prices a side row at (None: the curve, or draft_step)
     pass_curve: BatchCurve | None = None  # a pass's seconds by width, measured (the tree rule reads it at every width)
+    coupled: bool = True  # when sampling, the drafters sample with the target's seeded uniforms (draft_sampling)
     candidates: DraftTree | None = None  # the tree drafted for the next window (drafted_tree)
     ranks: RankAcceptance = field(default_factory=RankAcceptance)  # acceptance by candidate rank at forks
     refeed: int = 0  # committed tokens before the last whose cells the stages dropped: fed again next
@@ -477,6 +479,25 @@ class SequenceState:
         if self.pass_curve is not None:
             return curve_cost(self.pass_curve, self.refeed)
         return linear_cost(self.policy.step)
+
+    @property
+    def draft_sampling(self) -> SamplingSettings | None:
+        """What its drafters sample with: its own sampling when coupled and
+        not greedy (speculators.model_tree), else None (their top choices)."""
+        return self.sampling if self.coupled and self.sampling is not None and not self.sampling.greedy else None
+
+    @property
+    def tree_ask(self) -> TreeAsk | None:
+        """The tree its drafter grows before its next window: as many rows as
+        a pass twice a one-token one's can verify on its curve, each row's
+        growth priced as an awaited draft token (speculators.tree.offered_rows),
+        within one batch beside the tokens fed again; tree_leaves leaves. None: a chain."""
+        if self.tree_leaves == 1:
+            return None
+        cost, grow = self._row_cost(), self.draft_prices.awaited
+        rows = offered_rows(lambda rows: cost(rows) + grow * rows, max(1, self.drafts_wanted),
+                            MAX_TREE_ROWS - self.refeed)
+        return TreeAsk(rows, self.tree_leaves)
 
     def windows_ahead(self, speculative: bool = True) -> list[Window]:
         """Windows to start while one of it is in flight: the prompt's next

@@ -122,9 +122,11 @@ class ServiceSettings:
     draft_max: the most drafts a window carries.
     schedule: sync or async (orchestrator.decoding.schedule), with a speculator.
     stage_count: the target's stages; async drafting relays along them.
-    tree_leaves: above 1, the speculator (prompt lookup) drafts token trees
-    (the stages hold tree_leaves - 1 more KV ids); side_row_step: what the
+    tree_leaves: above 1, the drafter (prompt lookup, or the draft model
+    beside stage 0) drafts token trees (the stages hold tree_leaves - 1 more
+    KV ids; one sequence only); side_row_step: what the
     tree rule prices a side row at (None: as any row; 0: every candidate).
+    coupled: when a request samples, its drafters sample with its seeded uniforms.
     batch_step: what each extra token of a pass costs, in one-token passes,
     as the target measured it (Pipeline.draft_step): the draft policy prices
     longer windows by it, and several requests' windows share a pass where
@@ -151,6 +153,7 @@ class ServiceSettings:
     pass_curve: BatchCurve | None = None
     prefix_sequences: int = 0
     prefix_tokens: int = 0
+    coupled: bool = True
 
     def prefix_cache(self) -> PrefixCache | None:
         if not (self.prefix_sequences and self.prefix_tokens >= PREFIX_BLOCK):
@@ -168,7 +171,8 @@ class ServiceSettings:
         step = PRIOR_STEP if self.batch_step is None else self.batch_step
         if self.drafters is not None:
             return Drafting(self.drafters(sequence), self.schedule, self.draft_max, call_cost=DRAFTER_CALL_COST,
-                            step=step, draft_prices=self.draft_prices)
+                            step=step, draft_prices=self.draft_prices, tree_leaves=self.tree_leaves,
+                            pass_curve=self.pass_curve, coupled=self.coupled)
         if self.speculator is None:
             return None
         speculator = self.speculator(sequence)

@@ -17,7 +17,8 @@ import numpy as np
 from orchestrator.transport.messages import Cancelled, PassResult, TokenChoice
 from orchestrator.decoding.schedule import TargetPass, Window
 from speculators.logprobs import TokenLogprobs, window_logprobs
-from speculators.tree import DraftTree, lookup_tree, verify_rows
+from speculators.sampling import SamplingSettings
+from speculators.tree import DraftTree, TreeAsk, lookup_tree, verify_rows
 from stages.tree_shape import depths
 
 
@@ -110,13 +111,21 @@ def committed_logprobs(reply: PassResult | PassReplies, window: Window, rows: sl
 class Drafter(Protocol):
     """The drafter beside one stage: drafts in the background, best effort, never raises."""
 
-    def speculate(self, context: list[int], most: int | None = None) -> None:
+    def speculate(self, context: list[int], most: int | None = None, sampling: SamplingSettings | None = None,
+                  tree: TreeAsk | None = None) -> None:
         """Go on drafting after ``context`` (committed text + speculation) from
-        now on, by at most ``most`` tokens (None: as many as it may)."""
+        now on, by at most ``most`` tokens (None: as many as it may);
+        sampling: coupled drafting, the draft sampling with the target's
+        seeded uniforms (speculators.model_tree; None: its top choices);
+        tree: grow a token tree (collect_tree), not a chain."""
 
     def collect(self, wait: bool = False) -> list[int]:
         """The tokens drafted since the last speculate ([] if none); with ``wait``,
         first let the drafting stop by itself."""
+
+    def collect_tree(self, leaves: int) -> DraftTree:
+        """The token tree drafted since a speculate asked for one (waiting for
+        it), of at most ``leaves`` leaves; a chain where it drafts none."""
 
     def ask(self) -> None:
         """Ask now for what a collect() (without wait) will return, and stop
@@ -182,7 +191,8 @@ class InPlaceDrafter:
     context: list[int] | None = None
     most: int | None = None
 
-    def speculate(self, context: list[int], most: int | None = None) -> None:
+    def speculate(self, context: list[int], most: int | None = None, sampling: SamplingSettings | None = None,
+                  tree: TreeAsk | None = None) -> None:
         self.context, self.most = list(context), most
 
     def ask(self) -> None:

@@ -420,7 +420,7 @@ class _SimulatedDrafter:
         self.most: int | None = None
         self.tokens: list[int] = []  # what it would draft before stopping by itself
 
-    def speculate(self, context: list[int], most: int | None = None) -> None:
+    def speculate(self, context: list[int], most: int | None = None, sampling=None, tree=None) -> None:
         """Start drafting after ``context`` (the committed text, or it and the speculation)."""
         fresh = len(context) == len(self.state.committed)  # type: ignore[union-attr]
         right = _on_truth(context)

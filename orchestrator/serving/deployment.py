@@ -136,6 +136,7 @@ class Coordinator:
                     tree_leaves=speculation.tree_leaves, batch_step=batch_step, pass_curve=pass_curve,
                     prefix_sequences=settings.stage.prefix_sequences,
                     prefix_tokens=settings.prefix_cache_tokens or 0,
+                    coupled=speculation.draft_sampling == "coupled",
                 ),
                 observer=ServiceMetrics(),
             )

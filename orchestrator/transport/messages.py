@@ -28,6 +28,7 @@ from speculators.grammar import MAX_GRAMMAR_TOKENS
 from stages.settings import MAX_GRAMMAR_BYTES
 from speculators.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
 from speculators.sampling import SamplingSettings
+from speculators.tree import MAX_TREE_ROWS, TreeAsk
 from stages.tree_shape import TreeError, check_preorder
 from stages.errors import SpecpipeError
 
@@ -156,12 +157,6 @@ class TokenChoice:
     def from_wire(cls, header: WireHeader) -> TokenChoice:
         if not isinstance(header, dict):
             raise ProtocolError(f"choice: expected a map, got {type(header).__name__}")
-        temperature, top_p = _number(header, "temperature", "a temperature"), _number(header, "top_p", "a share")
-        if not 0.0 < top_p <= 1.0:
-            raise ProtocolError(f"top_p: expected a number in (0, 1], got {top_p!r:.40}")
-        seed = _integer(header, "seed")
-        if seed >= 2**64:
-            raise ProtocolError("seed: more than 64 bits")
         drafts = _int32_array(header, "drafts")
         top_logprobs = _integer(header, "logprobs", low=-1)
         if top_logprobs > MAX_TOP_LOGPROBS:
@@ -169,9 +164,19 @@ class TokenChoice:
         grammar, generated = _grammar(header)
         return cls(drafts=drafts,  # type: ignore[arg-type]
                    first_position=_integer(header, "first"),
-                   sampling=SamplingSettings(temperature=temperature, top_p=top_p, seed=seed),
+                   sampling=_sampling(header),
                    parents=_tree(header, "parents", len(drafts) + 1),  # type: ignore[arg-type]
                    top_logprobs=top_logprobs, grammar=grammar, generated=generated)
+
+
+def _sampling(header: WireHeader) -> SamplingSettings:
+    temperature, top_p = _number(header, "temperature", "a temperature"), _number(header, "top_p", "a share")
+    if not 0.0 < top_p <= 1.0:
+        raise ProtocolError(f"top_p: expected a number in (0, 1], got {top_p!r:.40}")
+    seed = _integer(header, "seed")
+    if seed >= 2**64:
+        raise ProtocolError("seed: more than 64 bits")
+    return SamplingSettings(temperature=temperature, top_p=top_p, seed=seed)
 
 
 def _grammar(header: WireHeader) -> tuple[str | None, np.ndarray | None]:
@@ -465,10 +470,16 @@ class SpeculateFrom:
 
     epoch: increasing number of the request (per sequence), echoed in the reply.
     context: int32[n_tokens].
-    most: draft at most this many tokens (0: up to the drafter's draft_max).
+    most: draft at most this many tokens (0: up to the drafter's draft_max);
+    for a tree, its depth.
     sequence: the request's KV sequence in the drafter (one per request it drafts for).
+    tree: grow a token tree of at most tree.rows rows and tree.leaves leaves
+    (speculators.model_tree), not a chain; None: a chain.
+    sampling: the request's, for coupled drafting (the draft samples with the
+    target's seeded uniforms); None or greedy: the draft's top choices.
 
-    On the wire: context raw (it can be long), as int32; sequence only when not 0.
+    On the wire: context raw (it can be long), as int32; sequence only when
+    not 0; tree and sampling only when given.
     """
 
     KIND: ClassVar[str] = "speculate"
@@ -477,15 +488,28 @@ class SpeculateFrom:
     context: np.ndarray
     most: int = 0
     sequence: int = 0
+    tree: TreeAsk | None = None
+    sampling: SamplingSettings | None = None
 
     def to_wire(self) -> tuple[WireHeader, np.ndarray | None]:
-        return ({"epoch": self.epoch, "most": self.most, **_sequence_field(self.sequence)},
-                np.ascontiguousarray(self.context, dtype=np.int32))
+        header: WireHeader = {"epoch": self.epoch, "most": self.most, **_sequence_field(self.sequence)}
+        if self.tree is not None:
+            header.update(rows=self.tree.rows, leaves=self.tree.leaves)
+        if self.sampling is not None:
+            header.update(temperature=self.sampling.temperature, top_p=self.sampling.top_p, seed=self.sampling.seed)
+        return header, np.ascontiguousarray(self.context, dtype=np.int32)
 
     @classmethod
     def from_wire(cls, header: WireHeader, array: np.ndarray | None) -> SpeculateFrom:
+        tree = None
+        if "rows" in header:
+            rows, leaves = _integer(header, "rows"), _integer(header, "leaves")
+            if not 1 <= leaves <= rows <= MAX_TREE_ROWS:
+                raise ProtocolError(f"tree: {rows} rows and {leaves} leaves (1 <= leaves <= rows <= {MAX_TREE_ROWS})")
+            tree = TreeAsk(rows, leaves)
         return cls(epoch=_integer(header, "epoch"), context=_array(array, "context", 1, ("<i4",)),
-                   most=_integer(header, "most"), sequence=_sequence(header))
+                   most=_integer(header, "most"), sequence=_sequence(header), tree=tree,
+                   sampling=_sampling(header) if "temperature" in header else None)
 
 
 def _sequence_field(sequence: int) -> WireHeader:
@@ -524,8 +548,12 @@ class DraftReply:
     """Drafter -> coordinator: tokens int32[k] extending the context of ``epoch``
     of KV sequence ``sequence`` (empty when the epoch is stale or drafting
     failed); busy_seconds: drafting time so far, all sequences together.
+    A tree (asked with SpeculateFrom.tree): tokens are its rows after the
+    root, parents int32[k + 1] the rows' parents in preorder (row 0 the
+    root, the context's last token) and ranks int32[k + 1] each row's rank
+    among its siblings (speculators.tree.DraftTree); None for a chain.
 
-    On the wire: tokens in the header.
+    On the wire: tokens (and a tree's parents and ranks) in the header.
     """
 
     KIND: ClassVar[str] = "draft"
@@ -535,20 +563,35 @@ class DraftReply:
     busy_seconds: float
     error: str = ""
     sequence: int = 0
+    parents: np.ndarray | None = None
+    ranks: np.ndarray | None = None
 
     def to_wire(self) -> tuple[WireHeader, np.ndarray | None]:
         header = {"epoch": self.epoch, "tokens": _int32_bytes(self.tokens), "busy": self.busy_seconds, "error": self.error,
                   **_sequence_field(self.sequence)}
+        if self.parents is not None:
+            header.update(parents=_int32_bytes(self.parents), ranks=_int32_bytes(self.ranks))
         return header, None
 
     @classmethod
     def from_wire(cls, header: WireHeader, array: np.ndarray | None) -> DraftReply:
+        tokens = _int32_array(header, "tokens")
+        if len(tokens) > MAX_TREE_ROWS:  # type: ignore[arg-type]
+            raise ProtocolError(f"tokens: {len(tokens)} draft rows (at most {MAX_TREE_ROWS})")  # type: ignore[arg-type]
+        parents = _tree(header, "parents", len(tokens) + 1)  # type: ignore[arg-type]
+        ranks = None
+        if parents is not None:
+            ranks = _int32_array(header, "ranks")
+            if len(ranks) != len(parents) or int(ranks[0]) != 0 or (len(ranks) > 1 and int(ranks[1:].min()) < 1):
+                raise ProtocolError("ranks: one per row, 0 for the root and at least 1 for the others")
         return cls(
             epoch=_integer(header, "epoch"),
-            tokens=_int32_array(header, "tokens"),  # type: ignore[arg-type]
+            tokens=tokens,  # type: ignore[arg-type]
             busy_seconds=_number(header, "busy"),
             error=_text(header, "error")[:2000],
             sequence=_sequence(header),
+            parents=parents,
+            ranks=ranks,
         )
 
 

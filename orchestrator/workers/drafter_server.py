@@ -32,6 +32,9 @@ from speculators import Speculator
 from orchestrator.transport.handshake import HandshakeError, accept_peer, drafter_role
 from orchestrator.config import CONNECT_SECONDS, DRAFTER_WAIT_SECONDS
 from orchestrator.transport.messages import CollectDraft, DraftReply, Shutdown, SpeculateFrom
+from speculators.sampling import SamplingSettings
+from speculators.tree import DraftTree, TreeAsk
+from stages.tree_shape import main_chain_length
 
 
 @dataclass
@@ -46,9 +49,14 @@ class _Request:
     drafting: bool = False  # allowed to draft now
     finished: threading.Event = field(default_factory=threading.Event)  # stopped by itself for this epoch
     error: str = ""
+    sampling: SamplingSettings | None = None  # coupled drafting (SpeculateFrom.sampling)
+    tree_ask: TreeAsk | None = None  # grow a tree (SpeculateFrom.tree), in one go
+    tree: DraftTree | None = None  # the tree grown for this epoch
 
     @property
     def wants(self) -> bool:
+        if self.tree_ask is not None:
+            return self.drafting and self.tree is None
         return self.drafting and len(self.extension) < self.most
 
 
@@ -148,6 +156,7 @@ class DrafterServer:
             request.most = min(message.most or self.draft_max, self.draft_max)
             request.extension = []
             request.error = ""
+            request.sampling, request.tree_ask, request.tree = message.sampling, message.tree, None
             request.drafting = True
             request.finished.clear()
             self._wake.notify_all()
@@ -165,6 +174,11 @@ class DrafterServer:
             tokens = list(request.extension) if current else []
             if current and not self.overlap:
                 request.drafting = False
+            tree = request.tree if current and request.tree_ask is not None else None
+            if tree is not None and not tree.is_chain:
+                return DraftReply(message.epoch, np.asarray(tree.drafts, dtype=np.int32), self.busy_seconds,
+                                  request.error, message.sequence, np.asarray(tree.parents, dtype=np.int32),
+                                  np.asarray(tree.ranks, dtype=np.int32))
             return DraftReply(message.epoch, np.asarray(tokens, dtype=np.int32), self.busy_seconds, request.error,
                               message.sequence)
 
@@ -183,6 +197,37 @@ class DrafterServer:
                 return request
         return None
 
+    def _grow(self, request: _Request, epoch: int, context: list[int], sampling: SamplingSettings | None,
+              ask: TreeAsk, started: float) -> None:
+        """A tree for one request, grown in one go within half the wait a
+        collect allows (speculators.model_tree); a speculator without trees
+        drafts a chain, token by token."""
+        depth = min(request.most, self.draft_max)
+        try:
+            grow = getattr(request.speculator, "grow_tree", None)
+            if grow is not None:
+                tree = grow(context, rows=ask.rows, depth=depth, leaves=ask.leaves, sampling=sampling,
+                            seconds=self.wait_seconds / 2)
+            else:
+                drafts: list[int] = []
+                while len(drafts) < depth and (token := request.speculator.extend(context + drafts, sampling)) is not None:
+                    drafts.append(token)
+                tree = DraftTree.chain(context[-1], drafts)
+            error = ""
+        except Exception as failure:  # a drafter's failure must never stop generation
+            tree, error = DraftTree.chain(context[-1], []), f"{type(failure).__name__}: {failure}"
+        finally:
+            self.busy_seconds += time.perf_counter() - started
+            self._stalled = False
+        self.drafted_tokens += len(tree.drafts)
+        with self._lock:
+            if epoch != request.epoch or not request.drafting:
+                return  # the text moved on while it grew
+            request.tree, request.error = tree, error
+            request.extension = tree.drafts[: main_chain_length(tree.parents) - 1]
+            request.drafting = False
+            request.finished.set()
+
     def _draft_loop(self) -> None:
         while True:
             with self._lock:
@@ -194,9 +239,13 @@ class DrafterServer:
                     return
                 epoch = request.epoch
                 context = request.context + request.extension
+                sampling, tree_ask = request.sampling, request.tree_ask
             started = time.perf_counter()
+            if tree_ask is not None:
+                self._grow(request, epoch, context, sampling, tree_ask, started)
+                continue
             try:
-                token = request.speculator.extend(context)
+                token = request.speculator.extend(context, sampling)
                 error = ""
             except Exception as failure:  # a drafter's failure must never stop generation
                 token, error = None, f"{type(failure).__name__}: {failure}"

@@ -11,7 +11,9 @@ from conftest import orchestrate
 @pytest.mark.parametrize("arguments, message", [
     (["--prompt", "a", "--prompt-file", __file__], "Error: give --prompt or --prompt-file, not both"),
     (["--max-tokens", "0"], "Error: Invalid value for '--max-tokens': 0 is not in the range x>=1."),
-    (["--tree-leaves", "4"], "Error: --tree-leaves needs --speculator ngram (prompt lookup drafts the trees)"),
+    (["--tree-leaves", "4"], "Error: --tree-leaves needs a speculator (ngram or model) to draft the trees"),
+    (["--speculator", "ngram", "--draft-sampling", "best"],
+     "Error: Invalid value for '--draft-sampling': 'best' is not one of 'coupled', 'top'."),
 ])
 def test_a_usage_error_is_one_error_line_after_clicks_usage_hint(arguments, message):
     """Click's usage errors: exit status 2, the usage and help hint, then one

@@ -62,7 +62,7 @@ class GatedSpeculator:
         self.permits = threading.Semaphore(0)
         self.contexts: list[list[int]] = []
 
-    def extend(self, context):
+    def extend(self, context, sampling=None):
         self.contexts.append(list(context))
         assert self.permits.acquire(timeout=LIVENESS_SECONDS), "never released"
         return TRUTH[len(context)]
@@ -142,7 +142,7 @@ class PrefillingSpeculator(fakes.ScriptedSpeculator):
         super().__init__(truth, set())
         self.seen = 0
 
-    def extend(self, context):
+    def extend(self, context, sampling=None):
         time.sleep(self.STEP if len(context) == self.seen + 1 else self.PREFILL)
         self.seen = len(context)
         return super().extend(context)

@@ -305,9 +305,9 @@ def test_relayed_drafters_are_never_asked_past_the_tokens_a_request_may_still_pr
     class Asked(TraceDrafter):
         asks: list[tuple[int, int | None]] = []
 
-        def speculate(self, context, most=None):
+        def speculate(self, context, most=None, sampling=None, tree=None):
             self.asks.append((len(context), most))
-            super().speculate(context, most)
+            super().speculate(context, most, sampling, tree)
 
     trace, prompt, max_tokens = DraftTrace.from_text(TRACES[0]), [5, 6, 7, 5, 6], 12
     truth = prompt + [10 + position for position in range(trace.end)] + [END_TOKEN]

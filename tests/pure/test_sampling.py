@@ -91,3 +91,18 @@ def test_tied_tokens_at_the_edge_of_the_nucleus_are_kept_lowest_id_first():
     kept_tied = kept[tied]
     assert 0 < kept_tied.sum() < len(tied), "the nucleus must end inside the tied group"
     assert kept_tied.tolist() == sorted(kept_tied.tolist(), reverse=True)  # lowest ids first
+
+
+def test_close_distributions_draw_the_same_token_with_the_same_noise():
+    """Coupling: a draft whose distribution is close to the target's draws the
+    target's token at most positions with the seeded noise of that position,
+    far more often than with another position's (independent draws)."""
+    rng = np.random.default_rng(4)
+    target = rng.normal(size=(200, 500)).astype(np.float32) * 3
+    draft = target + rng.normal(size=target.shape).astype(np.float32) * 0.3
+    settings = SamplingSettings(temperature=1.0, seed=9)
+    same = np.mean([choose_token(target[row], row, settings) == choose_token(draft[row], row, settings)
+                    for row in range(200)])
+    other = np.mean([choose_token(target[row], row, settings) == choose_token(draft[row], row + 1000, settings)
+                     for row in range(200)])
+    assert same > 0.6 and other < 0.3, (same, other)
