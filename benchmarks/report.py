@@ -40,7 +40,7 @@ def markdown(results: dict) -> str:
                      if row.get("tree_passes") else "-")
             lines.append(
                 f"| {row['mode']} | {rate['median']:.1f} [{rate['min']:.1f}-{rate['max']:.1f}] "
-                f"| {row['time_to_first_token_ms']:.0f} | {row['ratio_to_pipeline']:.2f} | {row['ratio_to_whole']:.2f} "
+                f"| {row['time_to_first_token_ms']:.0f} | {row['ratio_to_pipeline']:.2f} | {_number(row['ratio_to_whole'])} "
                 f"| {_number(row['target_passes_per_token'])} | {acceptance} | {_number(row.get('committed_per_pass'))} "
                 f"| {trees} | {lengths} | {busy} "
                 f"| {_number(row['drafter_busy_fraction'], 3)} | {identical} |"

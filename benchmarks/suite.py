@@ -10,10 +10,19 @@ order within each repetition after one warm-up run each:
 * pipeline: the plain split pipeline;
 * spec-sync-KIND, spec-async-KIND: the pipeline with speculation, per kind;
 * spec-sync-ngram-tree, spec-async-ngram-tree: prompt lookup drafting token
-  trees (speculators.tree; up to BENCH_TREE_LEAVES leaves), the rows that pay
+  trees (speculators.tree; up to the scenario's tree_leaves leaves), the rows that pay
   verified; spec-sync-ngram-tree-all: every candidate side row verified,
   whatever it costs (the same chains; what a tree adds per pass where rows
-  are nearly free, and what the rule saves where they are not).
+  are nearly free, and what the rule saves where they are not);
+* spec-sync-model-tree, spec-async-model-tree: the draft model growing
+  trees best-first (speculators.model_tree), sized on the pass curve
+  measured at every width a tree may take (Pipeline.pass_curve);
+* in a scenario that samples (``temperature`` above 0, ``seed``): the
+  draft model drafts coupled (speculators.model_tree), and
+  spec-sync-model-top, spec-sync-model-tree-top draft its top choices
+  instead, for comparison; the whole model and llama.cpp's tools (greedy
+  only) do not run, and every mode's tokens are compared with the
+  pipeline's (the seeded run without speculation).
 
 When a scenario has tree modes, every stage holds the tree's extra KV ids
 (stages.engine: one unified stream) in every mode, so the modes share one
@@ -45,7 +54,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator.config import BENCH_CONTEXT, BENCH_TREE_LEAVES, DRAFT_MAX
+from orchestrator.config import BENCH_CONTEXT, BENCH_TREE_LEAVES, DRAFT_MAX, TREE_CURVE_SIZES
+from speculators.sampling import SamplingSettings
 from orchestrator.planning.against_bench import parse_mode
 from orchestrator.decoding.schedule import Schedule, SpeculationStats
 from stages.errors import SpecpipeError
@@ -65,10 +75,14 @@ def peer_modes(scenario: Scenario) -> list[str]:
     return ["cpp-whole"] + ["cpp-rpc-split"] * (scenario.stages == 2) + ["cpp-lookup"] * ("ngram" in scenario.speculators)
 
 
-def speculative_modes(kinds: tuple[str, ...]) -> list[str]:
+def speculative_modes(kinds: tuple[str, ...], sampled: bool = False) -> list[str]:
     modes = [f"spec-{schedule.value}-{kind}" for kind in kinds for schedule in (Schedule.SYNC, Schedule.ASYNC)]
     if "ngram" in kinds:
         modes += ["spec-sync-ngram-tree", "spec-async-ngram-tree", "spec-sync-ngram-tree-all"]
+    if "model" in kinds:
+        modes += ["spec-sync-model-tree", "spec-async-model-tree"]
+        if sampled:
+            modes += ["spec-sync-model-top", "spec-sync-model-tree-top"]
     return modes
 
 
@@ -92,6 +106,14 @@ class Scenario:
     repetitions: int
     quick: bool
     prompts: tuple[str, ...]
+    temperature: float = 0.0
+    seed: int = 0
+    tree_leaves: int = BENCH_TREE_LEAVES
+    draft_max: int = DRAFT_MAX
+
+    @property
+    def sampled(self) -> bool:
+        return self.temperature > 0.0
 
     def quick_version(self) -> Scenario:
         return Scenario(**{**self.__dict__, "repetitions": QUICK_REPETITIONS,
@@ -104,7 +126,7 @@ def load_scenario(path: Path) -> Scenario:
     except (OSError, tomllib.TOMLDecodeError) as error:
         raise ScenarioError(f"{path}: {error}") from None
     known = {"name", "description", "model", "stages", "boundaries", "speculators", "draft", "chat", "max_tokens",
-             "repetitions", "quick", "prompts"}
+             "repetitions", "quick", "prompts", "temperature", "seed", "tree_leaves", "draft_max"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ScenarioError(f"{path}: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
@@ -114,6 +136,9 @@ def load_scenario(path: Path) -> Scenario:
     bad = [kind for kind in kinds if kind not in SPECULATOR_KINDS]
     if bad:
         raise ScenarioError(f"{path}: unknown speculator {bad[0]!r} (choose from {', '.join(SPECULATOR_KINDS)})")
+    if not 0.0 <= float(data.get("temperature", 0.0)) <= 10.0 or not 1 <= int(data.get("tree_leaves", 4)) <= 64 \
+            or not 1 <= int(data.get("draft_max", DRAFT_MAX)) <= 64:
+        raise ScenarioError(f"{path}: temperature must be in [0, 10], tree_leaves and draft_max in 1..64")
     boundaries = data.get("boundaries")
     try:
         return Scenario(
@@ -129,6 +154,10 @@ def load_scenario(path: Path) -> Scenario:
             repetitions=int(data.get("repetitions", 3)),
             quick=bool(data.get("quick", False)),
             prompts=tuple(data["prompts"]),
+            temperature=float(data.get("temperature", 0.0)),
+            seed=int(data.get("seed", 0)),
+            tree_leaves=int(data.get("tree_leaves", BENCH_TREE_LEAVES)),
+            draft_max=int(data.get("draft_max", DRAFT_MAX)),
         )
     except (TypeError, ValueError) as error:
         raise ScenarioError(f"{path}: {error}") from None
@@ -210,7 +239,6 @@ def run_scenario(
     from benchmarks.side_by_side import draft_steps
     from orchestrator.decoding.loop import generate
     from orchestrator.cluster.pipeline import Pipeline
-    from speculators.sampling import SamplingSettings
     from orchestrator.decoding.drafting import SpeculationSettings
     from orchestrator.cluster.drafters import draft_prices, speculator_factory, stop_drafters
     from orchestrator.run import make_drafting
@@ -219,15 +247,17 @@ def run_scenario(
     from stages.gguf_file import stage_info_of
 
     model, stage_paths = _stage_paths(scenario, workdir)
-    trees = "ngram" in scenario.speculators
-    settings = StageSettings(n_ctx=BENCH_CONTEXT, threads=1, tree_sequences=BENCH_TREE_LEAVES - 1 if trees else 0,
+    modes = (["pipeline"] if scenario.sampled else ["whole", "whole-lookup", "pipeline"]) \
+        + speculative_modes(scenario.speculators, scenario.sampled) + ([] if scenario.sampled else peer_modes(scenario))
+    trees = any("-tree" in mode for mode in modes)
+    settings = StageSettings(n_ctx=BENCH_CONTEXT, threads=1, tree_sequences=scenario.tree_leaves - 1 if trees else 0,
                              cost_curve=cost_curve)
+    sampling = SamplingSettings(temperature=scenario.temperature, seed=scenario.seed)
     tokenizer = Tokenizer(stage_paths[0])
     prompts = prompts_of(tokenizer, scenario)
     whole = WholeModel(model)
     whole_lookup = WholeModel(model, prompt_lookup_tokens=DRAFT_MAX)
     draft = draft_of(scenario, model, workdir)
-    modes = ["whole", "whole-lookup", "pipeline"] + speculative_modes(scenario.speculators) + peer_modes(scenario)
     runs: list[Run] = []
     total = scenario.repetitions * len(prompts) * len(modes)
     texts = {tuple(prompt): tokenizer.chat_text([{"role": "user", "content": text}]) if scenario.chat else text
@@ -241,10 +271,11 @@ def run_scenario(
             remote = stage_info_of(stage_paths[-1]).block_count if "cpp-rpc-split" in modes else None
             peer_ports = peers_running.enter_context(servers(model, remote, folder, BENCH_CONTEXT))
             lengths = {tuple(prompt): max(1, len(whole.greedy(prompt, scenario.max_tokens).tokens)) for prompt in prompts}
-        speculators = {kind: speculator_factory(SpeculationSettings(kind, draft if kind == "model" else None),
+        speculators = {kind: speculator_factory(SpeculationSettings(kind, draft if kind == "model" else None,
+                                                                    tree_leaves=scenario.tree_leaves if trees else 1),
                                                 tokenizer, settings)
                        for kind in scenario.speculators}
-        drafters = start_kinds(pipeline, speculators)
+        drafters = start_kinds(pipeline, speculators, scenario.draft_max)
         try:
             def run_mode(mode: str, prompt: list[int], max_tokens: int) -> Run:
                 if mode in ("whole", "whole-lookup"):
@@ -256,15 +287,17 @@ def run_scenario(
                 clients = []
                 if mode.startswith("spec-"):
                     schedule, kind, tree = parse_mode(mode)
-                    drafting = make_drafting(kind, drafters[kind], Schedule(schedule), DRAFT_MAX, speculators[kind],
-                                             steps[schedule == "async"], BENCH_TREE_LEAVES if tree else 1, prices[kind])
+                    drafting = make_drafting(kind, drafters[kind], Schedule(schedule), scenario.draft_max,
+                                             speculators[kind], steps[schedule == "async"],
+                                             scenario.tree_leaves if tree else 1, prices[kind],
+                                             tree_curve if tree else None, not mode.endswith("-top"))
                     if tree == "tree-all":  # side rows priced at nothing: every candidate is verified
                         drafting = dataclasses.replace(drafting, side_row_step=0.0)
                     clients = drafters[kind]
                 # stages sharing this machine: one core while one pass runs at a time, else a core each
                 pipeline.pin_stages(overlapping=mode.startswith("spec-async"))
                 busy_before = sum(client.busy_seconds for client in clients)
-                result = generate(pipeline, prompt, max_tokens, SamplingSettings(), tokenizer.is_end, drafting=drafting)
+                result = generate(pipeline, prompt, max_tokens, sampling, tokenizer.is_end, drafting=drafting)
                 return Run(
                     mode, 0, 0, result.tokens, result.tokens_per_second, result.prefill_seconds, result.seconds,
                     result.passes, result.speculation, list(result.stage_seconds),
@@ -289,6 +322,8 @@ def run_scenario(
             pipeline.pin_stages(overlapping=False)
             # what drafting a token costs, in one-token passes, as a run measures it
             pass_seconds = pipeline.pass_costs()[0]
+            # the tree rule's curve, at every width a tree may take (as a run with --tree-leaves measures it)
+            tree_curve = pipeline.pass_curve(TREE_CURVE_SIZES) if trees else None
             prices = {kind: draft_prices(kind, pipeline, clients, prompts[0], pass_seconds)
                       for kind, clients in drafters.items()}
             for mode in modes:  # warm-up
@@ -312,33 +347,43 @@ def run_scenario(
         finally:
             for clients in drafters.values():
                 stop_drafters(clients)
-    references = {(run.repetition, run.prompt_index): run.tokens for run in runs if run.mode == "whole"}
+    references = {(run.repetition, run.prompt_index): run.tokens for run in runs if run.mode == reference_mode(scenario)}
     for run in runs:
         if run.mode == "cpp-lookup":  # its text must begin with the reference's
             reference_text = b"".join(tokenizer.piece(token) for token in references[(run.repetition, run.prompt_index)])
             run.identical = run.text is not None and run.text.startswith(reference_text.decode(errors="replace"))
     summary = summarise(scenario, modes, runs, len(stage_paths), hop_seconds, memory)
+    summary.update(temperature=scenario.temperature, seed=scenario.seed, tree_leaves=scenario.tree_leaves)
+    if tree_curve is not None:  # the widths the tree rule read, in one-token passes
+        summary["tree_curve"] = {str(size): tree_curve.at(size) / tree_curve.at(1) for size in tree_curve.sizes}
     summary["stage_starts"] = [stage_info_of(path).first_block for path in stage_paths]
-    summary["draft_max"] = DRAFT_MAX
+    summary["draft_max"] = scenario.draft_max
     summary["draft_step"] = {"sync": steps[False], "async": steps[True]}  # the draft policy's measured batch cost
     # per kind: what drafting a token costs, awaited and relayed, in one-token passes
     summary["draft_prices"] = {kind: {"awaited": price.awaited, "relayed": price.relayed} for kind, price in prices.items()}
     summary["draft_traces"] = draft_traces(scenario, prompts, runs)
-    if "model" in scenario.speculators:  # the draft's per-token acceptance along the whole model's greedy text
+    if "model" in scenario.speculators:  # the draft's per-token acceptance along the reference's text
         from benchmarks.drafts import agreement
 
-        outputs = {run.prompt_index: run.tokens for run in runs if run.mode == "whole" and run.repetition == 0}
+        outputs = {run.prompt_index: run.tokens for run in runs
+                   if run.mode == reference_mode(scenario) and run.repetition == 0}
         summary["draft"] = {"path": draft, "agreement": agreement(draft, [(prompt, outputs[index])
                                                                            for index, prompt in enumerate(prompts)])}
     return summary
 
 
-def start_kinds(pipeline, speculators: dict) -> dict:
+def start_kinds(pipeline, speculators: dict, draft_max: int = DRAFT_MAX) -> dict:
     """A set of drafters beside the stages for each speculator kind, named apart by kind."""
     from orchestrator.cluster.drafters import DrafterSettings, start_drafters
 
-    return {kind: start_drafters(pipeline, make, DrafterSettings(draft_max=DRAFT_MAX), kind=kind)
+    return {kind: start_drafters(pipeline, make, DrafterSettings(draft_max=draft_max), kind=kind)
             for kind, make in speculators.items()}
+
+
+def reference_mode(scenario: Scenario) -> str:
+    """The mode every other's tokens must equal: the whole model (greedy), or
+    in a sampled scenario the pipeline without speculation (the seeded run)."""
+    return "pipeline" if scenario.sampled else "whole"
 
 
 def draft_traces(scenario: Scenario, prompts: list[list[int]], runs: list[Run]) -> dict[str, list[str]]:
@@ -351,7 +396,8 @@ def draft_traces(scenario: Scenario, prompts: list[list[int]], runs: list[Run]) 
 
     if "ngram" not in scenario.speculators:
         return {}
-    outputs = {run.prompt_index: run.tokens for run in runs if run.mode == "whole" and run.repetition == 0}
+    outputs = {run.prompt_index: run.tokens for run in runs
+               if run.mode == reference_mode(scenario) and run.repetition == 0}
     lookup = PromptLookupSpeculator()
     return {"ngram": [DraftTrace.replay(lookup.extend, prompt, outputs[index], lookup.candidates).as_text()
                       for index, prompt in enumerate(prompts)]}
@@ -384,7 +430,7 @@ def draft_behaviour(stats: SpeculationStats) -> dict[str, float | None]:
 def summarise(scenario: Scenario, modes: list[str], runs: list[Run], stage_count: int, hop_seconds: float,
               memory: dict[str, float | None]) -> dict:
     """Per-mode figures; ratios are taken per (repetition, prompt) pair, then the median."""
-    reference = {(run.repetition, run.prompt_index): run for run in runs if run.mode == "whole"}
+    reference = {(run.repetition, run.prompt_index): run for run in runs if run.mode == reference_mode(scenario)}
     by_pair = {(run.mode, run.repetition, run.prompt_index): run for run in runs}
     rows = []
     for mode in modes:
@@ -407,7 +453,7 @@ def summarise(scenario: Scenario, modes: list[str], runs: list[Run], stage_count
             "tokens_per_second": {"median": _median(rates), "min": min(rates), "max": max(rates)},
             "time_to_first_token_ms": _median([run.first_token_seconds * 1e3 for run in mode_runs]),
             "ratio_to_pipeline": ratio_to("pipeline"),
-            "ratio_to_whole": ratio_to("whole"),
+            "ratio_to_whole": None if scenario.sampled else ratio_to("whole"),
             "identical": all(run.identical if run.identical is not None
                              else run.tokens == reference[(run.repetition, run.prompt_index)].tokens for run in mode_runs),
             "target_passes_per_token": sum(run.passes for run in mode_runs) / tokens if pipelined and tokens else None,

@@ -72,8 +72,9 @@ class ModePrediction:
 
 
 def parse_mode(mode: str) -> tuple[str, str, str]:
-    """A speculative bench mode's (benchmarks.suite) schedule, speculator kind and tree variant ("", "tree", "tree-all")."""
-    _, schedule, kind = mode.split("-", 2)
+    """A speculative bench mode's (benchmarks.suite) schedule, speculator kind and tree variant ("", "tree", "tree-all");
+    a "-top" ending (a draft model's top choices where a sampled scenario's modes draft coupled) is dropped."""
+    _, schedule, kind = mode.removesuffix("-top").split("-", 2)
     for tree in ("tree-all", "tree"):
         if kind.endswith(f"-{tree}"):
             return schedule, kind[: -len(tree) - 1], tree

@@ -32,7 +32,9 @@ from orchestrator.planning.inputs import PlanError, Setup
 from orchestrator.planning.loaders import load_setup
 from stages.cost_curve import BatchCurve, CostCurve, StageCurve
 
-ROOFLINE_SIZES = tuple(range(1, 65))  # a roofline's kink lies anywhere: every width of a pass up to 64
+# a roofline's kink lies anywhere: every width of a pass up to 64, then wider passes (an offloading machine's
+# kink lies near a thousand tokens: SpecExec's regime) up to what one llama.cpp batch holds
+ROOFLINE_SIZES = tuple(range(1, 65)) + (96, 128, 192, 256, 384, 512)
 
 
 def load_cost_curve(spec: str) -> CostCurve:

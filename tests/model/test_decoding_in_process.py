@@ -44,7 +44,8 @@ def test_every_schedule_gives_the_whole_models_greedy_tokens(chain, reference, i
 
 def test_seeded_sampling_is_the_same_with_and_without_speculation(chain, reference):
     tokens = reference.tokenize(COPY)
-    sampling = SamplingSettings(temperature=0.8, top_p=0.95, seed=3)
+    # a seed whose draw follows the copy for a while: drafts are accepted
+    sampling = SamplingSettings(temperature=0.8, top_p=0.95, seed=6)
     plain = generate(chain, tokens, 32, sampling, lambda token: False).tokens
     drafting = Drafting([InstantDrafter(PromptLookupSpeculator(), 6) for _ in chain.engines], Schedule.ASYNC, 6)
     speculative = generate(chain, tokens, 32, sampling, lambda token: False, drafting=drafting)

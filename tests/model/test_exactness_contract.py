@@ -64,8 +64,9 @@ def whole(smollm2):
 @pytest.fixture(scope="module", params=["greedy", "seeded"])
 def recorded(request, stages, reference):
     """A run on the first forking prompt, greedy or seeded: (sampling, events, committed, verified windows)."""
+    # seed 3: a draw whose run has trees and chains (seeds differ in how often lookup matches it)
     sampling = SamplingSettings() if request.param == "greedy" else SamplingSettings(temperature=0.8, top_p=0.95,
-                                                                                      seed=5)
+                                                                                      seed=3)
     return record(stages, reference.tokenize(FORKING[0]), sampling)
 
 
