@@ -23,7 +23,6 @@ from orchestrator.cluster.model_files import (RunError, WholeModelSettings, chec
                                               whole_model_stages)
 from speculators.draft_length import PRIOR_STEP, DraftPrices, ask_cost
 from speculators.sampling import SamplingSettings
-from speculators.tree import MAX_TREE_ROWS
 from stages.cost_curve import BatchCurve
 from stages.settings import StageSettings
 from stages.stage_files import check_stage_files
@@ -303,14 +302,12 @@ def _prepare(settings: RunSettings, tokenizer: Tokenizer):
     if not tokens:
         raise RunError("the prompt is empty")
     speculation = settings.speculation
-    drafts = speculation.draft_max if speculation.drafts else 0
-    # a token tree's rows each hold a KV cell while its pass runs (stages.engine), however shallow the tree
-    cells = MAX_TREE_ROWS if speculation.tree_leaves > 1 else drafts
-    reserve = f" + {cells} cells for a token tree's rows" if speculation.tree_leaves > 1 else f" + --draft-max {drafts}"
+    cells = speculation.draft_room  # a token tree's rows each hold a KV cell while its pass runs, however shallow
+    reserve = f" + {cells} cells for a token tree's rows" if speculation.tree_leaves > 1 else f" + --draft-max {cells}"
     if len(tokens) + settings.max_tokens + cells > settings.stage.n_ctx:
         raise RunError(
             f"prompt ({len(tokens)} tokens) + --max-tokens {settings.max_tokens}"
-            f"{reserve if drafts else ''} exceed the context of "
+            f"{reserve if cells else ''} exceed the context of "
             f"{settings.stage.n_ctx} tokens; raise --n-ctx or lower --max-tokens"
         )
     if settings.speculation.speculator == "model" and settings.address is None:

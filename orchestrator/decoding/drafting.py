@@ -13,10 +13,18 @@ from orchestrator.decoding.schedule import Schedule
 from orchestrator.decoding.targets import Drafter
 from speculators.draft_length import DRAFTER_CALL_COST, PRIOR_STEP, DraftPrices
 from speculators.model import DRAFT_DEVICES
+from speculators.tree import MAX_TREE_ROWS
 from stages.cost_curve import BatchCurve
 
 SPECULATORS = ("none", "ngram", "model")
 DRAFT_SAMPLINGS = ("coupled", "top")
+
+
+def draft_cells(draft_max: int, tree_leaves: int) -> int:
+    """KV cells a window of drafts may take beyond the generated tokens:
+    draft_max, or with trees a tree's most rows (each holds a cell while its
+    pass runs, however shallow the tree)."""
+    return MAX_TREE_ROWS if tree_leaves > 1 else draft_max
 
 
 class SpeculationError(ValueError):
@@ -88,8 +96,9 @@ class SpeculationSettings:
 
     @property
     def draft_room(self) -> int:
-        """Positions a window of drafts may take beyond the generated tokens."""
-        return self.draft_max if self.drafts else 0
+        """KV cells a window of drafts may take beyond the generated tokens:
+        draft_max, or a token tree's most rows (each holds a cell while its pass runs)."""
+        return draft_cells(self.draft_max, self.tree_leaves) if self.drafts else 0
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from orchestrator.decoding.drafting import Drafting
+from orchestrator.decoding.drafting import Drafting, draft_cells
 
 from orchestrator.decoding.loop import Decoding, DecodingLoop, Listener, sequence_state
 from orchestrator.decoding.prefix_cache import PREFIX_BLOCK, PrefixCache, PrefixHit, common_prefix
@@ -163,6 +163,11 @@ class ServiceSettings:
     @property
     def drafts(self) -> bool:
         return self.speculator is not None or self.drafters is not None
+
+    @property
+    def draft_room(self) -> int:
+        """KV cells a window of drafts may take beyond the generated tokens (drafting.draft_cells)."""
+        return draft_cells(self.draft_max, self.tree_leaves) if self.drafts else 0
 
     def drafting(self, sequence: int) -> Drafting | None:
         """How the request in KV sequence ``sequence`` drafts: its drafters
@@ -293,7 +298,7 @@ class Service:
             return number
 
     def _check(self, request: ServiceRequest) -> None:
-        needed = len(request.prompt_tokens) + request.max_tokens + (self.settings.draft_max if self.settings.drafts else 0)
+        needed = len(request.prompt_tokens) + request.max_tokens + self.settings.draft_room
         if not request.prompt_tokens:
             raise ServiceError("the prompt is empty")
         if request.max_tokens < 1:

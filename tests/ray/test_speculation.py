@@ -30,7 +30,7 @@ REWRITE = (
     "and lit the great lamp for the passing ships."
 )
 OPEN = "Tell me about the moon."
-SAMPLING = SamplingSettings(temperature=0.8, top_p=0.95, seed=7)
+SAMPLING = SamplingSettings(temperature=0.8, top_p=0.95, seed=8)  # a draw that copies the rewrite for a while
 GREEDY = SamplingSettings()
 MAX_TOKENS = 40
 
