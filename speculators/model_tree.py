@@ -3,9 +3,11 @@ probable continuations, not one chain.
 
 The tree starts at the last token of the context (its root) and grows by
 rounds. Each round takes the most probable nodes not yet expanded (by the
-draft's cumulative probability along their path), decodes up to
-``EXPAND_BATCH`` of them in one draft pass, and adds each one's ``TOP_K``
-most probable next tokens as its children. It stops when the tree holds
+draft's cumulative probability along their path), decodes a batch of them
+in one draft pass, and adds each one's ``TOP_K`` most probable next tokens
+as its children. The batch is a quarter of the rows asked for, 1 to
+``EXPAND_BATCH``: a small tree expands few nodes a round, since where the
+draft computes on a CPU a batch costs nearly its rows one at a time. It stops when the tree holds
 ``rows`` nodes that no unexpanded node can beat (a child is never more
 probable than its parent), at ``depth``, at the deadline, or when the draft
 engine has no KV id left for a new branch. The tree handed on is the
@@ -120,7 +122,8 @@ class TreeGrowth:
         """The most probable unexpanded nodes that can still matter, each given its KV branch."""
         cut = self._cut(rows)
         batch: list[int] = []
-        while self.frontier and len(batch) < EXPAND_BATCH:
+        size = min(EXPAND_BATCH, max(1, rows // TOP_K))
+        while self.frontier and len(batch) < size:
             negative, index = self.frontier[0]
             if -negative <= cut:
                 break  # its children cannot beat the nodes already there
