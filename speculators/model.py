@@ -116,11 +116,12 @@ class ModelSpeculator:
         return token
 
     def grow_tree(self, context: Sequence[int], *, rows: int, depth: int, leaves: int,
-                  sampling: SamplingSettings | None = None, seconds: float = 1.0) -> DraftTree:
-        """SpecExec's tree of the draft's most probable continuations of
+                  sampling: SamplingSettings | None = None, seconds: float = 1.0, acceptance: float = 0.5) -> DraftTree:
+        """SpecExec's tree of the draft's most likely accepted continuations of
         ``context`` (speculators.model_tree): at most ``rows`` rows, ``depth``
-        deep, ``leaves`` leaves, grown for at most ``seconds``. A draft engine
-        without tree ids (one shared by several requests) drafts a chain."""
+        deep, ``leaves`` leaves, grown for at most ``seconds``; acceptance: the
+        weight of the draft's own choice at a node. A draft engine without
+        tree ids (one shared by several requests) drafts a chain."""
         if not self.engine.tree_sequences or self.sequence != 0:
             drafts: list[int] = []
             while len(drafts) < min(rows, depth) and (token := self.extend([*context, *drafts], sampling)) is not None:
@@ -128,7 +129,8 @@ class ModelSpeculator:
             return DraftTree.chain(int(context[-1]), drafts)
         deadline = time.perf_counter() + seconds
         started = time.perf_counter()
-        growth = TreeGrowth(self.engine, context, self._context_logits(context), sampling, depth, self.step_seconds)
+        growth = TreeGrowth(self.engine, context, self._context_logits(context), sampling, depth, self.step_seconds,
+                            acceptance)
         rest = self.step_seconds - (time.perf_counter() - started)
         if rest > 0:
             time.sleep(rest)

@@ -1,27 +1,35 @@
-"""A draft model's token tree, grown best-first (SpecExec): the draft's most
-probable continuations, not one chain.
+"""A draft model's token tree, grown best-first (SpecExec): the draft's
+likeliest accepted continuations, not one chain.
 
 The tree starts at the last token of the context (its root) and grows by
-rounds. Each round takes the most probable nodes not yet expanded (by the
-draft's cumulative probability along their path), decodes a batch of them
-in one draft pass, and adds each one's ``TOP_K`` most probable next tokens
-as its children. The batch is a quarter of the rows asked for, 1 to
-``EXPAND_BATCH``: a small tree expands few nodes a round, since where the
-draft computes on a CPU a batch costs nearly its rows one at a time. It stops when the tree holds
-``rows`` nodes that no unexpanded node can beat (a child is never more
-probable than its parent), at ``depth``, at the deadline, or when the draft
-engine has no KV id left for a new branch. The tree handed on is the
-``rows`` most probable nodes with at most ``leaves`` leaves, in the preorder
-the stages verify, children by rank: the first children (rank 1) form the
-main chain, the draft's own chain.
+rounds. Each round takes the unexpanded nodes of highest priority, decodes
+a batch of them in one draft pass, and adds each one's ``TOP_K`` most
+probable next tokens as its children. A node's priority is the product
+along its path of each step's weight: for a rank-1 child (the draft's own
+choice) the measured chance that the target takes it (``acceptance``, the
+draft policy's); for the others the draft's probability of the token, at
+most its rank-1 sibling's weight. (A priority from the draft's
+probabilities alone, SpecExec's, spent the rows on width: on the bench's
+chat the trees' main chains were shorter than the chains the policy
+drafts, and at temperature 1, where the draft's top probability lies far
+below the acceptance of its coupled draw, trees committed fewer tokens a
+pass than chains: benchmarks/results/draft-trees/*-cumulative.) The batch
+is a quarter of the rows asked for, 1 to ``EXPAND_BATCH``: a small tree
+expands few nodes a round, since where the draft computes on a CPU a batch
+costs nearly its rows one at a time. It stops when the tree holds ``rows``
+nodes that no unexpanded node can beat (a child never weighs more than its
+parent), at ``depth``, at the deadline, or when the draft engine has no KV
+id left for a new branch. The tree handed on is the ``rows`` nodes of
+highest priority with at most ``leaves`` leaves, in the preorder the
+stages verify, children by rank: the first children (rank 1) form the main
+chain, the draft's own chain.
 
 Coupled drafting (``sampling`` not greedy): each node's rank-1 child is the
 token the draft *samples* at that position with the same seeded noise the
 target will draw with there (speculators.sampling: Gumbel-max, noise seeded
 by (seed, position)), so where the draft's distribution is close to the
-target's the two draw the same token. It is ranked by the draft's top
-probability, as the argmax would be; the other children are the draft's
-most probable other tokens. Verification is unchanged (sample and match),
+target's the two draw the same token. The other children are the
+draft's most probable other tokens. Verification is unchanged (sample and match),
 so the committed text is the seeded run's whatever is drafted.
 
 KV: the draft engine holds ``tree_sequences`` extra ids (stages.engine):
@@ -52,7 +60,7 @@ EXPAND_BATCH = 16  # nodes decoded together in one draft pass while a tree grows
 class _Node:
     token: int
     parent: int
-    logp: float  # the draft's cumulative log probability of the path to it (the root: 0)
+    logp: float  # the log of its priority: its path's weights (module text; the root: 0)
     depth: int
     rank: int  # among its siblings: 1 the draft's choice (argmax, or its coupled draw)
     branch: int = -1  # the KV id holding it and its ancestors, once decoded
@@ -83,9 +91,10 @@ class TreeGrowth:
     the draft's logits after the context, already decoded in branch 0."""
 
     def __init__(self, engine, context: Sequence[int], root_logits: np.ndarray, sampling: SamplingSettings | None,
-                 depth: int, step_seconds: float = 0.0):
+                 depth: int, step_seconds: float = 0.0, acceptance: float = 0.5):
         self.engine = engine
         self.sampling = sampling
+        self.acceptance = min(max(acceptance, 0.01), 1.0)
         self.depth = depth
         self.step_seconds = step_seconds
         self.base = len(context) - 1  # the root's position
@@ -113,13 +122,13 @@ class TreeGrowth:
                 self._expand(index, row)
 
     def _cut(self, rows: int) -> float:
-        """The log probability a node must beat to be among the ``rows`` best (-inf: fewer nodes than rows)."""
+        """The log priority a node must beat to be among the ``rows`` best (-inf: fewer nodes than rows)."""
         if len(self.nodes) - 1 < rows:
             return -math.inf
         return heapq.nlargest(rows, (node.logp for node in self.nodes[1:]))[-1]
 
     def _next_batch(self, rows: int) -> list[int]:
-        """The most probable unexpanded nodes that can still matter, each given its KV branch."""
+        """The unexpanded nodes of highest priority that can still matter, each given its KV branch."""
         cut = self._cut(rows)
         batch: list[int] = []
         size = min(EXPAND_BATCH, max(1, rows // TOP_K))
@@ -153,7 +162,8 @@ class TreeGrowth:
             return
         position = self.base + node.depth + 1
         for rank, (token, probability) in enumerate(children_of(logits, position, self.sampling), start=1):
-            child = _Node(token, index, node.logp + math.log(probability), node.depth + 1, rank)
+            weight = self.acceptance if rank == 1 else min(probability, self.acceptance)
+            child = _Node(token, index, node.logp + math.log(weight), node.depth + 1, rank)
             self.nodes.append(child)
             if child.depth < self.depth:
                 heapq.heappush(self.frontier, (-child.logp, len(self.nodes) - 1))
@@ -167,7 +177,7 @@ class TreeGrowth:
         return path[::-1]
 
     def tree(self, rows: int, leaves: int) -> DraftTree:
-        """The ``rows`` most probable nodes with at most ``leaves`` leaves, in preorder, children by rank."""
+        """The ``rows`` nodes of highest priority with at most ``leaves`` leaves, in preorder, children by rank."""
         chosen = {0}
         children: dict[int, list[int]] = {0: []}
         leaf_count = 1

@@ -75,10 +75,14 @@ TREE_COST_LIMIT = 2.0  # offered_rows: a drafter grows no more rows than a pass 
 
 @dataclass(frozen=True)
 class TreeAsk:
-    """What a drafter is asked to grow: a tree of at most ``rows`` draft rows and ``leaves`` leaves."""
+    """What a drafter is asked to grow: a tree of at most ``rows`` draft rows
+    and ``leaves`` leaves; acceptance: the measured chance that the target
+    takes the drafter's own choice at a node (speculators.model_tree weighs
+    the rank-1 children by it)."""
 
     rows: int
     leaves: int
+    acceptance: float = 0.5
 
 
 def offered_rows(cost: PassCost, least: int, most: int = MAX_TREE_ROWS) -> int:

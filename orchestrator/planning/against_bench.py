@@ -121,6 +121,8 @@ def predict_scenario(profile: dict, scenario: dict, runs: int = RUNS, curve: Cos
             setup, mode = split, Mode("plain")
         elif mode_name.startswith("spec-"):
             schedule, kind, tree = parse_mode(mode_name)
+            if kind == "model" and tree or mode_name.endswith("-top"):
+                continue  # the simulation grows no draft-model trees; the top-choice modes' acceptance is not traced
             behaviour = measured_behaviour(scenario, kind)
             drafter_seconds = profile["drafter_seconds_per_token"].get(kind)
             if curve is not None and kind == "model" and drafter_seconds is not None:

@@ -494,7 +494,7 @@ class SpeculateFrom:
     def to_wire(self) -> tuple[WireHeader, np.ndarray | None]:
         header: WireHeader = {"epoch": self.epoch, "most": self.most, **_sequence_field(self.sequence)}
         if self.tree is not None:
-            header.update(rows=self.tree.rows, leaves=self.tree.leaves)
+            header.update(rows=self.tree.rows, leaves=self.tree.leaves, acceptance=self.tree.acceptance)
         if self.sampling is not None:
             header.update(temperature=self.sampling.temperature, top_p=self.sampling.top_p, seed=self.sampling.seed)
         return header, np.ascontiguousarray(self.context, dtype=np.int32)
@@ -506,7 +506,10 @@ class SpeculateFrom:
             rows, leaves = _integer(header, "rows"), _integer(header, "leaves")
             if not 1 <= leaves <= rows <= MAX_TREE_ROWS:
                 raise ProtocolError(f"tree: {rows} rows and {leaves} leaves (1 <= leaves <= rows <= {MAX_TREE_ROWS})")
-            tree = TreeAsk(rows, leaves)
+            acceptance = _number(header, "acceptance", "a share")
+            if acceptance > 1.0:
+                raise ProtocolError(f"acceptance: expected a share in [0, 1], got {acceptance!r:.40}")
+            tree = TreeAsk(rows, leaves, acceptance)
         return cls(epoch=_integer(header, "epoch"), context=_array(array, "context", 1, ("<i4",)),
                    most=_integer(header, "most"), sequence=_sequence(header), tree=tree,
                    sampling=_sampling(header) if "temperature" in header else None)

@@ -207,7 +207,7 @@ class DrafterServer:
             grow = getattr(request.speculator, "grow_tree", None)
             if grow is not None:
                 tree = grow(context, rows=ask.rows, depth=depth, leaves=ask.leaves, sampling=sampling,
-                            seconds=self.wait_seconds / 2)
+                            seconds=self.wait_seconds / 2, acceptance=ask.acceptance)
             else:
                 drafts: list[int] = []
                 while len(drafts) < depth and (token := request.speculator.extend(context + drafts, sampling)) is not None:

@@ -49,33 +49,35 @@ class BranchEngine:
         return np.stack(rows)
 
 
-def grow(rows: int, leaves: int, depth: int = 6, sampling=None, branches: int = 16):
+def grow(rows: int, leaves: int, depth: int = 6, sampling=None, branches: int = 16, acceptance: float = 0.5):
     engine = BranchEngine(branches)
-    growth = TreeGrowth(engine, CONTEXT, next_logits(CONTEXT[-1]), sampling, depth)
+    growth = TreeGrowth(engine, CONTEXT, next_logits(CONTEXT[-1]), sampling, depth, acceptance=acceptance)
     growth.grow(rows, deadline=math.inf)
     return growth, growth.tree(rows, leaves), engine
 
 
-def path_logp(tree, row: int) -> float:
+def priority(tree, row: int, acceptance: float) -> float:
+    """A row's log priority, from its path: the acceptance for a rank-1 step, else the draft's probability (capped)."""
     total = 0.0
     while row > 0:
         parent = tree.parents[row]
         logits = next_logits(tree.tokens[parent]).astype(np.float64)
         probabilities = np.exp(logits - logits.max())
-        total += math.log(probabilities[tree.tokens[row]] / probabilities.sum())
+        probability = probabilities[tree.tokens[row]] / probabilities.sum()
+        total += math.log(acceptance if tree.ranks[row] == 1 else min(probability, acceptance))
         row = parent
     return total
 
 
-def test_the_tree_is_the_most_probable_nodes_in_preorder_with_the_drafts_chain_first():
+def test_the_tree_is_the_nodes_of_highest_priority_in_preorder_with_the_drafts_chain_first():
     growth, tree, engine = grow(rows=24, leaves=24)
     check_preorder(tree.parents)
     assert len(tree.drafts) == 24
     main = main_chain_length(tree.parents)
     assert tree.tokens[:main] == [CONTEXT[-1] + step for step in range(main)]  # the draft's argmax chain
     assert all(rank == 1 for rank in tree.ranks[1:main])
-    # the kept nodes are the 24 most probable of all the growth saw (none left out is more probable)
-    kept = sorted(path_logp(tree, row) for row in range(1, len(tree.tokens)))
+    # the kept nodes are the 24 of highest priority of all the growth saw (none left out ranks higher)
+    kept = sorted(priority(tree, row, 0.5) for row in range(1, len(tree.tokens)))
     seen = sorted((node.logp for node in growth.nodes[1:]), reverse=True)
     assert len(seen) > 24 and kept[0] >= seen[23] - 1e-9
     assert engine.rounds < 24  # rounds decode several nodes at once
@@ -119,3 +121,11 @@ def test_a_round_decodes_no_more_nodes_than_a_quarter_of_the_rows(rows):
     engine = Counting(64)
     TreeGrowth(engine, CONTEXT, next_logits(CONTEXT[-1]), None, 8).grow(rows, deadline=math.inf)
     assert Counting.widest <= max(1, rows // TOP_K)
+
+
+def test_a_draft_accepted_more_often_grows_a_deeper_main_chain():
+    """The rank-1 children weigh the measured acceptance: at 0.9 the tree
+    spends its rows on depth, at 0.3 on the draft's other choices near the root."""
+    _, trusted, _ = grow(rows=16, leaves=16, depth=12, acceptance=0.9)
+    _, doubted, _ = grow(rows=16, leaves=16, depth=12, acceptance=0.3)
+    assert main_chain_length(trusted.parents) > main_chain_length(doubted.parents) + 2
