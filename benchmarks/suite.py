@@ -344,6 +344,10 @@ def run_scenario(
                 for client, rss in zip(clients, peak_rss_of(clients)):
                     memory[f"drafter-{client.index} ({kind})"] = rss
             hop_seconds = pipeline.hop_seconds
+            # a drafter lost (and restarted) mid-run drafts nothing meanwhile: its figures say so
+            lost = {kind: [{"index": client.index, "restarts": client.restarts_started, "lost": client.lost_reason}
+                           for client in clients if client.restarts_started or client.lost_reason]
+                    for kind, clients in drafters.items()}
         finally:
             for clients in drafters.values():
                 stop_drafters(clients)
@@ -358,6 +362,7 @@ def run_scenario(
         summary["tree_curve"] = {str(size): tree_curve.at(size) / tree_curve.at(1) for size in tree_curve.sizes}
     summary["stage_starts"] = [stage_info_of(path).first_block for path in stage_paths]
     summary["draft_max"] = scenario.draft_max
+    summary["drafters_lost"] = {kind: entries for kind, entries in lost.items() if entries}
     summary["draft_step"] = {"sync": steps[False], "async": steps[True]}  # the draft policy's measured batch cost
     # per kind: what drafting a token costs, awaited and relayed, in one-token passes
     summary["draft_prices"] = {kind: {"awaited": price.awaited, "relayed": price.relayed} for kind, price in prices.items()}
