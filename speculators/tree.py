@@ -84,6 +84,13 @@ class TreeAsk:
     leaves: int
     acceptance: float = 0.5
 
+    def __post_init__(self):
+        if not 1 <= self.leaves <= self.rows <= MAX_TREE_ROWS:
+            raise TreeError(f"tree: {self.rows} rows and {self.leaves} leaves "
+                            f"(1 <= leaves <= rows <= {MAX_TREE_ROWS})")
+        if not 0.0 <= self.acceptance <= 1.0:
+            raise TreeError(f"acceptance: expected a share in [0, 1], got {self.acceptance!r:.40}")
+
 
 def offered_rows(cost: PassCost, least: int, most: int = MAX_TREE_ROWS) -> int:
     """How many rows a drafter grows a tree to: the widest pass (at least

@@ -491,15 +491,16 @@ class SequenceState:
         """The tree its drafter grows before its next window: as many rows as
         a pass twice a one-token one's can verify on its curve, each row's
         growth priced as an awaited draft token (speculators.tree.offered_rows),
-        within one batch beside the tokens fed again; tree_leaves leaves; the
-        draft policy's acceptance along a chain, mean over its positions. None: a chain."""
+        within one batch beside the tokens fed again; tree_leaves leaves (no
+        more than its rows); the draft policy's acceptance along a chain, mean
+        over its positions. None: a chain."""
         if self.tree_leaves == 1:
             return None
         cost, grow = self._row_cost(), self.draft_prices.awaited
         rows = offered_rows(lambda rows: cost(rows) + grow * rows, max(1, self.drafts_wanted),
                             MAX_TREE_ROWS - self.refeed)
         acceptances = self.policy.acceptances()
-        return TreeAsk(rows, self.tree_leaves, sum(acceptances) / len(acceptances) if acceptances else 0.5)
+        return TreeAsk(rows, min(self.tree_leaves, rows), sum(acceptances) / len(acceptances) if acceptances else 0.5)
 
     def windows_ahead(self, speculative: bool = True) -> list[Window]:
         """Windows to start while one of it is in flight: the prompt's next

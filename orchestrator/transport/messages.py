@@ -503,13 +503,11 @@ class SpeculateFrom:
     def from_wire(cls, header: WireHeader, array: np.ndarray | None) -> SpeculateFrom:
         tree = None
         if "rows" in header:
-            rows, leaves = _integer(header, "rows"), _integer(header, "leaves")
-            if not 1 <= leaves <= rows <= MAX_TREE_ROWS:
-                raise ProtocolError(f"tree: {rows} rows and {leaves} leaves (1 <= leaves <= rows <= {MAX_TREE_ROWS})")
-            acceptance = _number(header, "acceptance", "a share")
-            if acceptance > 1.0:
-                raise ProtocolError(f"acceptance: expected a share in [0, 1], got {acceptance!r:.40}")
-            tree = TreeAsk(rows, leaves, acceptance)
+            try:
+                tree = TreeAsk(_integer(header, "rows"), _integer(header, "leaves"),
+                               _number(header, "acceptance", "a share"))
+            except TreeError as error:
+                raise ProtocolError(str(error)) from None
         return cls(epoch=_integer(header, "epoch"), context=_array(array, "context", 1, ("<i4",)),
                    most=_integer(header, "most"), sequence=_sequence(header), tree=tree,
                    sampling=_sampling(header) if "temperature" in header else None)

@@ -20,6 +20,7 @@ speculators.model.ModelSpeculator.sibling).
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -131,7 +132,11 @@ class DrafterServer:
             while True:
                 try:
                     message = wire.receive_message(connection)
-                except (wire.ConnectionClosed, wire.ProtocolError, OSError):  # a bad frame: the peer is out of step
+                except wire.ProtocolError as error:  # a bad frame: the peer is out of step
+                    print(f"{self.role}: a bad frame from the coordinator, connection closed: {error}",
+                          file=sys.stderr, flush=True)  # to the worker's log: the coordinator sees a reset
+                    return
+                except (wire.ConnectionClosed, OSError):
                     return
                 if isinstance(message, SpeculateFrom):
                     self._start(message)

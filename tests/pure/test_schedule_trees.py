@@ -215,3 +215,20 @@ def test_tree_windows_and_their_side_rows_are_counted_window_by_window():
     stats = state.stats
     assert (stats.tree_passes, stats.side_rows, stats.side_accepted) == (2, 4, 2)
     assert (stats.drafted_tokens, stats.accepted_tokens) == (4, 2)
+
+
+def test_a_tree_asked_of_a_drafter_never_has_more_leaves_than_rows():
+    """Where rows are dear (a CPU's line: one draft row pays), the ask is
+    that one row, one leaf: a TreeAsk of 8 leaves in 1 row is refused on the
+    drafter's wire, which closed the connection and lost the drafter (the
+    bench @40, 2026-12-04). Planted: leaves left at tree_leaves fails."""
+    from speculators.tree import TreeAsk, TreeError
+
+    from orchestrator.decoding.schedule import SequenceState
+
+    state = SequenceState(0, [1, 2], 1, 20, Schedule.SYNC, 4, draft_step=0.7, tree_leaves=8)
+    ask = state.tree_ask
+    assert 1 <= ask.leaves <= ask.rows
+    assert ask.rows < 8  # the case the test is for: fewer rows than the leaves set
+    with pytest.raises(TreeError, match="8 leaves"):
+        TreeAsk(2, 8)
