@@ -493,14 +493,29 @@ class SequenceState:
         growth priced as an awaited draft token (speculators.tree.offered_rows),
         within one batch beside the tokens fed again; tree_leaves leaves (no
         more than its rows); the draft policy's acceptance along a chain, mean
-        over its positions. None: a chain."""
+        over its positions. None: a chain, also where side rows do not pay
+        for their growth (_side_rows_pay)."""
         if self.tree_leaves == 1:
             return None
         cost, grow = self._row_cost(), self.draft_prices.awaited
+        acceptances = self.policy.acceptances()
+        if self.side_row_step is None and not self._side_rows_pay(acceptances, grow):
+            return None
         rows = offered_rows(lambda rows: cost(rows) + grow * rows, max(1, self.drafts_wanted),
                             MAX_TREE_ROWS - self.refeed)
-        acceptances = self.policy.acceptances()
-        return TreeAsk(rows, min(self.tree_leaves, rows), sum(acceptances) / len(acceptances) if acceptances else 0.5)
+        return TreeAsk(rows, min(self.tree_leaves, rows), sum(acceptances) / len(acceptances))
+
+    def _side_rows_pay(self, acceptances: list[float], grow: float) -> bool:
+        """Whether a tree's best side row (the root's second choice, taken
+        when the target declines the first: its rank's measured share) brings
+        more tokens than its growth costs while the pass waits for it: grow
+        passes at the tokens a pass of the chain is expected to commit."""
+        best_side = (1.0 - acceptances[0]) * self.ranks.share(2)
+        reach, committed = 1.0, 1.0
+        for share in acceptances[: max(1, self.drafts_wanted)]:
+            reach *= share
+            committed += reach
+        return best_side > grow * committed
 
     def windows_ahead(self, speculative: bool = True) -> list[Window]:
         """Windows to start while one of it is in flight: the prompt's next

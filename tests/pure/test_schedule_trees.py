@@ -232,3 +232,22 @@ def test_a_tree_asked_of_a_drafter_never_has_more_leaves_than_rows():
     assert ask.rows < 8  # the case the test is for: fewer rows than the leaves set
     with pytest.raises(TreeError, match="8 leaves"):
         TreeAsk(2, 8)
+
+
+@pytest.mark.parametrize("price, grows", [(0.004, True), (0.15, False)])
+def test_a_tree_is_asked_for_only_where_its_side_rows_pay_for_their_growth(price, grows):
+    """The draft's second choice at the root is worth (1 - acceptance) x its
+    rank's share of a token; growing a row costs the pass's wait, at the
+    tokens a pass commits. A draft token at 0.004 of a pass (the offloading
+    curve) grows trees; at 0.15 (the 405B curve on this VM, 2026-12-04: trees
+    0.90x chains in tokens/s with the same tokens a pass) it drafts a chain.
+    Planted: the check left out fails the 0.15 case."""
+    from orchestrator.decoding.schedule import SequenceState
+    from speculators.draft_length import DraftPrices
+    from stages.cost_curve import BatchCurve
+
+    flat = BatchCurve((1, 8, 64), (1.0, 1.0, 1.05))
+    state = SequenceState(0, [1, 2], 1, 20, Schedule.SYNC, 4, tree_leaves=8, pass_curve=flat,
+                          draft_prices=DraftPrices(awaited=price, relayed=0.0))
+    ask = state.tree_ask
+    assert (ask is not None and ask.rows > state.drafts_wanted) if grows else ask is None

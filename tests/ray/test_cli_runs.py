@@ -147,11 +147,12 @@ def test_a_run_under_an_emulated_cost_curve_keeps_its_tokens_and_lasts_the_curve
 def test_draft_model_trees_through_the_pipeline_keep_the_greedy_and_the_seeded_text(
         splits, reference, realistic_draft, tmp_path, orchestrate_on_cluster):
     """--speculator model --tree-leaves 4 under a flat emulated curve (a pass
-    of 64 tokens costs one: the rule verifies trees): greedy gives the whole
-    model's tokens and a seeded run (coupled drafts) the plain seeded run's,
-    with trees among the passes."""
+    of 64 tokens costs one, 250 ms a stage, so a draft token costs about a
+    hundredth of a pass and side rows pay for their growth): greedy gives the
+    whole model's tokens and a seeded run (coupled drafts) the plain seeded
+    run's, with trees among the passes."""
     curve = tmp_path / "flat.json"
-    curve.write_text(json.dumps({"name": "flat 20 ms", "stages": [{"tokens": [1, 64], "ms": [20, 20]}]}))
+    curve.write_text(json.dumps({"name": "flat 250 ms", "stages": [{"tokens": [1, 64], "ms": [250, 250]}]}))
     common = ["run", "--model-split", *splits[2], "--prompt", PROMPTS[1], "--max-tokens", "20", "--json",
               "--cost-curve", str(curve)]
     trees = ["--speculator", "model", "--draft", realistic_draft, "--tree-leaves", "4", "--schedule", "sync"]
