@@ -14,7 +14,7 @@ from orchestrator.cluster.drafters import (DrafterClient, draft_prices, drafter_
 from orchestrator.decoding.drafting import Drafting, SpeculationSettings
 from orchestrator.decoding.loop import Generation, generate
 from orchestrator.cluster.metrics import GenerationMetrics, RestartMetrics
-from orchestrator.cluster.pipeline import Pipeline, StageReport, StageRestart
+from orchestrator.cluster.pipeline import ChainRelink, Pipeline, StageReport, StageRestart
 from orchestrator.decoding.schedule import Schedule
 from orchestrator.cluster.shipping import Shipment
 from stages.tokenizer import Tokenizer
@@ -73,6 +73,7 @@ class RunOutcome:
     restarts: list[StageRestart]
     shipments: list[Shipment] = dataclasses.field(default_factory=list)
     cost_curve: str | None = None  # the emulated cost curve's name (--cost-curve): every time is emulated
+    relinks: list[ChainRelink] = dataclasses.field(default_factory=list)  # the chain wired anew, no stage lost
 
     def as_json(self) -> dict:
         generation = self.generation
@@ -129,6 +130,8 @@ class RunOutcome:
                  "node": restart.node_id, "seconds": restart.seconds, "replay_seconds": restart.replay_seconds}
                 for restart in self.restarts
             ],
+            "relinks": [{"reason": relink.reason, "seconds": relink.seconds, "replay_seconds": relink.replay_seconds}
+                        for relink in self.relinks],
         }
 
     def summary_line(self) -> str:
@@ -148,7 +151,8 @@ class RunOutcome:
         restarts = "".join(
             f"; stage {restart.stage_index} restarted after it died ({restart.reason}) in {restart.seconds:.1f} s"
             for restart in self.restarts
-        )
+        ) + "".join(f"; the chain wired anew, every stage alive ({relink.reason}), in {relink.seconds:.1f} s"
+                    for relink in self.relinks)
         emulated = f" (emulated: {self.cost_curve})" if self.cost_curve else ""
         return (
             f"[{len(generation.tokens)} tokens, {generation.tokens_per_second:.1f} tokens/s{emulated}{speculation}, "
@@ -291,7 +295,7 @@ def _generate_through(pipeline: Pipeline, settings: RunSettings, prepared, resta
                       if client.draft_shipment is not None}
     return RunOutcome(text.finish(), generation, pipeline.reports(), speculator_reports, pipeline.hop_seconds,
                       list(pipeline.restarts), [*pipeline.shipments, *drafts_shipped.values()],
-                      curve.name if curve else None)
+                      curve.name if curve else None, list(pipeline.relinks))
 
 
 def _prepare(settings: RunSettings, tokenizer: Tokenizer):

@@ -22,7 +22,7 @@ import numpy as np
 
 from orchestrator.cluster import recovery
 from orchestrator.cluster.connect import Reservation
-from orchestrator.cluster.recovery import StageRestart
+from orchestrator.cluster.recovery import ChainRelink, StageRestart
 from orchestrator.cluster.shipping import Shipment, ModelToShip, fetch_vocabulary, ship_whole_model
 from orchestrator.cluster.stage_actors import LOOPBACK, StageActors, StageLoad, StageReport
 from orchestrator.cluster.stage_cpus import CpuSet, stage_cpu_sets
@@ -39,7 +39,7 @@ from stages.cost_curve import BatchCurve
 from stages.settings import StageSettings
 from stages.stage_files import NOT_FOUND, check_stage_files_on_nodes
 
-__all__ = ["Pipeline", "PipelineError", "StageLoad", "StageReport", "StageRestart"]
+__all__ = ["ChainRelink", "Pipeline", "PipelineError", "StageLoad", "StageReport", "StageRestart"]
 
 
 class Pipeline:
@@ -89,6 +89,7 @@ class Pipeline:
         self.max_restarts = max_restarts
         self.on_restart = on_restart
         self.restarts: list[StageRestart] = []
+        self.relinks: list[ChainRelink] = []  # the chain wired anew with every stage alive (recovery)
         self.stage_cpus: list[CpuSet | None] = []  # each stage process's CPUs; None: any
         self.chain: SocketChain | None = None
         self.ledger = KvLedger()  # what every stage caches, for a replay after a loss

@@ -5,9 +5,12 @@ every stage actor is asked whether it lives. Each one that died is restarted
 on its node (its placement bundle), the chain is wired anew through it and
 the survivors, every live sequence's cache is rebuilt by replaying its
 tokens (orchestrator.transport.ledger), and the passes that were in flight
-are sent again: the caller sees a late result, never a wrong one. A stage
-that hangs is named and the pipeline fails: it may still hold its node's
-memory, and a second copy beside it could not load.
+are sent again: the caller sees a late result, never a wrong one. Where
+every stage still answers (a link that broke and healed), the chain is
+wired anew through the same stages and replayed, once per loss and at
+most max_restarts times a pipeline (``ChainRelink``). A stage that hangs is
+named and the pipeline fails: it may still hold its node's memory, and a
+second copy beside it could not load.
 """
 
 from __future__ import annotations
@@ -40,6 +43,17 @@ class StageRestart:
     replay_seconds: float
 
 
+@dataclass(frozen=True)
+class ChainRelink:
+    """The chain wired anew through the same stages, none of which died (a
+    link broke and healed): why (one line), and the seconds from noticing
+    to the chain carrying passes again (of those the replay's)."""
+
+    reason: str
+    seconds: float
+    replay_seconds: float
+
+
 def recover(pipeline: Pipeline, late: PassLate) -> None:
     """Restart every stage that died, wire a new chain, rebuild every
     sequence's cache and send the unanswered passes again; or raise the
@@ -48,8 +62,14 @@ def recover(pipeline: Pipeline, late: PassLate) -> None:
     chain = pipeline.chain
     unanswered, notices, cancelled = chain.unanswered(), chain.notices_taken_in_flight(), chain.cancelled_unanswered()
     restarted: list[tuple[int, str, str]] = []  # (index, why, old node)
+    relinked = ""  # why, when the chain was wired anew with every stage alive
     while True:
         dead = dead_stages(pipeline, late, restarted)
+        if not dead:
+            if relinked or len(pipeline.relinks) >= pipeline.max_restarts:
+                raise PipelineError(f"{late}; every stage still answers (one may be stuck inside llama.cpp); the "
+                                    f"chain was wired anew {len(pipeline.relinks) + bool(relinked)} times already")
+            relinked = str(late)
         old_chain = pipeline.chain
         old_chain.close(shutdown=False)
         for index, reason in dead:
@@ -64,6 +84,8 @@ def recover(pipeline: Pipeline, late: PassLate) -> None:
         except PassLate as again:  # lost again while replaying: the ledger still holds only settled passes
             late = again
     done = time.perf_counter()
+    if relinked:
+        pipeline.relinks.append(ChainRelink(relinked, done - noticed, done - replaying))
     for index, reason, old_node in restarted:
         restart = StageRestart(index, reason, old_node, pipeline.stages[index].node_id, done - noticed,
                                done - replaying)
@@ -73,9 +95,9 @@ def recover(pipeline: Pipeline, late: PassLate) -> None:
 
 
 def dead_stages(pipeline: Pipeline, late: PassLate, restarting: list[tuple[int, str, str]]) -> list[tuple[int, str]]:
-    """(index, why) of each stage actor that died; a PipelineError naming
-    the stage if one does not answer, if none died (one may be stuck inside
-    llama.cpp), or if one died more often than max_restarts."""
+    """(index, why) of each stage actor that died (none: every stage still
+    answers); a PipelineError naming the stage if one does not answer, or if
+    one died more often than max_restarts."""
     import ray
 
     calls = [actor.describe.remote() for actor in pipeline.actors]
@@ -95,8 +117,6 @@ def dead_stages(pipeline: Pipeline, late: PassLate, restarting: list[tuple[int, 
                 raise PipelineError(f"{late}: {where} died ({reason}); restarted {used} times already "
                                     f"(--max-restarts {pipeline.max_restarts})") from None
             dead.append((stage.stage_index, reason))
-    if not dead:
-        raise PipelineError(f"{late}; every stage still answers (one may be stuck inside llama.cpp)")
     return dead
 
 

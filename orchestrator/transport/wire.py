@@ -153,7 +153,10 @@ def listen(host: str) -> socket.socket:
 
 def tune(sock: socket.socket) -> socket.socket:
     """Small messages must leave at once: no Nagle delay. A peer gone silent
-    (a partitioned node) is found by TCP keepalive probes."""
+    (a partitioned node, a frozen machine) is found within the same bound
+    whether the socket is idle (TCP keepalive probes) or holds data the peer
+    never acknowledged (TCP_USER_TIMEOUT: without it Linux retransmits for
+    about 15 minutes)."""
     from orchestrator.config import KEEPALIVE_IDLE_SECONDS, KEEPALIVE_INTERVAL_SECONDS, KEEPALIVE_PROBES
 
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -162,7 +165,16 @@ def tune(sock: socket.socket) -> socket.socket:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_SECONDS)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_SECONDS)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, silent_peer_milliseconds())
     return sock
+
+
+def silent_peer_milliseconds() -> int:
+    """How long a chain socket waits on a silent peer before it breaks: the
+    keepalive probes' whole span, which TCP_USER_TIMEOUT holds for unacknowledged data too."""
+    from orchestrator.config import KEEPALIVE_IDLE_SECONDS, KEEPALIVE_INTERVAL_SECONDS, KEEPALIVE_PROBES
+
+    return 1000 * (KEEPALIVE_IDLE_SECONDS + KEEPALIVE_INTERVAL_SECONDS * KEEPALIVE_PROBES)
 
 
 def connect(host: str, port: int, timeout: float = 30.0) -> socket.socket:

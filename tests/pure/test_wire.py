@@ -631,4 +631,6 @@ def test_a_connection_sends_at_once_and_probes_a_silent_peer(monkeypatch):
             assert connected.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == KEEPALIVE_IDLE_SECONDS == 10
             assert connected.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == KEEPALIVE_INTERVAL_SECONDS == 5
             assert connected.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == KEEPALIVE_PROBES == 3
+            # unacknowledged data waits no longer than an idle socket: 10 + 5 x 3 s
+            assert connected.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 25_000
     assert asked == [30.0, 2.5]  # the connect waits 30 s unless told otherwise

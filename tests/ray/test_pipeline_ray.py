@@ -263,6 +263,31 @@ def test_a_killed_stage_is_restarted_and_replayed_and_the_output_is_unchanged(ra
         assert [restart.stage_index for restart in pipeline.restarts] == [stage_index, 1 - stage_index]
 
 
+def test_a_broken_link_that_heals_costs_a_replay_not_a_stage(ray_cluster, splits, reference):
+    """The link to the coordinator reset mid-generation while every stage
+    lives (a cable pulled and put back): the chain is wired anew through the
+    same stage processes and replayed, the tokens are the uninterrupted
+    run's, and it is reported as a relink, not a restart. Before, recovery
+    failed with 'every stage still answers'."""
+    import socket
+
+    tokens = reference.tokenize(PROMPTS[2])
+    with Pipeline(splits[2], SETTINGS) as pipeline:
+        processes = [stage.process_id for stage in pipeline.stages]
+        produced = []
+
+        def cut_the_link(token):
+            produced.append(token)
+            if len(produced) == 9:
+                pipeline.chain._from_last.shutdown(socket.SHUT_RDWR)
+
+        result = generate(pipeline, tokens, 24, SamplingSettings(), Tokenizer(splits[2][0]).is_end,
+                          on_token=cut_the_link)
+        assert result.tokens == reference.greedy(tokens, 24).tokens
+        assert len(pipeline.relinks) == 1 and "the chain broke" in pipeline.relinks[0].reason
+        assert pipeline.restarts == [] and [stage.process_id for stage in pipeline.stages] == processes
+
+
 def test_a_stage_killed_during_asynchronous_speculation_through_three_stages(ray_cluster, splits, reference):
     """Passes in flight, boundary notices half taken, drafts relayed: a killed
     middle stage still changes no token."""
