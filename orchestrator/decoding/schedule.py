@@ -511,11 +511,7 @@ class SequenceState:
         more tokens than its growth costs while the pass waits for it: grow
         passes at the tokens a pass of the chain is expected to commit."""
         best_side = (1.0 - acceptances[0]) * self.ranks.share(2)
-        reach, committed = 1.0, 1.0
-        for share in acceptances[: max(1, self.drafts_wanted)]:
-            reach *= share
-            committed += reach
-        return best_side > grow * committed
+        return best_side > grow * self.policy.expected_committed(max(1, self.drafts_wanted))
 
     def windows_ahead(self, speculative: bool = True) -> list[Window]:
         """Windows to start while one of it is in flight: the prompt's next
