@@ -294,7 +294,9 @@ def failures(result: dict) -> list[str]:
     return failed
 
 
-def run_check(settings: CheckSettings) -> dict:
+def run_check(settings: CheckSettings, keep=lambda result: None) -> dict:
+    """Every section in turn; keep(result) after each, so a run cut short by the
+    device machine's time limit still leaves the sections it finished."""
     started = time.perf_counter()
     whole_path, stage_paths = make_model(settings)
     result = {"date": time.strftime("%Y-%m-%d"), "shape": settings.shape.__dict__,
@@ -304,9 +306,12 @@ def run_check(settings: CheckSettings) -> dict:
     progress(f"backend {result['backend']['backend']}: {', '.join(result['backend']['devices'])}")
     progress("cost curve t(n), n = 1..64")
     result["cost_curve"] = cost_curve(whole_path, settings)
+    keep(result)
     result.update(generation_sections(whole_path, stage_paths, settings))
+    keep(result)
     progress("exactness: a recorded run with trees, replayed through the whole model")
     result["exactness"] = exactness_section(whole_path, stage_paths, settings)
+    keep(result)
     progress("service at 1, 4 and 8 requests at once")
     result["service"] = serve_section(stage_paths, settings)
     result["seconds"] = time.perf_counter() - started
@@ -349,6 +354,12 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _write(path: Path, text: str) -> None:
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    partial.replace(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.device_check", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for device-check.json and device-check.md")
@@ -361,11 +372,11 @@ def main(argv: list[str] | None = None) -> int:
                              tokens=64, repetitions=2 if options.quick else 5,
                              context=64 if options.quick else 256, n_gpu_layers=options.n_gpu_layers)
     options.out.mkdir(parents=True, exist_ok=True)
-    result = run_check(settings)
+    unfinished = options.out / "device-check-unfinished.json"
+    result = run_check(settings, keep=lambda so_far: _write(unfinished, json.dumps(so_far, indent=1)))
     for name, text in (("device-check.json", json.dumps(result, indent=1)), ("device-check.md", report(result))):
-        partial = options.out / (name + ".partial")
-        partial.write_text(text)
-        partial.replace(options.out / name)
+        _write(options.out / name, text)
+    unfinished.unlink(missing_ok=True)
     print(report(result))
     for failure in result["failures"]:
         print(f"device check: {failure}", file=sys.stderr)

@@ -24,6 +24,7 @@ def test_the_cpu_form_runs_every_section_without_ray_and_keeps_every_promise(tmp
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "device-check.json").read_text())
     assert (tmp_path / "device-check.md").read_text().startswith("# Device check, ")
+    assert not (tmp_path / "device-check-unfinished.json").exists()  # kept per section, gone once all are done
     assert result["backend"]["backend"] == "cpu" and result["backend"]["offloaded_layers"] == 0
     assert result["cost_curve"]["sizes"] == list(range(1, 65)) and all(value > 0 for value in result["cost_curve"]["seconds"])
     assert set(result["whole_against_split"]) == {"whole", "split"}
