@@ -212,14 +212,15 @@ class Reservation:
     gives the reservation back.
     """
 
-    def __init__(self, stage_count: int, place: dict[int, str] | None = None):
+    def __init__(self, stage_count: int, place: dict[int, str] | None = None, prefer: dict[int, str] | None = None):
         import ray
 
         from orchestrator.config import PLACEMENT_SECONDS
         from orchestrator.cluster.placement import plan_placement
 
         self.stage_count = stage_count
-        self.plan = plan_placement(alive_nodes(), stage_count, ray.get_runtime_context().get_node_id(), place)
+        self.plan = plan_placement(alive_nodes(), stage_count, ray.get_runtime_context().get_node_id(), place, prefer)
+        self.node_ids = list(self.plan.node_ids)  # an explicit plan's node of each stage (a movable one's changes)
         self.placement_group = None
         if self.plan.strategy == "spread":
             self.placement_group = ray.util.placement_group([{"CPU": 1}] * stage_count, strategy="STRICT_SPREAD")
@@ -231,6 +232,21 @@ class Reservation:
                     f"could not place {stage_count} stages on {stage_count} different nodes (each needs 1 free CPU)"
                 ) from None
 
+    def follow_lost(self, stage_index: int) -> None:
+        """Before stage ``stage_index`` is started again: with a movable plan
+        whose node for it is gone, move it to another (placement.replacement_node),
+        or raise a ClusterError if no node has room. A placement group's
+        bundle Ray moves by itself; a pinned stage stays."""
+        from orchestrator.cluster.placement import replacement_node
+
+        if self.plan.movable:
+            lost = self.node_ids[stage_index]
+            node = replacement_node(alive_nodes(), tuple(self.node_ids), stage_index)
+            if node is None:
+                raise ClusterError(f"stage {stage_index}'s node {lost[:8]} is lost and no other node has room "
+                                   "for it (a node with a CPU that holds no stage)")
+            self.node_ids[stage_index] = node.node_id
+
     def scheduling_strategy(self, stage_index: int):
         """The Ray scheduling strategy that puts a task or actor on stage ``stage_index``'s node."""
         from ray.util.scheduling_strategies import (
@@ -240,7 +256,7 @@ class Reservation:
 
         if self.placement_group is not None:
             return PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=stage_index)
-        return NodeAffinitySchedulingStrategy(self.plan.node_ids[stage_index], soft=False)
+        return NodeAffinitySchedulingStrategy(self.node_ids[stage_index], soft=False)
 
     def actor_options(self, stage_index: int, *, num_cpus: float) -> dict:
         """Ray options that put an actor on stage ``stage_index``'s node (in its placement bundle)."""

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import numpy as np
 
 from orchestrator.cluster import recovery
-from orchestrator.cluster.connect import Reservation
+from orchestrator.cluster.connect import ClusterError, Reservation
 from orchestrator.cluster.recovery import ChainRelink, StageRestart
 from orchestrator.cluster.shipping import Shipment, ModelToShip, fetch_vocabulary, ship_whole_model
 from orchestrator.cluster.stage_actors import LOOPBACK, StageActors, StageLoad, StageReport
@@ -52,6 +52,7 @@ class Pipeline:
         *,
         wire_dtype: str = "f32",
         place: dict[int, str] | None = None,
+        prefer: dict[int, str] | None = None,
         notify_boundaries: bool = False,
         pass_deadline_minimum: float | None = None,
         max_restarts: int = MAX_RESTARTS,
@@ -62,6 +63,8 @@ class Pipeline:
         """stage_paths: each stage's file, on the node that runs it, or a
         ModelToShip on this machine: its stages are cut and shipped to their
         nodes first (orchestrator.cluster.shipping; ``shipments`` says what was sent).
+        place: pins (--place); prefer: the nodes a whole model's stages were
+        shipped to before, left for a spare node when lost (placement).
         notify_boundaries: non-last stages report each pass leaving them
         (await_boundary); asynchronous speculation needs it.
         pass_deadline_minimum: the least seconds a pass's result may take
@@ -97,7 +100,7 @@ class Pipeline:
         # authenticated calls, and every chain connection proves it holds it.
         self.secret = new_secret()
         self.certificate = new_chain_certificate() if tls else None  # --tls: every connection in TLS with it
-        self.reservation = Reservation(stage_count, place)
+        self.reservation = Reservation(stage_count, place, prefer)
         self.actors = StageActors(self.reservation, settings, wire_dtype, self.secret, self.certificate)
         try:
             if self.whole_model is not None:
@@ -282,7 +285,12 @@ class Pipeline:
     # -- a lost stage (orchestrator.cluster.recovery) ---------------------
     def restart_stage(self, index: int) -> None:
         """A new actor for stage ``index`` in its placement (the same node while
-        it lives), once its file there is the one the stage ran."""
+        it lives, else a spare where the placement allows), once its file
+        there is the one the stage ran."""
+        try:
+            self.reservation.follow_lost(index)
+        except ClusterError as error:
+            raise PipelineError(str(error)) from None
         if self.whole_model is not None:  # its node may be another one now
             self._ship([index])
         [file] = self.actors.read_stage_files(self.stage_paths, [index])

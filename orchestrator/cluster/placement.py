@@ -8,6 +8,9 @@
 * Nodes that advertise a custom resource ``specpipe-stage-K`` (cluster.yaml
   starts each machine with the stage it holds the file of): stage K on that
   node. ``--place`` wins over them.
+* Nodes chosen before (``orchestrate serve`` shipped each stage there):
+  stage i on its node while it lives, and on a spare node (one that holds no
+  stage) once it is lost (``movable``; ``replacement_node``).
 """
 
 from __future__ import annotations
@@ -39,10 +42,12 @@ class NodeInfo:
 class PlacementPlan:
     """strategy: "local" (all stages on local_node), "spread" (one per node,
     Ray picks which), or "explicit" (node_ids[i] for stage i: from --place or
-    from the nodes' stage resources)."""
+    from the nodes' stage resources, pinned; or, ``movable``, where the stages
+    were shipped before, each moved to a spare node when its own is lost)."""
 
     strategy: str
     node_ids: tuple[str, ...] = ()
+    movable: bool = False
 
 
 def stage_resource(stage_index: int) -> str:
@@ -106,10 +111,22 @@ def _advertising_node(nodes: list[NodeInfo], stage_index: int) -> NodeInfo:
 
 
 def plan_placement(
-    nodes: list[NodeInfo], stage_count: int, local_node_id: str, place: dict[int, str] | None = None
+    nodes: list[NodeInfo], stage_count: int, local_node_id: str, place: dict[int, str] | None = None,
+    prefer: dict[int, str] | None = None,
 ) -> PlacementPlan:
+    """prefer: node ids chosen before for each stage (movable); place (pins) wins over them."""
     if not nodes:
         raise PlacementError("the Ray cluster has no alive nodes")
+    if prefer and not place:
+        node_ids = [prefer.get(stage, "") for stage in range(stage_count)]
+        for stage, node_id in enumerate(node_ids):
+            if node_id not in {node.node_id for node in nodes}:
+                node = replacement_node(nodes, tuple(node_ids), stage)
+                if node is None:
+                    raise PlacementError(f"stage {stage}'s node {node_id[:8]} is not alive and no other node has "
+                                         "room for it (a CPU and no stage)")
+                node_ids[stage] = node.node_id
+        return PlacementPlan("explicit", tuple(node_ids), movable=True)
     if place:
         unknown = sorted(stage for stage in place if not 0 <= stage < stage_count)
         if unknown:
@@ -128,3 +145,14 @@ def plan_placement(
             f"{len(nodes)}; add nodes or give --place"
         )
     return PlacementPlan("spread")
+
+
+def replacement_node(nodes: list[NodeInfo], node_ids: tuple[str, ...], lost: int) -> NodeInfo | None:
+    """Where stage ``lost`` goes after its process died (node_ids: each
+    stage's node now; nodes: the alive ones): its own node while it lives,
+    else an alive node with a CPU that holds none of the other stages; None
+    when there is none."""
+    others = {node_id for index, node_id in enumerate(node_ids) if index != lost}
+    spares = [node for node in nodes if node.node_id not in others and node.cpus >= 1]
+    spares.sort(key=lambda node: node.node_id != node_ids[lost])
+    return spares[0] if spares else None

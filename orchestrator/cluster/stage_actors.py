@@ -50,9 +50,9 @@ class StageReport:
 class StageLoad(NamedTuple):
     """What a stage holds now: KV cells and sequences after its last pass, its
     process's resident memory in MiB and id; how often the stage was
-    restarted and where it computes (compute: backend, devices, offloaded
-    layers), both filled in by the coordinator, which restarts it and holds its
-    StageDescription."""
+    restarted, where it computes (compute: backend, devices, offloaded
+    layers) and its Ray node, filled in by the coordinator, which restarts it
+    and holds its StageDescription."""
 
     kv_cells: int
     sequences: int
@@ -63,6 +63,7 @@ class StageLoad(NamedTuple):
     passes: int = 0  # llama.cpp calls so far
     windows: int = 0  # sequences' windows they carried (over passes: batched passes)
     prefix_cells: int = 0  # KV cells holding cached prefixes (orchestrator.decoding.prefix_cache)
+    node_id: str = ""
 
 
 def stage_file_reader():

@@ -89,7 +89,7 @@ def build_app(backend: Backend) -> FastAPI:
             "requests_queued": queued,
             "stages": [{"answering": False} if stage is None else
                        {"kv_cells": stage.kv_cells, "sequences": stage.sequences, "rss_mb": round(stage.rss_mb, 1),
-                        "process": stage.process_id, "restarts": stage.restarts,
+                        "process": stage.process_id, "node": stage.node_id, "restarts": stage.restarts,
                         "prefix_cache_tokens": stage.prefix_cells,  # finished requests' prefixes kept
                         # requests per pass so far (over 1: passes shared by requests, continuous batching)
                         "sequences_per_pass": round(stage.windows / stage.passes, 2) if stage.passes else None,

@@ -48,6 +48,17 @@ class ServeError(SpecpipeError):
 
 
 @dataclass(frozen=True)
+class ShippedStages:
+    """Where ``place_stages`` cut a whole model (each stage's first block) and
+    shipped its stages (stage index -> node id): the replica's pipeline starts
+    them there, and moves one to a spare node if its node is lost, shipping
+    it again (placement.replacement_node)."""
+
+    starts: tuple[int, ...]
+    nodes: dict[int, str]
+
+
+@dataclass(frozen=True)
 class ServeSettings:
     """Everything ``orchestrate serve`` was asked to do. stage.sequences is max_sequences;
     prefix_cache_tokens: the most tokens finished requests' prefixes keep
@@ -70,6 +81,7 @@ class ServeSettings:
     max_restarts: int = MAX_RESTARTS  # of each stage that dies (orchestrator.cluster.pipeline)
     tls: bool = False  # the chain in TLS (orchestrator.transport.tls)
     whole_model: WholeModelSettings | None = None  # --model: shipped before the replica starts (place_stages)
+    shipped: ShippedStages | None = None  # where place_stages put whole_model's stages
     vocabulary_path: str | None = None  # a file on this machine with the vocabulary (None: a local stage file)
     prefix_cache_tokens: int | None = None
 
@@ -116,8 +128,9 @@ class Coordinator:
 
         restart_metrics = RestartMetrics()
         speculation = settings.speculation
-        self.pipeline = Pipeline(settings.stage_paths, settings.stage, wire_dtype=settings.wire_dtype,
-                                 place=settings.place, max_restarts=settings.max_restarts, tls=settings.tls, overlapping=True,
+        self.pipeline = Pipeline(pipeline_stages(settings), settings.stage, wire_dtype=settings.wire_dtype,
+                                 place=settings.place, prefer=settings.shipped and settings.shipped.nodes,
+                                 max_restarts=settings.max_restarts, tls=settings.tls, overlapping=True,
                                  notify_boundaries=speculation.relays,
                                  on_restart=lambda restart: restart_metrics.record("stage", restart.stage_index))
         try:
@@ -180,13 +193,14 @@ class Coordinator:
 
     async def stage_load(self):
         """Each stage's StageLoad (KV cells, sequences, resident MiB, process,
-        restarts, compute), or None for a stage that does not answer (lost, or being restarted)."""
+        restarts, compute, node), or None for a stage that does not answer (lost, or being restarted)."""
         import asyncio
 
         loads = await asyncio.gather(*self.pipeline.load_calls(), return_exceptions=True)
         restarted = [restart.stage_index for restart in self.pipeline.restarts]
         return [None if isinstance(load, BaseException) else
-                load._replace(restarts=restarted.count(index), compute=self.pipeline.stages[index].compute)
+                load._replace(restarts=restarted.count(index), compute=self.pipeline.stages[index].compute,
+                              node_id=self.pipeline.stages[index].node_id)
                 for index, load in enumerate(loads)]
 
     def drafter_health(self) -> list[dict]:
@@ -260,6 +274,20 @@ def vocabulary_of(settings: ServeSettings) -> str:
     return path
 
 
+def pipeline_stages(settings: ServeSettings):
+    """What the replica's Pipeline starts from: the stage files, or a whole
+    model shipped before (ShippedStages), cut where it was cut, so that a
+    stage lost with its node can be shipped to another."""
+    from orchestrator.cluster.shipping import ModelToShip
+    from stages.settings import ALL_LAYERS
+
+    if settings.shipped is None:
+        return settings.stage_paths
+    whole, starts = settings.whole_model, settings.shipped.starts
+    return ModelToShip(whole.model(), len(starts), lambda nodes: starts, whole.vocabulary_path,
+                       offloaded=settings.stage.n_gpu_layers == ALL_LAYERS)
+
+
 def needs_placing(settings: ServeSettings) -> bool:
     """Whether the stages must be placed before the replica starts: a whole
     model to ship, or stage files none of which is here (the vocabulary is
@@ -271,10 +299,12 @@ def needs_placing(settings: ServeSettings) -> bool:
 
 
 def place_stages(settings: ServeSettings, on_status: Callable[[str], None]) -> ServeSettings:
-    """With Ray up, before the replica: place the stages, ship a whole model's
-    (as ``orchestrate run --model`` does) or fetch the vocabulary from stage
-    0's node, and pin the stages to those nodes (``place``), so that the
-    replica's pipeline finds each file where it was put."""
+    """With Ray up, before the replica: place the stages, and ship a whole
+    model's (as ``orchestrate run --model`` does: ``shipped`` says where, and
+    the replica moves a stage whose node is lost) or fetch the vocabulary
+    from stage 0's node (the stages are then pinned to those nodes,
+    ``place``: their files are there), so that the replica's pipeline finds
+    each file where it was put."""
     from orchestrator.cluster.connect import Reservation
     from orchestrator.transport.handshake import new_secret
     from orchestrator.cluster.model_files import whole_model_stages
@@ -290,21 +320,19 @@ def place_stages(settings: ServeSettings, on_status: Callable[[str], None]) -> S
     count = shipping.stage_count if shipping is not None else len(settings.stage_paths)
     reservation = Reservation(count, settings.place)
     try:
-        if shipping is not None:
-            _, shipments = ship_whole_model(shipping, reservation, range(count), new_secret(),
+        if shipping is None:
+            nodes = [node.node_id for node in probe_nodes(reservation, count)]
+            return replace(settings, place=dict(enumerate(nodes)),
+                           vocabulary_path=fetch_vocabulary(settings.stage_paths[0], reservation.scheduling_strategy(0)))
+        split, shipments = ship_whole_model(shipping, reservation, range(count), new_secret(),
                                             new_chain_certificate() if settings.tls else None)
-            paths, nodes = [item.path for item in shipments], [item.node_id for item in shipments]
-            vocabulary = whole.vocabulary_path
-        else:
-            paths, nodes = settings.stage_paths, [node.node_id for node in probe_nodes(reservation, count)]
-            vocabulary = fetch_vocabulary(paths[0], reservation.scheduling_strategy(0))
     finally:
         reservation.release()
-    model_name = settings.model_name
-    if model_name is None and shipping is not None:  # the vocabulary's file is named by its digest for hf: models
-        model_name = Path(shipping.model.name).name.removesuffix(".gguf")
-    return replace(settings, stage_paths=paths, place=dict(enumerate(nodes)), whole_model=None,
-                   vocabulary_path=vocabulary, model_name=model_name)
+    shipped = ShippedStages(tuple(split.starts), {item.stage_index: item.node_id for item in shipments})
+    # a user's --place stays a pin; else the stages may move (Pipeline's prefer)
+    model_name = settings.model_name or Path(shipping.model.name).name.removesuffix(".gguf")  # hf: files are digests
+    return replace(settings, stage_paths=[item.path for item in shipments], shipped=shipped,
+                   vocabulary_path=whole.vocabulary_path, model_name=model_name)
 
 
 def prepare(settings: ServeSettings) -> ServeSettings:

@@ -1,7 +1,7 @@
 import pytest
 
-from orchestrator.cluster.placement import (NodeInfo, PlacementError, advertised_stages, parse_place, plan_placement,
-                                            stage_resource)
+from orchestrator.cluster.placement import (NodeInfo, PlacementError, PlacementPlan, advertised_stages, parse_place,
+                                            plan_placement, replacement_node, stage_resource)
 
 NODES = [NodeInfo("aaaa1111", "10.0.0.1", 1), NodeInfo("bbbb2222", "10.0.0.2", 1), NodeInfo("cccc3333", "10.0.0.3", 1)]
 
@@ -152,3 +152,26 @@ def test_more_drafter_nodes_than_stages_is_refused_before_ray_is_asked():
 
     with pytest.raises(PlacementError, match="^--drafter-node given 2 times, but the pipeline has 1 stage: "):
         drafter_nodes(("10.0.0.2", "10.0.0.3"), 1)
+
+
+def test_nodes_chosen_before_are_kept_but_movable_and_pins_win_over_them():
+    nodes = [NodeInfo("aaaa", "10.0.0.1", 2), NodeInfo("bbbb", "10.0.0.2", 2), NodeInfo("cccc", "10.0.0.3", 2)]
+    chosen = plan_placement(nodes, 2, "aaaa", prefer={0: "cccc", 1: "aaaa"})
+    assert chosen == PlacementPlan("explicit", ("cccc", "aaaa"), movable=True)
+    pinned = plan_placement(nodes, 2, "aaaa", place={0: "10.0.0.2", 1: "10.0.0.1"}, prefer={0: "cccc", 1: "aaaa"})
+    assert pinned == PlacementPlan("explicit", ("bbbb", "aaaa"), movable=False)
+    assert plan_placement(nodes, 3, "aaaa") == PlacementPlan("spread")
+    moved = plan_placement(nodes, 2, "aaaa", prefer={0: "gone", 1: "aaaa"})  # lost before the replica started
+    assert moved == PlacementPlan("explicit", ("bbbb", "aaaa"), movable=True)
+    with pytest.raises(PlacementError, match="stage 0's node gone is not alive and no other node has room"):
+        plan_placement(nodes[:1], 2, "aaaa", prefer={0: "gone", 1: "aaaa"})
+
+
+def test_a_lost_stage_moves_to_a_node_holding_no_stage_or_nowhere():
+    spare, busy = NodeInfo("spare", "10.0.0.3", 1), NodeInfo("busy", "10.0.0.2", 4)
+    no_cpu = NodeInfo("head", "10.0.0.9", 0)
+    # stage 0's node "gone" is not alive; stage 1 runs on busy
+    assert replacement_node([no_cpu, busy, spare], ("gone", "busy"), 0) == spare
+    assert replacement_node([no_cpu, busy], ("gone", "busy"), 0) is None  # no room: it waits, never doubles up
+    own = NodeInfo("gone", "10.0.0.1", 1)  # its node is alive again (the process died, not the node): stays there
+    assert replacement_node([spare, busy, own], ("gone", "busy"), 0) == own

@@ -1,0 +1,177 @@
+"""A machine lost mid-generation (issue 36): a Ray node of a cluster of this
+test's own (``ray.cluster_utils.Cluster``: one head without CPUs, which no
+stage can use, and three one-CPU nodes) removed while its stage computes, as
+a machine that dies would be: its processes killed, the node gone from Ray.
+The stage comes back on the spare node, shipped there again, and every token
+equals an uninterrupted run's.
+
+Its own cluster, not the session's: removing one of the session's nodes
+would take it from every test after. The session's Ray is stopped before
+this file runs (conftest.py runs the files on it first)."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.cluster.model_files import WholeModelSettings, whole_model_stages
+from orchestrator.cluster.pipeline import Pipeline
+from orchestrator.decoding.loop import generate
+from speculators.sampling import SamplingSettings
+from stages.settings import StageSettings
+from stages.tokenizer import Tokenizer
+
+from conftest import PROMPTS
+
+SETTINGS = StageSettings(n_ctx=1024)
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, monkeypatch_module):
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from orchestrator.cluster.connect import ray_environment
+
+    ray_environment()
+    # a stage cache of this test's (the nodes share it: they are one machine)
+    monkeypatch_module.setenv("SPECPIPE_STAGE_CACHE", str(tmp_path_factory.mktemp("stage-cache")))
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": 80 * 1024**2,
+                                                            "include_dashboard": False})
+    for _ in range(3):
+        cluster.add_node(num_cpus=1, object_store_memory=80 * 1024**2)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.fixture
+def three_workers(cluster):
+    """The cluster with three worker nodes (a test before may have removed one)."""
+    while len(cluster.list_all_nodes()) < 4:
+        cluster.add_node(num_cpus=1, object_store_memory=80 * 1024**2)
+    cluster.wait_for_nodes()
+    return cluster
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+def removing_node(cluster, pipeline, stage_index: int, after_tokens: int):
+    """An on_token callback that removes the Ray node running stage
+    ``stage_index`` once ``after_tokens`` tokens are out; .removed tells which node."""
+    produced = []
+
+    def on_token(token):
+        produced.append(token)
+        if len(produced) == after_tokens:
+            node_id = pipeline.stages[stage_index].node_id
+            [node] = [node for node in cluster.list_all_nodes() if node.node_id == node_id]
+            cluster.remove_node(node)
+            on_token.removed = node_id
+
+    on_token.removed = None
+    return on_token
+
+
+@pytest.mark.parametrize("stage_index", [0, 1])
+def test_a_lost_node_s_stage_is_shipped_to_the_spare_and_no_token_changes(three_workers, smollm2, reference,
+                                                                         stage_index):
+    cluster = three_workers
+    tokens = reference.tokenize(PROMPTS[2])
+    model = whole_model_stages(WholeModelSettings(smollm2, stages=2), SETTINGS, None, None)
+    with Pipeline(model, SETTINGS) as pipeline:
+        nodes = [stage.node_id for stage in pipeline.stages]
+        remove = removing_node(cluster, pipeline, stage_index, after_tokens=8)
+        result = generate(pipeline, tokens, MAX_TOKENS, SamplingSettings(), Tokenizer(smollm2).is_end,
+                          on_token=remove)
+        assert remove.removed == nodes[stage_index]
+        assert result.tokens == reference.greedy(tokens, MAX_TOKENS).tokens
+        [restart] = pipeline.restarts
+        assert restart.stage_index == stage_index and restart.old_node_id == nodes[stage_index]
+        spare = {node["NodeID"] for node in __import__("ray").nodes() if node["Alive"]} - set(nodes) - {
+            cluster.head_node.node_id}
+        assert pipeline.stages[stage_index].node_id in spare  # the one node that held no stage
+        [*_, again] = pipeline.shipments  # shipped again, to it (found there: the nodes share one disk here)
+        assert len(pipeline.shipments) == 3 and (again.stage_index, again.node_id) == (stage_index, restart.node_id)
+
+
+def node_of_process(cluster, pid: int):
+    """The cluster node whose raylet started process ``pid`` (Ray's workers are its children)."""
+    import psutil
+
+    parent = psutil.Process(pid).ppid()
+    [node] = [node for node in cluster.list_all_nodes()
+              if any(info.process.pid == parent for info in node.all_processes.get("raylet", []))]
+    return node
+
+
+def replica_node(cluster):
+    """The node running the Serve replica (the coordinator): its process's title names it."""
+    import psutil
+
+    [pid] = [process.pid for process in psutil.process_iter(["cmdline"])
+             if any("ServeReplica:specpipe" in part for part in process.info["cmdline"] or [])]
+    return node_of_process(cluster, pid)
+
+
+def test_serve_moves_a_lost_stage_to_the_spare_under_load(three_workers, smollm2, reference, tmp_path):
+    """`orchestrate serve --model` on the cluster, four streamed greedy
+    requests in flight, the node of a stage (not the coordinator's) removed:
+    every request finishes with the whole model's text, and the stage runs on
+    the spare. Before, serve pinned each stage to its first node and every
+    request failed ('could not read the stage files on their node')."""
+    import asyncio
+
+    import httpx
+    import openai
+
+    from benchmarks.serve_bench import start_specpipe_server, stop_server
+    from conftest import free_port
+
+    cluster = three_workers
+    port, log = free_port(), tmp_path / "serve.log"
+    server = start_specpipe_server(["--address", cluster.address, "--model", smollm2, "--stages", "2",
+                                    "--max-sequences", "4", "--n-ctx", "512"], port, log)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        stages = httpx.get(base + "/health", timeout=30).json()["stages"]
+        coordinator = replica_node(cluster)
+        index = next(index for index, stage in enumerate(stages) if stage["node"] != coordinator.node_id)
+        lost = stages[index]["node"]
+        prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], "1, 2, 3, 4,"]
+        expected = [reference.llama.detokenize(reference.greedy(reference.tokenize(prompt), 40).tokens)
+                    .decode("utf-8", errors="replace") for prompt in prompts]
+
+        async def ask(client, model, prompt, started):
+            text = ""
+            async for chunk in await client.completions.create(model=model, prompt=prompt, max_tokens=40,
+                                                                temperature=0, stream=True):
+                started.set()
+                text += chunk.choices[0].text if chunk.choices else ""
+            return text
+
+        async def main():
+            client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
+            model = (await client.models.list()).data[0].id
+            started = asyncio.Event()
+            asks = [asyncio.create_task(ask(client, model, prompt, started)) for prompt in prompts]
+            await started.wait()
+            [node] = [node for node in cluster.list_all_nodes() if node.node_id == lost]
+            await asyncio.to_thread(cluster.remove_node, node)
+            return await asyncio.gather(*asks)
+
+        texts = asyncio.run(main())
+        assert texts == expected, log.read_text()[-3000:]
+        health = httpx.get(base + "/health", timeout=30).json()
+        assert health["status"] == "ok" and health["stages"][index]["restarts"] == 1
+        assert health["stages"][index]["node"] not in (lost, stages[1 - index]["node"])
+    finally:
+        stop_server(server)
