@@ -92,6 +92,15 @@ SERVE_CONTEXT = 2048
 # past them they end with an error.
 SERVE_DRAIN_SECONDS = 30.0
 
+# How often a service whose pipeline lost a stage with no node to put it on
+# (decoding.targets.TargetWaiting) tries again: a node that joins is used
+# within this many seconds (and the time a restart takes).
+RESUME_SECONDS = 5.0
+# How long a lost stage's placement (a placement group's bundle, which Ray
+# moves to another node by itself) may take before the stage is said to have
+# no node with room (recovery.StageWaiting).
+ROOM_WAIT_SECONDS = 15.0
+
 # -- orchestrate profile --------------------------------------------------------
 # Tokens of context before every timed batch (a pass's cost grows with the
 # positions it attends to; 128 is a short chat's), and timings per batch size

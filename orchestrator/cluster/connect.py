@@ -219,6 +219,7 @@ class Reservation:
         from orchestrator.cluster.placement import plan_placement
 
         self.stage_count = stage_count
+        self.place = place  # the user's pins, looked up again when a pinned node is lost (follow_lost)
         self.plan = plan_placement(alive_nodes(), stage_count, ray.get_runtime_context().get_node_id(), place, prefer)
         self.node_ids = list(self.plan.node_ids)  # an explicit plan's node of each stage (a movable one's changes)
         self.placement_group = None
@@ -233,19 +234,39 @@ class Reservation:
                 ) from None
 
     def follow_lost(self, stage_index: int) -> None:
-        """Before stage ``stage_index`` is started again: with a movable plan
-        whose node for it is gone, move it to another (placement.replacement_node),
-        or raise a ClusterError if no node has room. A placement group's
-        bundle Ray moves by itself; a pinned stage stays."""
-        from orchestrator.cluster.placement import replacement_node
+        """Before stage ``stage_index`` is started again, find it a node:
+        its own while it lives; with a movable plan a spare node
+        (placement.replacement_node); a pinned stage (--place, advertised
+        resources) the node its pin names now (a machine back with a new Ray
+        node id); a placement group's bundle, where Ray moved it. A
+        ClusterError that names the lost node where there is none yet."""
+        import ray
 
-        if self.plan.movable:
-            lost = self.node_ids[stage_index]
-            node = replacement_node(alive_nodes(), tuple(self.node_ids), stage_index)
+        from orchestrator.config import ROOM_WAIT_SECONDS
+        from orchestrator.cluster.placement import PlacementError, plan_placement, replacement_node
+
+        lost, nodes = self.node_ids[stage_index] if self.node_ids else "", alive_nodes()
+        if self.placement_group is not None:
+            try:
+                ray.get(self.placement_group.ready(), timeout=ROOM_WAIT_SECONDS)
+            except ray.exceptions.GetTimeoutError:
+                raise ClusterError(f"stage {stage_index} lost its node and no other node has room for it "
+                                   f"(a free CPU and no stage) within {ROOM_WAIT_SECONDS:.0f} s") from None
+        elif self.plan.movable:
+            node = replacement_node(nodes, tuple(self.node_ids), stage_index)
             if node is None:
                 raise ClusterError(f"stage {stage_index}'s node {lost[:8]} is lost and no other node has room "
-                                   "for it (a node with a CPU that holds no stage)")
+                                   "for it (a CPU and no stage)")
             self.node_ids[stage_index] = node.node_id
+        elif self.plan.strategy == "explicit" and lost not in {node.node_id for node in nodes}:
+            try:
+                again = plan_placement(nodes, self.stage_count, lost, self.place)
+            except PlacementError:
+                again = None
+            if again is None or again.strategy != "explicit":
+                raise ClusterError(f"stage {stage_index} is pinned to node {lost[:8]} (--place, or the node "
+                                   "advertising it), which is lost: waiting for it to come back")
+            self.node_ids[stage_index] = again.node_ids[stage_index]
 
     def scheduling_strategy(self, stage_index: int):
         """The Ray scheduling strategy that puts a task or actor on stage ``stage_index``'s node."""

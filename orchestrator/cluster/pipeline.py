@@ -22,11 +22,11 @@ import numpy as np
 
 from orchestrator.cluster import recovery
 from orchestrator.cluster.connect import ClusterError, Reservation
-from orchestrator.cluster.recovery import ChainRelink, StageRestart
+from orchestrator.cluster.recovery import ChainRelink, StageRestart, StageWaiting
 from orchestrator.cluster.shipping import Shipment, ModelToShip, fetch_vocabulary, ship_whole_model
 from orchestrator.cluster.stage_actors import LOOPBACK, StageActors, StageLoad, StageReport
 from orchestrator.cluster.stage_cpus import CpuSet, stage_cpu_sets
-from orchestrator.config import MAX_RESTARTS, PASS_CURVE_SIZES
+from orchestrator.config import MAX_RESTARTS, PASS_CURVE_SIZES, STAGE_ANSWER_SECONDS
 from orchestrator.decoding.schedule import TargetPass, Window
 from orchestrator.decoding.targets import PassReplies, choice_of
 from orchestrator.transport.chain import PassLate, PipelineError, SocketChain
@@ -290,7 +290,7 @@ class Pipeline:
         try:
             self.reservation.follow_lost(index)
         except ClusterError as error:
-            raise PipelineError(str(error)) from None
+            raise StageWaiting(str(error)) from None
         if self.whole_model is not None:  # its node may be another one now
             self._ship([index])
         [file] = self.actors.read_stage_files(self.stage_paths, [index])
@@ -300,6 +300,37 @@ class Pipeline:
                                 f"({file.node_id[:8]}): {problem}")
         self.stages[index] = self.actors.restart(index, self.stage_paths[index], self.loopback,
                                                  self.stage_cpus[index] if self.stage_cpus else None)
+
+    def resume(self) -> bool:
+        """After a StageWaiting: start each stage that does not answer, now
+        that a node has room for it (False while none has), wire a new chain
+        and release every KV sequence the stages still hold (their requests
+        ended with the loss): the pipeline then holds nothing."""
+        import ray
+
+        for index, actor in enumerate(self.actors):
+            try:
+                ray.get(actor.describe.remote(), timeout=STAGE_ANSWER_SECONDS)
+                continue
+            except ray.exceptions.RayError:  # died, or silent with its node
+                old_node, started = self.stages[index].node_id, time.perf_counter()
+            try:
+                self.restart_stage(index)
+            except StageWaiting:
+                return False
+            restart = StageRestart(index, "started again once a node had room", old_node,
+                                   self.stages[index].node_id, time.perf_counter() - started, 0.0)
+            self.restarts.append(restart)
+            if self.on_restart is not None:
+                self.on_restart(restart)
+        old_chain, self.chain = self.chain, self._wire()
+        self.chain.take_timing_from(old_chain)
+        try:
+            for sequence in self.ledger.sequences():
+                self.release(sequence)
+        except StageWaiting:  # lost again on the way
+            return False
+        return True
 
     @property
     def hop_seconds(self) -> float:

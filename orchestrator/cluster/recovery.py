@@ -21,11 +21,18 @@ from typing import TYPE_CHECKING
 
 from orchestrator.cluster.connect import one_line
 from orchestrator.config import STAGE_ANSWER_SECONDS
+from orchestrator.decoding.targets import TargetWaiting
 from orchestrator.transport.chain import PassLate, PipelineError
 from orchestrator.transport.ledger import PassRecord
 
 if TYPE_CHECKING:
     from orchestrator.cluster.pipeline import Pipeline
+
+
+class StageWaiting(PipelineError, TargetWaiting):
+    """A lost stage has no node to go to yet (a spare, its pinned node back):
+    the pipeline's sequences are lost with it, and Pipeline.resume starts it
+    once a node has room. The message names the stage and the lost node."""
 
 
 @dataclass(frozen=True)

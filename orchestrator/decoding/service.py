@@ -41,12 +41,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from orchestrator.config import RESUME_SECONDS
 from orchestrator.decoding.drafting import Drafting, draft_cells
 
 from orchestrator.decoding.loop import Decoding, DecodingLoop, Listener, sequence_state
 from orchestrator.decoding.prefix_cache import PREFIX_BLOCK, PrefixCache, PrefixHit, common_prefix
 from orchestrator.decoding.schedule import Batching, Schedule, SequenceState, Window
-from orchestrator.decoding.targets import Drafter, InstantDrafter, Target
+from orchestrator.decoding.targets import Drafter, InstantDrafter, Target, TargetWaiting
 from speculators.draft_length import DRAFTER_CALL_COST, PRIOR_STEP, DraftPrices
 from speculators.logprobs import TokenLogprobs
 from speculators.sampling import SamplingSettings, choice_sampling
@@ -64,6 +65,11 @@ class QueueFull(ServiceError):
 
 class ShuttingDown(ServiceError):
     """The service is stopping (or has failed) and takes no more requests."""
+
+
+class Unavailable(ServiceError):
+    """The target lost a part it cannot replace yet (``degraded`` says which):
+    try again later; the service resumes by itself once it can."""
 
 
 class RequestTooLong(ServiceError):
@@ -258,9 +264,7 @@ class Service:
         self.is_end = is_end
         self.settings = settings
         self.observer = observer or ServiceObserver()
-        batching = None if settings.batch_step is None else Batching(target.stage_count, settings.batch_step,
-                                                                      target.n_batch, settings.pass_curve)
-        self.loop = DecodingLoop(target, is_end, window_per_pass=True, batching=batching)
+        self.loop = self._new_loop()
         self.prefix_cache = settings.prefix_cache()  # None: prompts share prefixes only among a request's choices
         # free KV sequence ids, a heap: a request takes the lowest, so the requests decoding hold consecutive
         # ids, which is what lets their windows share a pass (schedule.Batching)
@@ -274,6 +278,7 @@ class Service:
         self._closing = False
         self._deadline: float | None = None  # shutdown: active requests get an error after it
         self.failure = ""  # set when the target failed: the service takes nothing more
+        self.degraded = ""  # set while the target waits to replace a lost part (TargetWaiting): 503s until then
         self._reported_load: tuple[int, int] | None = None  # (decoding, queued) last told to the observer
         self._thread = threading.Thread(target=self._run, name="specpipe-service", daemon=True)
         self._thread.start()
@@ -285,6 +290,8 @@ class Service:
         with self._wake:
             if self._closing or self.failure:
                 raise ShuttingDown(self.failure or "the server is shutting down")
+            if self.degraded:
+                raise Unavailable(self.degraded)
             if len(self._queue) + request.choices > self.settings.queue_limit + len(self._free):
                 raise QueueFull(f"all {self.settings.max_sequences} sequences are busy and "
                                 f"{max(0, len(self._queue) - len(self._free))} requests are waiting")
@@ -345,12 +352,49 @@ class Service:
         self._thread.join()
 
     # -- the loop's thread ------------------------------------------------------
+    def _new_loop(self) -> DecodingLoop:
+        settings = self.settings
+        batching = None if settings.batch_step is None else Batching(self.target.stage_count, settings.batch_step,
+                                                                      self.target.n_batch, settings.pass_curve)
+        return DecodingLoop(self.target, self.is_end, window_per_pass=True, batching=batching)
+
     def _run(self) -> None:
         try:
-            while self._step():
-                pass
+            while True:
+                try:
+                    while self._step():
+                        pass
+                    return
+                except TargetWaiting as lost:  # every request ends with it; the service waits, then goes on
+                    if not self._wait_for_target(str(lost)):
+                        return
         except Exception as error:  # the target failed (a stage died): every request ends with it
             self._fail(f"{type(error).__name__}: {error}" if not isinstance(error, SpecpipeError) else str(error))
+
+    def _wait_for_target(self, reason: str) -> bool:
+        """The target lost a part it cannot replace yet: end every request
+        with the reason (a retryable error), refuse new ones (Unavailable),
+        and ask the target to resume every RESUME_SECONDS until it does (True:
+        serve again, holding nothing) or the service closes (False)."""
+        with self._wake:
+            self.degraded = f"{reason}; the service resumes by itself once it can"
+            for ticket in [*self._queue, *self._active.values()]:
+                self._end(ticket, "error", self.degraded)
+            self._queue.clear()
+            self._active.clear()
+            self._cancelled.clear()
+            self._free = list(range(self.settings.max_sequences))
+            self.observer.load(0, 0)
+        self.loop = self._new_loop()  # the passes in flight are gone with the lost part
+        self.prefix_cache = self.settings.prefix_cache()  # so are the prefixes its stages held
+        while not self.target.resume():
+            with self._wake:
+                if self._closing:
+                    return False
+                self._wake.wait(timeout=RESUME_SECONDS)
+        with self._wake:
+            self.degraded = ""
+        return True
 
     def _step(self) -> bool:
         """One turn of the loop; False once closed and drained."""

@@ -19,7 +19,15 @@ from orchestrator.decoding.schedule import TargetPass, Window
 from speculators.logprobs import TokenLogprobs, window_logprobs
 from speculators.sampling import SamplingSettings
 from speculators.tree import DraftTree, TreeAsk, lookup_tree, verify_rows
+from stages.errors import SpecpipeError
 from stages.tree_shape import depths
+
+
+class TargetWaiting(SpecpipeError):
+    """The target lost a part it cannot replace yet (a stage whose machine is
+    gone, and no machine with room for it): what it held is lost, and
+    ``Target.resume`` brings it back, holding nothing, once it can. The
+    message names what was lost."""
 
 
 class Target(Protocol):
@@ -52,6 +60,11 @@ class Target(Protocol):
     def copy(self, source: int, destination: int, length: int) -> None:
         """Make KV sequence ``destination`` hold the first ``length`` positions of
         ``source`` in every stage (a shared prefix), after the passes submitted before."""
+
+    def resume(self) -> bool:
+        """After a TargetWaiting (only a target that raises it is asked): run
+        again if the lost part can be replaced now, holding no sequence; False
+        while it cannot."""
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,10 @@ from typing import Any, Protocol
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from orchestrator.config import RESUME_SECONDS
 from orchestrator.serving.protocol import FINISH_REASONS, ApiError, Reply, TextAssembler, decode_body, parse_request, sse
-from orchestrator.decoding.service import Progress, QueueFull, RequestTooLong, Service, ServiceError, ServiceRequest, ShuttingDown
+from orchestrator.decoding.service import (Progress, QueueFull, RequestTooLong, Service, ServiceError, ServiceRequest,
+                                           ShuttingDown, Unavailable)
 
 RETRY_AFTER_SECONDS = 1  # told to a client refused with 429: a sequence frees within a few passes
 
@@ -82,9 +84,10 @@ def build_app(backend: Backend) -> FastAPI:
     async def health():
         active, queued = backend.service.counts()
         stages = [] if backend.stage_load is None else await backend.stage_load()
-        body = {
-            "status": "failed" if backend.service.failure else "ok",
-            "error": backend.service.failure or None,
+        service = backend.service
+        body = {  # degraded: a stage lost and no node with room yet; the service resumes by itself
+            "status": "failed" if service.failure else "degraded" if service.degraded else "ok",
+            "error": service.failure or service.degraded or None,
             "requests_decoding": active,
             "requests_queued": queued,
             "stages": [{"answering": False} if stage is None else
@@ -97,7 +100,7 @@ def build_app(backend: Backend) -> FastAPI:
                        for stage in stages],
             "drafters": [] if backend.drafters is None else backend.drafters(),
         }
-        return JSONResponse(body, status_code=503 if backend.service.failure else 200)
+        return JSONResponse(body, status_code=503 if service.failure or service.degraded else 200)
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -136,7 +139,8 @@ def build_app(backend: Backend) -> FastAPI:
             async for index, text, _ in texts:
                 reply.texts[index] += text
         except GenerationFailed as error:
-            raise ApiError(503, f"the request failed: {error}", kind="server_error", code="generation_failed") from None
+            raise ApiError(503, f"the request failed: {error}", kind="server_error", code="generation_failed",
+                           headers={"Retry-After": str(round(RESUME_SECONDS))}) from None
         finally:
             backend.service.cancel(number)  # no-op once ended; frees the sequence if the client went away
         return reply.response()
@@ -179,6 +183,9 @@ def submit(service: Service, request: ServiceRequest, sink) -> int:
     except QueueFull as error:
         raise ApiError(429, f"the server is busy: {error}", kind="rate_limit_error", code="queue_full",
                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+    except Unavailable as error:
+        raise ApiError(503, f"the service is degraded: {error}", kind="server_error", code="unavailable",
+                       headers={"Retry-After": str(round(RESUME_SECONDS))}) from None
     except ShuttingDown as error:
         raise ApiError(503, str(error), kind="server_error", code="unavailable") from None
     except RequestTooLong as error:

@@ -15,7 +15,9 @@ from orchestrator.transport.messages import PassResult
 from orchestrator.decoding.schedule import TargetPass
 from orchestrator.decoding.service import (
     Progress, QueueFull, RequestTooLong, Service, ServiceError, ServiceRequest, ServiceSettings, ShuttingDown,
+    Unavailable,
 )
+from orchestrator.decoding.targets import TargetWaiting
 from speculators.prompt_lookup import PromptLookupSpeculator
 from speculators.sampling import SamplingSettings
 
@@ -249,6 +251,69 @@ def test_a_failing_target_ends_every_request_with_its_error():
     assert service.failure == "RuntimeError: stage 1 died"
     with pytest.raises(ShuttingDown, match="stage 1 died"):
         service.submit(request([1], 1), Collector())
+
+
+class LosingModel(CountingModel):
+    """A target that loses a part after ``lose_after`` passes (TargetWaiting,
+    what it held gone) and can resume once ``room`` is set."""
+
+    def __init__(self, lose_after: int):
+        super().__init__()
+        self.lose_after, self.room, self.resumes = lose_after, threading.Event(), 0
+
+    def receive(self) -> PassResult:
+        if self.lose_after is not None and len(self.passes) > self.lose_after:
+            self.lose_after = None
+            self.cache.clear()
+            raise TargetWaiting("stage 0's node 5e1f is lost and no other node has room for it")
+        return super().receive()
+
+    def resume(self) -> bool:
+        self.resumes += 1
+        if self.room.is_set():
+            self.pending.clear()  # the lost passes' results never come
+        return self.room.is_set()
+
+
+def test_a_target_waiting_for_room_ends_requests_retryably_and_the_service_resumes_by_itself(monkeypatch):
+    """No node has room for a lost stage: every request in flight or queued
+    ends with the reason, new ones are refused (Unavailable, not a shutdown),
+    nothing is marked failed; once the target resumes, a request gets its
+    solo tokens again."""
+    import orchestrator.decoding.service as service_module
+
+    monkeypatch.setattr(service_module, "RESUME_SECONDS", 0.01)
+    model = LosingModel(lose_after=3)
+    service = Service(model, lambda token: False, settings(max_sequences=2, queue_limit=5))
+    collectors = [Collector() for _ in range(3)]
+    for index, collector in enumerate(collectors):
+        service.submit(request([index + 1], 30), collector)
+    for collector in collectors:
+        event = collector.wait().events[-1]
+        assert event.finished == "error" and "node 5e1f is lost" in event.error and "resumes by itself" in event.error
+    wait_for(lambda: model.resumes > 2)
+    assert service.failure == "" and "node 5e1f is lost" in service.degraded
+    with pytest.raises(Unavailable, match="node 5e1f is lost"):
+        service.submit(request([1], 1), Collector())
+    model.room.set()
+    wait_for(lambda: not service.degraded)
+    again = Collector()
+    service.submit(request([7, 8], 12), again)
+    assert again.wait().tokens == alone([7, 8], 12)
+    service.close(drain_seconds=1)
+    assert service.failure == ""
+
+
+def test_a_service_waiting_for_room_closes_without_waiting_for_it(monkeypatch):
+    model = LosingModel(lose_after=0)
+    service = Service(model, lambda token: False, settings(max_sequences=1))
+    service.submit(request([1], 30), collector := Collector())
+    assert collector.wait().finished == "error"
+    wait_for(lambda: model.resumes > 0)
+    closing = threading.Thread(target=service.close, args=(1,))
+    closing.start()
+    closing.join(timeout=10)
+    assert not closing.is_alive()
 
 
 def test_a_request_beyond_the_context_is_refused_with_its_numbers():

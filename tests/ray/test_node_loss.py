@@ -11,6 +11,8 @@ this file runs (conftest.py runs the files on it first)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from orchestrator.cluster.model_files import WholeModelSettings, whole_model_stages
@@ -103,23 +105,18 @@ def test_a_lost_node_s_stage_is_shipped_to_the_spare_and_no_token_changes(three_
         assert len(pipeline.shipments) == 3 and (again.stage_index, again.node_id) == (stage_index, restart.node_id)
 
 
-def node_of_process(cluster, pid: int):
-    """The cluster node whose raylet started process ``pid`` (Ray's workers are its children)."""
-    import psutil
-
-    parent = psutil.Process(pid).ppid()
-    [node] = [node for node in cluster.list_all_nodes()
-              if any(info.process.pid == parent for info in node.all_processes.get("raylet", []))]
-    return node
-
-
 def replica_node(cluster):
-    """The node running the Serve replica (the coordinator): its process's title names it."""
+    """The node of this cluster running the Serve replica (the coordinator):
+    its process's title names it, and Ray's workers are their raylet's
+    children (another test's server may run beside this one)."""
     import psutil
 
-    [pid] = [process.pid for process in psutil.process_iter(["cmdline"])
-             if any("ServeReplica:specpipe" in part for part in process.info["cmdline"] or [])]
-    return node_of_process(cluster, pid)
+    raylets = {info.process.pid: node for node in cluster.list_all_nodes()
+               for info in node.all_processes.get("raylet", [])}
+    [node] = [raylets[process.ppid()] for process in psutil.process_iter(["cmdline"])
+              if any("ServeReplica:specpipe" in part for part in process.info["cmdline"] or [])
+              and process.ppid() in raylets]
+    return node
 
 
 def test_serve_moves_a_lost_stage_to_the_spare_under_load(three_workers, smollm2, reference, tmp_path):
@@ -173,5 +170,68 @@ def test_serve_moves_a_lost_stage_to_the_spare_under_load(three_workers, smollm2
         health = httpx.get(base + "/health", timeout=30).json()
         assert health["status"] == "ok" and health["stages"][index]["restarts"] == 1
         assert health["stages"][index]["node"] not in (lost, stages[1 - index]["node"])
+    finally:
+        stop_server(server)
+
+
+def test_serve_without_room_answers_503_naming_the_node_and_resumes_when_a_node_joins(cluster, smollm2, reference,
+                                                                                       tmp_path):
+    """No spare: the stage's node removed under a request. The request and
+    the next ones get 503 with Retry-After naming the lost node, /health says
+    degraded; a node joins and, without restarting serve, a request gets the
+    whole model's text."""
+    import asyncio
+
+    import httpx
+
+    from benchmarks.serve_bench import start_specpipe_server, stop_server
+    from conftest import free_port
+
+    while len(cluster.list_all_nodes()) > 3:  # the head and two workers: no spare
+        cluster.remove_node(cluster.list_all_nodes()[-1])
+    while len(cluster.list_all_nodes()) < 3:
+        cluster.add_node(num_cpus=1, object_store_memory=80 * 1024**2)
+    cluster.wait_for_nodes()
+    port, log = free_port(), tmp_path / "serve.log"
+    server = start_specpipe_server(["--address", cluster.address, "--model", smollm2, "--stages", "2",
+                                    "--max-sequences", "2", "--n-ctx", "512"], port, log)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        stages = httpx.get(base + "/health", timeout=30).json()["stages"]
+        coordinator = replica_node(cluster)
+        lost = next(stage["node"] for stage in stages if stage["node"] != coordinator.node_id)
+        model = httpx.get(base + "/v1/models", timeout=30).json()["data"][0]["id"]
+        body = {"model": model, "prompt": PROMPTS[1], "max_tokens": 60, "temperature": 0}
+
+        async def in_flight_then_lost():
+            async with httpx.AsyncClient(base_url=base, timeout=120) as client:
+                asked = asyncio.create_task(client.post("/v1/completions", json=body))
+                while httpx.get(base + "/health", timeout=30).json()["requests_decoding"] == 0:
+                    await asyncio.sleep(0.05)
+                [node] = [node for node in cluster.list_all_nodes() if node.node_id == lost]
+                await asyncio.to_thread(cluster.remove_node, node)
+                return await asked
+
+        during = asyncio.run(in_flight_then_lost())
+        assert during.status_code == 503 and during.headers["Retry-After"] == "5", during.text
+        assert lost[:8] in during.json()["error"]["message"] and "no other node has room" in during.text
+        refused = httpx.post(base + "/v1/completions", json=body, timeout=60)
+        assert refused.status_code == 503 and refused.headers["Retry-After"] == "5"
+        assert refused.json()["error"]["message"].startswith("the service is degraded: stage ")
+        health = httpx.get(base + "/health", timeout=30)
+        assert health.status_code == 503 and health.json()["status"] == "degraded" and lost[:8] in health.text
+
+        cluster.add_node(num_cpus=1, object_store_memory=80 * 1024**2)
+        for _ in range(240):
+            if httpx.get(base + "/health", timeout=30).json()["status"] == "ok":
+                break
+            time.sleep(0.5)
+        after = httpx.post(base + "/v1/completions", json=body, timeout=120)
+        expected = reference.greedy(reference.tokenize(PROMPTS[1]), 60).tokens
+        assert after.status_code == 200, log.read_text()[-3000:]
+        assert after.json()["choices"][0]["text"] == reference.llama.detokenize(expected).decode("utf-8", "replace")
+        assert server.poll() is None  # the same serve process throughout
+        settled = httpx.get(base + "/health", timeout=30).json()
+        assert [stage["kv_cells"] for stage in settled["stages"]] == [0, 0]  # nothing held beyond the prefix cache
     finally:
         stop_server(server)
