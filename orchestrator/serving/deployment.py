@@ -8,9 +8,11 @@ the stage actors and their socket chain (``Pipeline``), and the ``Service``
 loop that keeps them busy with many requests. The replica's ``__del__`` (Serve
 calls it when the application is deleted) drains the service and closes the
 pipeline; stage actors and the placement group are owned by the replica, so
-Ray also frees them if it dies. The replica's health check fails once the
-pipeline has failed, so Serve replaces it (a fresh pipeline): a lost stage
-costs the requests in flight an error and the service a restart.
+Ray also frees them if it dies. A stage lost with its machine moves to a
+spare node (a whole model's is shipped there again); with none, the service
+answers 503 until a node joins and then resumes (decoding.service,
+Pipeline.resume). The replica's health check fails only once the pipeline
+has failed for good, so Serve replaces it (a fresh pipeline).
 
 The deployment class is built inside a function (``_deployment``) because
 importing Ray Serve takes seconds and ``orchestrate --help`` must not.
