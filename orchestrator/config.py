@@ -59,6 +59,10 @@ PASS_DEADLINE_FACTOR = 20.0
 PASS_DEADLINE_MINIMUM_SECONDS = 120.0
 # Seconds a stage actor has to answer that question before it counts as hung.
 STAGE_ANSWER_SECONDS = 10.0
+# A stage that does not answer is lost, not hung, if Ray reports its node dead
+# within this many seconds more (a frozen or cut-off machine: Ray's GCS misses
+# its health checks, 5 of 3 s by default, then calls the node dead).
+NODE_DEATH_SECONDS = 60.0
 # Restarts of one lost stage (or drafter) per pipeline (--max-restarts): each
 # reloads the stage and replays every live sequence through the new chain;
 # a stage lost more often than this is failing for a reason a restart will

@@ -10,7 +10,9 @@ every stage still answers (a link that broke and healed), the chain is
 wired anew through the same stages and replayed, once per loss and at
 most max_restarts times a pipeline (``ChainRelink``). A stage that hangs is
 named and the pipeline fails: it may still hold its node's memory, and a
-second copy beside it could not load.
+second copy beside it could not load; unless Ray reports its node dead
+within NODE_DEATH_SECONDS (a frozen or cut-off machine), which makes it a
+lost stage.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from orchestrator.cluster.connect import one_line
-from orchestrator.config import STAGE_ANSWER_SECONDS
+from orchestrator.cluster.connect import alive_nodes, one_line
+from orchestrator.config import NODE_DEATH_SECONDS, STAGE_ANSWER_SECONDS
 from orchestrator.decoding.targets import TargetWaiting
 from orchestrator.transport.chain import PassLate, PipelineError
 from orchestrator.transport.ledger import PassRecord
@@ -113,18 +115,31 @@ def dead_stages(pipeline: Pipeline, late: PassLate, restarting: list[tuple[int, 
         where = f"stage {stage.stage_index} on node {stage.node_id[:8]} ({stage.host}, process {stage.process_id})"
         try:
             ray.get(call, timeout=STAGE_ANSWER_SECONDS)
+            continue
         except ray.exceptions.GetTimeoutError:
-            raise PipelineError(f"{late}: {where} does not answer within {STAGE_ANSWER_SECONDS:.0f} s "
-                                "(hung or stopped)") from None
+            if not node_dies(stage.node_id, NODE_DEATH_SECONDS):
+                raise PipelineError(f"{late}: {where} does not answer within {STAGE_ANSWER_SECONDS:.0f} s "
+                                    "(hung or stopped)") from None
+            reason = f"its node {stage.node_id[:8]} stopped answering and Ray reports it dead"
         except ray.exceptions.RayError as error:
             reason = one_line(error)
-            used = sum(restart.stage_index == stage.stage_index for restart in pipeline.restarts) + sum(
-                index == stage.stage_index for index, _, _ in restarting)
-            if used >= pipeline.max_restarts:
-                raise PipelineError(f"{late}: {where} died ({reason}); restarted {used} times already "
-                                    f"(--max-restarts {pipeline.max_restarts})") from None
-            dead.append((stage.stage_index, reason))
+        used = sum(restart.stage_index == stage.stage_index for restart in pipeline.restarts) + sum(
+            index == stage.stage_index for index, _, _ in restarting)
+        if used >= pipeline.max_restarts:
+            raise PipelineError(f"{late}: {where} died ({reason}); restarted {used} times already "
+                                f"(--max-restarts {pipeline.max_restarts})") from None
+        dead.append((stage.stage_index, reason))
     return dead
+
+
+def node_dies(node_id: str, seconds: float) -> bool:
+    """Whether Ray reports node ``node_id`` dead within ``seconds`` (asked each second)."""
+    deadline = time.monotonic() + seconds
+    while node_id in {node.node_id for node in alive_nodes()}:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(1.0)
+    return True
 
 
 def replay(pipeline: Pipeline, unanswered: list[PassRecord], notices: list[int], cancelled: list[PassRecord]) -> None:

@@ -235,3 +235,45 @@ def test_serve_without_room_answers_503_naming_the_node_and_resumes_when_a_node_
         assert [stage["kv_cells"] for stage in settled["stages"]] == [0, 0]  # nothing held beyond the prefix cache
     finally:
         stop_server(server)
+
+
+def test_a_frozen_machine_s_stage_is_lost_not_hung_once_ray_calls_its_node_dead(three_workers, smollm2, reference):
+    """The node holding stage 0 frozen mid-generation (SIGSTOP to its raylet
+    and every process under it: a machine that hangs, or whose link is cut,
+    answers nothing and closes no socket). Its stage does not answer, and
+    once Ray's health checks call the node dead the stage is lost, not
+    hung: it restarts on the spare and no token changes. Before, it was
+    named hung and the run failed."""
+    import signal
+
+    import psutil
+
+    cluster = three_workers
+    tokens = reference.tokenize(PROMPTS[2])
+    model = whole_model_stages(WholeModelSettings(smollm2, stages=2), SETTINGS, None, None)
+    frozen: list[psutil.Process] = []
+    with Pipeline(model, SETTINGS, pass_deadline_minimum=3.0) as pipeline:
+        lost = pipeline.stages[0].node_id
+        [node] = [node for node in cluster.list_all_nodes() if node.node_id == lost]
+        produced = []
+
+        def freeze(token):
+            produced.append(token)
+            if len(produced) == 8:
+                [raylet] = [psutil.Process(info.process.pid) for info in node.all_processes["raylet"]]
+                frozen.extend([raylet, *raylet.children(recursive=True)])
+                for process in frozen:
+                    process.send_signal(signal.SIGSTOP)
+
+        try:
+            result = generate(pipeline, tokens, MAX_TOKENS, SamplingSettings(), Tokenizer(smollm2).is_end,
+                              on_token=freeze)
+        finally:
+            for process in frozen:
+                with __import__("contextlib").suppress(psutil.NoSuchProcess):
+                    process.kill()
+            cluster.remove_node(node, allow_graceful=False)
+        assert result.tokens == reference.greedy(tokens, MAX_TOKENS).tokens
+        [restart] = pipeline.restarts
+        assert restart.stage_index == 0 and "Ray reports it dead" in restart.reason
+        assert pipeline.stages[0].node_id != lost
