@@ -38,8 +38,11 @@ def cluster(tmp_path_factory, monkeypatch_module):
     ray_environment()
     # a stage cache of this test's (the nodes share it: they are one machine)
     monkeypatch_module.setenv("SPECPIPE_STAGE_CACHE", str(tmp_path_factory.mktemp("stage-cache")))
+    # Ray's health checks 1 s apart, 25 missed: a frozen node is called dead ~26 s on, after its stage's
+    # 10 s to answer (so the wait for its node's death is what finds it lost), not Ray's default ~35 s
+    checks = {"health_check_period_ms": 1000, "health_check_timeout_ms": 1000, "health_check_failure_threshold": 25}
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": 80 * 1024**2,
-                                                            "include_dashboard": False})
+                                                            "include_dashboard": False, "_system_config": checks})
     for _ in range(3):
         cluster.add_node(num_cpus=1, object_store_memory=80 * 1024**2)
     cluster.wait_for_nodes()
