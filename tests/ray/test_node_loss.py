@@ -11,6 +11,7 @@ this file runs (conftest.py runs the files on it first)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -54,13 +55,42 @@ def cluster(tmp_path_factory, monkeypatch_module):
         cluster.shutdown()
 
 
-@pytest.fixture
-def three_workers(cluster):
-    """The cluster with three worker nodes (a test before may have removed one)."""
-    while len(cluster.list_all_nodes()) < 4:
+def with_workers(cluster, count: int):
+    """The cluster with ``count`` one-CPU worker nodes besides its head (a test before may have removed one)."""
+    while len(cluster.list_all_nodes()) > count + 1:
+        cluster.remove_node(cluster.list_all_nodes()[-1])
+    while len(cluster.list_all_nodes()) < count + 1:
         cluster.add_node(num_cpus=1, object_store_memory=80 * 1024**2)
     cluster.wait_for_nodes()
     return cluster
+
+
+@pytest.fixture
+def three_workers(cluster):
+    return with_workers(cluster, 3)
+
+
+@contextlib.contextmanager
+def serving(cluster, model: str, tmp_path, max_sequences: int):
+    """`orchestrate serve --model MODEL --stages 2` on the cluster: (its base URL,
+    the index of a stage not on the coordinator's node, that stage's node id, its log)."""
+    import httpx
+
+    from benchmarks.serve_bench import start_specpipe_server, stop_server
+    from conftest import free_port
+
+    port, log = free_port(), tmp_path / "serve.log"
+    server = start_specpipe_server(["--address", cluster.address, "--model", model, "--stages", "2",
+                                    "--max-sequences", str(max_sequences), "--n-ctx", "512"], port, log)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        stages = httpx.get(base + "/health", timeout=30).json()["stages"]
+        coordinator = replica_node(cluster)
+        index = next(index for index, stage in enumerate(stages) if stage["node"] != coordinator.node_id)
+        yield base, index, stages[index]["node"], log
+        assert server.poll() is None  # the same serve process throughout
+    finally:
+        stop_server(server)
 
 
 @pytest.fixture(scope="module")
@@ -133,19 +163,8 @@ def test_serve_moves_a_lost_stage_to_the_spare_under_load(three_workers, smollm2
     import httpx
     import openai
 
-    from benchmarks.serve_bench import start_specpipe_server, stop_server
-    from conftest import free_port
-
     cluster = three_workers
-    port, log = free_port(), tmp_path / "serve.log"
-    server = start_specpipe_server(["--address", cluster.address, "--model", smollm2, "--stages", "2",
-                                    "--max-sequences", "4", "--n-ctx", "512"], port, log)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        stages = httpx.get(base + "/health", timeout=30).json()["stages"]
-        coordinator = replica_node(cluster)
-        index = next(index for index, stage in enumerate(stages) if stage["node"] != coordinator.node_id)
-        lost = stages[index]["node"]
+    with serving(cluster, smollm2, tmp_path, max_sequences=4) as (base, index, lost, log):
         prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], "1, 2, 3, 4,"]
         expected = [reference.llama.detokenize(reference.greedy(reference.tokenize(prompt), 40).tokens)
                     .decode("utf-8", errors="replace") for prompt in prompts]
@@ -172,9 +191,7 @@ def test_serve_moves_a_lost_stage_to_the_spare_under_load(three_workers, smollm2
         assert texts == expected, log.read_text()[-3000:]
         health = httpx.get(base + "/health", timeout=30).json()
         assert health["status"] == "ok" and health["stages"][index]["restarts"] == 1
-        assert health["stages"][index]["node"] not in (lost, stages[1 - index]["node"])
-    finally:
-        stop_server(server)
+        assert health["stages"][index]["node"] not in (lost, health["stages"][1 - index]["node"])
 
 
 def test_serve_without_room_answers_503_naming_the_node_and_resumes_when_a_node_joins(cluster, smollm2, reference,
@@ -187,22 +204,7 @@ def test_serve_without_room_answers_503_naming_the_node_and_resumes_when_a_node_
 
     import httpx
 
-    from benchmarks.serve_bench import start_specpipe_server, stop_server
-    from conftest import free_port
-
-    while len(cluster.list_all_nodes()) > 3:  # the head and two workers: no spare
-        cluster.remove_node(cluster.list_all_nodes()[-1])
-    while len(cluster.list_all_nodes()) < 3:
-        cluster.add_node(num_cpus=1, object_store_memory=80 * 1024**2)
-    cluster.wait_for_nodes()
-    port, log = free_port(), tmp_path / "serve.log"
-    server = start_specpipe_server(["--address", cluster.address, "--model", smollm2, "--stages", "2",
-                                    "--max-sequences", "2", "--n-ctx", "512"], port, log)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        stages = httpx.get(base + "/health", timeout=30).json()["stages"]
-        coordinator = replica_node(cluster)
-        lost = next(stage["node"] for stage in stages if stage["node"] != coordinator.node_id)
+    with serving(with_workers(cluster, 2), smollm2, tmp_path, max_sequences=2) as (base, _, lost, log):
         model = httpx.get(base + "/v1/models", timeout=30).json()["data"][0]["id"]
         body = {"model": model, "prompt": PROMPTS[1], "max_tokens": 60, "temperature": 0}
 
@@ -233,11 +235,8 @@ def test_serve_without_room_answers_503_naming_the_node_and_resumes_when_a_node_
         expected = reference.greedy(reference.tokenize(PROMPTS[1]), 60).tokens
         assert after.status_code == 200, log.read_text()[-3000:]
         assert after.json()["choices"][0]["text"] == reference.llama.detokenize(expected).decode("utf-8", "replace")
-        assert server.poll() is None  # the same serve process throughout
         settled = httpx.get(base + "/health", timeout=30).json()
         assert [stage["kv_cells"] for stage in settled["stages"]] == [0, 0]  # nothing held beyond the prefix cache
-    finally:
-        stop_server(server)
 
 
 def test_a_frozen_machine_s_stage_is_lost_not_hung_once_ray_calls_its_node_dead(three_workers, smollm2, reference):
@@ -273,7 +272,7 @@ def test_a_frozen_machine_s_stage_is_lost_not_hung_once_ray_calls_its_node_dead(
                               on_token=freeze)
         finally:
             for process in frozen:
-                with __import__("contextlib").suppress(psutil.NoSuchProcess):
+                with contextlib.suppress(psutil.NoSuchProcess):
                     process.kill()
             cluster.remove_node(node, allow_graceful=False)
         assert result.tokens == reference.greedy(tokens, MAX_TOKENS).tokens
