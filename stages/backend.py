@@ -98,12 +98,29 @@ def offloaded_layers(backend: ComputeBackend, n_gpu_layers: int, block_count: in
     return layers if n_gpu_layers < 0 else min(n_gpu_layers, layers)
 
 
+def loaded_library(name: str) -> ctypes.CDLL:
+    """llama-cpp-python's library ``name`` ("libggml", "libggml-base"): the
+    very copy libllama loaded. Its wheel holds copies, not links, of
+    libNAME.so, .so.0 and .so.0.x.y, and libllama loads the .so.0 (its
+    soname); loading another of the names would put a second copy of ggml in
+    the process, with a registry and state of its own (on the CUDA build the
+    first model load then crashed: docs/backends.md)."""
+    import llama_cpp
+
+    folder = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
+    names = [f"{name}.so.0", f"{name}.so", f"{name}.dylib"]  # the last two: builds that keep links, macOS
+    path = next((os.path.join(folder, file) for file in names if os.path.exists(os.path.join(folder, file))), None)
+    if path is None:
+        raise OSError(f"{folder} has none of {', '.join(names)}")
+    return ctypes.CDLL(path)
+
+
 @functools.cache
 def detect() -> ComputeBackend:
     """This process's llama.cpp backend (read once: the registry is fixed when ggml loads)."""
     import llama_cpp
 
-    library = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml.so"))
+    library = loaded_library("libggml")
     calls = (("ggml_backend_dev_count", ctypes.c_size_t, []),
              ("ggml_backend_dev_get", ctypes.c_void_p, [ctypes.c_size_t]),
              ("ggml_backend_dev_name", ctypes.c_char_p, [ctypes.c_void_p]),

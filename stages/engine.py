@@ -50,14 +50,14 @@ import os
 import numpy as np
 
 import llama_cpp
-from stages.backend import StageCompute, detect as detect_backend
+from stages.backend import StageCompute, detect as detect_backend, loaded_library
 from stages.capture import AbortFlag, CaptureError, NodeCapture
 from stages.errors import SpecpipeError
 from stages.gguf_file import KEY_FIRST_BLOCK, KEY_STAGE_COUNT, KEY_STAGE_INDEX
 from stages.settings import StageSettings
 from stages.tree_shape import TreeError, branch_sequences, check_preorder, depths
 
-_ggml_base = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-base.so"))
+_ggml_base = loaded_library("libggml-base")
 
 _backend_ready = False
 
