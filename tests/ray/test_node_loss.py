@@ -279,3 +279,21 @@ def test_a_frozen_machine_s_stage_is_lost_not_hung_once_ray_calls_its_node_dead(
         [restart] = pipeline.restarts
         assert restart.stage_index == 0 and "Ray reports it dead" in restart.reason
         assert pipeline.stages[0].node_id != lost
+
+
+def test_run_without_room_ends_with_one_line_naming_the_lost_stage(cluster, smollm2, reference):
+    """run's pipeline (a placement group) on two workers, no spare: the lost
+    node's stage has nowhere to go, and within ROOM_WAIT_SECONDS the run
+    ends with a StageWaiting that says so (the CLI prints it as one line,
+    exit 1), not after the 300 s it used to wait."""
+    from orchestrator.cluster.recovery import StageWaiting
+
+    with_workers(cluster, 2)
+    tokens = reference.tokenize(PROMPTS[2])
+    model = whole_model_stages(WholeModelSettings(smollm2, stages=2), SETTINGS, None, None)
+    with Pipeline(model, SETTINGS) as pipeline:
+        remove = removing_node(cluster, pipeline, 1, after_tokens=4)
+        started = time.monotonic()
+        with pytest.raises(StageWaiting, match="stage 1 lost its node and no other node has room for it"):
+            generate(pipeline, tokens, MAX_TOKENS, SamplingSettings(), Tokenizer(smollm2).is_end, on_token=remove)
+        assert remove.removed and time.monotonic() - started < 120
