@@ -149,10 +149,11 @@ def plan_placement(
 
 def replacement_node(nodes: list[NodeInfo], node_ids: tuple[str, ...], lost: int) -> NodeInfo | None:
     """Where stage ``lost`` goes after its process died (node_ids: each
-    stage's node now; nodes: the alive ones): its own node while it lives,
-    else an alive node with a CPU that holds none of the other stages; None
-    when there is none."""
+    stage's node now; nodes: the alive ones): its own node while it lives
+    (also one it shares with other stages, as on one machine), else an
+    alive node with a CPU that holds none of the other stages; None when
+    there is none."""
+    own = [node for node in nodes if node.node_id == node_ids[lost]]
     others = {node_id for index, node_id in enumerate(node_ids) if index != lost}
     spares = [node for node in nodes if node.node_id not in others and node.cpus >= 1]
-    spares.sort(key=lambda node: node.node_id != node_ids[lost])
-    return spares[0] if spares else None
+    return (own or spares or [None])[0]

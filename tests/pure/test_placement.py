@@ -175,3 +175,4 @@ def test_a_lost_stage_moves_to_a_node_holding_no_stage_or_nowhere():
     assert replacement_node([no_cpu, busy], ("gone", "busy"), 0) is None  # no room: it waits, never doubles up
     own = NodeInfo("gone", "10.0.0.1", 1)  # its node is alive again (the process died, not the node): stays there
     assert replacement_node([spare, busy, own], ("gone", "busy"), 0) == own
+    assert replacement_node([own], ("gone", "gone"), 1) == own  # one machine runs both: its process died, not it

@@ -12,6 +12,8 @@ this file runs (conftest.py runs the files on it first)."""
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import time
 
 import pytest
@@ -187,11 +189,23 @@ def test_serve_moves_a_lost_stage_to_the_spare_under_load(three_workers, smollm2
             await asyncio.to_thread(cluster.remove_node, node)
             return await asyncio.gather(*asks)
 
+        async def main_without_loss():
+            client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
+            model = (await client.models.list()).data[0].id
+            return [await ask(client, model, prompts[0], asyncio.Event())]
+
         texts = asyncio.run(main())
         assert texts == expected, log.read_text()[-3000:]
         health = httpx.get(base + "/health", timeout=30).json()
         assert health["status"] == "ok" and health["stages"][index]["restarts"] == 1
-        assert health["stages"][index]["node"] not in (lost, health["stages"][1 - index]["node"])
+        moved = health["stages"][index]["node"]
+        assert moved not in (lost, health["stages"][1 - index]["node"])
+
+        # then only its process is killed: it restarts where it is now (its node lives)
+        os.kill(health["stages"][index]["process"], signal.SIGKILL)
+        assert asyncio.run(main_without_loss()) == expected[:1]
+        health = httpx.get(base + "/health", timeout=30).json()
+        assert health["stages"][index]["restarts"] == 2 and health["stages"][index]["node"] == moved
 
 
 def test_serve_without_room_answers_503_naming_the_node_and_resumes_when_a_node_joins(cluster, smollm2, reference,
@@ -246,7 +260,6 @@ def test_a_frozen_machine_s_stage_is_lost_not_hung_once_ray_calls_its_node_dead(
     once Ray's health checks call the node dead the stage is lost, not
     hung: it restarts on the spare and no token changes. Before, it was
     named hung and the run failed."""
-    import signal
 
     import psutil
 
