@@ -378,13 +378,9 @@ class Service:
         serve again, holding nothing) or the service closes (False)."""
         with self._wake:
             self.degraded = f"{reason}; the service resumes by itself once it can"
-            for ticket in [*self._queue, *self._active.values()]:
-                self._end(ticket, "error", self.degraded)
-            self._queue.clear()
-            self._active.clear()
+            self._end_every_request(self.degraded)
             self._cancelled.clear()
             self._free = list(range(self.settings.max_sequences))
-            self.observer.load(0, 0)
         self.loop = self._new_loop()  # the passes in flight are gone with the lost part
         self.prefix_cache = self.settings.prefix_cache()  # so are the prefixes its stages held
         while not self.target.resume():
@@ -534,8 +530,12 @@ class Service:
         """The target failed: every request ends with the reason, nothing more is taken."""
         with self._wake:
             self.failure = reason or "the pipeline failed"
-            for ticket in [*self._queue, *self._active.values()]:
-                self._end(ticket, "error", self.failure)
-            self._queue.clear()
-            self._active.clear()
-            self.observer.load(0, 0)
+            self._end_every_request(self.failure)
+
+    def _end_every_request(self, error: str) -> None:
+        """Every request queued or decoding ends with ``error`` (called under the lock)."""
+        for ticket in [*self._queue, *self._active.values()]:
+            self._end(ticket, "error", error)
+        self._queue.clear()
+        self._active.clear()
+        self.observer.load(0, 0)
