@@ -104,6 +104,11 @@ RESUME_SECONDS = 5.0
 # moves to another node by itself) may take before the stage is said to have
 # no node with room (recovery.StageWaiting).
 ROOM_WAIT_SECONDS = 15.0
+# How soon `orchestrate serve` answers again after its coordinator (the Serve
+# replica) died, its stages kept loaded (orchestrator.cluster.kept): Serve
+# notices and starts a replica, which takes the stages over and measures the
+# pass cost again. The bound docs/architecture.md states and a test holds.
+REPLICA_BACK_SECONDS = 60.0
 
 # -- orchestrate profile --------------------------------------------------------
 # Tokens of context before every timed batch (a pass's cost grows with the

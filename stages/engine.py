@@ -53,7 +53,7 @@ import llama_cpp
 from stages.backend import StageCompute, detect as detect_backend, loaded_library
 from stages.capture import AbortFlag, CaptureError, NodeCapture
 from stages.errors import SpecpipeError
-from stages.gguf_file import KEY_FIRST_BLOCK, KEY_STAGE_COUNT, KEY_STAGE_INDEX
+from stages.gguf_file import KEY_FIRST_BLOCK, KEY_SOURCE_FINGERPRINT, KEY_STAGE_COUNT, KEY_STAGE_INDEX
 from stages.settings import StageSettings
 from stages.tree_shape import TreeError, branch_sequences, check_preorder, depths
 
@@ -126,6 +126,7 @@ class StageEngine:
         self.stage_index = int(meta_string(self._model, KEY_STAGE_INDEX) or 0)
         self.stage_count = int(meta_string(self._model, KEY_STAGE_COUNT) or 1)
         self.first_block = int(meta_string(self._model, KEY_FIRST_BLOCK) or 0)
+        self.source_fingerprint = meta_string(self._model, KEY_SOURCE_FINGERPRINT) or ""  # the whole model's
         self.is_first = self.stage_index == 0
         self.is_last = self.stage_index == self.stage_count - 1
         self.block_count = llama_cpp.llama_model_n_layer(self._model)

@@ -27,14 +27,16 @@ class ClusterError(SpecpipeError):
 
 
 @contextlib.contextmanager
-def ray_session(address: str | None, *, dashboard: bool = False, num_cpus: int | None = None) -> Iterator[str | None]:
+def ray_session(address: str | None, *, dashboard: bool = False, num_cpus: int | None = None,
+                namespace: str | None = None) -> Iterator[str | None]:
     """Connect to ``address`` ("auto" honours RAY_ADDRESS), or start a local Ray.
 
     A local instance is shut down on exit; a cluster one connected to is left
     running. Yields a line naming the dashboard URL and how to log in to it
     and, for a local instance with a dashboard, the metrics endpoint (None when
-    there is neither; dashboard_line). An
-    already initialised Ray (tests share one per session) is used as it is.
+    there is neither; dashboard_line). namespace: Ray's for this process
+    (None: an anonymous one of its own). An already initialised Ray (tests
+    share one per session) is used as it is.
     """
     ray_environment()
     import ray
@@ -56,9 +58,10 @@ def ray_session(address: str | None, *, dashboard: bool = False, num_cpus: int |
                 log_to_driver=False,
                 configure_logging=False,
                 _metrics_export_port=metrics_port,
+                namespace=namespace,
             )
         else:
-            context = ray.init(address=address, log_to_driver=False, configure_logging=False)
+            context = ray.init(address=address, log_to_driver=False, configure_logging=False, namespace=namespace)
     except (ConnectionError, RuntimeError, ValueError) as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         hint = ""
@@ -146,6 +149,19 @@ def pipeline_tag() -> str:
             return tag
 
 
+def kept_group(name: str):
+    """The placement group named ``name`` in this namespace (an earlier
+    coordinator's, orchestrator.cluster.kept), or None."""
+    import ray
+
+    if not name:
+        return None
+    try:
+        return ray.util.get_placement_group(name)
+    except ValueError:
+        return None
+
+
 def free_port() -> int:
     """A TCP port free on every interface of this machine now (the OS's pick).
     The one helper for it: Ray's metrics port, the bench's and the tests' servers."""
@@ -212,7 +228,11 @@ class Reservation:
     gives the reservation back.
     """
 
-    def __init__(self, stage_count: int, place: dict[int, str] | None = None, prefer: dict[int, str] | None = None):
+    def __init__(self, stage_count: int, place: dict[int, str] | None = None, prefer: dict[int, str] | None = None,
+                 group_name: str = ""):
+        """group_name: a service's kept stages (orchestrator.cluster.kept):
+        its placement group is detached and named so, and an earlier
+        coordinator's is taken over."""
         import ray
 
         from orchestrator.config import PLACEMENT_SECONDS
@@ -224,7 +244,9 @@ class Reservation:
         self.node_ids = list(self.plan.node_ids)  # an explicit plan's node of each stage (a movable one's changes)
         self.placement_group = None
         if self.plan.strategy == "spread":
-            self.placement_group = ray.util.placement_group([{"CPU": 1}] * stage_count, strategy="STRICT_SPREAD")
+            self.placement_group = kept_group(group_name) or ray.util.placement_group(
+                [{"CPU": 1}] * stage_count, strategy="STRICT_SPREAD", name=group_name,
+                lifetime="detached" if group_name else None)
             try:
                 ray.get(self.placement_group.ready(), timeout=PLACEMENT_SECONDS)
             except ray.exceptions.GetTimeoutError:

@@ -362,7 +362,9 @@ def start_drafters(pipeline, make_speculator: Callable[..., Speculator], setting
     A drafter that fails to start, or is lost later, is restarted in the
     background (settings.max_restarts); generation goes on without it meanwhile.
     Drafter ``index`` is named ``specpipe-drafter-<index>.<tag>`` with its
-    pipeline's stages' tag (connect.actor_name), each restart anew; with a
+    pipeline's stages' tag (connect.actor_name; a service's kept stages'
+    followed by the drafters' own: they die with the coordinator,
+    StageActors.drafter_tag), each restart anew; with a
     ``kind``, ``specpipe-drafter-<kind>-<index>.<tag>``, so several sets of
     drafters (the bench's kinds) can stand beside one pipeline.
     """
@@ -382,7 +384,7 @@ def start_drafters(pipeline, make_speculator: Callable[..., Speculator], setting
               if place.node.node_id in shipped else make_speculator for place in placed]
 
     def start(index: int):
-        name = actor_name(f"drafter-{kind}" if kind else "drafter", index, pipeline.actors.tag, launches[index])
+        name = actor_name(f"drafter-{kind}" if kind else "drafter", index, pipeline.actors.drafter_tag, launches[index])
         launches[index] += 1
         return actor_class.options(**placed[index].options, name=name).remote(
             index, makers[index], settings, pipeline.secret, placed[index].loopback, pipeline.certificate)

@@ -22,6 +22,7 @@ import numpy as np
 
 from orchestrator.cluster import recovery
 from orchestrator.cluster.connect import ClusterError, Reservation
+from orchestrator.cluster.kept import FoundStage, KeptStages, find_kept, holds
 from orchestrator.cluster.recovery import ChainRelink, StageRestart, StageWaiting
 from orchestrator.cluster.shipping import Shipment, ModelToShip, fetch_vocabulary, ship_whole_model
 from orchestrator.cluster.stage_actors import LOOPBACK, StageActors, StageLoad, StageReport
@@ -59,6 +60,7 @@ class Pipeline:
         on_restart: Callable[[StageRestart], None] | None = None,
         tls: bool = False,
         overlapping: bool = False,
+        kept: KeptStages | None = None,
     ):
         """stage_paths: each stage's file, on the node that runs it, or a
         ModelToShip on this machine: its stages are cut and shipped to their
@@ -75,7 +77,11 @@ class Pipeline:
         for this pipeline (orchestrator.transport.tls), handed to the actors through Ray.
         overlapping: several stages compute at once (asynchronous speculation,
         a service); it decides how stages sharing a machine are pinned to its
-        CPUs (orchestrator.cluster.stage_cpus; pin_stages changes it)."""
+        CPUs (orchestrator.cluster.stage_cpus; pin_stages changes it).
+        kept: a service's stages that outlive this coordinator
+        (orchestrator.cluster.kept): its secret and certificate (tls is then
+        the certificate's), and the stages an earlier coordinator left are
+        taken over where they hold what this one would load."""
         import ray
 
         self.whole_model = stage_paths if isinstance(stage_paths, ModelToShip) else None
@@ -98,10 +104,16 @@ class Pipeline:
         self.ledger = KvLedger()  # what every stage caches, for a replay after a loss
         # The data plane's secret: it reaches the actors only through Ray's
         # authenticated calls, and every chain connection proves it holds it.
-        self.secret = new_secret()
-        self.certificate = new_chain_certificate() if tls else None  # --tls: every connection in TLS with it
-        self.reservation = Reservation(stage_count, place, prefer)
-        self.actors = StageActors(self.reservation, settings, wire_dtype, self.secret, self.certificate)
+        self.secret = kept.secret if kept else new_secret()
+        # --tls: every connection in TLS with it
+        self.certificate = kept.certificate if kept else new_chain_certificate() if tls else None
+        left, names_used = find_kept(kept.tag) if kept else ({}, {})
+        if prefer is not None:  # a stage an earlier coordinator moved is preferred where it is now
+            prefer = {**prefer, **{index: stage.description.node_id for index, stage in left.items()}}
+        self.reservation = Reservation(stage_count, place, prefer, kept.group_name if kept else "")
+        self.actors = StageActors(self.reservation, settings, wire_dtype, self.secret, self.certificate,
+                                  kept.tag if kept else "")
+        self.actors.restarts.update(names_used)
         try:
             if self.whole_model is not None:
                 self._ship(range(stage_count))
@@ -109,7 +121,7 @@ class Pipeline:
             self.stage_files = check_stage_files_on_nodes(self.stage_paths, found)
             # Every stage on this machine: no listener needs to be reachable from another.
             self.loopback = all(file.node_address == ray.util.get_node_ip_address() for file in found)
-            self.stages = self.actors.start(self.stage_paths, self.loopback)
+            self.stages = self.actors.start(self.stage_paths, self.loopback, self._take_over(left))
             self.n_vocab = self.stages[-1].n_vocab
             self.stage_count = len(self.stages)
             self.chain = self._wire()
@@ -119,6 +131,23 @@ class Pipeline:
         except BaseException:
             self.close()
             raise
+
+    def _take_over(self, left: dict[int, FoundStage]) -> dict:
+        """Of the stages an earlier coordinator left, those holding the slice
+        this one would load (kept.holds) on the node its placement names:
+        index -> actor. Any other is killed (a new one takes its place)."""
+        import ray
+
+        taken = {}
+        for index, stage in left.items():
+            node = self.reservation.node_ids[index] if self.reservation.node_ids else stage.description.node_id
+            if index < len(self.stage_files) and holds(stage.description, self.stage_files[index]) \
+                    and stage.description.node_id == node:
+                taken[index] = stage.actor
+            else:
+                ray.kill(stage.actor)
+                self.actors.restarts[index] = stage.restarts + 1
+        return taken
 
     def _ship(self, indices) -> None:
         """Stages ``indices`` of the whole model onto their nodes (only what they lack is sent)."""

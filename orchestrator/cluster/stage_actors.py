@@ -111,6 +111,9 @@ def stage_actor_class():
         def connect_cancel(self, host: str, port: int) -> None:
             self.server.connect_cancel(host, port)
 
+        def forget(self) -> None:
+            self.server.forget()
+
         def stats(self) -> tuple[float, int, int, int]:
             server = self.server
             return server.busy_seconds, server.passes, server.dropped_passes, server.stopped_passes
@@ -139,17 +142,22 @@ class StageActors:
     """One actor per stage, each started in its stage's placement bundle with
     the pipeline's settings, secret and certificate (handed over by Ray's
     authenticated calls), and named ``specpipe-stage-<index>.<tag>``
-    (connect.actor_name; the pipeline's drafters share the tag)."""
+    (connect.actor_name; the pipeline's drafters share the tag). Kept
+    (``kept_tag``: a service's, orchestrator.cluster.kept) they are detached
+    from this process and named with the service's tag, and the drafters,
+    which die with it, with one of their own."""
 
     def __init__(self, reservation: Reservation, settings: StageSettings, wire_dtype: str, secret: bytes,
-                 certificate):
+                 certificate, kept_tag: str = ""):
         self.reservation = reservation
         self.settings = settings
         self.wire_dtype = wire_dtype
         self.secret = secret
         self.certificate = certificate
         self.actors: list = []
-        self.tag = pipeline_tag()
+        self.detached = bool(kept_tag)
+        self.tag = kept_tag or pipeline_tag()
+        self.drafter_tag = f"{self.tag}.{pipeline_tag()}" if kept_tag else self.tag
         self.restarts: dict[int, int] = {}  # stage index -> its restarts so far (each names its actor anew)
 
     def __getitem__(self, index: int):
@@ -169,15 +177,23 @@ class StageActors:
     def _new(self, index: int, path: str, loopback: bool):
         """A new stage actor for stage ``index`` on its node (it loads in the background)."""
         name = actor_name("stage", index, self.tag, self.restarts.get(index, 0))
-        return stage_actor_class().options(**self.reservation.actor_options(index, num_cpus=1), name=name).remote(
+        lasting = {"lifetime": "detached"} if self.detached else {}
+        return stage_actor_class().options(**self.reservation.actor_options(index, num_cpus=1), name=name,
+                                           **lasting).remote(
             path, self.settings, self.wire_dtype, self.secret, loopback, self.certificate)
 
-    def start(self, paths: list[str], loopback: bool) -> list[StageDescription]:
-        """Every stage's actor, once each has loaded its file."""
+    def start(self, paths: list[str], loopback: bool, taken_over: dict | None = None) -> list[StageDescription]:
+        """Every stage's actor, once each has loaded its file. taken_over:
+        stage index -> a live actor of an earlier coordinator holding that
+        stage (orchestrator.cluster.kept), used instead of a new one once it
+        has forgotten every KV sequence."""
         import ray
 
-        self.actors = [self._new(index, path, loopback) for index, path in enumerate(paths)]
+        taken_over = taken_over or {}
+        self.actors = [taken_over[index] if index in taken_over else self._new(index, path, loopback)
+                       for index, path in enumerate(paths)]
         try:
+            ray.get([actor.forget.remote() for actor in taken_over.values()], timeout=ACTOR_START_SECONDS)
             return ray.get([actor.describe.remote() for actor in self.actors], timeout=ACTOR_START_SECONDS)
         except ray.exceptions.GetTimeoutError:
             raise PipelineError(f"stages did not start within {ACTOR_START_SECONDS:.0f} s") from None

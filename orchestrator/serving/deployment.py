@@ -40,6 +40,7 @@ from stages.errors import SpecpipeError
 from stages.settings import StageSettings
 
 if TYPE_CHECKING:
+    from orchestrator.cluster.kept import KeptStages
     from orchestrator.cluster.model_files import WholeModelSettings
 
 APPLICATION = "specpipe"
@@ -86,6 +87,7 @@ class ServeSettings:
     shipped: ShippedStages | None = None  # where place_stages put whole_model's stages
     vocabulary_path: str | None = None  # a file on this machine with the vocabulary (None: a local stage file)
     prefix_cache_tokens: int | None = None
+    kept: KeptStages | None = None  # the stages outlive a replica (orchestrator.cluster.kept); made by the driver
 
 
 def default_max_sequences(kv_bytes: int, available_bytes: int) -> int:
@@ -133,6 +135,7 @@ class Coordinator:
         self.pipeline = Pipeline(pipeline_stages(settings), settings.stage, wire_dtype=settings.wire_dtype,
                                  place=settings.place, prefer=settings.shipped and settings.shipped.nodes,
                                  max_restarts=settings.max_restarts, tls=settings.tls, overlapping=True,
+                                 kept=settings.kept,
                                  notify_boundaries=speculation.relays,
                                  on_restart=lambda restart: restart_metrics.record("stage", restart.stage_index))
         try:
@@ -394,6 +397,7 @@ def serve_until_stopped(settings: ServeSettings, on_status: Callable[[str], None
     SIGTERM, then delete it (in-flight requests drain) and stop Serve."""
     from orchestrator.cluster.connect import ray_session
     from orchestrator.cluster.drafters import drafter_nodes
+    from orchestrator.cluster.kept import SERVE_NAMESPACE, KeptStages
     from orchestrator.cluster.model_files import local_draft
 
     draft = local_draft(settings.speculation.draft_path, on_status)  # hf:: fetched here, before Ray starts
@@ -402,7 +406,8 @@ def serve_until_stopped(settings: ServeSettings, on_status: Callable[[str], None
     if not placing:
         settings = prepare(settings)
     stop = threading.Event()
-    with ray_session(settings.address, dashboard=settings.dashboard) as where:
+    # in Serve's namespace, where the replica names the stages it keeps: what is left of them is removed at the end
+    with ray_session(settings.address, dashboard=settings.dashboard, namespace=SERVE_NAMESPACE) as where:
         # after ray.init, which installs its own SIGTERM handler (it prints a stack and exits)
         previous = {number: signal.signal(number, lambda *_: stop.set()) for number in (signal.SIGINT, signal.SIGTERM)}
         try:
@@ -411,7 +416,7 @@ def serve_until_stopped(settings: ServeSettings, on_status: Callable[[str], None
             drafter_nodes(settings.speculation.drafter_nodes)  # a node not alive fails before the stages load
             if placing:
                 settings = prepare(place_stages(settings, on_status))
-            _run_application(settings, on_status, stop)
+            _run_application(replace(settings, kept=KeptStages.new(settings.tls)), on_status, stop)
         finally:
             for number, handler in previous.items():
                 signal.signal(number, handler)
@@ -436,7 +441,7 @@ def _run_application(settings: ServeSettings, on_status: Callable[[str], None], 
         # returns once the replica has started (the stages loaded) or failed
         serve.run(_deployment(settings).bind(settings), name=APPLICATION, route_prefix="/", blocking=False)
     except Exception as error:  # Serve reports a replica that failed to start as a RuntimeError with its traceback
-        _shutdown_serve()
+        _shutdown_serve(settings)
         raise ServeError(f"the service did not start: {one_line(error)}") from None
     key = " (API key required)" if settings.api_key else ""
     on_status(f"serving {settings.model_name!r} on http://{settings.host}:{settings.port}/v1{key}; "
@@ -445,15 +450,21 @@ def _run_application(settings: ServeSettings, on_status: Callable[[str], None], 
         stop.wait()
     finally:
         on_status("stopping: requests in flight may finish...")
-        _shutdown_serve()
+        _shutdown_serve(settings)
         on_status("stopped")
 
 
-def _shutdown_serve() -> None:
+def _shutdown_serve(settings: ServeSettings) -> None:
+    """Delete the application (its replica drains and closes its stages),
+    stop Serve, and remove what is left of the kept stages (a replica that
+    died just before could not)."""
     from ray import serve
+
+    from orchestrator.cluster.kept import remove_kept
 
     try:
         serve.delete(APPLICATION)
     except Exception:  # never started
         pass
     serve.shutdown()
+    remove_kept(settings.kept)

@@ -66,6 +66,7 @@ class StageDescription:
     process_id: the stage's process on its node (to name it, or to stop it in tests).
     cpus: the CPUs its process could run on when it started (orchestrator.cluster.stage_cpus pins it to some).
     compute: its llama.cpp backend, devices and offloaded layers.
+    source_fingerprint: the whole model's its file was cut from ("" for a whole model).
     """
 
     stage_index: int
@@ -79,6 +80,7 @@ class StageDescription:
     process_id: int = 0
     cpus: tuple[int, ...] = ()
     compute: StageCompute | None = None
+    source_fingerprint: str = ""
 
 
 class StageServer:
@@ -131,6 +133,7 @@ class StageServer:
             process_id=os.getpid(),
             cpus=process_cpus(),
             compute=self.engine.compute,
+            source_fingerprint=self.engine.source_fingerprint,
         )
 
     def pin(self, cpus: tuple[int, ...] | None) -> None:
@@ -176,6 +179,14 @@ class StageServer:
             self._connections.append(self._downstream)
         finally:
             self._downstream_ready.set()
+
+    def forget(self) -> None:
+        """A coordinator started again takes this stage over: end what is
+        left of the old chain and free every KV sequence (the old
+        coordinator's record of them died with it). The model stays loaded."""
+        self._end_chain()
+        self.engine.remove(0, -1)
+        self.kv_cells = self.kv_sequences = self.prefix_cells = 0
 
     def _end_chain(self) -> None:
         """Close the connections of the chain being served and wait for its thread."""

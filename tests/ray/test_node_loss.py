@@ -77,6 +77,7 @@ def serving(cluster, model: str, tmp_path, max_sequences: int):
     """`orchestrate serve --model MODEL --stages 2` on the cluster: (its base URL,
     the index of a stage not on the coordinator's node, that stage's node id, its log)."""
     import httpx
+    import ray
 
     from benchmarks.serve_bench import start_specpipe_server, stop_server
     from conftest import free_port
@@ -92,7 +93,11 @@ def serving(cluster, model: str, tmp_path, max_sequences: int):
         yield base, index, stages[index]["node"], log
         assert server.poll() is None  # the same serve process throughout
     finally:
-        stop_server(server)
+        stop_server(server, timeout=60)  # let it remove its stages
+    # the stage actors outlive a replica (detached) but not the service
+    left = [actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
+            if actor["name"].startswith("specpipe-")]
+    assert not left, left
 
 
 @pytest.fixture(scope="module")

@@ -408,6 +408,73 @@ def test_a_stage_killed_while_four_requests_stream_loses_no_request_and_no_token
     assert [stage["kv_cells"] for stage in health["stages"]] == [0, 0]
 
 
+def replica_process():
+    """The Serve replica's process (the coordinator): Ray titles it ``ray::ServeReplica:specpipe:...``."""
+    import psutil
+
+    [replica] = [process for process in psutil.process_iter(["cmdline"])
+                 if any("ServeReplica:specpipe" in part for part in process.info["cmdline"] or ())]
+    return replica
+
+
+def test_the_replica_killed_mid_stream_comes_back_on_the_same_stage_processes(server, model_name, reference,
+                                                                             tokenizer):
+    """SIGKILL the Serve replica (the coordinator) while three requests
+    stream: none of them claims success, Serve starts a new replica, which
+    takes over the loaded stages (the same processes, every KV cell free,
+    the old prefix cache's too: no reload), and a request within
+    REPLICA_BACK_SECONDS (the bound docs/architecture.md states) gets the
+    whole model's text."""
+    from orchestrator.config import REPLICA_BACK_SECONDS
+
+    expected, _ = whole_model_text(reference, tokenizer.tokenize(PROMPTS[1]), 24)
+    before = server.health()["stages"]
+    assert any(stage["prefix_cache_tokens"] for stage in before)  # the tests before left prefixes
+    replica = replica_process()
+    lines: list[list[str]] = [[], [], []]
+
+    async def stream(client, prompt, mine):
+        body = {"model": model_name, "prompt": prompt, "max_tokens": 60, "stream": True, "temperature": 0}
+        try:
+            async with client.stream("POST", server.base + "/v1/completions", json=body, timeout=60,
+                                     headers={"Authorization": f"Bearer {KEY}"}) as reply:
+                async for line in reply.aiter_lines():
+                    if line:  # not the blank lines between events
+                        mine.append(line)
+                    if sum(len(each) >= 2 for each in lines) == len(lines) and replica.is_running():
+                        replica.kill()  # every stream under way: each holds a KV sequence
+        except httpx.HTTPError:  # the connection ended mid-stream
+            pass
+
+    async def main():
+        async with httpx.AsyncClient() as client:
+            await asyncio.gather(*(stream(client, prompt, mine) for prompt, mine in zip(PROMPTS, lines)))
+
+    asyncio.run(main())
+    killed = time.monotonic()
+    assert all(len(mine) >= 2 and mine[-1] != "data: [DONE]" for mine in lines), lines
+    body = {"model": model_name, "prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0}
+    while True:
+        try:
+            reply = httpx.post(server.base + "/v1/completions", json=body, timeout=REPLICA_BACK_SECONDS,
+                               headers={"Authorization": f"Bearer {KEY}"})
+            if reply.status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() - killed < REPLICA_BACK_SECONDS, server.log()
+        time.sleep(0.5)
+    assert time.monotonic() - killed < REPLICA_BACK_SECONDS
+    assert reply.json()["choices"][0]["text"] == expected
+    assert replica_process().pid != replica.pid
+    health = server.settled()
+    assert [stage["process"] for stage in health["stages"]] == [stage["process"] for stage in before]  # not reloaded
+    # every cell free but the prefix the request just left in the new prefix cache
+    prefix = [stage["prefix_cache_tokens"] for stage in health["stages"]]
+    assert prefix[0] == prefix[1] < len(tokenizer.tokenize(PROMPTS[1])) + 24, prefix
+    assert [(stage["kv_cells"], stage["sequences"]) for stage in health["stages"]] == [(0, 0), (0, 0)]
+
+
 def test_sigterm_lets_the_request_in_flight_finish_then_stops_cleanly(server, model_name):
     body = {"model": model_name, "prompt": PROMPTS[0], "max_tokens": 60, "stream": True, "temperature": 0}
     lines = []
