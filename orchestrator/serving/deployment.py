@@ -7,8 +7,10 @@ Its replica owns what ``orchestrate run`` starts for one prompt, started once:
 the stage actors and their socket chain (``Pipeline``), and the ``Service``
 loop that keeps them busy with many requests. The replica's ``__del__`` (Serve
 calls it when the application is deleted) drains the service and closes the
-pipeline; stage actors and the placement group are owned by the replica, so
-Ray also frees them if it dies. A stage lost with its machine moves to a
+pipeline. The stage actors and their placement group outlive the replica
+(orchestrator.cluster.kept): a replica Serve starts after one died takes
+them over instead of loading them again, and the driver removes what is
+left of them when it stops. A stage lost with its machine moves to a
 spare node (a whole model's is shipped there again); with none, the service
 answers 503 until a node joins and then resumes (decoding.service,
 Pipeline.resume). The replica's health check fails only once the pipeline
