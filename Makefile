@@ -46,7 +46,7 @@ WHEEL_CACHE   ?= $(HOME)/.cache/specpipe/wheels
 LLAMA_WHEELS  := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_VERSION)$(BACKEND_TAG)-noamx-nollamafile
 LLAMA_BUILT   := $(LLAMA_WHEELS)/.complete
 
-.PHONY: install run serve test test-tools test-fast mutation peers bench bench-serve calibrate device-bundle device-check clean
+.PHONY: install run serve test test-tools test-fast mutation peers bench bench-serve chaos calibrate device-bundle device-check clean
 
 install: $(STAMP)
 
@@ -162,6 +162,11 @@ bench: install
 # and whole, and llama-cpp-python's own server; serve.json, serve.md, serve.png.
 bench-serve: install
 	$(BIN)/orchestrate bench --serve --out benchmarks/results
+
+# The chaos soak (docs/measurements.md "Chaos soak"): serve under load while stage processes, the
+# replica and a node are killed, a stage stalls and strangers write to its port; chaos.json.
+chaos: install
+	$(BIN)/python -m benchmarks.chaos --out benchmarks/results/chaos
 
 # Planner against measurement (docs/planning.md): profile this
 # machine, run the bench suite, and put the simulation's predictions beside it.

@@ -1,0 +1,391 @@
+"""The chaos soak: ``orchestrate serve`` under a steady load of streamed,
+seeded requests while faults are injected in turn, each request checked
+against its solo output. A benchmark, not a test: it takes minutes.
+
+    python -m benchmarks.chaos --out DIR [--requests 160] [--clients 4] [--pause 8]
+
+The service runs on a Ray cluster of this process's own
+(``ray.cluster_utils.Cluster``: a head without CPUs, and one-CPU nodes for
+the two stages and a spare), ``orchestrate serve --model M --stages 2``
+joining it. Before the load each request is run alone (its solo output).
+Then CLIENTS clients stream REQUESTS requests (a few prompts, each sampled
+with its own seed), while the faults below are injected one at a time, PAUSE
+seconds after the service answered again from the last:
+
+- ``stage``: a stage process SIGKILLed;
+- ``replica``: the Serve replica (the coordinator) SIGKILLed;
+- ``node``: the Ray node holding a stage removed (its processes killed, as a
+  lost machine's), and a node added back once the service answers again;
+- ``stall``: a stage process stopped (SIGSTOP) for STALL_SECONDS, then let
+  go: a link that stalls and heals;
+- ``stranger``: connections to every stage's listening port that send
+  garbage and a forged handshake.
+
+Each request ends ``equal`` (its solo text), ``wrong`` (a text that differs:
+never allowed), ``retryable`` (a 503 or 429, or an error event in its stream,
+each saying why) or ``cut`` (the connection ended mid-stream: a killed
+replica can send nothing). After the load: every stage's KV cells free,
+each stage process that survived holds the file descriptors and sockets it
+held after warm-up and its memory is within 10 % of it. It writes
+chaos.json, prints the counts, and exits 1 if any check fails.
+
+Not injected (docs/measurements.md says so): drafters (this soak drafts by
+prompt lookup, no draft model), a cut link between separate hosts (the
+nodes here share one machine's loopback; ``stall`` stands in).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+FAULTS = ("stage", "replica", "node", "stall", "stranger")
+PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea,",
+           "List three colors:", "The best way to learn a language is")
+MAX_TOKENS = 32
+STALL_SECONDS = 4.0
+BACK_SECONDS = 120.0  # a fault the service does not answer again from within this is a failure
+
+
+@dataclass
+class Outcome:
+    request: int
+    kind: str  # equal, wrong, retryable, cut
+    detail: str
+    ended: float  # monotonic
+
+
+@dataclass
+class Fault:
+    kind: str
+    at: float  # monotonic
+    detail: str = ""
+    recovered_seconds: float | None = None
+
+
+@dataclass
+class Soak:
+    outcomes: list[Outcome] = field(default_factory=list)
+    faults: list[Fault] = field(default_factory=list)
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+def request_body(model: str, index: int) -> dict:
+    """Request ``index``'s body: a prompt and a seed of its own, sampled, streamed."""
+    return {"model": model, "prompt": PROMPTS[index % len(PROMPTS)], "max_tokens": MAX_TOKENS, "stream": True,
+            "temperature": 0.8, "seed": 1000 + index % 20}
+
+
+def stream_text(base: str, body: dict) -> tuple[str, str]:
+    """(kind, text or why): the streamed request's text ("done"), or how it ended otherwise."""
+    text = ""
+    try:
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as reply:
+            if reply.status_code != 200:
+                reply.read()
+                kind = "retryable" if reply.status_code in (429, 503) and "Retry-After" in reply.headers else "failed"
+                return kind, f"{reply.status_code} {reply.text[:200]}"
+            for line in reply.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    return "done", text
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return "retryable", event["error"]["message"][:200]
+                text += event["choices"][0]["text"]
+    except httpx.HTTPError as error:
+        return "cut", f"{type(error).__name__}: {error}"[:200]
+    return "cut", "the stream ended without [DONE]"
+
+
+def solo_outputs(base: str, model: str, count: int) -> dict[tuple[str, int], str]:
+    """Each distinct request run alone, before any fault: (prompt, seed) -> text."""
+    solo = {}
+    for index in range(count):
+        body = request_body(model, index)
+        key = (body["prompt"], body["seed"])
+        if key not in solo:
+            kind, text = stream_text(base, body)
+            if kind != "done":
+                raise SystemExit(f"chaos: the solo run of request {index} failed: {text}")
+            solo[key] = text
+    return solo
+
+
+def load(base: str, model: str, solo: dict, total: int, clients: int, soak: Soak) -> None:
+    """CLIENTS threads streaming requests 0..total-1, each outcome judged against its solo text."""
+    counter = iter(range(total))
+    lock = threading.Lock()
+
+    def client():
+        while True:
+            with lock:
+                index = next(counter, None)
+            if index is None:
+                return
+            body = request_body(model, index)
+            kind, text = stream_text(base, body)
+            if kind == "done":
+                kind = "equal" if text == solo[(body["prompt"], body["seed"])] else "wrong"
+            with lock:
+                soak.outcomes.append(Outcome(index, kind, "" if kind == "equal" else text, time.monotonic()))
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    soak.done.set()
+
+
+def health(base: str) -> dict:
+    return httpx.get(base + "/health", timeout=30).json()
+
+
+def served_again(base: str, model: str, since: float) -> float:
+    """Seconds from ``since`` until a short greedy request is answered."""
+    body = {"model": model, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+    while time.monotonic() - since < BACK_SECONDS:
+        try:
+            if httpx.post(base + "/v1/completions", json=body, timeout=30).status_code == 200:
+                return time.monotonic() - since
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise SystemExit(f"chaos: the service did not answer again within {BACK_SECONDS:.0f} s")
+
+
+def replica_pid() -> int:
+    import psutil
+
+    return next(process.pid for process in psutil.process_iter(["cmdline"])
+                if any("ServeReplica:specpipe" in part for part in process.info["cmdline"] or ()))
+
+
+def stage_addresses() -> list[tuple[str, int]]:
+    """Every live stage actor's listening address (asked through Ray)."""
+    import ray
+
+    addresses = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["name"].startswith("specpipe-stage-"):
+            actor = ray.get_actor(entry["name"], namespace=entry["namespace"])
+            description = ray.get(actor.describe.remote(), timeout=10)
+            addresses.append((description.host, description.port))
+    return addresses
+
+
+def inject(kind: str, cluster, base: str, rng: random.Random) -> str:
+    """Inject one fault; what was hit."""
+    stages = health(base)["stages"]
+    index = rng.randrange(len(stages))
+    if kind == "stage":
+        os.kill(stages[index]["process"], signal.SIGKILL)
+        return f"stage {index} process {stages[index]['process']}"
+    if kind == "replica":
+        pid = replica_pid()
+        os.kill(pid, signal.SIGKILL)
+        return f"replica process {pid}"
+    if kind == "node":
+        [node] = [node for node in cluster.list_all_nodes() if node.node_id == stages[index]["node"]]
+        cluster.remove_node(node)
+        return f"stage {index}'s node {node.node_id[:8]}"
+    if kind == "stall":
+        pid = stages[index]["process"]
+        os.kill(pid, signal.SIGSTOP)
+        threading.Timer(STALL_SECONDS, os.kill, (pid, signal.SIGCONT)).start()
+        return f"stage {index} process {pid} stopped {STALL_SECONDS:.0f} s"
+    for host, port in stage_addresses():
+        for payload in (os.urandom(256), b"SPECPIPE" + os.urandom(64), b"GET / HTTP/1.1\r\n\r\n"):
+            with socket.create_connection((host, port), timeout=5) as stranger:
+                stranger.sendall(payload)
+    return "every stage's port"
+
+
+def inject_faults(cluster, base: str, model: str, pause: float, soak: Soak, seed: int) -> None:
+    """One fault after another, FAULTS in turn, until the load is done."""
+    rng = random.Random(seed)
+    turn = 0
+    while not soak.done.wait(pause):
+        kind = FAULTS[turn % len(FAULTS)]
+        turn += 1
+        fault = Fault(kind, time.monotonic())
+        fault.detail = inject(kind, cluster, base, rng)
+        soak.faults.append(fault)
+        fault.recovered_seconds = served_again(base, model, fault.at)
+        print(f"chaos: {kind} ({fault.detail}): answering again after {fault.recovered_seconds:.1f} s; "
+              f"{len(soak.outcomes)} requests done", flush=True)
+        if kind == "node":  # a machine comes back (the stage stays where it moved)
+            add_worker(cluster, 3 + turn)
+
+
+def process_state(pids: list[int]) -> dict[int, dict]:
+    import psutil
+
+    state = {}
+    for pid in pids:
+        process = psutil.Process(pid)
+        state[pid] = {"fds": process.num_fds(), "sockets": len(process.net_connections()),
+                      "rss_mb": process.memory_info().rss / 1024**2}
+    return state
+
+
+def leaks(before: dict[int, dict], after: dict[int, dict]) -> list[str]:
+    """Each surviving process that holds more descriptors or sockets than after warm-up, or >10 % more memory."""
+    found = []
+    for pid in set(before) & set(after):
+        then, now = before[pid], after[pid]
+        if now["fds"] > then["fds"] or now["sockets"] > then["sockets"] or now["rss_mb"] > then["rss_mb"] * 1.10:
+            found.append(f"process {pid}: {then} -> {now}")
+    return found
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    return None if not values else sorted(values)[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def report(soak: Soak, kv: list, leaked: list[str], seconds: float) -> dict:
+    kinds = ("equal", "wrong", "retryable", "cut", "failed")
+    by_fault: dict[str, dict[str, int]] = {kind: {} for kind in FAULTS}
+    for outcome in soak.outcomes:
+        if outcome.kind != "equal":
+            before = [fault for fault in soak.faults if fault.at <= outcome.ended]
+            cause = before[-1].kind if before else "none"
+            by_fault.setdefault(cause, {})[outcome.kind] = by_fault.get(cause, {}).get(outcome.kind, 0) + 1
+    recovery = {kind: [fault.recovered_seconds for fault in soak.faults if fault.kind == kind] for kind in FAULTS}
+    return {
+        "requests": len(soak.outcomes),
+        "outcomes": {kind: sum(outcome.kind == kind for outcome in soak.outcomes) for kind in kinds},
+        "faults": {kind: len(recovery[kind]) for kind in FAULTS},
+        "not_equal_by_fault": by_fault,
+        "recovery_seconds": {kind: {"p50": percentile(values, 0.5), "p95": percentile(values, 0.95)}
+                             for kind, values in recovery.items()},
+        "kv_cells_at_end": kv,
+        "leaks": leaked,
+        "seconds": round(seconds, 1),
+        "fault_log": [asdict(fault) for fault in soak.faults],
+        "not_equal": [asdict(outcome) for outcome in soak.outcomes if outcome.kind != "equal"],
+    }
+
+
+def passed(result: dict) -> bool:
+    """No wrong token, nothing failed unclearly, nothing cut off but by a killed replica, nothing held or leaked."""
+    cut_elsewhere = any(counts.get("cut", 0) for fault, counts in result["not_equal_by_fault"].items()
+                        if fault != "replica")
+    return (result["outcomes"]["wrong"] == 0 and result["outcomes"]["failed"] == 0 and not cut_elsewhere
+            and not result["leaks"] and not any(result["kv_cells_at_end"]))
+
+
+def add_worker(cluster, number: int) -> None:
+    """A one-CPU node at an address of its own on this machine's loopback
+    (127.0.0.<number + 2>), as another host would have one: Serve's
+    replica, which asks for the driver's address, stays on the head, and the
+    stages' chain runs between addresses (nodes sharing one address would
+    also share Serve's HTTP port, and a stream would end with the proxy of
+    a node the replica left)."""
+    cluster.add_node(num_cpus=1, object_store_memory=80 * 1024**2, node_ip_address=f"127.0.0.{number + 2}")
+
+
+def start_cluster():
+    """A head without CPUs (no stage can use it) and three one-CPU nodes: two stages and a spare."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from orchestrator.cluster.connect import ray_environment
+
+    ray_environment()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": 80 * 1024**2,
+                                                            "include_dashboard": False})
+    for number in range(3):
+        add_worker(cluster, number)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    return cluster
+
+
+def settled_kv(base: str, seconds: float = 30) -> list[int]:
+    """Each stage's KV cells once no request decodes (or when ``seconds`` pass)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        stages = health(base)
+        cells = [stage["kv_cells"] for stage in stages["stages"]]
+        if (stages["requests_decoding"] == 0 and not any(cells)) or time.monotonic() > deadline:
+            return cells
+        time.sleep(0.5)
+
+
+def soak(cluster, base: str, arguments) -> dict:
+    model = httpx.get(base + "/v1/models", timeout=30).json()["data"][0]["id"]
+    solo = solo_outputs(base, model, arguments.requests)
+    warm = Soak()
+    load(base, model, solo, 2 * arguments.clients, arguments.clients, warm)  # warm-up: the level to hold
+    if any(outcome.kind != "equal" for outcome in warm.outcomes):
+        raise SystemExit("chaos: a warm-up request (no fault yet) did not equal its solo output")
+    pids = [stage["process"] for stage in health(base)["stages"]]
+    before = process_state(pids)
+    state = Soak()
+    started = time.monotonic()
+    # the faults from this thread: Ray adds a node only from the main one
+    requests = threading.Thread(target=load, args=(base, model, solo, arguments.requests, arguments.clients, state),
+                                daemon=True)
+    requests.start()
+    inject_faults(cluster, base, model, arguments.pause, state, arguments.seed)
+    requests.join()
+    kv = settled_kv(base)
+    alive = [stage["process"] for stage in health(base)["stages"]]
+    return report(state, kv, leaks(before, process_state([pid for pid in pids if pid in alive])),
+                  time.monotonic() - started)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.chaos", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for chaos.json")
+    parser.add_argument("--requests", type=int, default=160)
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--pause", type=float, default=8.0, help="seconds between a recovery and the next fault")
+    parser.add_argument("--seed", type=int, default=0, help="which stage each fault hits")
+    arguments = parser.parse_args(argv)
+    from benchmarks.serve_bench import start_specpipe_server
+    from benchmarks.serve_load import stop_server
+    from orchestrator.cluster.connect import free_port
+    from orchestrator.config import default_model_path
+
+    arguments.out.mkdir(parents=True, exist_ok=True)
+    cluster = start_cluster()
+    port, log = free_port(), arguments.out / "serve.log"
+    server = start_specpipe_server(["--address", cluster.address, "--model", str(default_model_path()),
+                                    "--stages", "2", "--max-sequences", str(arguments.clients), "--n-ctx", "512",
+                                    "--speculator", "ngram"], port, log)
+    try:
+        result = soak(cluster, f"http://127.0.0.1:{port}", arguments)
+        result["command"] = "python -m benchmarks.chaos " + " ".join(argv if argv is not None else sys.argv[1:])
+        result["date"] = time.strftime("%Y-%m-%d %H:%M")
+        result["passed"] = passed(result)
+    finally:
+        stop_server(server, timeout=60)
+        import ray
+
+        ray.shutdown()
+        cluster.shutdown()
+    (arguments.out / "chaos.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({key: result[key] for key in ("requests", "outcomes", "faults", "not_equal_by_fault",
+                                                   "recovery_seconds", "kv_cells_at_end", "leaks", "passed")},
+                     indent=1))
+    if not result["passed"]:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
