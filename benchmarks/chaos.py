@@ -23,8 +23,9 @@ seconds after the service answered again from the last:
 
 Each request ends ``equal`` (its solo text), ``wrong`` (a text that differs:
 never allowed), ``retryable`` (a 503 or 429, or an error event in its stream,
-each saying why) or ``cut`` (the connection ended mid-stream: a killed
-replica can send nothing). After the load: every stage's KV cells free,
+each saying why) or ``cut`` (the connection ended mid-stream, or Serve's
+proxy answered a bare 500: a killed replica can send nothing; allowed
+only for the ``replica`` fault). After the load: every stage's KV cells free,
 each stage process that survived holds the file descriptors and sockets it
 held after warm-up and its memory is within 10 % of it. It writes
 chaos.json, prints the counts, and exits 1 if any check fails.
@@ -94,8 +95,7 @@ def stream_text(base: str, body: dict) -> tuple[str, str]:
         with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as reply:
             if reply.status_code != 200:
                 reply.read()
-                kind = "retryable" if reply.status_code in (429, 503) and "Retry-After" in reply.headers else "failed"
-                return kind, f"{reply.status_code} {reply.text[:200]}"
+                return refusal(reply.status_code, reply.headers, reply.text), f"{reply.status_code} {reply.text[:200]}"
             for line in reply.iter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -108,6 +108,15 @@ def stream_text(base: str, body: dict) -> tuple[str, str]:
     except httpx.HTTPError as error:
         return "cut", f"{type(error).__name__}: {error}"[:200]
     return "cut", "the stream ended without [DONE]"
+
+
+def refusal(status: int, headers, body: str) -> str:
+    """How a refused request ended: ``retryable`` (429 or 503 with
+    Retry-After, the service's own), ``cut`` (Serve's proxy's bare 500: the
+    replica died holding the request before it answered), else ``failed``."""
+    if status in (429, 503) and "Retry-After" in headers:
+        return "retryable"
+    return "cut" if (status, body.strip()) == (500, "Internal Server Error") else "failed"
 
 
 def solo_outputs(base: str, model: str, count: int) -> dict[tuple[str, int], str]:

@@ -3,7 +3,7 @@ did not equal its solo output is laid to, and what fails the soak."""
 
 from __future__ import annotations
 
-from benchmarks.chaos import Fault, Outcome, Soak, leaks, passed, report
+from benchmarks.chaos import Fault, Outcome, Soak, leaks, passed, refusal, report
 
 
 def soak(*outcomes: tuple[str, float], faults=(("stage", 1.0, 2.0), ("replica", 5.0, 9.0))) -> Soak:
@@ -36,3 +36,11 @@ def test_a_surviving_process_holding_more_descriptors_sockets_or_a_tenth_more_me
     assert len(leaks(before, {7: {"fds": 31, "sockets": 4, "rss_mb": 200.0}})) == 1
     assert len(leaks(before, {7: {"fds": 30, "sockets": 5, "rss_mb": 200.0}})) == 1
     assert len(leaks(before, {7: {"fds": 30, "sockets": 4, "rss_mb": 221.0}})) == 1
+
+
+def test_only_the_service_s_own_refusals_are_retryable_and_only_a_bare_proxy_500_is_a_cut():
+    assert refusal(503, {"Retry-After": "5"}, "the service is degraded") == "retryable"
+    assert refusal(429, {"Retry-After": "1"}, "busy") == "retryable"
+    assert refusal(503, {}, "no reason to retry given") == "failed"
+    assert refusal(500, {}, "Internal Server Error") == "cut"
+    assert refusal(500, {}, '{"error": "a bug"}') == "failed"
