@@ -221,3 +221,52 @@ def test_a_host_that_holds_no_stage_drafts_for_the_pipeline_with_the_draft_shipp
     again = run_across_hosts(cluster, splits[2], *options)
     assert again["tokens"] == expected
     assert [(item["what"], item["bytes_sent"]) for item in again["shipped"]] == [("draft", 0)]
+
+
+CUT_SECONDS = 5.0
+CUT_DRIVER = """
+import json, subprocess, sys, threading, time
+import ray
+from orchestrator.cluster.pipeline import Pipeline
+from orchestrator.decoding.loop import generate
+from speculators.sampling import SamplingSettings
+from stages.settings import StageSettings
+from stages.tokenizer import Tokenizer
+
+address, interface, seconds, max_tokens, prompt, *paths = sys.argv[1:]
+ray.init(address=address, log_to_driver=False, configure_logging=False)
+link = lambda state: subprocess.run(["ip", "link", "set", interface, state], check=True)
+tokenizer, produced, cut = Tokenizer(paths[0]), [], {}
+
+def on_token(token):
+    produced.append(token)
+    if len(produced) == 8:  # mid-generation: the link goes down, and comes back
+        link("down")
+        cut["at"] = time.monotonic()
+        threading.Timer(float(seconds), link, ("up",)).start()
+
+with Pipeline(paths, StageSettings(n_ctx=512)) as pipeline:
+    hosts = [stage.host for stage in pipeline.stages]
+    result = generate(pipeline, tokenizer.tokenize(prompt), int(max_tokens), SamplingSettings(), tokenizer.is_end,
+                      on_token=on_token)
+    print(json.dumps({"tokens": result.tokens, "hosts": hosts, "restarts": len(pipeline.restarts),
+                      "relinks": len(pipeline.relinks), "after_cut": time.monotonic() - cut["at"]}))
+"""
+
+
+def test_a_link_cut_mid_generation_that_heals_costs_no_token(cluster, splits, reference):
+    """The head host's end of the link taken down for CUT_SECONDS after the
+    8th token (both stages are on different hosts: every pass crosses it),
+    then up again: the pass waits (within its deadline; TCP resends once
+    the link is back) and the run ends with the whole model's tokens, no
+    stage restarted and at most one relink with replay."""
+    max_tokens = 40
+    result = cluster.driver(["-c", CUT_DRIVER, cluster.address, cluster.hosts.first.interface, str(CUT_SECONDS),
+                             str(max_tokens), PROMPTS[0], *splits[2]], timeout=300)
+    assert result is not None, f"the driver timed out\n{cluster.log_tail()}"
+    assert result.returncode == 0, f"{result.stderr[-3000:]}\n{cluster.log_tail()}"
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["hosts"] == [cluster.hosts.second.address, cluster.hosts.first.address]
+    assert report["tokens"] == reference.greedy(reference.tokenize(PROMPTS[0]), max_tokens).tokens
+    assert report["after_cut"] >= CUT_SECONDS  # the cut was felt: generation waited for the link
+    assert report["restarts"] == 0 and report["relinks"] <= 1
