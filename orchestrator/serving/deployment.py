@@ -222,7 +222,11 @@ class Coordinator:
         return build_app(self.backend)
 
     def check_health(self) -> None:
+        """Raise once the pipeline failed for good, so that Serve replaces
+        the replica; its stages are removed first, so that the next replica
+        starts fresh ones instead of taking these over (they outlive it)."""
         if self.service.failure:
+            self.close()
             raise RuntimeError(f"the pipeline failed: {self.service.failure}")
 
     def close(self) -> None:

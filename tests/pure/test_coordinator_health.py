@@ -1,0 +1,43 @@
+"""The Serve replica's health check (orchestrator.serving.deployment.Coordinator):
+once the pipeline failed for good it removes the stages before it fails, so
+that the replica Serve starts next loads fresh ones instead of taking over
+these (they outlive a replica: orchestrator.cluster.kept)."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.serving.deployment import Coordinator, ServeSettings
+from stages.settings import StageSettings
+
+
+class Part:
+    def __init__(self, failure: str = ""):
+        self.failure = failure
+        self.closed = 0
+
+    def close(self, *_) -> None:
+        self.closed += 1
+
+
+def coordinator(failure: str) -> Coordinator:
+    made = object.__new__(Coordinator)  # its parts, without Ray
+    made.settings = ServeSettings(["stage-0.gguf"], StageSettings(), queue_limit=1)
+    made.service, made.pipeline, made.drafters, made._closed = Part(failure), Part(), [], False
+    return made
+
+
+def test_a_failed_pipeline_s_stages_are_removed_before_the_health_check_fails():
+    failed = coordinator("stage 1 does not answer within 10 s (hung or stopped)")
+    with pytest.raises(RuntimeError, match="hung or stopped"):
+        failed.check_health()
+    assert failed.pipeline.closed == 1 and failed.service.closed == 1
+    with pytest.raises(RuntimeError):
+        failed.check_health()  # asked again: closed once
+    assert failed.pipeline.closed == 1
+
+
+def test_a_healthy_replica_keeps_its_stages():
+    healthy = coordinator("")
+    healthy.check_health()
+    assert healthy.pipeline.closed == 0
