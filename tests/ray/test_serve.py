@@ -408,12 +408,19 @@ def test_a_stage_killed_while_four_requests_stream_loses_no_request_and_no_token
     assert [stage["kv_cells"] for stage in health["stages"]] == [0, 0]
 
 
-def replica_process():
-    """The Serve replica's process (the coordinator): Ray titles it ``ray::ServeReplica:specpipe:...``."""
+def replica_process(server: Server):
+    """This server's Serve replica process (the coordinator): Ray titles it
+    ``ray::ServeReplica:specpipe:...``. Only the server's own descendants are
+    searched: a test beside this one (another pytest worker) may run a service."""
     import psutil
 
-    [replica] = [process for process in psutil.process_iter(["cmdline"])
-                 if any("ServeReplica:specpipe" in part for part in process.info["cmdline"] or ())]
+    def titled(process) -> bool:
+        try:
+            return any("ServeReplica:specpipe" in part for part in process.cmdline())
+        except psutil.Error:  # gone since the listing
+            return False
+
+    [replica] = [process for process in psutil.Process(server.process.pid).children(recursive=True) if titled(process)]
     return replica
 
 
@@ -430,7 +437,7 @@ def test_the_replica_killed_mid_stream_comes_back_on_the_same_stage_processes(se
     expected, _ = whole_model_text(reference, tokenizer.tokenize(PROMPTS[1]), 24)
     before = server.health()["stages"]
     assert any(stage["prefix_cache_tokens"] for stage in before)  # the tests before left prefixes
-    replica = replica_process()
+    replica = replica_process(server)
     lines: list[list[str]] = [[], [], []]
 
     async def stream(client, prompt, mine):
@@ -466,7 +473,7 @@ def test_the_replica_killed_mid_stream_comes_back_on_the_same_stage_processes(se
         time.sleep(0.5)
     assert time.monotonic() - killed < REPLICA_BACK_SECONDS
     assert reply.json()["choices"][0]["text"] == expected
-    assert replica_process().pid != replica.pid
+    assert replica_process(server).pid != replica.pid
     health = server.settled()
     assert [stage["process"] for stage in health["stages"]] == [stage["process"] for stage in before]  # not reloaded
     # every cell free but the prefix the request just left in the new prefix cache
