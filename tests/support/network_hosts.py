@@ -291,8 +291,9 @@ class RayAcrossHosts:
 
     def log_tail(self, lines: int = 15) -> str:
         """The last lines of each node's output and of its raylet and GCS logs."""
-        files = [self.folder / "head.log", self.folder / "worker.log"]
-        for name in ("head", "worker"):
+        names = [name for name, _ in self._nodes]
+        files = [self.folder / f"{name}.log" for name in names]
+        for name in names:
             files += sorted((self.folder / name).glob("session_*/logs/raylet.out"))
             files += sorted((self.folder / name).glob("session_*/logs/gcs_server.out"))
         parts = []
@@ -307,3 +308,87 @@ class RayAcrossHosts:
         for _, process in self._nodes:
             self.hosts.stop(process)
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class ThreeHosts:
+    """Namespaces ``first`` (198.18.2.1), ``second`` (.2) and ``third`` (.3)
+    on one bridge inside ``first``, a switch with a port per other host
+    (unshaped: these tests cut links, they do not time them). ``cut(host)``
+    takes the host's port on the switch down: its machine is still there,
+    its link is not. The same start/stop/close as TwoHosts."""
+
+    def __init__(self, tag: str):
+        self.first = Host(f"specpipe-{tag}-x1", "br-specpipe", "198.18.2.1")
+        self.second = Host(f"specpipe-{tag}-x2", "veth-x2", "198.18.2.2")
+        self.third = Host(f"specpipe-{tag}-x3", "veth-x3", "198.18.2.3")
+        self._helper = TwoHosts(tag)  # its start, stop and close, over these namespaces
+        self._created = self._helper._created
+
+    def open(self) -> ThreeHosts:
+        if os.geteuid() != 0:
+            raise NamespacesUnavailable("network namespaces need root")
+        for host in (self.first, self.second, self.third):
+            result = _run([tool("ip"), "netns", "add", host.namespace])
+            if result.returncode != 0:
+                self.close()
+                raise NamespacesUnavailable(f"cannot create a network namespace: {result.stderr.strip()}")
+            self._created.append(host.namespace)
+        try:
+            switch = self.first
+            bridge = _run([tool("ip"), "-n", switch.namespace, "link", "add", switch.interface, "type", "bridge"])
+            if bridge.returncode != 0:
+                raise NamespacesUnavailable(f"cannot create a bridge: {bridge.stderr.strip()}")
+            for host in (self.second, self.third):
+                _check([tool("ip"), "link", "add", self.port(host), "netns", switch.namespace, "type", "veth",
+                        "peer", "name", host.interface, "netns", host.namespace])
+                _check([tool("ip"), "-n", switch.namespace, "link", "set", self.port(host), "master",
+                        switch.interface, "up"])
+            for host in (self.first, self.second, self.third):
+                _check([tool("ip"), "-n", host.namespace, "link", "set", "lo", "up"])
+                _check([tool("ip"), "-n", host.namespace, "address", "add", f"{host.address}/24", "dev",
+                        host.interface])
+                _check([tool("ip"), "-n", host.namespace, "link", "set", host.interface, "up"])
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    @staticmethod
+    def port(host: Host) -> str:
+        """The switch's port for ``host``."""
+        return f"{host.interface}-sw"
+
+    def cut_command(self, host: Host) -> list[str]:
+        """The command that takes ``host``'s link down (run it from anywhere on this machine)."""
+        return [tool("ip"), "-n", self.first.namespace, "link", "set", self.port(host), "down"]
+
+    def start(self, host: Host, arguments: list[str], log_path: Path, environment: dict[str, str]) -> subprocess.Popen:
+        return self._helper.start(host, arguments, log_path, environment)
+
+    def stop(self, process: subprocess.Popen) -> None:
+        self._helper.stop(process)
+
+    def close(self) -> None:
+        self._helper.close()
+
+
+class RayOnThreeHosts(RayAcrossHosts):
+    """A Ray head on ``hosts.first`` and a worker on each other host, none
+    advertising a stage: a pipeline of two stages spreads over them with one
+    node spare."""
+
+    def start(self, timeout: float = 120.0) -> list[str]:
+        self._start_node("head", self.hosts.first, ["--head", "--port", str(self.port), "--include-dashboard=false"])
+        for name, host in (("second", self.hosts.second), ("third", self.hosts.third)):
+            self._start_node(name, host, ["--address", self.address])
+        deadline = time.monotonic() + timeout
+        alive: list[str] = []
+        while time.monotonic() < deadline:
+            self._check_running()
+            probe = self.driver(["-c", NODES_PROBE, self.address, "3", "30"], timeout=60)
+            if probe is not None and probe.returncode == 0:
+                alive = json.loads(probe.stdout.strip().splitlines()[-1])
+                if len(alive) >= 3:
+                    return alive
+            time.sleep(1.0)
+        raise RuntimeError(f"Ray nodes not all up within {timeout:.0f} s (alive: {alive})\n{self.log_tail()}")
