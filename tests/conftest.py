@@ -59,16 +59,18 @@ def once_per_run(tmp_path_factory, worker_id: str, name: str, make) -> Path:
 
 @pytest.fixture(scope="session")
 def splits(smollm2, tmp_path_factory, worker_id) -> dict[int, list[str]]:
-    """SmolLM2 cut into 2 stages (default boundaries) and 3 stages (at 10 and 20)."""
+    """SmolLM2 cut into 2 stages (default boundaries), 3 stages (at 10 and 20) and 4 (at 8, 15 and 23)."""
     from stages.split import split_model
 
     def cut(folder: Path) -> None:
         split_model(smollm2, [str(folder / f"two-{index}.gguf") for index in range(2)])
         split_model(smollm2, [str(folder / f"three-{index}.gguf") for index in range(3)], [10, 20])
+        split_model(smollm2, [str(folder / f"four-{index}.gguf") for index in range(4)], [8, 15, 23])
 
     folder = once_per_run(tmp_path_factory, worker_id, "splits", cut)
     return {2: [str(folder / f"two-{index}.gguf") for index in range(2)],
-            3: [str(folder / f"three-{index}.gguf") for index in range(3)]}
+            3: [str(folder / f"three-{index}.gguf") for index in range(3)],
+            4: [str(folder / f"four-{index}.gguf") for index in range(4)]}
 
 
 @pytest.fixture(scope="session")

@@ -11,8 +11,10 @@ stages in virtual time) and where its sequences come from. One turn
     drafters beside stage 0 draft for the sequences that wait for them
     -> submit the passes the schedule makes (first windows, windows ahead)
     -> wait for the oldest pass, relaying async drafting at every boundary
+       (and submitting a window ahead when the pass leaves stage 0)
     -> verify each window it carried and commit its tokens
-    -> cancel the passes a rejection made worthless
+    -> cancel the passes a rejection made worthless, and start the drafter
+       beside stage 0 for a sequence that waits only for such passes
 
 Each window feeds [last committed token, draft_1, ..., draft_k] at positions
 len(committed) - 1 onward; every stage first drops cached positions from there
@@ -41,6 +43,7 @@ from orchestrator.decoding.drafting import Drafting
 from orchestrator.decoding.targets import Target, committed_logprobs, committed_tokens
 from speculators.logprobs import TokenLogprobs
 from speculators.sampling import SamplingSettings
+from speculators.tree import TreeAsk
 
 
 def sequence_state(sequence: int, prompt_tokens: list[int], max_tokens: int, sampling: SamplingSettings | None,
@@ -111,6 +114,7 @@ class DecodingLoop:
         self.choose = choose
         self.scheduler = Scheduler(window_per_pass=window_per_pass, batching=batching)
         self.decodings: dict[int, Decoding] = {}
+        self._early: dict[int, TreeAsk | None] = {}  # sequences whose drafter 0 drafts already (_draft_early)
 
     def add(self, decoding: Decoding) -> None:
         self.scheduler.add(decoding.state)
@@ -119,6 +123,7 @@ class DecodingLoop:
     def remove(self, sequence: int) -> Decoding:
         """Forget a settled sequence (its id may then be reused)."""
         self.scheduler.remove(sequence)
+        self._drop_early(sequence)
         return self.decodings.pop(sequence)
 
     @property
@@ -152,6 +157,7 @@ class DecodingLoop:
                 decoding.listener.scored(committed_logprobs(reply, window, rows, committed))
             decoding.listener.verified(window, committed)
         self.cancel_invalid()
+        self._draft_early()
         return True
 
     def cancel_invalid(self) -> None:
@@ -159,12 +165,34 @@ class DecodingLoop:
         for target_pass in self.scheduler.invalid_passes():
             self.target.cancel(target_pass)
 
+    def _draft_early(self) -> None:
+        """Start the drafter beside stage 0 for the sequences that will wait
+        for it once their discarded passes are back (schedule.drafts_early):
+        a rejection made the committed text known, so drafting need not wait
+        for those passes. _draft_first collects it."""
+        for state in self.scheduler.drafting_early():
+            if state.sequence not in self._early:
+                self._early[state.sequence] = self._speculate_first(state)
+        for sequence in [sequence for sequence in self._early if self.scheduler.sequences[sequence].finished]:
+            self._drop_early(sequence)
+
+    def _drop_early(self, sequence: int) -> None:
+        """A sequence that finished with drafting started early: its drafter's tokens are dropped."""
+        if self._early.pop(sequence, False) is not False:
+            self.decodings[sequence].drafting.drafter_first.collect(wait=True)  # type: ignore[union-attr]
+
+    def _speculate_first(self, state: SequenceState) -> TreeAsk | None:
+        """Start the drafter beside stage 0 on the committed text; the tree it grows, or None for a chain."""
+        tree = state.tree_ask
+        self.decodings[state.sequence].drafting.drafter_first.speculate(  # type: ignore[union-attr]
+            state.committed, state.drafts_wanted, sampling=state.draft_sampling, tree=tree)
+        return tree
+
     def _draft_first(self) -> None:
         """The sequences whose next window waits for the drafter beside stage 0 (schedule.drafts_first)."""
         for state in self.scheduler.drafting_first():
             drafter = self.decodings[state.sequence].drafting.drafter_first  # type: ignore[union-attr]
-            tree = state.tree_ask
-            drafter.speculate(state.committed, state.drafts_wanted, sampling=state.draft_sampling, tree=tree)
+            tree = self._early.pop(state.sequence) if state.sequence in self._early else self._speculate_first(state)
             if tree is not None:
                 state.drafted_tree(drafter.collect_tree(tree.leaves))
             else:
@@ -189,9 +217,13 @@ class DecodingLoop:
             if handoff.collect is not None:
                 for drafters in machines:
                     drafters[handoff.collect].ask()
-            for state, drafters in zip(relaying, machines):
-                if handoff.collect is not None:
+            if handoff.collect is not None:
+                for state, drafters in zip(relaying, machines):
                     state.drafted(drafters[handoff.collect].collect())
+            if moment == 1 and moment < len(handoffs) - 1:  # the pass left stage 0: it may take a window ahead
+                for target_pass in self.scheduler.windows_at_boundary(relaying):
+                    self.target.submit(target_pass)
+            for state, drafters in zip(relaying, machines):
                 room = state.speculation_room if handoff.start is not None else 0
                 if room > 0:
                     drafters[handoff.start].speculate(state.text, room, sampling=state.draft_sampling)

@@ -31,16 +31,25 @@ The rules:
   stage 0. A
   sequence whose draft policy takes no drafts does not relay.
 * When a window is started ahead (``SequenceState.window_ahead``, ``async``
-  only, PipeInfer's idea): while one window of the sequence is in flight and
-  the last verified window accepted all its drafts, the next window of the
-  speculation is submitted at once, assuming the one in flight commits its
-  whole window. After a rejection the next window is likely wrong too, and a
-  discarded window still costs every stage its compute.
+  only, PipeInfer's idea): while one window of the sequence is in flight,
+  the next window of the speculation, assuming the one in flight commits
+  its whole window; at a turn's start with the window it follows, or when
+  that window leaves stage 0, on what the relay drafted meanwhile
+  (``Scheduler.windows_at_boundary``), so stage 0 computes it while the
+  later stages compute the one before. Where each extra token of a pass
+  costs the stages little (the policy's step at most
+  AHEAD_ACROSS_REJECTION_STEP: memory-bound machines, whose stage would
+  idle otherwise) it is started whatever the last window did; elsewhere
+  only after a window that accepted all its drafts: after a rejection the
+  next window is likely wrong too, and a discarded window still costs every
+  stage its compute.
 * When a window in flight is invalid (``SequenceState.verified``): when it
   does not start at the last committed token (the window before it did not
   commit all it carried, or its own token differs), or the sequence is
   finished. Its result is discarded when it arrives, and the sequence submits
-  nothing new until then (the next pass's rollback drops its cache entries).
+  nothing new until then (the next pass's rollback drops its cache entries);
+  but where its next window waits for drafts from the committed text, the
+  drafter beside stage 0 starts them at once (``SequenceState.drafts_early``).
 * When a pass in flight is cancelled (``Scheduler.invalid_passes``,
   PipeInfer's early cancellation): as soon as every window it carries is
   invalid. Stages that have not started it drop it, and the one running it
@@ -79,6 +88,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 
+from orchestrator.config import AHEAD_ACROSS_REJECTION_STEP
 from speculators.draft_length import DRAFTER_CALL_COST, PRIOR_STEP, DraftPolicy, DraftPrices
 from speculators.sampling import SamplingSettings
 from speculators.tree import (DraftTree, PassCost, RankAcceptance, TreeAsk, accepted_rows, choose_rows, curve_cost,
@@ -410,7 +420,20 @@ class SequenceState:
     def drafts_first(self) -> bool:
         """Before its next window, the drafter beside stage 0 drafts from the
         committed text until it stops by itself, and the loop waits for it."""
-        return (self.ready and self.prompt_from is None and self.schedule.speculative and self.drafts_wanted > 0
+        return self.ready and self._drafts_from_committed
+
+    @property
+    def drafts_early(self) -> bool:
+        """It waits only for the results of windows a rejection made invalid,
+        and will then wait for drafts from the committed text (drafts_first):
+        the committed text is known, so that drafting may start now, while
+        the discarded passes come back."""
+        return (not self.finished and not self.in_flight and self.discards_pending > 0
+                and self._drafts_from_committed)
+
+    @property
+    def _drafts_from_committed(self) -> bool:
+        return (self.prompt_from is None and self.schedule.speculative and self.drafts_wanted > 0
                 and (self.schedule is Schedule.SYNC or not self.speculation))
 
     def drafted_first(self, tokens: list[int]) -> None:
@@ -527,8 +550,11 @@ class SequenceState:
         return chunks
 
     def window_ahead(self) -> Window | None:
-        """The next window of the speculation, started while one is in flight, or None."""
-        if not (self.schedule.relays and self.on_a_roll and len(self.in_flight) == 1 and not self.finished):
+        """The next window of the speculation, started while one is in flight,
+        or None: after a window that accepted all its drafts (on_a_roll), or
+        where passes are flat (aheads_pay)."""
+        if not (self.schedule.relays and (self.on_a_roll or self.aheads_pay) and len(self.in_flight) == 1
+                and not self.finished):
             return None
         head = self.in_flight[0]
         first = head.first + head.main_rows
@@ -541,6 +567,14 @@ class SequenceState:
                         logprobs=self.logprobs, **self._constrained(first + 1))
         self.in_flight.append(window)
         return window
+
+    @property
+    def aheads_pay(self) -> bool:
+        """A window is started ahead also while the one in flight may still
+        reject: each extra token of a pass costs at most
+        AHEAD_ACROSS_REJECTION_STEP of a one-token pass (the policy's
+        measured step), so the stage it fills would otherwise idle."""
+        return self.policy.step <= AHEAD_ACROSS_REJECTION_STEP
 
     def _constrained(self, through: int) -> dict:
         """A window's grammar fields: its grammar and the text generated before
@@ -815,6 +849,15 @@ class Scheduler:
         return [state for state in self.sequences.values()
                 if state.drafts_first and not (crowded and state.schedule.relays)]
 
+    def drafting_early(self) -> list[SequenceState]:
+        """Sequences whose drafter beside stage 0 may start drafting for their
+        next window now (SequenceState.drafts_early), while the loop waits
+        for their discarded passes: only while one sequence decodes (several
+        share their drafters' machines, and the relay of another may be using
+        them)."""
+        unfinished = [state for state in self.sequences.values() if not state.finished]
+        return [state for state in unfinished if len(unfinished) == 1 and state.drafts_early]
+
     def _holding(self) -> bool:
         return self.batching is not None and self.batching.holds(len(self.in_flight))
 
@@ -839,6 +882,18 @@ class Scheduler:
                 passes.extend(TargetPass((window,)) for window in windows)
             elif windows:
                 passes.append(TargetPass(windows))
+        self.in_flight.extend(passes)
+        return passes
+
+    def windows_at_boundary(self, relaying: list[SequenceState]) -> list[TargetPass]:
+        """Passes to submit when the oldest pass has left stage 0, its drafts
+        relayed meanwhile: a pass for each relaying sequence's window ahead
+        (SequenceState.window_ahead), so stage 0 computes it while the later
+        stages compute the one in flight. None while several sequences share
+        passes (a window ahead would go in a pass of its own)."""
+        if self.crowded:
+            return []
+        passes = [TargetPass((window,)) for state in relaying if (window := state.window_ahead()) is not None]
         self.in_flight.extend(passes)
         return passes
 

@@ -4,7 +4,8 @@ It turns the real decoding loop (orchestrator.decoding.loop), whose decisions
 are those of orchestrator.decoding.schedule, against simulated stages and
 drafters: the same
 windows, the same drafting before a pass, the same async relay of drafters at
-stage boundaries, the same window started ahead after a fully accepted one,
+stage boundaries, the same windows started ahead (at a turn and at stage 0's
+boundary; across rejections where passes are flat),
 the same discarding of a window started on a failed speculation, the same
 cancelling of it, the same draft policy; only time is virtual. It comes from a cost model
 (``PipelineCosts``); no formula for tokens/s is assumed anywhere: throughput

@@ -54,6 +54,30 @@ def test_seeded_sampling_is_the_same_with_and_without_speculation(chain, referen
     assert plain != greedy  # the temperature really changed the draw
 
 
+@pytest.mark.parametrize("stage_count", [2, 3, 4])
+def test_windows_started_ahead_across_rejections_give_the_whole_models_tokens(splits, reference, is_end, stage_count):
+    """Passes priced flat (step 0, as on memory-bound machines): async starts a
+    window ahead of every window, also of one that rejects a draft, and
+    discards it then; greedy and seeded tokens are the whole model's."""
+    chain = EngineChain(splits[stage_count], StageSettings(n_ctx=1024))
+    try:
+        for prompt in (COPY, *FORKING):
+            tokens = reference.tokenize(prompt)
+            drafting = Drafting([InstantDrafter(PromptLookupSpeculator(), 4) for _ in range(stage_count)],
+                                Schedule.ASYNC, 4, call_cost=0.0, step=0.0)
+            result = generate(chain, tokens, 48, SamplingSettings(), is_end, drafting=drafting)
+            assert result.tokens == reference.greedy(tokens, 48).tokens, prompt
+            assert result.speculation.discarded_passes > 0, prompt  # windows ahead went, and some were wrong
+        sampling = SamplingSettings(temperature=0.8, top_p=0.95, seed=6)
+        tokens = reference.tokenize(COPY)
+        drafting = Drafting([InstantDrafter(PromptLookupSpeculator(), 4) for _ in range(stage_count)],
+                            Schedule.ASYNC, 4, call_cost=0.0, step=0.0)
+        speculative = generate(chain, tokens, 32, sampling, lambda token: False, drafting=drafting)
+        assert speculative.tokens == generate(chain, tokens, 32, sampling, lambda token: False).tokens
+    finally:
+        chain.close()
+
+
 LONG_PROMPT = COPY * 3 + PROMPTS[2]
 SMALL_BATCH = 16
 

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from orchestrator.planning.simulation import DraftBehaviour, DraftTrace, Mode, predict, simulate, simulate_many
+from orchestrator.decoding.schedule import SequenceState
+from orchestrator.planning.simulation import (DraftBehaviour, DraftTrace, Mode, _SimulatedDrafter, predict, simulate,
+                                              simulate_many)
 
 
 @dataclass(frozen=True)
@@ -169,21 +171,26 @@ def test_sync_pays_the_stage_0_drafter_the_call_every_hop_in_order_and_the_coord
 
 def test_async_collects_each_drafter_at_the_boundary_and_the_result_and_pays_a_call_for_each():
     """One draft a window (draft_max 1), both drafters at 0.75 s a token, calls of
-    0.25 s. A pass submitted at t leaves stage 0 at t + 1 (hop 0.5, compute 0.5)
-    and stage 1 at t + 1.5, and its result is back at t + 2.25.
+    0.25 s, a step of 0.3 (windows ahead only after a window accepted all its
+    drafts). A pass submitted at t leaves stage 0 at t + 1 (hop 0.5, compute
+    0.5) and stage 1 at t + 1.5, and its result is back at t + 2.25.
 
     First the drafter beside stage 0 drafts token 1 (0.75 s, then the call: t = 1).
     During each pass the drafter beside stage 1 drafts from t until the boundary
     (1 s: one token), is collected (the call: t + 1.25), and the drafter beside
     stage 0 drafts from then until the result (1 s: one token), collected by
-    t + 2.5. The window commits its draft and the target's token; the speculation
-    then holds one more token, so the next window goes at once and never waits
-    for a drafter: passes start at 1, 3.5 and 6, and the last ends at 8.5."""
+    t + 2.5. Pass 1 (token 0, draft 1) commits tokens 1-2 by 3.5 and the
+    speculation holds token 3: pass 2 (token 2, draft 3) goes at 3.5. At its
+    boundary the speculation holds token 4, and the sequence is on a roll:
+    pass 3 (token 4 ahead, no draft) goes at 4.75. Pass 2 commits 3-4 by 6.0,
+    where the speculation holds token 5 after pass 3's: pass 4 (token 5) goes
+    ahead at 6.0; pass 3 commits 5 at 7.0, pass 4 commits 6 at 8.25 (8.5
+    with the last call)."""
     costs = TableCosts(stages=(0.5, 0.5), hops=(0.5, 0.0, 0.75), drafts=(0.75, 0.75), call=0.25)
-    run = simulate(costs, Mode("async", 1), DraftBehaviour(1.0), max_tokens=7)
-    assert (run.tokens, run.passes, run.discarded_passes, run.drafted_tokens, run.accepted_tokens) == (7, 3, 0, 3, 3)
-    assert run.seconds == pytest.approx(1.0 + 3 * 2.5)
-    assert run.stage_busy_seconds == pytest.approx([1.5, 1.5])
+    run = simulate(costs, Mode("async", 1, step=0.3), DraftBehaviour(1.0), max_tokens=7)
+    assert (run.tokens, run.passes, run.discarded_passes, run.drafted_tokens, run.accepted_tokens) == (7, 4, 0, 2, 2)
+    assert run.seconds == pytest.approx(8.5)
+    assert run.stage_busy_seconds == pytest.approx([2.0, 2.0])
 
 
 # -- cores
@@ -197,7 +204,8 @@ def _async_run(**placement) -> tuple:
 
 def test_a_window_started_ahead_waits_for_each_stage_to_finish_the_window_before_it():
     """Three stages, two cores on each one's host, all drafts right, drafters
-    instant, one draft a window. A pass submitted at t leaves stage i at
+    instant, one draft a window, a step of 0.3 (windows ahead only after a
+    window accepted all its drafts). A pass submitted at t leaves stage i at
     t + 1.0625 (i + 1) and is back at t + 3.25. The first window (token 0, draft
     1) is back at 3.25 with tokens 1-2; meanwhile the three drafters drafted
     tokens 2, 3 and 4. Then the next window (token 2, draft 3) and one started
@@ -206,7 +214,7 @@ def test_a_window_started_ahead_waits_for_each_stage_to_finish_the_window_before
     and 2 as the window before it leaves them (5.375, 6.4375), leaves them at
     6.375 and 7.4375, and is back at 7.5 with token 5."""
     costs = TableCosts(stages=(1.0, 1.0, 1.0), hops=(0.0625,) * 4, drafts=(0.0, 0.0, 0.0), cores={0: 2, 1: 2, 2: 2})
-    run = simulate(costs, Mode("async", 1), DraftBehaviour(1.0), max_tokens=6)
+    run = simulate(costs, Mode("async", 1, step=0.3), DraftBehaviour(1.0), max_tokens=6)
     assert (run.tokens, run.passes, run.discarded_passes, run.drafted_tokens, run.accepted_tokens) == (6, 3, 0, 2, 2)
     assert run.seconds == 7.5
 
@@ -366,3 +374,54 @@ def test_a_modes_side_row_step_prices_the_side_rows_instead_of_the_step():
     assert (run(0.0, None).tree_passes, run(0.0, None).side_accepted) == (5, 10)
     dear_side_rows = run(0.0, 5.0)
     assert (dear_side_rows.passes, dear_side_rows.tree_passes, dear_side_rows.side_accepted) == (11, 0, 0)
+
+
+# -- across rejections
+
+
+def _started_ahead(monkeypatch, step: float) -> list[bool]:
+    """Whether the sequence was on a roll at each window started ahead, two
+    stages, drafts right 0.8 of the time, a pass's extra tokens at ``step``."""
+    on_a_roll = []
+    window_ahead = SequenceState.window_ahead
+
+    def spy(state):
+        window = window_ahead(state)
+        if window is not None:
+            on_a_roll.append(state.on_a_roll)
+        return window
+
+    monkeypatch.setattr(SequenceState, "window_ahead", spy)
+    costs = TableCosts(stages=(1.0, 1.0), hops=(0.0625,) * 3, drafts=(0.1, 0.1))
+    simulate(costs, Mode("async", 3, step=step), DraftBehaviour(0.8), max_tokens=48, seed=3)
+    return on_a_roll
+
+
+def test_where_passes_are_flat_a_window_starts_ahead_also_of_one_that_may_reject(monkeypatch):
+    """A pass whose extra tokens cost nothing (step 0, under the
+    AHEAD_ACROSS_REJECTION_STEP): windows start ahead also after a window that
+    rejected a draft; at a step of 0.3 only after one that accepted them all."""
+    flat = _started_ahead(monkeypatch, 0.0)
+    assert False in flat and True in flat
+    steep = _started_ahead(monkeypatch, 0.3)
+    assert steep and all(steep)
+
+
+def test_after_a_rejection_the_drafter_beside_stage_0_starts_before_the_discarded_passes_are_back(monkeypatch):
+    """Where windows start ahead across rejections, a rejection discards the
+    one ahead; the committed text is known then, and the drafter beside
+    stage 0 starts drafting from it while the discarded pass is still in flight."""
+    early = []
+    speculate = _SimulatedDrafter.speculate
+
+    def spy(drafter, context, most=None, sampling=None, tree=None):
+        state = drafter.state
+        if len(context) == len(state.committed):
+            early.append(state.discards_pending > 0)
+        speculate(drafter, context, most, sampling, tree)
+
+    monkeypatch.setattr(_SimulatedDrafter, "speculate", spy)
+    costs = TableCosts(stages=(1.0, 1.0), hops=(0.0625,) * 3, drafts=(0.1, 0.1))
+    run = simulate(costs, Mode("async", 3, step=0.0), DraftBehaviour(0.6), max_tokens=48, seed=3)
+    assert run.discarded_passes > 0
+    assert True in early
