@@ -1,10 +1,11 @@
-"""Writing a bench run's results: results.json, results.md (a table), chart.png."""
+"""Writing a bench run's results: results.json, results.md (a table), chart.png, timeline.png."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from benchmarks import timeline
 from orchestrator.output import write_whole
 
 
@@ -34,6 +35,8 @@ def markdown(results: dict) -> str:
             rate = row["tokens_per_second"]
             identical = "yes" if row["identical"] else '<span style="color:red">**NO**</span>'
             busy = ", ".join(f"{value:.2f}" for value in row["stage_busy_fraction"]) if row["stage_busy_fraction"] else "-"
+            if row.get("stage_discarded_share") and any(row["stage_discarded_share"]):
+                busy += " (discarded " + ", ".join(f"{value:.0%}" for value in row["stage_discarded_share"]) + ")"
             lengths = " ".join(f"{length}:{count}" for length, count in row["accepted_length_histogram"].items()) or "-"
             acceptance = "-" if row["acceptance_rate"] is None else f"{row['acceptance_rate']:.0%}"
             trees = (f"{row['tree_passes']} ({row['tree_side_rows']}, {row['tree_side_accepted']})"
@@ -78,12 +81,14 @@ def chart(results: dict, path: Path) -> None:
 
 
 def write_results(results: dict, folder: Path) -> list[Path]:
-    """Write the three files; each appears complete or not at all."""
+    """Write the files (timeline.png where a mode has a timeline); each appears complete or not at all."""
     outputs = {
         "results.json": lambda path: path.write_text(json.dumps(results, indent=2)),
         "results.md": lambda path: path.write_text(markdown(results)),
         "chart.png": lambda path: chart(results, path),
     }
+    if any(row.get("timeline") for scenario in results["scenarios"] for row in scenario["modes"]):
+        outputs["timeline.png"] = lambda path: timeline.draw(results, path)
     for name, write in outputs.items():
         write_whole(folder / name, write)
     return [folder / name for name in outputs]

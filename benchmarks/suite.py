@@ -49,11 +49,13 @@ import contextlib
 import dataclasses
 import statistics
 import tempfile
+import time
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks import timeline
 from orchestrator.config import BENCH_CONTEXT, BENCH_TREE_LEAVES, DRAFT_MAX, TREE_CURVE_SIZES
 from speculators.sampling import SamplingSettings
 from orchestrator.planning.against_bench import parse_mode
@@ -193,6 +195,8 @@ class Run:
     speculation: SpeculationStats = field(default_factory=SpeculationStats)
     stage_seconds: list[float] = field(default_factory=list)
     drafter_seconds: float = 0.0
+    discarded_seconds: list[float] = field(default_factory=list)  # of stage_seconds, on discarded passes
+    timeline: dict | None = None  # benchmarks.timeline.record's
     text: str | None = None  # the output as text, where a tool prints text only (cpp-lookup)
     identical: bool | None = None  # set where the output is compared as text
 
@@ -297,11 +301,14 @@ def run_scenario(
                 # stages sharing this machine: one core while one pass runs at a time, else a core each
                 pipeline.pin_stages(overlapping=mode.startswith("spec-async"))
                 busy_before = sum(client.busy_seconds for client in clients)
+                drafting, draft_times = timeline.timed(drafting)
+                started = time.time()
                 result = generate(pipeline, prompt, max_tokens, sampling, tokenizer.is_end, drafting=drafting)
                 return Run(
                     mode, 0, 0, result.tokens, result.tokens_per_second, result.prefill_seconds, result.seconds,
                     result.passes, result.speculation, list(result.stage_seconds),
-                    sum(client.busy_seconds for client in clients) - busy_before,
+                    sum(client.busy_seconds for client in clients) - busy_before, list(result.discarded_seconds),
+                    timeline.record(result, started, draft_times),
                 )
 
             def _peer_run(mode: str, prompt: list[int], max_tokens: int) -> Run:
@@ -432,6 +439,10 @@ def draft_behaviour(stats: SpeculationStats) -> dict[str, float | None]:
             "draft_availability": stats.draft_availability, "draft_continuation": stats.draft_continuation}
 
 
+def _share(part: float, whole: float) -> float:
+    return part / whole if whole > 0 else 0.0
+
+
 def summarise(scenario: Scenario, modes: list[str], runs: list[Run], stage_count: int, hop_seconds: float,
               memory: dict[str, float | None]) -> dict:
     """Per-mode figures; ratios are taken per (repetition, prompt) pair, then the median."""
@@ -473,6 +484,12 @@ def summarise(scenario: Scenario, modes: list[str], runs: list[Run], stage_count
             "accepted_length_histogram": {str(length): count for length, count in sorted(stats.accepted_lengths.items())},
             "stage_busy_fraction": [sum(run.stage_seconds[index] for run in mode_runs) / seconds
                                     for index in range(stage_count)] if pipelined and seconds else None,
+            # of that busy time, the share on passes whose result was discarded (or cancelled)
+            "stage_discarded_share": [_share(sum(run.discarded_seconds[index] for run in mode_runs if run.discarded_seconds),
+                                             sum(run.stage_seconds[index] for run in mode_runs))
+                                      for index in range(stage_count)] if pipelined and seconds else None,
+            # where the time went in the first prompt's first repetition (benchmarks.timeline)
+            "timeline": next((run.timeline for run in mode_runs if (run.repetition, run.prompt_index) == (0, 0)), None),
             "drafter_busy_fraction": (sum(run.drafter_seconds for run in mode_runs) / seconds / stage_count
                                       if mode.startswith("spec-") and seconds else None),
         })

@@ -74,6 +74,10 @@ NODE_DEATH_SECONDS = 60.0
 # a stage lost more often than this is failing for a reason a restart will
 # not mend (a node out of memory, a broken disk).
 MAX_RESTARTS = 3
+# Seconds: a stage's busy fraction (/health, the stage_busy_fraction metric) is its compute over the
+# last this many seconds: long enough to hold many passes of a 405B (a few hundred ms each), short
+# enough to show a change of load.
+BUSY_WINDOW_SECONDS = 10.0
 # TCP keepalive on every chain socket: a peer silent this long is probed, and
 # dropped after the probes go unanswered (a partitioned node).
 KEEPALIVE_IDLE_SECONDS = 10

@@ -78,6 +78,7 @@ class RunOutcome:
     def as_json(self) -> dict:
         generation = self.generation
         stats = generation.speculation
+        busy = dict(enumerate(zip(generation.busy_fractions, generation.discarded_shares)))
         return {
             "text": self.text,
             "tokens": generation.tokens,
@@ -106,11 +107,14 @@ class RunOutcome:
                     "node": stage.node_id,
                     "host": stage.host,
                     "busy_seconds": stage.busy_seconds,
+                    # of the generation's wall time, its passes' compute; the share of that on discarded passes
+                    "busy_fraction": busy[index][0] if index in busy else None,
+                    "busy_discarded_share": busy[index][1] if index in busy else None,
                     "passes_dropped": stage.dropped_passes,
                     "passes_stopped": stage.stopped_passes,
                     **(stage.compute.record() if stage.compute else {}),
                 }
-                for stage in self.stages
+                for index, stage in enumerate(self.stages)
             ],
             "speculators": [
                 {"index": report.index, "node": report.node_id, "busy_seconds": report.busy_seconds, "lost": report.lost,

@@ -30,12 +30,16 @@ class StageMetrics:
         self.pass_sequences = Gauge("specpipe_stage_sequences_per_pass",
                                     description="Sequences (requests) a stage's last pass carried (batched: over 1).",
                                     tag_keys=("stage",))
+        self.busy = Gauge("specpipe_stage_busy_fraction",
+                          description="A stage's compute over the last BUSY_WINDOW_SECONDS, as of its last pass.",
+                          tag_keys=("stage",))
 
-    def record(self, seconds: float, kv_cells: int, sequences: int, pass_sequences: int) -> None:
+    def record(self, seconds: float, kv_cells: int, sequences: int, pass_sequences: int, busy: float) -> None:
         self.pass_seconds.observe(seconds, tags=self.tags)
         self.kv_cells.set(kv_cells, tags=self.tags)
         self.sequences.set(sequences, tags=self.tags)
         self.pass_sequences.set(pass_sequences, tags=self.tags)
+        self.busy.set(busy, tags=self.tags)
 
 
 class GenerationMetrics:

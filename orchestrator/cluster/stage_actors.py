@@ -7,6 +7,7 @@ the chain's sockets (orchestrator.transport.chain)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -64,6 +65,7 @@ class StageLoad(NamedTuple):
     windows: int = 0  # sequences' windows they carried (over passes: batched passes)
     prefix_cells: int = 0  # KV cells holding cached prefixes (orchestrator.decoding.prefix_cache)
     node_id: str = ""
+    busy_fraction: float = 0.0  # computing over the last BUSY_WINDOW_SECONDS (StageServer.recent)
 
 
 def stage_file_reader():
@@ -124,7 +126,8 @@ def stage_actor_class():
             process = psutil.Process()
             return StageLoad(self.server.kv_cells, self.server.kv_sequences, process.memory_info().rss / 1024**2,
                              process.pid, passes=self.server.passes, windows=self.server.windows_decoded,
-                             prefix_cells=self.server.prefix_cells)
+                             prefix_cells=self.server.prefix_cells,
+                             busy_fraction=self.server.recent.fraction(time.monotonic()))
 
         def peak_rss_mb(self) -> float:
             return peak_rss_mb()

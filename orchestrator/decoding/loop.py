@@ -27,7 +27,7 @@ target's own token are committed. Plain decoding is the case k = 0.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from orchestrator.decoding.schedule import (
@@ -71,10 +71,22 @@ def sequence_state(sequence: int, prompt_tokens: list[int], max_tokens: int, sam
     )
 
 
+@dataclass(frozen=True)
+class PassTimes:
+    """What a pass that came back cost each stage: its busy seconds, when each
+    began it (its machine's time.time(); empty where the target does not
+    say: in process, simulated), and whether its result was discarded (its
+    window computed on a speculation that failed, or cancelled)."""
+
+    stage_seconds: tuple[float, ...]
+    stage_started: tuple[float, ...] = ()
+    discarded: bool = False
+
+
 class Listener:
     """What the loop tells about one sequence as it goes; these defaults do nothing."""
 
-    def pass_returned(self, stage_seconds: Sequence[float]) -> None:
+    def pass_returned(self, times: PassTimes) -> None:
         """A pass that carried a window of it came back (discarded ones too)."""
 
     def verified(self, window: Window, tokens: list[int]) -> None:
@@ -146,7 +158,8 @@ class DecodingLoop:
         reply = self._receive_relaying()
         for state, window, rows in self.scheduler.received():
             decoding = self.decodings[state.sequence]
-            decoding.listener.pass_returned(reply.stage_seconds)
+            decoding.listener.pass_returned(PassTimes(tuple(reply.stage_seconds), tuple(reply.stage_started),
+                                                      rows is None))
             if rows is None:
                 continue
             if not state.gives_token(window):  # an earlier chunk of the prompt: it only filled the cache
@@ -254,7 +267,9 @@ class Generation:
     prefill_seconds: from start to the first generated token.
     decode_seconds: from the first generated token to the last.
     passes: target passes that carried it after the prompt (discarded ones too);
-    stage_seconds: each stage's busy seconds over the passes that carried it.
+    stage_seconds: each stage's busy seconds over the passes that carried it,
+    discarded_seconds: those of them on passes whose result was discarded;
+    timeline: every such pass's PassTimes, in the order they came back.
     """
 
     prompt_tokens: list[int]
@@ -263,6 +278,8 @@ class Generation:
     decode_seconds: float = 0.0
     passes: int = 0
     stage_seconds: list[float] = field(default_factory=list)
+    discarded_seconds: list[float] = field(default_factory=list)
+    timeline: list[PassTimes] = field(default_factory=list)
     stopped_by: str = "length"
     speculation: SpeculationStats = field(default_factory=SpeculationStats)
 
@@ -277,11 +294,24 @@ class Generation:
             return 0.0
         return (len(self.tokens) - 1) / self.decode_seconds
 
-    def account(self, stage_seconds: Sequence[float]) -> None:
+    @property
+    def busy_fractions(self) -> list[float]:
+        """Each stage's busy seconds over the generation's wall time."""
+        return [seconds / self.seconds if self.seconds > 0 else 0.0 for seconds in self.stage_seconds]
+
+    @property
+    def discarded_shares(self) -> list[float]:
+        """Each stage's share of its busy seconds spent on passes discarded (or cancelled)."""
+        return [discarded / busy if busy > 0 else 0.0 for discarded, busy in zip(self.discarded_seconds, self.stage_seconds)]
+
+    def account(self, times: PassTimes) -> None:
         if not self.stage_seconds:
-            self.stage_seconds = [0.0] * len(stage_seconds)
-        for index, seconds in enumerate(stage_seconds):
+            self.stage_seconds = [0.0] * len(times.stage_seconds)
+            self.discarded_seconds = [0.0] * len(times.stage_seconds)
+        for index, seconds in enumerate(times.stage_seconds):
             self.stage_seconds[index] += seconds
+            self.discarded_seconds[index] += seconds if times.discarded else 0.0
+        self.timeline.append(times)
 
 
 @dataclass
@@ -308,8 +338,8 @@ class _Recorder(Listener):
         self.started = time.perf_counter()
         self.first_token_time: float | None = None
 
-    def pass_returned(self, stage_seconds: Sequence[float]) -> None:
-        self.result.account(stage_seconds)
+    def pass_returned(self, times: PassTimes) -> None:
+        self.result.account(times)
 
     def verified(self, window: Window, tokens: list[int]) -> None:
         for token in tokens:

@@ -71,8 +71,8 @@ class Target(Protocol):
 class PassReplies:
     """What a batched pass (several sequences' windows, one each) gives back:
     each window's result, in the pass's order (a PassResult, or for a
-    cancelled pass maybe a Cancelled). stage_seconds: the first's (the
-    windows shared every stage's computation)."""
+    cancelled pass maybe a Cancelled). stage_seconds, stage_started: the
+    first's (the windows shared every stage's computation)."""
 
     replies: tuple[PassResult | Cancelled, ...]
     sequences: tuple[int, ...]
@@ -80,6 +80,10 @@ class PassReplies:
     @property
     def stage_seconds(self) -> tuple[float, ...]:
         return self.replies[0].stage_seconds
+
+    @property
+    def stage_started(self) -> tuple[float, ...]:
+        return self.replies[0].stage_started
 
     def of(self, sequence: int) -> PassResult | Cancelled:
         return self.replies[self.sequences.index(sequence)]

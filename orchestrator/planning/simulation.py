@@ -465,6 +465,7 @@ class _Result:
     """A simulated pass's result: its tokens come from the text (_target_tokens), its stages' seconds are not kept."""
 
     stage_seconds: tuple[float, ...] = ()
+    stage_started: tuple[float, ...] = ()
 
 
 class _SimulatedTarget:

@@ -96,6 +96,7 @@ def build_app(backend: Backend) -> FastAPI:
                         "prefix_cache_tokens": stage.prefix_cells,  # finished requests' prefixes kept
                         # requests per pass so far (over 1: passes shared by requests, continuous batching)
                         "sequences_per_pass": round(stage.windows / stage.passes, 2) if stage.passes else None,
+                        "busy_fraction": round(stage.busy_fraction, 3),  # computing, over the last BUSY_WINDOW_SECONDS
                         **(stage.compute.record() if stage.compute else {})}
                        for stage in stages],
             "drafters": [] if backend.drafters is None else backend.drafters(),

@@ -310,7 +310,8 @@ class SocketChain:
         self._in_flight.popleft()
         self.ledger.settle(entry.record, decoded=False)
         padding = (0.0,) * (self.stage_count - len(reply.stage_seconds))
-        return Cancelled(reply.pass_id, reply.stage_index, reply.stage_seconds + padding)
+        started = reply.stage_started + padding if reply.stage_started else ()
+        return Cancelled(reply.pass_id, reply.stage_index, reply.stage_seconds + padding, started)
 
     @property
     def _last_stage(self) -> str:

@@ -108,6 +108,16 @@ def _seconds(header: WireHeader, name: str) -> tuple[float, ...]:
     return tuple(_number({name: value}, name) for value in values)
 
 
+def _started(header: WireHeader, seconds: tuple[float, ...]) -> tuple[float, ...]:
+    """The "started" times beside a message's stage seconds: none, or one per stage time."""
+    if header.get("started") is None:
+        return ()
+    started = _seconds(header, "started")
+    if started and len(started) != len(seconds):
+        raise ProtocolError(f"started: {len(started)} times for {len(seconds)} stage times")
+    return started
+
+
 def _array(array: np.ndarray | None, name: str, rank: int, dtypes: tuple[str, ...], optional: bool = False):
     if array is None and optional:
         return None
@@ -207,7 +217,10 @@ class StageBatch:
     tokens: int32[n_tokens] token ids; set for the first stage only.
     hidden: float32[n_tokens, n_embd] (or float16 on a lossy wire); set from stage 1 on.
     logit_rows: int32[n_rows], batch rows whose logits the last stage returns.
-    stage_seconds: busy seconds of each stage already passed, in stage order.
+    stage_seconds: busy seconds of each stage already passed, in stage order;
+    stage_started: when each began it, in seconds of its machine's clock
+    (time.time(); the timeline of a run, orchestrator.decoding.timeline), or
+    none at all.
     choice: set, the last stage chooses the tokens (TokenChoice) and returns
     them instead of the logit rows.
     parents: int32[n_tokens], the rows form a token tree in preorder, each at
@@ -233,6 +246,7 @@ class StageBatch:
     stage_seconds: tuple[float, ...] = ()
     sequence: int = 0
     choice: TokenChoice | None = None
+    stage_started: tuple[float, ...] = ()
     parents: np.ndarray | None = None
     more: int = 0
     source: int | None = None
@@ -250,6 +264,7 @@ class StageBatch:
             "rows": _int32_bytes(self.logit_rows),
             "tokens": _int32_bytes(self.tokens),
             "seconds": list(self.stage_seconds),
+            "started": list(self.stage_started),
         }
         return header, self.hidden
 
@@ -283,6 +298,7 @@ class StageBatch:
         source = None if header.get("source") is None else _integer(header, "source")
         if source is not None and (count or more):
             raise ProtocolError("source: a copy carries no tokens and is not batched")
+        seconds = _seconds(header, "seconds")
         return cls(
             pass_id=pass_id,
             sequence=sequence,
@@ -291,11 +307,12 @@ class StageBatch:
             logit_rows=rows,  # type: ignore[arg-type]
             tokens=tokens,
             hidden=hidden,
-            stage_seconds=_seconds(header, "seconds"),
+            stage_seconds=seconds,
             choice=choice,
             parents=parents,
             more=more,
             source=source,
+            stage_started=_started(header, seconds),
         )
 
 
@@ -307,7 +324,8 @@ class PassResult:
     logits: float32[n_rows, n_vocab], one row per requested logit row; None when chosen.
     tokens: int32[k], what the pass commits (speculators.verify: the accepted
     drafts, then the target's own token); None when the logits came back.
-    stage_seconds: busy seconds of every stage for this pass.
+    stage_seconds: busy seconds of every stage for this pass; stage_started:
+    when each began it (StageBatch.stage_started), or none at all.
     logprobs: with tokens, when the choice asked (TokenChoice.top_logprobs):
     each token's log-probability and the likeliest alternatives
     (speculators.logprobs.TokenLogprobs: float32[k], int32[k, m], float32[k, m]).
@@ -322,9 +340,11 @@ class PassResult:
     stage_seconds: tuple[float, ...]
     tokens: np.ndarray | None = None
     logprobs: TokenLogprobs | None = None
+    stage_started: tuple[float, ...] = ()
 
     def to_wire(self) -> tuple[WireHeader, np.ndarray | None]:
-        header = {"pass": self.pass_id, "seconds": list(self.stage_seconds), "tokens": _int32_bytes(self.tokens)}
+        header = {"pass": self.pass_id, "seconds": list(self.stage_seconds), "tokens": _int32_bytes(self.tokens),
+                  "started": list(self.stage_started)}
         if self.logprobs is not None:
             header["logprobs"] = {"chosen": self.logprobs.logprobs.astype("<f4").tobytes(),
                                   "top": self.logprobs.top_tokens.shape[1],
@@ -339,8 +359,9 @@ class PassResult:
         if (logits is None) == (tokens is None):
             raise ProtocolError("a result carries exactly one of logits and tokens")
         logprobs = None if header.get("logprobs") is None else _logprobs(header["logprobs"], tokens)
-        return cls(pass_id=_integer(header, "pass"), logits=logits, stage_seconds=_seconds(header, "seconds"),
-                   tokens=tokens, logprobs=logprobs)
+        seconds = _seconds(header, "seconds")
+        return cls(pass_id=_integer(header, "pass"), logits=logits, stage_seconds=seconds,
+                   tokens=tokens, logprobs=logprobs, stage_started=_started(header, seconds))
 
 
 def _float32_array(header: WireHeader, name: str) -> np.ndarray:
@@ -445,7 +466,8 @@ class Cancelled:
     the coordinator instead of its result.
 
     stage_seconds: busy seconds of the stages up to ``stage_index`` for it
-    (as the coordinator hands it out: of every stage, zero for those after).
+    (as the coordinator hands it out: of every stage, zero for those after);
+    stage_started: when each began or dropped it (StageBatch.stage_started), or none.
     """
 
     KIND: ClassVar[str] = "cancelled"
@@ -453,14 +475,17 @@ class Cancelled:
     pass_id: int
     stage_index: int
     stage_seconds: tuple[float, ...]
+    stage_started: tuple[float, ...] = ()
 
     def to_wire(self) -> tuple[WireHeader, np.ndarray | None]:
-        return {"pass": self.pass_id, "stage": self.stage_index, "seconds": list(self.stage_seconds)}, None
+        return {"pass": self.pass_id, "stage": self.stage_index, "seconds": list(self.stage_seconds),
+                "started": list(self.stage_started)}, None
 
     @classmethod
     def from_wire(cls, header: WireHeader, array: np.ndarray | None) -> Cancelled:
+        seconds = _seconds(header, "seconds")
         return cls(pass_id=_integer(header, "pass"), stage_index=_integer(header, "stage"),
-                   stage_seconds=_seconds(header, "seconds"))
+                   stage_seconds=seconds, stage_started=_started(header, seconds))
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 from orchestrator.transport import wire
 from orchestrator.transport.messages import Cancel, Cancelled, StageBatch
@@ -81,7 +82,8 @@ class PassCancels:
                 dropped = isinstance(message, StageBatch) and message.pass_id in self.wanted
                 self.took(message.pass_id)
                 if dropped:
-                    outcomes[message.pass_id] = Cancelled(message.pass_id, stage, message.stage_seconds + (0.0,))
+                    outcomes[message.pass_id] = Cancelled(message.pass_id, stage, message.stage_seconds + (0.0,),
+                                                          message.stage_started + (time.time(),))
             running = [message for message in received
                        if isinstance(message, StageBatch) and message.pass_id not in outcomes]
             self.running, self.running_cancelled = {batch.pass_id for batch in running}, set()

@@ -31,6 +31,7 @@ import numpy as np
 
 from orchestrator.transport import wire
 from orchestrator.workers.affinity import pin_threads, process_cpus
+from orchestrator.workers.busy import BusyWindow
 from orchestrator.config import CONNECT_SECONDS
 from orchestrator.transport.handshake import (
     RESULT_ROLE,
@@ -101,13 +102,14 @@ class StageServer:
             except CostCurveError as error:
                 self.engine.close()
                 raise StageError(f"{path}: {error}") from None
-        # called after each pass with (compute seconds, KV cells held, sequences held, sequences in the pass);
-        # the Ray shell records metrics
-        self.on_pass: Callable[[float, int, int, int], None] | None = None
+        # called after each pass with (compute seconds, KV cells held, sequences held, sequences in the pass,
+        # busy fraction); the Ray shell records metrics
+        self.on_pass: Callable[[float, int, int, int, float], None] | None = None
         self.wire_dtype = WIRE_DTYPES[wire_dtype]
         self.chooser: TokenChooser | None = None  # the last stage's, made at its first choice
         self.listener = wire.listen(host)
         self.busy_seconds = 0.0
+        self.recent = BusyWindow()
         self.passes = 0
         self.kv_cells = 0  # KV cells and sequences held after the last pass
         self.kv_sequences = 0
@@ -305,7 +307,7 @@ class StageServer:
         """Decode batches in one llama.cpp call (one, or a batched pass of
         several sequences); return what goes downstream for each."""
         engine = self.engine
-        started = time.perf_counter()
+        started, wall = time.perf_counter(), time.time()
         try:
             for batch in batches:
                 if batch.source is None:
@@ -318,7 +320,8 @@ class StageServer:
             self._hold_to_curve(batches, started)
         except PassAborted:
             self.stopped_passes += len(batches)
-            return [Cancelled(batch.pass_id, engine.stage_index, batch.stage_seconds + (time.perf_counter() - started,))
+            return [Cancelled(batch.pass_id, engine.stage_index, batch.stage_seconds + (time.perf_counter() - started,),
+                              batch.stage_started + (wall,))
                     for batch in batches]
         except StageError as error:
             return [StageFailure(batches[0].pass_id, engine.stage_index, str(error))]
@@ -326,14 +329,15 @@ class StageServer:
             return [StageFailure(batches[0].pass_id, engine.stage_index, f"{type(error).__name__}: {error}")]
         seconds = time.perf_counter() - started
         self.busy_seconds += seconds
+        self.recent.add(time.monotonic(), seconds)
         self.passes += 1
         self.windows_decoded += len(batches)
         # read here, in the serving thread: llama.cpp's cache must not be read while it decodes
         self.kv_cells, self.kv_sequences = engine.cells_held(), engine.sequences_held()
         self.prefix_cells = engine.prefix_cells()
         if self.on_pass is not None:
-            self.on_pass(seconds, self.kv_cells, self.kv_sequences, len(batches))
-        return [self._passed_on(batch, output, tokens, batch.stage_seconds + (seconds,))
+            self.on_pass(seconds, self.kv_cells, self.kv_sequences, len(batches), self.recent.fraction(time.monotonic()))
+        return [self._passed_on(batch, output, tokens, batch.stage_seconds + (seconds,), batch.stage_started + (wall,))
                 for batch, output, tokens in zip(batches, outputs, chosen)]
 
     def _decode(self, batches: list[StageBatch]) -> list[np.ndarray]:
@@ -371,14 +375,15 @@ class StageServer:
         return self.chooser.choose(batch.sequence, batch.choice, output)
 
     def _passed_on(self, batch: StageBatch, output: np.ndarray, chosen: tuple[np.ndarray, TokenLogprobs | None] | None,
-                   stage_seconds: tuple[float, ...]) -> StageBatch | PassResult:
+                   stage_seconds: tuple[float, ...], stage_started: tuple[float, ...]) -> StageBatch | PassResult:
         """What goes downstream for a decoded batch: its result from the last stage, else its hidden states."""
         if self.engine.is_last and chosen is not None:
-            return PassResult(batch.pass_id, None, stage_seconds, tokens=chosen[0], logprobs=chosen[1])
+            return PassResult(batch.pass_id, None, stage_seconds, tokens=chosen[0], logprobs=chosen[1],
+                              stage_started=stage_started)
         if self.engine.is_last:
-            return PassResult(batch.pass_id, output, stage_seconds)
+            return PassResult(batch.pass_id, output, stage_seconds, stage_started=stage_started)
         return replace(batch, hidden=output.astype(self.wire_dtype, copy=False), tokens=None,
-                       stage_seconds=stage_seconds)
+                       stage_seconds=stage_seconds, stage_started=stage_started)
 
 
 def batched_pass(first: StageBatch, upstream: socket.socket) -> list[StageBatch | Cancelled]:

@@ -137,7 +137,7 @@ def test_a_bad_frame_is_reported_downstream_and_the_stage_stops(stage, raw, reas
 def test_an_unexpected_error_in_the_loop_is_reported_downstream_not_a_silent_thread_death(stage):
     server, upstream, downstream = stage
 
-    def broken_metrics(seconds, cells, sequences, pass_sequences):
+    def broken_metrics(seconds, cells, sequences, pass_sequences, busy):
         raise RuntimeError("the metrics broke")
 
     server.on_pass = broken_metrics
@@ -209,7 +209,8 @@ def test_a_pass_cancelled_before_it_arrives_is_dropped_and_the_next_pass_is_exac
     wire.send_message(cancels, Cancel(2))
     wait_until(lambda: 2 in server.cancels.wanted)
     wire.send_message(upstream, numbered(2, [50, 51, 52, 53], first=len(PROMPT)))
-    assert wire.receive_message(downstream) == Cancelled(2, 0, (0.0,))
+    dropped = wire.receive_message(downstream)
+    assert dropped == Cancelled(2, 0, (0.0,), dropped.stage_started) and len(dropped.stage_started) == 1
     assert (server.dropped_passes, server.stopped_passes) == (1, 0)
     wire.send_message(upstream, numbered(3, NEXT, first=len(PROMPT)))
     after = wire.receive_message(downstream)
@@ -355,7 +356,7 @@ def test_a_batch_of_a_batched_pass_cancelled_before_it_arrives_is_dropped_in_its
     kept, dropped = wire.receive_message(downstream), wire.receive_message(downstream)
     # the next stage must not wait for a batch that is not coming: the count goes down with it
     assert isinstance(kept, StageBatch) and (kept.pass_id, kept.more) == (3, 0)
-    assert dropped == Cancelled(4, 0, (0.0,))
+    assert dropped == Cancelled(4, 0, (0.0,), dropped.stage_started) and len(dropped.stage_started) == 1
 
 
 def test_a_batched_pass_that_is_not_followed_by_its_batches_is_a_bad_frame(two_sequence_stage):

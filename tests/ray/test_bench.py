@@ -32,6 +32,8 @@ def test_quick_bench_writes_results_table_and_chart(quick_bench):
     table = (out / "results.md").read_text()
     chart = (out / "chart.png").read_bytes()
     assert chart[:8] == b"\x89PNG\r\n\x1a\n" and len(chart) > 10_000
+    timeline = (out / "timeline.png").read_bytes()  # where the time went, machine by machine
+    assert timeline[:8] == b"\x89PNG\r\n\x1a\n" and len(timeline) > 10_000
     assert [scenario["scenario"] for scenario in results["scenarios"]] == ["chat", "rewrite"]
     for scenario in results["scenarios"]:
         assert [row["mode"] for row in scenario["modes"]] == _with_peers(MODES)
@@ -46,6 +48,10 @@ def test_quick_bench_writes_results_table_and_chart(quick_bench):
             if row["mode"].startswith("spec-") or row["mode"] == "pipeline":
                 assert 0 < row["target_passes_per_token"] <= 1.05
                 assert len(row["stage_busy_fraction"]) == 2 and all(fraction > 0 for fraction in row["stage_busy_fraction"])
+                assert len(row["stage_discarded_share"]) == 2 and all(0 <= share < 1 for share in row["stage_discarded_share"])
+                passes = row["timeline"]["passes"]  # every pass of the first run, on both stages, in time
+                assert {stage for stage, _, _, _ in passes} == {0, 1}
+                assert all(0 <= begun <= row["timeline"]["seconds"] and seconds > 0 for _, begun, seconds, _ in passes)
             if row["mode"].startswith("spec-"):
                 assert row["drafter_busy_fraction"] >= 0
                 if scenario["scenario"] == "rewrite":  # the input-grounded prompts: drafts are taken, mostly right

@@ -30,6 +30,7 @@ def test_split_then_run_json_equals_llama(smollm2, reference, tmp_path, orchestr
     assert report["tokens_per_second"] > 0 and report["seconds"] > 0
     assert [stage["layers"] for stage in report["stages"]] == [[0, 12], [12, 30]]
     assert all(stage["busy_seconds"] > 0 and stage["node"] for stage in report["stages"])
+    assert all(0 < stage["busy_fraction"] < 1 and stage["busy_discarded_share"] == 0 for stage in report["stages"])
     # a plain run starts nothing ahead, so nothing is cancelled
     assert [(stage["passes_dropped"], stage["passes_stopped"]) for stage in report["stages"]] == [(0, 0), (0, 0)]
     # where it computed: this build's backend (the CPU), as each stage's llama.cpp found it

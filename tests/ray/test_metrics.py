@@ -69,6 +69,7 @@ def test_custom_metrics_of_a_run_reach_the_metrics_endpoint_while_the_pipeline_i
                 "stage 0 pass latency": ("ray_specpipe_stage_pass_seconds_count", {"stage": "0"}),
                 "stage 1 pass latency": ("ray_specpipe_stage_pass_seconds_count", {"stage": "1"}),
                 "stage 1 KV cells": ("ray_specpipe_kv_cells_used", {"stage": "1"}),
+                "stage 0 busy": ("ray_specpipe_stage_busy_fraction", {"stage": "0"}),
             }
             while True:
                 text = scrape(ray_cluster.metrics_ports)
@@ -85,6 +86,7 @@ def test_custom_metrics_of_a_run_reach_the_metrics_endpoint_while_the_pipeline_i
     assert total(text, "ray_specpipe_generated_tokens_total") - counted_before >= len(result.tokens)
     assert value(text, "ray_specpipe_tokens_per_second") > 0
     assert value(text, "ray_specpipe_kv_cells_used", stage="1") >= len(prompt)
+    assert 0 < value(text, "ray_specpipe_stage_busy_fraction", stage="0") <= 1
     assert re.search(r'ray_specpipe_stage_pass_seconds_bucket\{[^}]*stage="0"', text)
 
 

@@ -286,6 +286,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_sequence(server, model_n
         assert any(line.startswith("data: {") for line in received)
         during = server.health()
         assert during["requests_decoding"] == 1 and all(stage["kv_cells"] > 0 for stage in during["stages"])
+        assert all(0 < stage["busy_fraction"] <= 1 for stage in during["stages"])  # computing for the stream
     health = server.settled(seconds=5)  # the generation had 400 tokens to go: only the disconnect ends it now
     assert health["requests_decoding"] == 0
     assert [(stage["kv_cells"], stage["sequences"]) for stage in health["stages"]] == [(0, 0), (0, 0)]

@@ -1,0 +1,32 @@
+"""A stage's recent load: its compute over the last BUSY_WINDOW_SECONDS
+(/health's and the stage_busy_fraction metric's busy fraction)."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+from orchestrator.config import BUSY_WINDOW_SECONDS
+
+
+class BusyWindow:
+    """A stage's compute over the last BUSY_WINDOW_SECONDS: passes added as
+    they end (by the serving thread), the fraction read by any thread."""
+
+    def __init__(self, seconds: float = BUSY_WINDOW_SECONDS):
+        self.seconds = seconds
+        self._passes: deque[tuple[float, float]] = deque()  # (when it ended, its compute seconds)
+        self._lock = threading.Lock()
+
+    def add(self, ended: float, seconds: float) -> None:
+        with self._lock:
+            self._passes.append((ended, seconds))
+            while self._passes and self._passes[0][0] < ended - self.seconds:
+                self._passes.popleft()
+
+    def fraction(self, now: float) -> float:
+        """The share of the window before ``now`` spent computing passes (a pass that began before it counts in part)."""
+        start = now - self.seconds
+        with self._lock:
+            busy = sum(max(0.0, min(seconds, ended - start)) for ended, seconds in self._passes if ended > start)
+        return min(1.0, busy / self.seconds)
