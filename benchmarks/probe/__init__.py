@@ -15,4 +15,5 @@ common to all (benchmarks.probe.harness). The modes:
     prefix-reuse     a prefix prefilled once: a chat's second turn, 8 requests sharing a system prompt, n = 4 choices
     drafter-host     a draft model on a host without a stage, beside the stages, or none (root: namespace hosts)
     draft-coupling   how often a draft's draw is the target's: top choice, cumulative sum, shared Gumbel noise, a tree
+    across-rejections  async with windows ahead only after a fully accepted window, or also after rejections (emulated)
 """

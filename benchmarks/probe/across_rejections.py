@@ -1,0 +1,125 @@
+"""``python -m benchmarks.probe across-rejections``: async speculation as
+it was before 2026-12-06 ("async, before": a window started ahead only at a
+turn, after a window that accepted all its drafts), with windows ahead also
+when a pass leaves stage 0 ("async, on a roll"), and with them also after a
+rejection where passes are flat ("async", today's rule), beside sync and the
+plain pipeline, side by side in one run: chat with the bench's
+draft of realistic agreement (SmolLM2 requantized to Q4_0), greedy, under an
+emulated cost curve (then every figure is emulated) or none, through 2 or
+more stages.
+
+The older rules are today's with a part switched off for the mode's runs:
+AHEAD_ACROSS_REJECTION_STEP below any step, and no windows at the boundary. Figures per repetition (both chat prompts): tokens/s
+of the generation phase, its ratio to the plain pipeline and to sync, the
+tokens a verified pass committed (C), and each stage's compute over the wall
+time (the least of the stages) with the share of it on discarded passes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from pathlib import Path
+
+import click
+
+from benchmarks.probe.harness import Report, probe, table
+from benchmarks.side_by_side import Outcome, Samples, draft_steps, side_by_side
+
+MODES = ["plain", "sync", "async, before", "async, on a roll", "async"]
+FIGURES = ("tokens/s", "x plain", "x sync", "C", "least stage busy", "discarded share")
+
+
+@contextlib.contextmanager
+def _ahead_rule(mode: str):
+    """The schedule's rule for windows ahead as ``mode`` runs it."""
+    from orchestrator.decoding import schedule
+
+    step, at_boundary = schedule.AHEAD_ACROSS_REJECTION_STEP, schedule.Scheduler.windows_at_boundary
+    if mode in ("async, before", "async, on a roll"):
+        schedule.AHEAD_ACROSS_REJECTION_STEP = -1.0
+    if mode == "async, before":
+        schedule.Scheduler.windows_at_boundary = lambda self, relaying: []
+    try:
+        yield
+    finally:
+        schedule.AHEAD_ACROSS_REJECTION_STEP, schedule.Scheduler.windows_at_boundary = step, at_boundary
+
+
+@probe("across-rejections", repetitions=3)
+@click.option("--stages", default=2, show_default=True, type=click.IntRange(2, 8), help="Stages the model is cut into.")
+@click.option("--cost-curve", "curve", default=None, help="An emulated curve (SETUP.toml@MS or a curve file); "
+              "none: this machine's own passes.")
+@click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(8, 512))
+def across_rejections(repetitions: int, stages: int, curve: str | None, max_tokens: int) -> Report:
+    """Async with windows ahead only after a fully accepted window, or also after rejections, beside sync and plain."""
+    from benchmarks.drafts import realistic_draft
+    from benchmarks.suite import SCENARIO_DIR, load_scenario, prompts_of, start_kinds
+    from orchestrator.cluster.connect import ray_session
+    from orchestrator.cluster.drafters import draft_prices, speculator_factory, stop_drafters
+    from orchestrator.cluster.pipeline import Pipeline
+    from orchestrator.config import BENCH_CONTEXT, DRAFT_MAX, default_model_path
+    from orchestrator.decoding.drafting import SpeculationSettings
+    from orchestrator.decoding.loop import generate
+    from orchestrator.decoding.schedule import Schedule
+    from orchestrator.planning.curves import load_cost_curve
+    from orchestrator.run import make_drafting
+    from speculators.sampling import SamplingSettings
+    from stages.settings import StageSettings
+    from stages.split import split_model
+    from stages.tokenizer import Tokenizer
+
+    model = str(default_model_path())
+    with tempfile.TemporaryDirectory() as folder:
+        paths = [str(Path(folder) / f"stage-{index}.gguf") for index in range(stages)]
+        split_model(model, paths)
+        draft = realistic_draft(model, Path(folder))
+        tokenizer = Tokenizer(paths[0])
+        prompts = prompts_of(tokenizer, load_scenario(SCENARIO_DIR.parent / "scenarios-draft" / "chat.toml"))
+        settings = StageSettings(n_ctx=BENCH_CONTEXT, threads=1, cost_curve=load_cost_curve(curve) if curve else None)
+        with ray_session(None), Pipeline(paths, settings, notify_boundaries=True) as pipeline:
+            make = speculator_factory(SpeculationSettings("model", draft), tokenizer, settings)
+            drafters = start_kinds(pipeline, {"model": make})["model"]
+            try:
+                steps = draft_steps(pipeline)
+                pipeline.pin_stages(overlapping=False)
+                prices = draft_prices("model", pipeline, drafters, prompts[0], pipeline.pass_costs()[0])
+                rates: dict[tuple[str, int], float] = {}
+
+                def run(mode: str, repetition: int) -> Outcome:
+                    schedule = {"plain": None, "sync": Schedule.SYNC}.get(mode, Schedule.ASYNC)
+                    drafting = None if schedule is None else make_drafting(
+                        "model", drafters, schedule, DRAFT_MAX, make, steps[schedule is Schedule.ASYNC], 1, prices)
+                    pipeline.pin_stages(overlapping=schedule is Schedule.ASYNC)
+                    with _ahead_rule(mode):
+                        results = [generate(pipeline, prompt, max_tokens, SamplingSettings(), tokenizer.is_end,
+                                            drafting=drafting) for prompt in prompts]
+                    seconds = sum(result.decode_seconds for result in results)
+                    rate = sum(len(result.tokens) - 1 for result in results) / seconds
+                    rates[mode, repetition] = rate
+                    busy = [sum(result.stage_seconds[stage] for result in results) /
+                            sum(result.seconds for result in results) for stage in range(stages)]
+                    discarded = sum(sum(result.discarded_seconds) for result in results)
+                    verified = [result.speculation for result in results]
+                    windows = sum(sum(stats.accepted_lengths.values()) for stats in verified)
+                    committed = sum(sum(length * count for length, count in stats.accepted_lengths.items())
+                                    for stats in verified)
+                    return Outcome({"tokens/s": rate, "C": committed / windows if windows else 1.0,
+                                    "least stage busy": min(busy),
+                                    "discarded share": discarded / sum(sum(result.stage_seconds) for result in results)},
+                                   [result.tokens for result in results])
+
+                samples: Samples = side_by_side(MODES, repetitions, run)
+            finally:
+                stop_drafters(drafters)
+    for mode in MODES:  # ratios within each repetition, after all modes ran in it
+        for repetition in range(repetitions):
+            samples.add(mode, {"x plain": rates[mode, repetition] / rates["plain", repetition],
+                               "x sync": rates[mode, repetition] / rates["sync", repetition]})
+    lines = table(["figure", *MODES], [[name, *(samples.spread(mode, name) for mode in MODES)] for name in FIGURES])
+    lines.append("")
+    lines.append(f"{stages} stages {'under ' + curve if curve else 'on this machine, no curve'}; chat-draft's two prompts, {max_tokens} tokens each, greedy, "
+                 "every mode's tokens identical; the draft's prices (awaited, relayed) "
+                 f"{prices.awaited:.3f}, {prices.relayed:.3f} of a one-token pass.")
+    return Report(f"Windows started ahead across rejections ({'emulated' if curve else 'this machine'})", lines,
+                  {"": samples})
