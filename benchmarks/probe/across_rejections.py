@@ -2,7 +2,11 @@
 it was before 2026-12-06 ("async, before": a window started ahead only at a
 turn, after a window that accepted all its drafts), with windows ahead also
 when a pass leaves stage 0 ("async, on a roll"), and with them also after a
-rejection where passes are flat ("async", today's rule), beside sync and the
+rejection where passes are flat ("async", today's rule), and today's with
+one drafter for the whole pass instead of the relay ("async, one drafter":
+the drafter beside stage 0, which drafted the window's drafts, goes on
+drafting until the result, as each sequence does in a batched service; no
+other drafter has to read the speculation first), beside sync and the
 plain pipeline, side by side in one run: chat with the bench's
 draft of realistic agreement (SmolLM2 requantized to Q4_0), greedy, under an
 emulated cost curve (then every figure is emulated) or none, through 2 or
@@ -26,24 +30,38 @@ import click
 from benchmarks.probe.harness import Report, probe, table
 from benchmarks.side_by_side import Outcome, Samples, draft_steps, side_by_side
 
-MODES = ["plain", "sync", "async, before", "async, on a roll", "async"]
+MODES = ["plain", "sync", "async, before", "async, on a roll", "async", "async, one drafter"]
 FIGURES = ("tokens/s", "x plain", "x sync", "C", "least stage busy", "discarded share")
 
 
 @contextlib.contextmanager
 def _ahead_rule(mode: str):
-    """The schedule's rule for windows ahead as ``mode`` runs it."""
+    """The schedule's rules (and the loop's drafting) as ``mode`` runs them."""
     from orchestrator.decoding import schedule
+    from orchestrator.decoding.loop import DecodingLoop
 
     step, at_boundary = schedule.AHEAD_ACROSS_REJECTION_STEP, schedule.Scheduler.windows_at_boundary
+    relaying = DecodingLoop._receive_relaying
     if mode in ("async, before", "async, on a roll"):
         schedule.AHEAD_ACROSS_REJECTION_STEP = -1.0
     if mode == "async, before":
-        schedule.Scheduler.windows_at_boundary = lambda self, relaying: []
+        schedule.Scheduler.windows_at_boundary = lambda self, states: []
+    if mode == "async, one drafter":
+        DecodingLoop._receive_relaying = _one_drafter
     try:
         yield
     finally:
         schedule.AHEAD_ACROSS_REJECTION_STEP, schedule.Scheduler.windows_at_boundary = step, at_boundary
+        DecodingLoop._receive_relaying = relaying
+
+
+def _one_drafter(loop):
+    """DecodingLoop._receive_relaying with each sequence drafting on one machine for the whole pass (its
+    _receive_drafting, as while several sequences share passes): one sequence's is the drafter beside stage 0."""
+    states = loop.scheduler.relaying()
+    if not states:
+        return loop.target.receive()
+    return loop._receive_drafting(states, [loop.decodings[state.sequence].drafting.drafters for state in states])
 
 
 @probe("across-rejections", repetitions=3)
