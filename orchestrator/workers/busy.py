@@ -16,17 +16,28 @@ class BusyWindow:
     def __init__(self, seconds: float = BUSY_WINDOW_SECONDS):
         self.seconds = seconds
         self._passes: deque[tuple[float, float]] = deque()  # (when it ended, its compute seconds)
+        self._busy = 0.0  # the compute seconds of the passes held
         self._lock = threading.Lock()
 
     def add(self, ended: float, seconds: float) -> None:
         with self._lock:
             self._passes.append((ended, seconds))
-            while self._passes and self._passes[0][0] < ended - self.seconds:
-                self._passes.popleft()
+            self._busy += seconds
+            self._drop(ended - self.seconds)
 
     def fraction(self, now: float) -> float:
-        """The share of the window before ``now`` spent computing passes (a pass that began before it counts in part)."""
+        """The share of the window before ``now`` spent computing passes (a pass that began before it counts in
+        part: only the oldest can, as a stage runs one pass at a time)."""
         start = now - self.seconds
         with self._lock:
-            busy = sum(max(0.0, min(seconds, ended - start)) for ended, seconds in self._passes if ended > start)
-        return min(1.0, busy / self.seconds)
+            self._drop(start)
+            busy = self._busy
+            if self._passes:
+                ended, seconds = self._passes[0]
+                busy -= max(0.0, seconds - (ended - start))
+        return min(1.0, max(0.0, busy) / self.seconds)
+
+    def _drop(self, start: float) -> None:
+        """Forget the passes that ended before ``start`` (under the lock)."""
+        while self._passes and self._passes[0][0] <= start:
+            self._busy -= self._passes.popleft()[1]

