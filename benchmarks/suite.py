@@ -59,7 +59,8 @@ from benchmarks import timeline
 from orchestrator.config import BENCH_CONTEXT, BENCH_TREE_LEAVES, DRAFT_MAX, TREE_CURVE_SIZES
 from speculators.sampling import SamplingSettings
 from orchestrator.planning.against_bench import parse_mode
-from orchestrator.decoding.schedule import Schedule, SpeculationStats
+from orchestrator.decoding.schedule import Schedule
+from orchestrator.decoding.stats import SpeculationStats
 from stages.errors import SpecpipeError
 
 SCENARIO_DIR = Path(__file__).parent / "scenarios"
@@ -479,7 +480,7 @@ def summarise(scenario: Scenario, modes: list[str], runs: list[Run], stage_count
             "tree_passes": stats.tree_passes,
             "tree_side_rows": stats.side_rows,
             "tree_side_accepted": stats.side_accepted,
-            # The planner's inputs (orchestrator.decoding.schedule.SpeculationStats explains them).
+            # The planner's inputs (orchestrator.decoding.stats.SpeculationStats explains them).
             **draft_behaviour(stats),
             "accepted_length_histogram": {str(length): count for length, count in sorted(stats.accepted_lengths.items())},
             "stage_busy_fraction": [sum(run.stage_seconds[index] for run in mode_runs) / seconds

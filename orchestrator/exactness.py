@@ -28,7 +28,7 @@ import numpy as np
 
 from orchestrator.decoding.drafting import Drafting
 from orchestrator.decoding.loop import Decoding, DecodingLoop, Listener, sequence_state
-from orchestrator.decoding.schedule import Window
+from orchestrator.decoding.windows import Window
 from orchestrator.in_process import EngineChain, window_positions
 from speculators.sampling import SamplingSettings, choose_token
 

@@ -14,7 +14,7 @@ from collections import deque
 
 import numpy as np
 
-from orchestrator.decoding.schedule import TargetPass, Window
+from orchestrator.decoding.windows import TargetPass, Window
 from orchestrator.decoding.targets import PassReplies, choice_of
 from orchestrator.workers.choosing import TokenChooser
 from orchestrator.transport.messages import PassResult

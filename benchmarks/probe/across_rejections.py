@@ -39,19 +39,20 @@ def _ahead_rule(mode: str):
     """The schedule's rules (and the loop's drafting) as ``mode`` runs them."""
     from orchestrator.decoding import schedule
     from orchestrator.decoding.loop import DecodingLoop
+    from orchestrator.decoding.scheduler import Scheduler
 
-    step, at_boundary = schedule.AHEAD_ACROSS_REJECTION_STEP, schedule.Scheduler.windows_at_boundary
+    step, at_boundary = schedule.AHEAD_ACROSS_REJECTION_STEP, Scheduler.windows_at_boundary
     relaying = DecodingLoop._receive_relaying
     if mode in ("async, before", "async, on a roll"):
         schedule.AHEAD_ACROSS_REJECTION_STEP = -1.0
     if mode == "async, before":
-        schedule.Scheduler.windows_at_boundary = lambda self, states: []
+        Scheduler.windows_at_boundary = lambda self, states: []
     if mode == "async, one drafter":
         DecodingLoop._receive_relaying = _one_drafter
     try:
         yield
     finally:
-        schedule.AHEAD_ACROSS_REJECTION_STEP, schedule.Scheduler.windows_at_boundary = step, at_boundary
+        schedule.AHEAD_ACROSS_REJECTION_STEP, Scheduler.windows_at_boundary = step, at_boundary
         DecodingLoop._receive_relaying = relaying
 
 

@@ -28,7 +28,7 @@ from orchestrator.cluster.shipping import Shipment, ModelToShip, fetch_vocabular
 from orchestrator.cluster.stage_actors import LOOPBACK, StageActors, StageLoad, StageReport
 from orchestrator.cluster.stage_cpus import CpuSet, stage_cpu_sets
 from orchestrator.config import MAX_RESTARTS, PASS_CURVE_SIZES, STAGE_ANSWER_SECONDS
-from orchestrator.decoding.schedule import TargetPass, Window
+from orchestrator.decoding.windows import TargetPass, Window
 from orchestrator.decoding.targets import PassReplies, choice_of
 from orchestrator.transport.chain import PassLate, PipelineError, SocketChain
 from orchestrator.transport.handshake import new_secret

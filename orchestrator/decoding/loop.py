@@ -30,15 +30,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from orchestrator.decoding.schedule import (
-    Batching,
-    Scheduler,
-    SequenceState,
-    SpeculationStats,
-    Window,
-    prompt_chunk,
-    relay,
-)
+from orchestrator.decoding.schedule import SequenceState, prompt_chunk
+
+from orchestrator.decoding.scheduler import Batching, Scheduler, relay
+
+from orchestrator.decoding.stats import SpeculationStats
+
+from orchestrator.decoding.windows import Window
 from orchestrator.decoding.drafting import Drafting
 from orchestrator.decoding.targets import Target, committed_logprobs, committed_tokens
 from speculators.logprobs import TokenLogprobs

@@ -46,7 +46,9 @@ from orchestrator.decoding.drafting import Drafting, draft_cells
 
 from orchestrator.decoding.loop import Decoding, DecodingLoop, Listener, sequence_state
 from orchestrator.decoding.prefix_cache import PREFIX_BLOCK, PrefixCache, PrefixHit, common_prefix
-from orchestrator.decoding.schedule import Batching, Schedule, SequenceState, Window
+from orchestrator.decoding.schedule import Schedule, SequenceState
+from orchestrator.decoding.scheduler import Batching
+from orchestrator.decoding.windows import Window
 from orchestrator.decoding.targets import Drafter, InstantDrafter, Target, TargetWaiting
 from speculators.draft_length import DRAFTER_CALL_COST, PRIOR_STEP, DraftPrices
 from speculators.logprobs import TokenLogprobs

@@ -15,7 +15,7 @@ from typing import Protocol
 import numpy as np
 
 from orchestrator.transport.messages import Cancelled, PassResult, TokenChoice
-from orchestrator.decoding.schedule import TargetPass, Window
+from orchestrator.decoding.windows import TargetPass, Window
 from speculators.logprobs import TokenLogprobs, window_logprobs
 from speculators.sampling import SamplingSettings
 from speculators.tree import DraftTree, TreeAsk, lookup_tree, verify_rows

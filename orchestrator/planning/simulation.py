@@ -63,7 +63,8 @@ from typing import Protocol
 from orchestrator.config import DRAFT_MAX
 from orchestrator.decoding.drafting import Drafting
 from orchestrator.decoding.loop import Decoding, DecodingLoop, Listener
-from orchestrator.decoding.schedule import Schedule, SequenceState, TargetPass, Window
+from orchestrator.decoding.schedule import Schedule, SequenceState
+from orchestrator.decoding.windows import TargetPass, Window
 from speculators.draft_length import DRAFTER_CALL_COST, DraftPrices, step_from_timings
 from speculators.tree import DraftTree, lookup_tree
 

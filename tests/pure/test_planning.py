@@ -355,7 +355,7 @@ def test_two_sequences_interleaved_make_the_same_passes_in_the_real_loop_and_the
 
 
 def test_bench_draft_statistics_count_first_and_later_tokens_apart():
-    from orchestrator.decoding.schedule import SpeculationStats
+    from orchestrator.decoding.stats import SpeculationStats
 
     # passes: 4 drafted; 3 accepted their first draft; 7 accepted in all; 2 rejections
     # (one at a first draft, one later); drafting: 5 awaited calls, 4 brought tokens,

@@ -6,8 +6,10 @@ import pytest
 
 from speculators.draft_length import DraftPolicy, DraftPrices
 from speculators.sampling import SamplingSettings
-from orchestrator.decoding.schedule import (Batching, Handoff, Schedule, Scheduler, SequenceState, SpeculationStats,
-                                            TargetPass, Window, prompt_chunk, relay)
+from orchestrator.decoding.schedule import Schedule, SequenceState, prompt_chunk
+from orchestrator.decoding.scheduler import Batching, Handoff, Scheduler, relay
+from orchestrator.decoding.stats import SpeculationStats
+from orchestrator.decoding.windows import TargetPass, Window
 
 SAMPLING = SamplingSettings(temperature=0.7, top_p=0.9, seed=5)
 

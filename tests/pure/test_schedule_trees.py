@@ -9,7 +9,8 @@ from orchestrator.decoding.drafting import Drafting
 from orchestrator.decoding.loop import generate
 from orchestrator.decoding.targets import InstantDrafter
 from orchestrator.transport.messages import ProtocolError, StageBatch, TokenChoice
-from orchestrator.decoding.schedule import Schedule, Window
+from orchestrator.decoding.schedule import Schedule
+from orchestrator.decoding.windows import Window
 from speculators.prompt_lookup import PromptLookupSpeculator
 from speculators.sampling import SamplingSettings
 

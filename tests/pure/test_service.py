@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from orchestrator.transport.messages import PassResult
-from orchestrator.decoding.schedule import TargetPass
+from orchestrator.decoding.windows import TargetPass
 from orchestrator.decoding.service import (
     Progress, QueueFull, RequestTooLong, Service, ServiceError, ServiceRequest, ServiceSettings, ShuttingDown,
     Unavailable,

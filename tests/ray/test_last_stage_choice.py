@@ -10,7 +10,7 @@ from speculators.verify import verify
 @pytest.mark.parametrize("sampling", [SamplingSettings(), SamplingSettings(temperature=0.9, top_p=0.95, seed=11)])
 def test_the_last_stage_chooses_what_verifying_its_logits_here_gives(ray_cluster, splits, sampling):
     from orchestrator.cluster.pipeline import Pipeline
-    from orchestrator.decoding.schedule import TargetPass, Window
+    from orchestrator.decoding.windows import TargetPass, Window
     from stages.tokenizer import Tokenizer
     from stages.settings import StageSettings
 
