@@ -23,12 +23,18 @@ MAX_TOKENS = 256  # tokens generated after the prompt when not told (orchestrate
 # best other continuations at most (speculators.tree; the rule verifies those that pay).
 BENCH_TREE_LEAVES = 4
 DRAFT_MAX = 8
-# One-token passes: a window is started ahead of one that may still reject a draft (not only after
-# a window that accepted all its drafts) where each extra token of a pass costs at most this share of
-# a one-token pass (the draft policy's measured step: about 0.05 on the emulated 405B curve, 0.6 on
-# this CPU). There a pass costs what one token does, so the stage it fills would otherwise idle; where
-# passes grow with width the stages compete for cores and a discarded window slows the useful ones.
-AHEAD_ACROSS_REJECTION_STEP = 0.25
+# A drafter asked while an async pass runs drafts for the next windows at once: the one verified next
+# and one started ahead of it (SequenceState.speculation_room), each a token and at most its draft
+# limit of drafts. One drafter drafts the whole pass (no relay from machine to machine), so one ask
+# may draft this many windows' worth: chain_reach.
+WINDOWS_DRAFTED_AHEAD = 2
+
+
+def chain_reach(draft_max: int) -> int:
+    """The most tokens one ask of a drafter may add to a chain: WINDOWS_DRAFTED_AHEAD windows."""
+    return WINDOWS_DRAFTED_AHEAD * (1 + draft_max)
+
+
 # A draft model growing token trees (speculators.model_tree): the KV ids its engine opens branches in
 # (each decoded node that is not its parent's first takes one; about a quarter of a 256-row tree's rows)
 DRAFT_TREE_BRANCHES = 127

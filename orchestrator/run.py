@@ -172,8 +172,8 @@ def make_drafting(kind: str, drafters: list, schedule: Schedule, draft_max: int,
                   step: float = PRIOR_STEP, tree_leaves: int = 1, draft_prices: DraftPrices = DraftPrices(),
                   pass_curve: BatchCurve | None = None, coupled: bool = True) -> Drafting:
     """The Drafting of a run: prompt lookup is asked before a window in this
-    process (no round trip; the actors beside the stages still relay in
-    async), a draft model beside stage 0. step: Pipeline.draft_step's.
+    process (no round trip; the actors beside the stages still draft while
+    async passes run), a draft model beside stage 0. step: Pipeline.draft_step's.
     tree_leaves: the trees' leaves (prompt lookup's other matches, or the
     draft model's tree grown beside stage 0); pass_curve: the pass timed at
     every width the trees may take (Pipeline.pass_curve), for their rule.
@@ -203,7 +203,7 @@ def run_generation(
     # On a cluster each file is checked on the node that runs its stage (Pipeline).
     vocabulary_path = whole.vocabulary_path if whole is not None else local_vocabulary_file(settings.stage_paths)
     prepared = _prepare(settings, Tokenizer(vocabulary_path)) if vocabulary_path else None
-    relays = settings.speculation.relays
+    asynchronous = settings.speculation.asynchronous
     with ray_session(settings.address, dashboard=settings.dashboard) as where:
         if where and on_status is not None:
             on_status(f"[{where}]")
@@ -216,8 +216,8 @@ def run_generation(
             stages, whole = settings.stage_paths or [whole.path], None
         with Pipeline(
             stages, stage_settings, wire_dtype=settings.wire_dtype, place=settings.place,
-            notify_boundaries=relays, max_restarts=settings.max_restarts,
-            on_restart=_restart_reporter(restart_metrics, on_status), tls=settings.tls, overlapping=relays,
+            notify_boundaries=asynchronous, max_restarts=settings.max_restarts,
+            on_restart=_restart_reporter(restart_metrics, on_status), tls=settings.tls, overlapping=asynchronous,
         ) as pipeline:
             check_same_model(vocabulary_path if whole is None else None, pipeline.stage_files)
             if prepared is None:  # no stage file here: the vocabulary comes from stage 0's node

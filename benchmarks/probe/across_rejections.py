@@ -1,27 +1,17 @@
-"""``python -m benchmarks.probe across-rejections``: async speculation as
-it was before 2026-12-06 ("async, before": a window started ahead only at a
-turn, after a window that accepted all its drafts), with windows ahead also
-when a pass leaves stage 0 ("async, on a roll"), and with them also after a
-rejection where passes are flat ("async", today's rule), and today's with
-one drafter for the whole pass instead of the relay ("async, one drafter":
-the drafter beside stage 0, which drafted the window's drafts, goes on
-drafting until the result, as each sequence does in a batched service; no
-other drafter has to read the speculation first), beside sync and the
-plain pipeline, side by side in one run: chat with the bench's
-draft of realistic agreement (SmolLM2 requantized to Q4_0), greedy, under an
-emulated cost curve (then every figure is emulated) or none, through 2 or
-more stages.
+"""``python -m benchmarks.probe across-rejections``: what async speculation
+does across rejections, beside sync and the plain pipeline, side by side in
+one run: chat with the bench's draft of realistic agreement (SmolLM2
+requantized to Q4_0), greedy, under an emulated cost curve (then every
+figure is emulated) or none, through 2 or more stages.
 
-The older rules are today's with a part switched off for the mode's runs:
-AHEAD_ACROSS_REJECTION_STEP below any step, and no windows at the boundary. Figures per repetition (both chat prompts): tokens/s
-of the generation phase, its ratio to the plain pipeline and to sync, the
-tokens a verified pass committed (C), and each stage's compute over the wall
-time (the least of the stages) with the share of it on discarded passes.
+Figures per repetition (both chat prompts): tokens/s of the generation
+phase, its ratio to the plain pipeline and to sync, the tokens a verified
+pass committed (C), and each stage's compute over the wall time (the least
+of the stages) with the share of it on discarded passes.
 """
 
 from __future__ import annotations
 
-import contextlib
 import tempfile
 from pathlib import Path
 
@@ -30,39 +20,8 @@ import click
 from benchmarks.probe.harness import Report, probe, table
 from benchmarks.side_by_side import Outcome, Samples, draft_steps, side_by_side
 
-MODES = ["plain", "sync", "async, before", "async, on a roll", "async", "async, one drafter"]
+MODES = ["plain", "sync", "async"]
 FIGURES = ("tokens/s", "x plain", "x sync", "C", "least stage busy", "discarded share")
-
-
-@contextlib.contextmanager
-def _ahead_rule(mode: str):
-    """The schedule's rules (and the loop's drafting) as ``mode`` runs them."""
-    from orchestrator.decoding import schedule
-    from orchestrator.decoding.loop import DecodingLoop
-    from orchestrator.decoding.scheduler import Scheduler
-
-    step, at_boundary = schedule.AHEAD_ACROSS_REJECTION_STEP, Scheduler.windows_at_boundary
-    relaying = DecodingLoop._receive_relaying
-    if mode in ("async, before", "async, on a roll"):
-        schedule.AHEAD_ACROSS_REJECTION_STEP = -1.0
-    if mode == "async, before":
-        Scheduler.windows_at_boundary = lambda self, states: []
-    if mode == "async, one drafter":
-        DecodingLoop._receive_relaying = _one_drafter
-    try:
-        yield
-    finally:
-        schedule.AHEAD_ACROSS_REJECTION_STEP, Scheduler.windows_at_boundary = step, at_boundary
-        DecodingLoop._receive_relaying = relaying
-
-
-def _one_drafter(loop):
-    """DecodingLoop._receive_relaying with each sequence drafting on one machine for the whole pass (its
-    _receive_drafting, as while several sequences share passes): one sequence's is the drafter beside stage 0."""
-    states = loop.scheduler.relaying()
-    if not states:
-        return loop.target.receive()
-    return loop._receive_drafting(states, [loop.decodings[state.sequence].drafting.drafters for state in states])
 
 
 @probe("across-rejections", repetitions=3)
@@ -71,7 +30,7 @@ def _one_drafter(loop):
               "none: this machine's own passes.")
 @click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(8, 512))
 def across_rejections(repetitions: int, stages: int, curve: str | None, max_tokens: int) -> Report:
-    """Async with windows ahead only after a fully accepted window, or also after rejections, beside sync and plain."""
+    """Async speculation across rejections beside sync and the plain pipeline."""
     from benchmarks.drafts import realistic_draft
     from benchmarks.suite import SCENARIO_DIR, load_scenario, prompts_of, start_kinds
     from orchestrator.cluster.connect import ray_session
@@ -110,9 +69,8 @@ def across_rejections(repetitions: int, stages: int, curve: str | None, max_toke
                     drafting = None if schedule is None else make_drafting(
                         "model", drafters, schedule, DRAFT_MAX, make, steps[schedule is Schedule.ASYNC], 1, prices)
                     pipeline.pin_stages(overlapping=schedule is Schedule.ASYNC)
-                    with _ahead_rule(mode):
-                        results = [generate(pipeline, prompt, max_tokens, SamplingSettings(), tokenizer.is_end,
-                                            drafting=drafting) for prompt in prompts]
+                    results = [generate(pipeline, prompt, max_tokens, SamplingSettings(), tokenizer.is_end,
+                                        drafting=drafting) for prompt in prompts]
                     seconds = sum(result.decode_seconds for result in results)
                     rate = sum(len(result.tokens) - 1 for result in results) / seconds
                     rates[mode, repetition] = rate
@@ -138,7 +96,7 @@ def across_rejections(repetitions: int, stages: int, curve: str | None, max_toke
     lines = table(["figure", *MODES], [[name, *(samples.spread(mode, name) for mode in MODES)] for name in FIGURES])
     lines.append("")
     lines.append(f"{stages} stages {'under ' + curve if curve else 'on this machine, no curve'}; chat-draft's two prompts, {max_tokens} tokens each, greedy, "
-                 "every mode's tokens identical; the draft's prices (awaited, relayed) "
+                 "every mode's tokens identical; the draft's prices (awaited, while a pass runs) "
                  f"{prices.awaited:.3f}, {prices.relayed:.3f} of a one-token pass.")
-    return Report(f"Windows started ahead across rejections ({'emulated' if curve else 'this machine'})", lines,
+    return Report(f"Async speculation across rejections ({'emulated' if curve else 'this machine'})", lines,
                   {"": samples})

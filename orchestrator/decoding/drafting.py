@@ -51,7 +51,7 @@ class SpeculationSettings:
     drafter_nodes: Ray nodes (address or id) that draft instead of the
     machines beside the first stages: drafter i runs on drafter_nodes[i]
     (a drafter-only node, llama_duo's laptop drafting for a Mac Studio), the
-    rest beside their stages; relayed like any other."""
+    rest beside their stages."""
 
     speculator: str = "none"
     draft_path: str | None = None
@@ -90,9 +90,9 @@ class SpeculationSettings:
         return self.speculator != "none"
 
     @property
-    def relays(self) -> bool:
-        """Drafting hands on along the stages while a pass runs (the pipeline reports its boundaries)."""
-        return self.drafts and self.schedule.relays
+    def asynchronous(self) -> bool:
+        """Drafting goes on while a pass runs, and passes overlap."""
+        return self.drafts and self.schedule.asynchronous
 
     @property
     def draft_room(self) -> int:

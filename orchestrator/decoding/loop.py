@@ -10,8 +10,7 @@ stages in virtual time) and where its sequences come from. One turn
 
     drafters beside stage 0 draft for the sequences that wait for them
     -> submit the passes the schedule makes (first windows, windows ahead)
-    -> wait for the oldest pass, relaying async drafting at every boundary
-       (and submitting a window ahead when the pass leaves stage 0)
+    -> wait for the oldest pass while async sequences draft on
     -> verify each window it carried and commit its tokens
     -> cancel the passes a rejection made worthless, and start the drafter
        beside stage 0 for a sequence that waits only for such passes
@@ -32,7 +31,7 @@ from dataclasses import dataclass, field
 
 from orchestrator.decoding.schedule import SequenceState, prompt_chunk
 
-from orchestrator.decoding.scheduler import Batching, Scheduler, relay
+from orchestrator.decoding.scheduler import Batching, Scheduler
 
 from orchestrator.decoding.stats import SpeculationStats
 
@@ -153,7 +152,7 @@ class DecodingLoop:
             self.target.submit(target_pass)
         if not self.scheduler.in_flight:
             return False
-        reply = self._receive_relaying()
+        reply = self._receive_drafting()
         for state, window, rows in self.scheduler.received():
             decoding = self.decodings[state.sequence]
             decoding.listener.pass_returned(PassTimes(tuple(reply.stage_seconds), tuple(reply.stage_started),
@@ -209,48 +208,24 @@ class DecodingLoop:
             else:
                 state.drafted_first(drafter.collect(wait=True))
 
-    def _receive_relaying(self):
-        """The oldest pass's result; meanwhile async sequences hand drafting from
-        machine to machine as the pass leaves each stage (schedule.relay)."""
-        relaying = self.scheduler.relaying()
-        if not relaying:
+    def _receive_drafting(self):
+        """The oldest pass's result; meanwhile each async sequence's drafter
+        extends its speculation (Scheduler.drafting_during: one machine for the
+        whole pass, Scheduler.drafter_of)."""
+        drafting = self.scheduler.drafting_during()
+        if not drafting:
             return self.target.receive()
-        machines = [self.decodings[state.sequence].drafting.drafters for state in relaying]  # type: ignore[union-attr]
-        if self.scheduler.crowded:
-            return self._receive_drafting(relaying, machines)
-        handoffs = relay(len(machines[0]))
-        reply = None
-        for moment, handoff in enumerate(handoffs):
-            if moment == len(handoffs) - 1:
-                reply = self.target.receive()
-            elif moment > 0:
-                self.target.await_boundary(moment - 1)
-            if handoff.collect is not None:
-                for drafters in machines:
-                    drafters[handoff.collect].ask()
-            if handoff.collect is not None:
-                for state, drafters in zip(relaying, machines):
-                    state.drafted(drafters[handoff.collect].collect())
-            if moment == 1 and moment < len(handoffs) - 1:  # the pass left stage 0: it may take a window ahead
-                for target_pass in self.scheduler.windows_at_boundary(relaying):
-                    self.target.submit(target_pass)
-            for state, drafters in zip(relaying, machines):
-                room = state.speculation_room if handoff.start is not None else 0
-                if room > 0:
-                    drafters[handoff.start].speculate(state.text, room, sampling=state.draft_sampling)
-        return reply
-
-    def _receive_drafting(self, relaying, machines):
-        """The oldest pass's result, while several sequences share passes:
-        each drafts on one machine for the whole pass (schedule.Scheduler.drafter_of)."""
-        chosen = [drafters[self.scheduler.drafter_of(state, len(drafters))] for state, drafters in zip(relaying, machines)]
-        for state, drafter in zip(relaying, chosen):
+        crowded = self.scheduler.crowded
+        machines = [self.decodings[state.sequence].drafting.drafters for state in drafting]  # type: ignore[union-attr]
+        chosen = [drafters[self.scheduler.drafter_of(state, len(drafters), crowded)]
+                  for state, drafters in zip(drafting, machines)]
+        for state, drafter in zip(drafting, chosen):
             if (room := state.speculation_room) > 0:
                 drafter.speculate(state.text, room, sampling=state.draft_sampling)
         reply = self.target.receive()
         for drafter in chosen:
             drafter.ask()
-        for state, drafter in zip(relaying, chosen):
+        for state, drafter in zip(drafting, chosen):
             state.drafted(drafter.collect())
         return reply
 

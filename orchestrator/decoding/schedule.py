@@ -22,28 +22,18 @@ The rules:
   only when no speculation is pending (at the start, or after a rejection),
   since stage 0 is idle until the pass starts and a pass without drafts
   wastes the target.
-* How ``async`` hands drafting between machines while a pass runs
-  (``relay``): while stage i computes, the drafter beside stage i + 1 extends
-  the speculation; when the pass leaves stage i, that drafter is collected
-  and the drafter beside stage i + 2 goes on from the end of the speculation
-  (with two stages, the machine that just went idle; with more, one the pass
-  reaches only after the next stage, so it is idle even when stage i takes a
-  window started ahead at once); the result collects the drafter beside
-  stage 0. A
-  sequence whose draft policy takes no drafts does not relay.
+* Who drafts while an ``async`` pass runs (``Scheduler.drafter_of``): one
+  drafter for the whole pass, collected with its result: a lone sequence's
+  is the drafter beside stage 0, which drafted the window and keeps it in its
+  cache; sequences sharing passes spread over the machines. A sequence whose
+  draft policy takes no drafts does not draft meanwhile.
 * When a window is started ahead (``SequenceState.window_ahead``, ``async``
   only, PipeInfer's idea): while one window of the sequence is in flight,
   the next window of the speculation, assuming the one in flight commits
-  its whole window; at a turn's start with the window it follows, or when
-  that window leaves stage 0, on what the relay drafted meanwhile
-  (``Scheduler.windows_at_boundary``), so stage 0 computes it while the
-  later stages compute the one before. Where each extra token of a pass
-  costs the stages little (the policy's step at most
-  AHEAD_ACROSS_REJECTION_STEP: memory-bound machines, whose stage would
-  idle otherwise) it is started whatever the last window did; elsewhere
-  only after a window that accepted all its drafts: after a rejection the
-  next window is likely wrong too, and a discarded window still costs every
-  stage its compute.
+  its whole window, submitted at a turn's start with the window it follows,
+  so stage 0 computes it while the later stages compute the one before;
+  only after a window that accepted all its drafts (``on_a_roll``), since
+  after a rejection the speculation is gone.
 * When a window in flight is invalid (``SequenceState.verified``): when it
   does not start at the last committed token (the window before it did not
   commit all it carried, or its own token differs), or the sequence is
@@ -65,7 +55,7 @@ The rules:
   while two or more sequences decode, no window is started ahead (it would
   go in a pass of its own), nobody waits for drafts, each drafts on one
   machine for its whole pass, and drafting pauses while shared passes take
-  no drafts (``Scheduler.relaying``).
+  no drafts (``Scheduler.drafting_during``).
 * When a window is a token tree (``SequenceState.drafted_tree``, a sequence
   with ``tree_leaves`` > 1 whose drafter proposes one): the draft policy's
   chain is its main chain, and ``speculators.tree.choose_rows`` adds the side
@@ -89,7 +79,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from orchestrator.config import AHEAD_ACROSS_REJECTION_STEP
+from orchestrator.config import WINDOWS_DRAFTED_AHEAD
 from speculators.draft_length import DRAFTER_CALL_COST, PRIOR_STEP, DraftPolicy, DraftPrices
 from speculators.sampling import SamplingSettings
 from speculators.tree import (DraftTree, PassCost, RankAcceptance, TreeAsk, accepted_rows, choose_rows, curve_cost,
@@ -114,8 +104,8 @@ class Schedule(enum.Enum):
         return self is not Schedule.PLAIN
 
     @property
-    def relays(self) -> bool:
-        """Drafting moves between machines while a pass runs, and windows start ahead."""
+    def asynchronous(self) -> bool:
+        """Drafting goes on while a pass runs, and windows start ahead."""
         return self is Schedule.ASYNC
 
 
@@ -206,7 +196,7 @@ class SequenceState:
         every draft; async drafts while passes run (draft_limit) and waits only
         when nothing is speculated, at the start and after a rejection (awaited_limit)."""
         self.awaited_limit = self.policy.limit(awaited=True)
-        self.draft_limit = self.policy.limit(awaited=False) if self.schedule.relays else self.awaited_limit
+        self.draft_limit = self.policy.limit(awaited=False) if self.schedule.asynchronous else self.awaited_limit
 
     @property
     def text(self) -> list[int]:
@@ -225,8 +215,8 @@ class SequenceState:
     def speculation_room(self) -> int:
         """Tokens a drafter may still add to the speculation (the speculation
         budget): no further than the tokens the sequence may still produce
-        (its last token is always the target's own), nor than the next two
-        windows can take: the windows in flight feed the text up to some
+        (its last token is always the target's own), nor than the next
+        WINDOWS_DRAFTED_AHEAD windows can take: the windows in flight feed the text up to some
         position, and when the oldest comes back the next window and one
         started ahead of it are submitted at once, each one token and at most
         the draft policy's draft_limit drafts (the policy's choice now; it
@@ -235,14 +225,14 @@ class SequenceState:
         cores with the stages it would slow them for nothing."""
         fed = max((window.first + window.main_rows for window in self.in_flight if not window.prompt),
                   default=len(self.committed) - 1)
-        usable = min(fed + 2 * (1 + self.draft_limit), self.prompt_length + self.max_tokens - 1)
+        usable = min(fed + WINDOWS_DRAFTED_AHEAD * (1 + self.draft_limit), self.prompt_length + self.max_tokens - 1)
         return max(0, usable - len(self.text))
 
     @property
     def drafts_wanted(self) -> int:
         """Drafts its next window may carry: the policy's limit, within the room
         left; awaited drafts (nothing speculated, or sync) priced with their wait."""
-        limit = self.awaited_limit if self.schedule.relays and not self.speculation else self.draft_limit
+        limit = self.awaited_limit if self.schedule.asynchronous and not self.speculation else self.draft_limit
         return max(0, min(limit, self.room))
 
     @property
@@ -390,9 +380,11 @@ class SequenceState:
 
     def window_ahead(self) -> Window | None:
         """The next window of the speculation, started while one is in flight,
-        or None: after a window that accepted all its drafts (on_a_roll), or
-        where passes are flat (aheads_pay)."""
-        if not (self.schedule.relays and (self.on_a_roll or self.aheads_pay) and len(self.in_flight) == 1
+        or None. Only after a window that accepted all its drafts (on_a_roll):
+        the window in flight is then the only one, valid, and drafted on by
+        the drafter during the last pass; after a rejection the speculation
+        is gone and its next window waits for the drafter."""
+        if not (self.schedule.asynchronous and self.on_a_roll and len(self.in_flight) == 1
                 and not self.finished):
             return None
         head = self.in_flight[0]
@@ -406,14 +398,6 @@ class SequenceState:
                         logprobs=self.logprobs, **self._constrained(first + 1))
         self.in_flight.append(window)
         return window
-
-    @property
-    def aheads_pay(self) -> bool:
-        """A window is started ahead also while the one in flight may still
-        reject: each extra token of a pass costs at most
-        AHEAD_ACROSS_REJECTION_STEP of a one-token pass (the policy's
-        measured step), so the stage it fills would otherwise idle."""
-        return self.policy.step <= AHEAD_ACROSS_REJECTION_STEP
 
     def _constrained(self, through: int) -> dict:
         """A window's grammar fields: its grammar and the text generated before

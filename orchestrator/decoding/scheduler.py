@@ -1,7 +1,6 @@
 """Many sequences' windows in flight through one target: the Scheduler
-(which passes go, which sequences draft and relay, which passes a rejection
-made worthless), continuous batching (Batching) and the async relay
-(relay). The rules each sequence follows are orchestrator.decoding.schedule's."""
+(which passes go, which sequences draft and on which machine, which passes
+a rejection made worthless) and continuous batching (Batching). The rules each sequence follows are orchestrator.decoding.schedule's."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ from orchestrator.decoding.schedule import SequenceState
 from orchestrator.decoding.windows import TargetPass, Window
 from stages.cost_curve import BatchCurve
 
-# Scheduler.relaying: while several sequences share passes, drafting pauses after this many shared
+# Scheduler.drafting_during: while several sequences share passes, drafting pauses after this many shared
 # passes in a row took no drafts, and drafts again for UNUSED_DRAFTS_STRETCH passes UNUSED_DRAFTS_PROBE
 # passes into the pause, then after gaps that double up to UNUSED_DRAFTS_PROBE_MOST. Each stretch costs
 # the drafters a catch-up. orchestrate bench --serve @40, 2026-12-03: a pass in every 8 left 8 requests at
@@ -109,27 +108,6 @@ def _consecutive_runs(windows: list[Window]) -> list[list[Window]]:
     return runs
 
 
-@dataclass(frozen=True)
-class Handoff:
-    """A moment of an async pass: collect drafter ``collect`` (its tokens extend
-    the speculation), then start drafter ``start`` from the speculation's end.
-    Drafter i sits beside stage i; None: no drafter."""
-
-    collect: int | None
-    start: int | None
-
-
-def relay(stage_count: int) -> tuple[Handoff, ...]:
-    """The handoffs of async drafting during one pass, in order: when the loop
-    starts waiting for the pass, at each boundary (the pass left stage
-    0, 1, ..., stage_count - 2), and at its result."""
-    return (
-        Handoff(None, 1 % stage_count),
-        *(Handoff((stage + 1) % stage_count, (stage + 2) % stage_count) for stage in range(stage_count - 1)),
-        Handoff(0, None),
-    )
-
-
 class Scheduler:
     """The passes in flight over several sequences, in submission order.
 
@@ -137,7 +115,8 @@ class Scheduler:
     first (``drafting_first``), which passes to submit now (``next_passes``:
     one with every ready sequence's first window, one with the windows started
     ahead; or, with ``window_per_pass``, a pass for each window), which
-    sequences relay their drafters while the oldest pass runs (``relaying``),
+    sequences draft while the oldest pass runs (``drafting_during``, on the
+    machine ``drafter_of`` names),
     and hands the oldest pass's result back (``received``). A long-lived loop
     (orchestrator.decoding.service) also ``add``s sequences as they arrive and
     ``remove``s them once settled.
@@ -156,7 +135,7 @@ class Scheduler:
         self.batching = batching
         self._invalid: list[TargetPass] = []  # passes in flight already handed out by invalid_passes
         self._unused = 0  # shared passes in a row that took no drafts (shared_drafts)
-        self._paused = 0  # passes since drafting paused for that (relaying)
+        self._paused = 0  # passes since drafting paused for that (drafting_during)
 
     def add(self, state: SequenceState) -> None:
         if state.sequence in self.sequences:
@@ -178,20 +157,20 @@ class Scheduler:
         """Sequences whose drafts the loop waits for before the next passes
         (SequenceState.drafts_first); none while windows wait to share a pass,
         and, while several sequences share passes, no async one: each would
-        wait for its drafter in turn while every other window waits too (the
-        relay drafts for it during its next pass instead)."""
+        wait for its drafter in turn while every other window waits too (its
+        drafter drafts for it during its next pass instead)."""
         if self._holding():
             return []
         crowded = self.crowded
         return [state for state in self.sequences.values()
-                if state.drafts_first and not (crowded and state.schedule.relays)]
+                if state.drafts_first and not (crowded and state.schedule.asynchronous)]
 
     def drafting_early(self) -> list[SequenceState]:
         """Sequences whose drafter beside stage 0 may start drafting for their
         next window now (SequenceState.drafts_early), while the loop waits
         for their discarded passes: only while one sequence decodes (several
-        share their drafters' machines, and the relay of another may be using
-        them)."""
+        share their drafters' machines, and another's may be drafting on the
+        one beside stage 0)."""
         unfinished = [state for state in self.sequences.values() if not state.finished]
         return [state for state in unfinished if len(unfinished) == 1 and state.drafts_early]
 
@@ -219,18 +198,6 @@ class Scheduler:
                 passes.extend(TargetPass((window,)) for window in windows)
             elif windows:
                 passes.append(TargetPass(windows))
-        self.in_flight.extend(passes)
-        return passes
-
-    def windows_at_boundary(self, relaying: list[SequenceState]) -> list[TargetPass]:
-        """Passes to submit when the oldest pass has left stage 0, its drafts
-        relayed meanwhile: a pass for each relaying sequence's window ahead
-        (SequenceState.window_ahead), so stage 0 computes it while the later
-        stages compute the one in flight. None while several sequences share
-        passes (a window ahead would go in a pass of its own)."""
-        if self.crowded:
-            return []
-        passes = [TargetPass((window,)) for state in relaying if (window := state.window_ahead()) is not None]
         self.in_flight.extend(passes)
         return passes
 
@@ -264,17 +231,20 @@ class Scheduler:
         return self.batching is not None and sum(not state.finished for state in self.sequences.values()) > 1
 
     @staticmethod
-    def drafter_of(state: SequenceState, machines: int) -> int:
-        """While crowded, the one machine whose drafter drafts for ``state``
-        during its passes: the sequences spread over the machines, and each
-        drafter keeps what it drafted in its cache (a relay would have the
-        next machine decode it again before drafting on)."""
-        return state.sequence % machines
+    def drafter_of(state: SequenceState, machines: int, crowded: bool) -> int:
+        """The one machine whose drafter drafts for ``state`` for the whole of
+        each of its passes: alone, the drafter beside stage 0, which drafted
+        the window's drafts and holds them in its cache; while crowded, the
+        sequences spread over the machines. No relay from machine to machine:
+        each hand-over had the next drafter decode the text again before
+        drafting on, and measured slower (docs/measurements.md, "One drafter
+        for the whole pass")."""
+        return state.sequence % machines if crowded else 0
 
-    def relaying(self) -> list[SequenceState]:
-        """Sequences whose drafters relay while the oldest pass runs: async ones
+    def drafting_during(self) -> list[SequenceState]:
+        """Sequences whose drafter drafts while the oldest pass runs: async ones
         whose next window to verify is in it, unless the draft policy takes no
-        drafts now (the relay's round trips would cost every pass for nothing;
+        drafts now (the drafter's round trips would cost every pass for nothing;
         drafting resumes when the policy asks again, before a window). While
         several sequences share passes: none once UNUSED_DRAFTS_PAUSE shared
         passes in a row took no drafts (the requests fill the flat part of a
@@ -283,7 +253,7 @@ class Scheduler:
         oldest = self.in_flight[0]
         if self.crowded and self._unused >= UNUSED_DRAFTS_PAUSE and not self._probing():
             return []
-        return [state for window in oldest.windows if (state := self.sequences[window.sequence]).schedule.relays
+        return [state for window in oldest.windows if (state := self.sequences[window.sequence]).schedule.asynchronous
                 and state.is_head(window) and not state.finished and state.draft_limit > 0]
 
     def _count_unused(self, shared: int | None) -> None:
@@ -295,7 +265,7 @@ class Scheduler:
         self._paused = self._paused + 1 if self._unused >= UNUSED_DRAFTS_PAUSE else 0
 
     def _probing(self) -> bool:
-        """While drafting pauses (relaying), whether this pass drafts anyway:
+        """While drafting pauses (drafting_during), whether this pass drafts anyway:
         UNUSED_DRAFTS_STRETCH passes in a row (the drafters catch up on what
         was committed meanwhile, then draft), UNUSED_DRAFTS_PROBE passes into
         the pause, then after gaps that double up to UNUSED_DRAFTS_PROBE_MOST."""

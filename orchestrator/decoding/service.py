@@ -6,7 +6,7 @@ Requests arrive from any thread (``submit``); one thread turns the decoding
 loop (orchestrator.decoding.loop, the same as ``orchestrate run``'s):
 
     admit queued requests while a KV sequence is free
-    -> one turn of the loop (drafting, passes, relay, verification)
+    -> one turn of the loop (drafting, passes, verification)
     -> hand each request's committed tokens to its sink
     -> free the KV of every request that ended -> again
 
@@ -25,8 +25,8 @@ schedule.Batching, by the pass cost the target measured): on a flat cost
 curve the ready windows fill one pass per stage; on this CPU's nearly
 linear one a pass carries one window, so while stage 1 computes request A's
 pass, stage 0 computes request B's. A request drafts as ``orchestrate run`` does: with
-prompt lookup in this process, sync or async (the relay hands drafting along
-the stages while a pass runs, and windows start ahead), chains or trees. A request ends by an end token, by its token limit, or
+prompt lookup in this process, sync or async (a drafter drafts on while
+a pass runs, and windows start ahead), chains or trees. A request ends by an end token, by its token limit, or
 cancelled (client gone, stop string); its KV is then released in every stage,
 in order with the passes around it, and its id goes back to the free list.
 """
@@ -126,10 +126,10 @@ class ServiceSettings:
     beside each stage, from its KV sequence id (a draft model drafts in that
     sequence of each machine's engine); neither: no drafting.
     draft_prices: what drafting a token costs the target, awaited and
-    relayed (drafting.Drafting: a draft model's measured).
+    while a pass runs (drafting.Drafting: a draft model's measured).
     draft_max: the most drafts a window carries.
     schedule: sync or async (orchestrator.decoding.schedule), with a speculator.
-    stage_count: the target's stages; async drafting relays along them.
+    stage_count: the target's stages, a drafter beside each.
     tree_leaves: above 1, the drafter (prompt lookup, or the draft model
     beside stage 0) drafts token trees (the stages hold tree_leaves - 1 more
     KV ids; one sequence only); side_row_step: what the
@@ -180,7 +180,7 @@ class ServiceSettings:
     def drafting(self, sequence: int) -> Drafting | None:
         """How the request in KV sequence ``sequence`` drafts: its drafters
         beside the stages, or its speculator asked in this process, before a
-        window and (async) at every stage boundary."""
+        window and (async) while its passes run."""
         step = PRIOR_STEP if self.batch_step is None else self.batch_step
         if self.drafters is not None:
             return Drafting(self.drafters(sequence), self.schedule, self.draft_max, call_cost=DRAFTER_CALL_COST,

@@ -14,6 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
+from orchestrator.config import chain_reach
 from orchestrator.transport.messages import Cancelled, PassResult, TokenChoice
 from orchestrator.decoding.windows import TargetPass, Window
 from speculators.logprobs import TokenLogprobs, window_logprobs
@@ -202,7 +203,8 @@ def _row_depths(window: Window) -> list[int]:
 
 class InPlaceDrafter:
     """A drafter that drafts at collect, in this process, as if it had drafted
-    all along: up to ``most`` tokens of the request, never more than draft_max."""
+    all along: up to ``most`` tokens of the request (None: draft_max), never
+    more than chain_reach(draft_max) (two windows' worth)."""
 
     draft_max: int
     context: list[int] | None = None
@@ -219,7 +221,8 @@ class InPlaceDrafter:
         if self.context is None:
             return []
         context, self.context = self.context, None
-        return self.draft(context, min(self.draft_max, self.most or self.draft_max))
+        reach = chain_reach(self.draft_max)
+        return self.draft(context, min(reach, self.most or self.draft_max))
 
     def draft(self, context: list[int], limit: int) -> list[int]:
         """At most ``limit`` tokens extending ``context``."""
@@ -227,7 +230,7 @@ class InPlaceDrafter:
 
 
 class InstantDrafter(InPlaceDrafter):
-    """A speculator called in this process: up to draft_max tokens, or until it
+    """A speculator called in this process: up to chain_reach(draft_max) tokens, or until it
     stops by itself. Prompt lookup costs microseconds a token, so the service
     drafts with it in the coordinator, one per request."""
 

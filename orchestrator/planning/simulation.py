@@ -3,9 +3,9 @@
 It turns the real decoding loop (orchestrator.decoding.loop), whose decisions
 are those of orchestrator.decoding.schedule, against simulated stages and
 drafters: the same
-windows, the same drafting before a pass, the same async relay of drafters at
-stage boundaries, the same windows started ahead (at a turn and at stage 0's
-boundary; across rejections where passes are flat),
+windows, the same drafting before a pass, the same async drafting while a
+pass runs, the same windows started ahead (at a turn; across rejections
+where passes are flat),
 the same discarding of a window started on a failed speculation, the same
 cancelling of it, the same draft policy; only time is virtual. It comes from a cost model
 (``PipelineCosts``); no formula for tokens/s is assumed anywhere: throughput
@@ -30,7 +30,7 @@ Resources and their timelines:
 * one drafter per machine drafts from when it is told to speculate until it
   is collected, one token per ``draft_seconds``, stopping by itself (with
   probability ``1 - availability`` before its first token from the committed
-  text, ``1 - continuation`` after each token) and after ``draft_max``.
+  text, ``1 - continuation`` after each token) and after ``chain_reach(draft_max)``.
 
 Which drafts are proposed and right comes from the workload: drawn at random
 from rates (``DraftBehaviour``: each draft token is right with probability
@@ -60,7 +60,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from orchestrator.config import DRAFT_MAX
+from orchestrator.config import DRAFT_MAX, chain_reach
 from orchestrator.decoding.drafting import Drafting
 from orchestrator.decoding.loop import Decoding, DecodingLoop, Listener
 from orchestrator.decoding.schedule import Schedule, SequenceState
@@ -428,7 +428,8 @@ class _SimulatedDrafter:
         right = _on_truth(context)
         self.started, self.context, self.most = self.clock.now, list(context), most
         self.tokens = []
-        while len(self.tokens) < min(self.draft_max, most or self.draft_max):
+        reach = chain_reach(self.draft_max)
+        while len(self.tokens) < min(reach, most or self.draft_max):
             drawn = self.outcomes.draw(len(context) + len(self.tokens), right, fresh and not self.tokens, self.rng)
             if drawn is None:
                 break

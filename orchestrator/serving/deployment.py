@@ -138,7 +138,7 @@ class Coordinator:
                                  place=settings.place, prefer=settings.shipped and settings.shipped.nodes,
                                  max_restarts=settings.max_restarts, tls=settings.tls, overlapping=True,
                                  kept=settings.kept,
-                                 notify_boundaries=speculation.relays,
+                                 notify_boundaries=speculation.asynchronous,
                                  on_restart=lambda restart: restart_metrics.record("stage", restart.stage_index))
         try:
             check_same_model(vocabulary_of(settings), self.pipeline.stage_files)
@@ -180,7 +180,7 @@ class Coordinator:
 
     def _drafters(self, tokenizer, pass_seconds: float, restart_metrics):
         """A draft model's drafter actors, one beside every stage, each with a
-        KV sequence per request (run's actors, relayed by the same loop), and
+        KV sequence per request (run's actors, driven by the same loop), and
         what drafting a token costs (measured: draft_prices); (None, nothing) without a draft model."""
         from orchestrator.cluster.drafters import draft_prices, drafter_settings, speculator_factory, start_drafters
         from speculators.draft_length import DraftPrices

@@ -9,7 +9,7 @@ its stage). The coordinator connects and sends, for KV sequence ``sequence``
 * ``CollectDraft(epoch, wait, sequence)``: reply at once with what has been
   drafted for that epoch, and stop drafting it (the machine's stage is about
   to run). With ``wait`` the drafting is first allowed to finish by itself
-  (up to ``draft_max`` or the speculator's own stop), for at most ``wait_seconds``.
+  (up to ``most``, at most chain_reach(draft_max), or the speculator's own stop), for at most ``wait_seconds``.
 
 The socket is served by its own thread, so a speculator that is slow, hangs
 or raises never delays a reply: the reply is whatever exists by then. A result
@@ -31,7 +31,7 @@ import numpy as np
 from orchestrator.transport import wire
 from speculators import Speculator
 from orchestrator.transport.handshake import HandshakeError, accept_peer, drafter_role
-from orchestrator.config import CONNECT_SECONDS, DRAFTER_WAIT_SECONDS
+from orchestrator.config import CONNECT_SECONDS, DRAFTER_WAIT_SECONDS, chain_reach
 from orchestrator.transport.messages import CollectDraft, DraftReply, Shutdown, SpeculateFrom
 from speculators.sampling import SamplingSettings
 from speculators.tree import DraftTree, TreeAsk
@@ -158,7 +158,7 @@ class DrafterServer:
             request = self._requests[message.sequence]
             request.epoch = message.epoch
             request.context = message.context.tolist()
-            request.most = min(message.most or self.draft_max, self.draft_max)
+            request.most = min(message.most or self.draft_max, chain_reach(self.draft_max))
             request.extension = []
             request.error = ""
             request.sampling, request.tree_ask, request.tree = message.sampling, message.tree, None

@@ -6,6 +6,7 @@ import threading
 import time
 
 import fakes
+from orchestrator.config import chain_reach
 from orchestrator.transport import wire
 from orchestrator.workers.drafter_server import DrafterServer
 from orchestrator.cluster.drafters import DrafterClient, draft_seconds_per_token
@@ -49,8 +50,10 @@ def test_a_request_for_fewer_drafts_stops_the_drafter_there():
     client.speculate([1, 2, 3, 4, 5, 6, 7, 1, 2, 3], most=2)  # the draft policy wants two
     assert client.collect(wait=True) == [4, 5]
     assert server.drafted_tokens == 2  # not drafted and thrown away
-    client.speculate([1, 2, 3, 4, 5, 6, 7, 1, 2, 3], most=9)  # never past draft_max
+    client.speculate([1, 2, 3, 4, 5, 6, 7, 1, 2, 3])  # none asked: draft_max
     assert client.collect(wait=True) == [4, 5, 6, 7, 1]
+    client.speculate([1, 2, 3, 4, 5, 6, 7, 1, 2, 3], most=99)  # never past two windows' worth
+    assert len(client.collect(wait=True)) == chain_reach(5) == 12
     client.close()
 
 

@@ -7,7 +7,7 @@ import pytest
 from speculators.draft_length import DraftPolicy, DraftPrices
 from speculators.sampling import SamplingSettings
 from orchestrator.decoding.schedule import Schedule, SequenceState, prompt_chunk
-from orchestrator.decoding.scheduler import Batching, Handoff, Scheduler, relay
+from orchestrator.decoding.scheduler import Batching, Scheduler
 from orchestrator.decoding.stats import SpeculationStats
 from orchestrator.decoding.windows import TargetPass, Window
 
@@ -177,10 +177,10 @@ def test_an_end_token_or_max_tokens_finishes_the_sequence_and_invalidates_what_i
     assert limited.finished and limited.stopped_by == "length"
 
 
-def test_async_relay_hands_drafting_to_the_machine_that_just_went_idle():
-    assert relay(2) == (Handoff(None, 1), Handoff(1, 0), Handoff(0, None))
-    assert relay(3) == (Handoff(None, 1), Handoff(1, 2), Handoff(2, 0), Handoff(0, None))
-    assert relay(1) == (Handoff(None, 0), Handoff(0, None))
+def test_a_lone_sequence_drafts_its_pass_through_on_the_drafter_beside_stage_0_and_crowded_ones_spread():
+    sequences = [state(sequence=index) for index in (0, 5, 6)]
+    assert [Scheduler.drafter_of(sequence, 4, crowded=False) for sequence in sequences] == [0, 0, 0]
+    assert [Scheduler.drafter_of(sequence, 4, crowded=True) for sequence in sequences] == [0, 1, 2]
 
 
 def test_the_scheduler_packs_the_windows_of_several_sequences_into_one_pass():
@@ -191,18 +191,18 @@ def test_the_scheduler_packs_the_windows_of_several_sequences_into_one_pass():
     passes = scheduler.next_passes()
     assert [[window.sequence for window in target_pass.windows] for target_pass in passes] == [[0, 1], [0]]
     assert passes[0].tokens == 5 + 2
-    assert scheduler.relaying() == [first]  # the sync sequence hands nothing between machines
+    assert scheduler.drafting_during() == [first]  # the sync sequence does not draft while its pass runs
     outcome = scheduler.received()
     assert [(state.sequence, rows) for state, _, rows in outcome] == [(0, slice(0, 5)), (1, slice(5, 7))]
     assert len(scheduler.in_flight) == 1
 
 
-def test_a_sequence_whose_policy_takes_no_drafts_does_not_relay():
+def test_a_sequence_whose_policy_takes_no_drafts_does_not_draft_while_its_pass_runs():
     drafting, idle = state(speculation=[4, 5]), state(committed=(1, 2, 30), sequence=1)
     idle.draft_limit = 0
     scheduler = Scheduler([drafting, idle])
     scheduler.next_passes()
-    assert scheduler.relaying() == [drafting]
+    assert scheduler.drafting_during() == [drafting]
 
 
 def test_the_scheduler_reports_a_discarded_window_without_rows():
@@ -539,12 +539,12 @@ def test_a_sequence_is_removed_only_once_settled():
     assert scheduler.remove(7) is sequence and scheduler.sequences == {}
 
 
-def test_a_sequence_drafting_one_token_at_a_time_relays():
+def test_a_sequence_drafting_one_token_at_a_time_drafts_while_its_pass_runs():
     sequence = state(speculation=[4])
     sequence.draft_limit = 1
     scheduler = Scheduler([sequence])
     scheduler.next_passes()
-    assert scheduler.relaying() == [sequence]
+    assert scheduler.drafting_during() == [sequence]
 
 
 # -- continuous batching (Batching): which ready windows share a pass
@@ -642,7 +642,7 @@ def test_a_filler_the_target_chooses_is_committed_but_not_counted_as_a_draft():
 def test_while_shared_passes_take_no_drafts_drafting_pauses_but_for_stretches_that_grow_apart():
     """Two async requests sharing passes on a pass twice as dear at 4 tokens as
     at 2: the rule takes none of the draft each has, so after 4 such passes
-    their drafters stop relaying, except for 2 passes (a catch-up, then
+    their drafters stop drafting, except for 2 passes (a catch-up, then
     drafts) 8 passes into the pause, then after gaps that double."""
     from stages.cost_curve import BatchCurve
 
@@ -655,7 +655,7 @@ def test_while_shared_passes_take_no_drafts_drafting_pauses_but_for_stretches_th
             sequence.speculation = [7]  # what the drafters had
         (shared,) = scheduler.next_passes()
         assert [len(window.inputs) for window in shared.windows] == [1, 1]
-        relayed.append(bool(scheduler.relaying()))
+        relayed.append(bool(scheduler.drafting_during()))
         for sequence, window, _ in scheduler.received():
             sequence.verified(window, [100 + turn], lambda token: False)
     assert [turn for turn, relays in enumerate(relayed, 1) if relays] == [1, 2, 3, 11, 12, 27, 28, 59, 60]

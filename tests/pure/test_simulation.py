@@ -379,9 +379,9 @@ def test_a_modes_side_row_step_prices_the_side_rows_instead_of_the_step():
 # -- across rejections
 
 
-def _started_ahead(monkeypatch, step: float) -> list[bool]:
-    """Whether the sequence was on a roll at each window started ahead, two
-    stages, drafts right 0.8 of the time, a pass's extra tokens at ``step``."""
+def test_a_window_starts_ahead_only_of_one_after_a_window_that_accepted_all_its_drafts(monkeypatch):
+    """Two stages, drafts right 0.8 of the time: windows start ahead, each
+    while the sequence is on a roll (after a rejection its speculation is gone)."""
     on_a_roll = []
     window_ahead = SequenceState.window_ahead
 
@@ -393,23 +393,13 @@ def _started_ahead(monkeypatch, step: float) -> list[bool]:
 
     monkeypatch.setattr(SequenceState, "window_ahead", spy)
     costs = TableCosts(stages=(1.0, 1.0), hops=(0.0625,) * 3, drafts=(0.1, 0.1))
-    simulate(costs, Mode("async", 3, step=step), DraftBehaviour(0.8), max_tokens=48, seed=3)
-    return on_a_roll
-
-
-def test_where_passes_are_flat_a_window_starts_ahead_also_of_one_that_may_reject(monkeypatch):
-    """A pass whose extra tokens cost nothing (step 0, under the
-    AHEAD_ACROSS_REJECTION_STEP): windows start ahead also after a window that
-    rejected a draft; at a step of 0.3 only after one that accepted them all."""
-    flat = _started_ahead(monkeypatch, 0.0)
-    assert False in flat and True in flat
-    steep = _started_ahead(monkeypatch, 0.3)
-    assert steep and all(steep)
+    simulate(costs, Mode("async", 3, step=0.0), DraftBehaviour(0.8), max_tokens=48, seed=3)
+    assert on_a_roll and all(on_a_roll)
 
 
 def test_after_a_rejection_the_drafter_beside_stage_0_starts_before_the_discarded_passes_are_back(monkeypatch):
-    """Where windows start ahead across rejections, a rejection discards the
-    one ahead; the committed text is known then, and the drafter beside
+    """A rejection discards the window started ahead of the one that
+    rejected; the committed text is known then, and the drafter beside
     stage 0 starts drafting from it while the discarded pass is still in flight."""
     early = []
     speculate = _SimulatedDrafter.speculate

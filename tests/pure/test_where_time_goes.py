@@ -35,21 +35,23 @@ class _TimedTarget(InstantTarget):
         return PassResult(0, self.pending.popleft(), (0.5, 0.25), stage_started=(100.0, 101.0))
 
 
-class _Wrong(InPlaceDrafter):
-    """Drafts token 3 (never the target's choice, which is 0) after anything."""
+class _OftenWrong(InPlaceDrafter):
+    """Drafts the target's choice (0) except at every fifth position (3):
+    some windows accept all their drafts and the window started ahead of
+    the next one is discarded when that one rejects."""
 
     draft_max = 2
 
     def draft(self, context: list[int], limit: int) -> list[int]:
-        return [3] * limit
+        return [3 if (len(context) + index) % 5 == 0 else 0 for index in range(limit)]
 
 
 def test_a_generation_counts_each_stages_busy_seconds_and_those_on_discarded_passes():
-    """Flat passes (step 0): async starts a window ahead of every window, and
-    every draft is wrong, so each one ahead is discarded; those passes are
+    """Async starts windows ahead after windows that accepted all their
+    drafts, and those ahead of a rejection are discarded; those passes are
     counted apart, and every pass is in the timeline."""
     target = _TimedTarget(vocab=8, stage_count=2)
-    drafting = Drafting([_Wrong(), _Wrong()], Schedule.ASYNC, 2, call_cost=0.0, step=0.0)
+    drafting = Drafting([_OftenWrong(), _OftenWrong()], Schedule.ASYNC, 2, call_cost=0.0, step=0.0)
     result = generate(target, [1, 2], 12, SamplingSettings(), lambda token: False, drafting=drafting)
     assert result.tokens == [0] * 12
     passes = len(target.submitted)
