@@ -204,7 +204,7 @@ def main(repetitions: int) -> None:
     differ: list[str] = []
     whole = WholeModel(model)
     with tempfile.TemporaryDirectory() as folder, ray_session(None), \
-            Pipeline(paths, StageSettings(n_ctx=BENCH_CONTEXT, threads=1), notify_boundaries=True) as pipeline, \
+            Pipeline(paths, StageSettings(n_ctx=BENCH_CONTEXT, threads=1)) as pipeline, \
             servers(model, remote_blocks, Path(folder), BENCH_CONTEXT) as ports:
         workdir = Path(folder)
         drafters = start_drafters(pipeline, PromptLookupSpeculator, DrafterSettings(draft_max=DRAFT_MAX))

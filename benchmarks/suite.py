@@ -267,7 +267,7 @@ def run_scenario(
     total = scenario.repetitions * len(prompts) * len(modes)
     texts = {tuple(prompt): tokenizer.chat_text([{"role": "user", "content": text}]) if scenario.chat else text
              for prompt, text in zip(prompts, scenario.prompts)}
-    with contextlib.ExitStack() as peers_running, Pipeline(stage_paths, settings, notify_boundaries=True) as pipeline:
+    with contextlib.ExitStack() as peers_running, Pipeline(stage_paths, settings) as pipeline:
         peer_ports = {}
         if any(mode.startswith("cpp-") for mode in modes):
             from benchmarks.peers import servers

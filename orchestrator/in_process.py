@@ -97,9 +97,6 @@ class EngineChain:
     def receive(self) -> PassResult | PassReplies:
         return self.pending.popleft()
 
-    def await_boundary(self, stage_index: int) -> int:
-        return 0
-
     def release(self, sequence: int) -> None:
         for engine in self.engines:
             engine.remove(0, sequence)

@@ -216,8 +216,8 @@ def run_generation(
             stages, whole = settings.stage_paths or [whole.path], None
         with Pipeline(
             stages, stage_settings, wire_dtype=settings.wire_dtype, place=settings.place,
-            notify_boundaries=asynchronous, max_restarts=settings.max_restarts,
-            on_restart=_restart_reporter(restart_metrics, on_status), tls=settings.tls, overlapping=asynchronous,
+            max_restarts=settings.max_restarts, on_restart=_restart_reporter(restart_metrics, on_status),
+            tls=settings.tls, overlapping=asynchronous,
         ) as pipeline:
             check_same_model(vocabulary_path if whole is None else None, pipeline.stage_files)
             if prepared is None:  # no stage file here: the vocabulary comes from stage 0's node

@@ -55,7 +55,7 @@ def across_rejections(repetitions: int, stages: int, curve: str | None, max_toke
         tokenizer = Tokenizer(paths[0])
         prompts = prompts_of(tokenizer, load_scenario(SCENARIO_DIR.parent / "scenarios-draft" / "chat.toml"))
         settings = StageSettings(n_ctx=BENCH_CONTEXT, threads=1, cost_curve=load_cost_curve(curve) if curve else None)
-        with ray_session(None), Pipeline(paths, settings, notify_boundaries=True) as pipeline:
+        with ray_session(None), Pipeline(paths, settings) as pipeline:
             make = speculator_factory(SpeculationSettings("model", draft), tokenizer, settings)
             drafters = start_kinds(pipeline, {"model": make})["model"]
             try:

@@ -32,6 +32,7 @@ from orchestrator.config import (
     DRAFTER_REPLY_SECONDS,
     DRAFTER_WAIT_SECONDS,
     MAX_RESTARTS,
+    chain_reach,
 )
 from orchestrator.planning.cluster_split import NodeMemory
 from orchestrator.workers.drafter_server import DrafterServer
@@ -275,7 +276,7 @@ class DrafterClient:
 
     def _reply(self, wait: bool, sequence: int, rows: int | None = None) -> DraftReply | None:
         """The drafter's checked reply to a collect of ``sequence`` (None: none, or lost);
-        rows: the most draft rows it may carry (None: draft_max)."""
+        rows: the most draft rows it may carry (None: a chain, at most chain_reach(draft_max))."""
         asked = sequence in self._asked
         if self._sock is None or not (asked or sequence in self._speculating):
             return None
@@ -295,7 +296,7 @@ class DrafterClient:
             self._lose(f"unexpected reply {reply!r:.100}")
             return None
         tokens = reply.tokens
-        most = rows if rows is not None else self.draft_max
+        most = rows if rows is not None else self.draft_max and chain_reach(self.draft_max)
         if most is not None and len(tokens) > most:
             self._lose(f"sent {len(tokens)} draft tokens (at most {most})")
             return None

@@ -54,7 +54,6 @@ class Pipeline:
         wire_dtype: str = "f32",
         place: dict[int, str] | None = None,
         prefer: dict[int, str] | None = None,
-        notify_boundaries: bool = False,
         pass_deadline_minimum: float | None = None,
         max_restarts: int = MAX_RESTARTS,
         on_restart: Callable[[StageRestart], None] | None = None,
@@ -67,8 +66,6 @@ class Pipeline:
         nodes first (orchestrator.cluster.shipping; ``shipments`` says what was sent).
         place: pins (--place); prefer: the nodes a whole model's stages were
         shipped to before, left for a spare node when lost (placement).
-        notify_boundaries: non-last stages report each pass leaving them
-        (await_boundary); asynchronous speculation needs it.
         pass_deadline_minimum: the least seconds a pass's result may take
         (default defaults.PASS_DEADLINE_MINIMUM_SECONDS; the chain's deadline).
         max_restarts: how often each stage may be restarted after it died;
@@ -93,7 +90,6 @@ class Pipeline:
         self.stage_paths = [""] * stage_count if self.whole_model else list(stage_paths)
         self.settings = settings
         self.wire_dtype = wire_dtype
-        self.notify_boundaries = notify_boundaries
         self.n_batch = settings.n_batch
         self.max_restarts = max_restarts
         self.on_restart = on_restart
@@ -173,7 +169,7 @@ class Pipeline:
         host = LOOPBACK if self.loopback else ray.util.get_node_ip_address()
         chain = SocketChain(host, self.secret, self.n_vocab, self.ledger, self.certificate)
         try:
-            self.actors.wire(chain, self.stages, self.notify_boundaries)
+            self.actors.wire(chain, self.stages)
         except BaseException:
             chain.close()
             raise
@@ -293,15 +289,6 @@ class Pipeline:
         while True:
             try:
                 return self.chain.receive()
-            except PassLate as late:
-                recovery.recover(self, late)
-
-    def await_boundary(self, stage_index: int) -> int:
-        """Block until the next pass has left stage ``stage_index``; return its id
-        (needs notify_boundaries)."""
-        while True:
-            try:
-                return self.chain.await_boundary(stage_index)
             except PassLate as late:
                 recovery.recover(self, late)
 

@@ -69,7 +69,7 @@ def recover(pipeline: Pipeline, late: PassLate) -> None:
     PipelineError that names the stage at fault."""
     noticed = time.perf_counter()
     chain = pipeline.chain
-    unanswered, notices, cancelled = chain.unanswered(), chain.notices_taken_in_flight(), chain.cancelled_unanswered()
+    unanswered, cancelled = chain.unanswered(), chain.cancelled_unanswered()
     restarted: list[tuple[int, str, str]] = []  # (index, why, old node)
     relinked = ""  # why, when the chain was wired anew with every stage alive
     while True:
@@ -88,7 +88,7 @@ def recover(pipeline: Pipeline, late: PassLate) -> None:
         pipeline.chain.take_timing_from(old_chain)
         replaying = time.perf_counter()
         try:
-            replay(pipeline, unanswered, notices, cancelled)
+            replay(pipeline, unanswered, cancelled)
             break
         except PassLate as again:  # lost again while replaying: the ledger still holds only settled passes
             late = again
@@ -142,11 +142,10 @@ def node_dies(node_id: str, seconds: float) -> bool:
     return True
 
 
-def replay(pipeline: Pipeline, unanswered: list[PassRecord], notices: list[int], cancelled: list[PassRecord]) -> None:
+def replay(pipeline: Pipeline, unanswered: list[PassRecord], cancelled: list[PassRecord]) -> None:
     """Rebuild every sequence's cache in the new chain (at most one pass per
     stage in flight, so results never pile up unread), then send the
-    unanswered passes again (cancelling again those ``cancelled``) and
-    take the boundary notices of theirs the caller already awaited."""
+    unanswered passes again (cancelling again those ``cancelled``)."""
     chain = pipeline.chain
     for record in pipeline.ledger.rebuild(pipeline.n_batch):
         if chain.in_flight >= len(pipeline.stages):
@@ -158,6 +157,3 @@ def replay(pipeline: Pipeline, unanswered: list[PassRecord], notices: list[int],
         chain.send(record)
     for record in cancelled:
         chain.cancel(record)
-    for stage_index, count in enumerate(notices):
-        for _ in range(count):
-            chain.await_boundary(stage_index)

@@ -107,9 +107,6 @@ def stage_actor_class():
         def pin(self, cpus) -> None:
             self.server.pin(cpus)
 
-        def connect_notify(self, host: str, port: int) -> None:
-            self.server.connect_notify(host, port)
-
         def connect_cancel(self, host: str, port: int) -> None:
             self.server.connect_cancel(host, port)
 
@@ -230,11 +227,10 @@ class StageActors:
             ray_get(self.actors[index].pin.remote(cpus), STAGE_ANSWER_SECONDS, PipelineError, late, failed)
         return described
 
-    def wire(self, chain, stages: list[StageDescription], notify_boundaries: bool) -> None:
+    def wire(self, chain, stages: list[StageDescription]) -> None:
         """Join the stages into ``chain`` (a new orchestrator.transport.chain.SocketChain):
         each stage connects to the next and the last to the chain, then the
-        chain to the first; each non-last stage's boundary notices (with
-        ``notify_boundaries``) and every stage's cancels reach the chain too."""
+        chain to the first; every stage's cancels reach the chain too."""
         import ray
 
         from concurrent.futures import ThreadPoolExecutor
@@ -249,11 +245,6 @@ class StageActors:
                         timeout=ACTOR_START_SECONDS)
                 last.result()
                 chain.connect_first(stages[0].host, stages[0].port)
-                if notify_boundaries:
-                    for actor in self.actors[:-1]:  # one at a time, in stage order
-                        boundary = accepting.submit(chain.accept_boundary)
-                        ray.get(actor.connect_notify.remote(*chain.address), timeout=ACTOR_START_SECONDS)
-                        boundary.result()
                 for actor in self.actors:  # one at a time, in stage order
                     cancels = accepting.submit(chain.accept_cancel)
                     ray.get(actor.connect_cancel.remote(*chain.address), timeout=ACTOR_START_SECONDS)

@@ -52,9 +52,6 @@ class Target(Protocol):
         (committed_tokens verifies those here); for a cancelled pass, maybe
         a ``Cancelled`` instead (only its stage_seconds are read)."""
 
-    def await_boundary(self, stage_index: int) -> int:
-        """Block until the next pass has left stage ``stage_index``; its pass id."""
-
     def release(self, sequence: int) -> None:
         """Free a KV sequence in every stage, after the passes submitted before."""
 
@@ -184,9 +181,6 @@ class InstantTarget:
 
     def receive(self) -> PassResult:
         return PassResult(0, self.pending.popleft(), (0.0,) * self.stage_count)
-
-    def await_boundary(self, stage_index: int) -> int:
-        return 0
 
     def release(self, sequence: int) -> None:
         self.released.append(sequence)

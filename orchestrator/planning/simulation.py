@@ -19,7 +19,7 @@ Resources and their timelines:
 * a hop carries a pass from the coordinator to stage 0 (hop 0), from stage
   i - 1 to stage i (hop i), and the result from the last stage back (hop n);
 * the coordinator does its own work after each result (verification,
-  bookkeeping) and waits on boundaries and results as the real loop does;
+  bookkeeping) and waits on results as the real loop does;
 * a cancelled pass (``Scheduler.invalid_passes``) reaches every stage at
   once (the cancel's hop is not costed): a stage that has not started it
   skips it, the one running it stops there, and the cancellation travels the
@@ -487,10 +487,6 @@ class _SimulatedTarget:
     def cancel(self, target_pass: TargetPass) -> None:
         index = next(index for index, (flying, _) in enumerate(self.timings) if flying is target_pass)
         self.timings[index] = (target_pass, self.stages.cancel(self.timings[index][1], self.clock.now))
-
-    def await_boundary(self, stage_index: int) -> int:
-        self.clock.now = max(self.clock.now, self.timings[0][1].boundaries[stage_index])
-        return 0
 
     def receive(self) -> _Result:
         _, timeline = self.timings.popleft()

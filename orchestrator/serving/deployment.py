@@ -138,7 +138,6 @@ class Coordinator:
                                  place=settings.place, prefer=settings.shipped and settings.shipped.nodes,
                                  max_restarts=settings.max_restarts, tls=settings.tls, overlapping=True,
                                  kept=settings.kept,
-                                 notify_boundaries=speculation.asynchronous,
                                  on_restart=lambda restart: restart_metrics.record("stage", restart.stage_index))
         try:
             check_same_model(vocabulary_of(settings), self.pipeline.stage_files)

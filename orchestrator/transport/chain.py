@@ -2,8 +2,7 @@
 
 coordinator -> stage 0 -> stage 1 -> ... -> last stage -> coordinator. The
 coordinator sends each pass to stage 0 and reads the logits back from the last
-stage; with boundary notices, each non-last stage also reports every pass
-leaving it (async drafting uses the moment). Each stage also keeps a
+stage. Each stage also keeps a
 connection on which the coordinator cancels passes (orchestrator.workers.stage_server).
 Ray is not on this path: a plain actor call costs ~1-2 ms on these machines,
 as much as a whole stage of a small model (orchestrator.transport.wire frames the
@@ -26,7 +25,6 @@ from orchestrator.transport.handshake import (
     RESULT_ROLE,
     HandshakeError,
     accept_peer,
-    boundary_role,
     cancel_role,
     connect_peer,
     upstream_role,
@@ -37,7 +35,7 @@ from orchestrator.config import (
     PASS_DEADLINE_MINIMUM_SECONDS,
     SHUTDOWN_SECONDS,
 )
-from orchestrator.transport.messages import Boundary, Cancel, Cancelled, PassResult, Shutdown, StageBatch, StageFailure
+from orchestrator.transport.messages import Cancel, Cancelled, PassResult, Shutdown, StageBatch, StageFailure
 from orchestrator.transport.ledger import KvLedger, PassRecord
 from speculators.tree import accepted_rows
 from stages.errors import SpecpipeError
@@ -117,11 +115,11 @@ def _logprobs_problem(top: int, reply: PassResult, n_vocab: int) -> str:
 
 class SocketChain:
     """The coordinator's ends of the chain: one socket to stage 0, one from the
-    last stage, and one from each non-last stage for boundary notices."""
+    last stage, and one to each stage for its cancels."""
 
     def __init__(self, host: str, secret: bytes, n_vocab: int, ledger: KvLedger | None = None, certificate=None):
         """Listen on ``host`` (this machine's address) for the last stage and the
-        notices; every connection proves it holds the pipeline's ``secret``.
+        cancel connections; every connection proves it holds the pipeline's ``secret``.
         n_vocab: the width of every result's logits (checked on receipt).
         ledger: settles each pass whose result came back (what the stages
         cache, for a replay; a new chain after a lost stage takes the old one's).
@@ -135,8 +133,6 @@ class SocketChain:
         self.address = (host, self.listener.getsockname()[1])
         self._to_first: socket.socket | None = None
         self._from_last: socket.socket | None = None
-        self._boundaries: list[socket.socket] = []
-        self._boundary_seen: list[int] = []  # last pass id each stage reported
         self._cancels: list[socket.socket] = []  # to each stage, in stage order
         self._pass_id = 0
         self._in_flight: collections.deque[_InFlight] = collections.deque()
@@ -163,11 +159,6 @@ class SocketChain:
         """The last stage has been told to connect here."""
         self.stage_count = stage_count
         self._from_last = self._accept(RESULT_ROLE)
-
-    def accept_boundary(self) -> None:
-        """The next non-last stage (in stage order) has been told to connect here for its notices."""
-        self._boundaries.append(self._accept(boundary_role(len(self._boundaries))))
-        self._boundary_seen.append(0)
 
     def accept_cancel(self) -> None:
         """The next stage (in stage order) has been told to connect here to take cancels."""
@@ -247,18 +238,6 @@ class SocketChain:
             except OSError:
                 pass
 
-    def await_boundary(self, stage_index: int) -> int:
-        """Block until the next pass has left stage ``stage_index``; return its id
-        (needs boundary notices). receive() consumes notices not awaited."""
-        try:
-            notice = self._receive_within_deadline(self._boundaries[stage_index], f"notice from stage {stage_index}")
-        except wire.ProtocolError as error:
-            raise PipelineError(f"stage {stage_index} sent a bad boundary notice: {error}") from None
-        if not isinstance(notice, Boundary) or notice.pass_id != self._boundary_seen[stage_index] + 1:
-            raise PipelineError(f"stage {stage_index} reported {notice} after pass {self._boundary_seen[stage_index]}")
-        self._boundary_seen[stage_index] = notice.pass_id
-        return notice.pass_id
-
     def receive(self) -> PassResult | Cancelled:
         """The result of the oldest pass in flight (releases before it are
         passed over); for a cancelled pass, its result or a ``Cancelled`` with
@@ -270,9 +249,6 @@ class SocketChain:
 
     def _receive_oldest(self) -> PassResult | Cancelled | None:
         entry = self._in_flight[0]  # stays in flight until its result is in: a broken chain sends it again
-        for stage_index in range(len(self._boundaries)):
-            while self._boundary_seen[stage_index] < entry.pass_id:
-                self.await_boundary(stage_index)
         try:
             reply = self._receive_within_deadline(self._from_last, f"result of pass {entry.pass_id}")
         except wire.ProtocolError as error:
@@ -331,15 +307,6 @@ class SocketChain:
         """Those of ``unanswered`` that were cancelled (a new chain cancels them again)."""
         return [entry.record for entry in self._in_flight if entry.cancelled]
 
-    def notices_taken_in_flight(self) -> list[int]:
-        """For each non-last stage: how many of the unanswered passes' boundary
-        notices were already awaited (a new chain consumes that many of their
-        notices again before handing any out)."""
-        if not self._in_flight:
-            return [0] * len(self._boundaries)
-        first = self._in_flight[0].pass_id
-        return [max(0, seen - first + 1) for seen in self._boundary_seen]
-
     @property
     def hop_seconds(self) -> float:
         """Mean transport time of one hop, over the passes that ran alone so far."""
@@ -358,10 +325,9 @@ class SocketChain:
                 wire.receive_message(self._from_last)
             except (OSError, wire.ConnectionClosed):
                 pass
-        for connection in (self._to_first, self._from_last, *self._boundaries, *self._cancels):
+        for connection in (self._to_first, self._from_last, *self._cancels):
             if connection is not None:
                 connection.close()
         self._to_first = self._from_last = None
-        self._boundaries = []
         self._cancels = []
         self.listener.close()

@@ -1,7 +1,7 @@
 """Who is on the other end of a data-plane socket: a mutual challenge-response.
 
 Every connection of the chain (stage k's upstream, the result, stage i's
-boundary notices, a drafter) opens with this exchange, keyed by a secret made
+cancels, a drafter) opens with this exchange, keyed by a secret made
 for one pipeline (``new_secret``) that reaches each actor only as an argument
 of Ray's own authenticated calls:
 
@@ -55,11 +55,6 @@ def drafter_role(stage_index: int) -> str:
 def cancel_role(stage_index: int) -> str:
     """Stage ``stage_index``'s connection on which the coordinator cancels passes."""
     return f"cancels of stage {stage_index}"
-
-
-def boundary_role(stage_index: int) -> str:
-    """Stage ``stage_index``'s connection that tells the coordinator a pass left it."""
-    return f"boundary notices of stage {stage_index}"
 
 
 class HandshakeError(SpecpipeError):

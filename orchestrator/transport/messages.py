@@ -424,24 +424,6 @@ class Shutdown:
 
 
 @dataclass(frozen=True)
-class Boundary:
-    """A non-last stage finished a pass and handed it on (sent to the coordinator,
-    which uses the moment to move drafting to the machine that just went idle)."""
-
-    KIND: ClassVar[str] = "boundary"
-
-    pass_id: int
-    stage_index: int
-
-    def to_wire(self) -> tuple[WireHeader, np.ndarray | None]:
-        return {"pass": self.pass_id, "stage": self.stage_index}, None
-
-    @classmethod
-    def from_wire(cls, header: WireHeader, array: np.ndarray | None) -> Boundary:
-        return cls(pass_id=_integer(header, "pass"), stage_index=_integer(header, "stage"))
-
-
-@dataclass(frozen=True)
 class Cancel:
     """Coordinator -> every stage, on its cancel connection: pass ``pass_id``
     is no longer wanted (a rejection invalidated its window). A stage that
@@ -621,7 +603,7 @@ class DraftReply:
         )
 
 
-Message = (StageBatch | PassResult | StageFailure | Shutdown | Boundary | Cancel | Cancelled | SpeculateFrom | CollectDraft
+Message = (StageBatch | PassResult | StageFailure | Shutdown | Cancel | Cancelled | SpeculateFrom | CollectDraft
            | DraftReply)
 
 MESSAGE_TYPES: tuple[type[Message], ...] = (
@@ -629,7 +611,6 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     PassResult,
     StageFailure,
     Shutdown,
-    Boundary,
     Cancel,
     Cancelled,
     SpeculateFrom,

@@ -37,12 +37,11 @@ from orchestrator.transport.handshake import (
     RESULT_ROLE,
     HandshakeError,
     accept_peer,
-    boundary_role,
     cancel_role,
     connect_peer,
     upstream_role,
 )
-from orchestrator.transport.messages import Boundary, Cancelled, PassResult, Shutdown, StageBatch, StageFailure
+from orchestrator.transport.messages import Cancelled, PassResult, Shutdown, StageBatch, StageFailure
 from orchestrator.workers.cancels import PassCancels
 from orchestrator.workers.choosing import TokenChooser
 from speculators.logprobs import TokenLogprobs
@@ -115,7 +114,6 @@ class StageServer:
         self.kv_sequences = 0
         self.prefix_cells = 0  # KV cells of the sequences that keep prefixes (StageSettings.prefix_sequences)
         self._downstream: socket.socket | None = None
-        self._notify: socket.socket | None = None  # the coordinator, told of each boundary
         self._connections: list[socket.socket] = []  # of the chain being served
         self._thread: threading.Thread | None = None
         self._downstream_ready = threading.Event()
@@ -145,12 +143,6 @@ class StageServer:
         (orchestrator.workers.affinity: not Linux), nothing happens."""
         pin_threads(self.description.cpus if cpus is None else cpus)
 
-    def connect_notify(self, host: str, port: int) -> None:
-        """Tell the coordinator each time a pass leaves this stage (speculation uses the moment)."""
-        self._notify = connect_peer(host, port, self.secret, boundary_role(self.engine.stage_index), CONNECT_SECONDS,
-                                    self.certificate)
-        self._connections.append(self._notify)
-
     def connect_cancel(self, host: str, port: int) -> None:
         """Take cancels from the coordinator (at ``host:port``) from now on, in a thread."""
         connection = connect_peer(host, port, self.secret, cancel_role(self.engine.stage_index), CONNECT_SECONDS,
@@ -171,7 +163,6 @@ class StageServer:
         self._end_chain()
         self.cancels.new_chain()  # pass ids start again in a new chain
         self._downstream_ready.clear()
-        self._notify = None
         self._downstream = None
         self._thread = threading.Thread(target=self.serve, name=f"stage-{self.engine.stage_index}", daemon=True)
         self._thread.start()
@@ -229,8 +220,6 @@ class StageServer:
         finally:
             upstream.close()
             downstream.close()
-            if self._notify is not None:
-                self._notify.close()
 
     def _serve_chain(self, upstream: socket.socket, downstream: socket.socket) -> None:
         while True:
@@ -248,8 +237,6 @@ class StageServer:
                 if isinstance(message, Shutdown):
                     self.close()
                     return
-                if self._notify is not None:
-                    wire.send_message(self._notify, Boundary(message.pass_id, self.engine.stage_index))
 
     def _handle(self, message, upstream: socket.socket) -> list:
         """What goes downstream for a message from upstream (a batched pass:

@@ -2,7 +2,7 @@
 drafting, through the stage engines in this process and the drafters'
 real sockets (DrafterServer and DrafterClient, without Ray): the output is
 the whole model's, greedy and seeded alike, on 2 and 3 stages, sync and
-async (with relays); coupling changes acceptance, never the text."""
+async (drafting while passes run); coupling changes acceptance, never the text."""
 
 import functools
 

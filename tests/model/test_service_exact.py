@@ -166,9 +166,6 @@ class Watched:
     def cancel(self, target_pass):
         self.target.cancel(target_pass)
 
-    def await_boundary(self, stage_index):
-        return self.target.await_boundary(stage_index)
-
     def release(self, sequence):
         self.target.release(sequence)
 
@@ -180,8 +177,8 @@ class Watched:
 @pytest.mark.parametrize("schedule", ["sync", "async"])
 def test_serve_drafts_with_prompt_lookup_sync_and_async_and_every_request_gets_the_whole_models_tokens(
         chain, greedy_work, is_end, schedule):
-    """The service turns orchestrate run's loop: async drafting relays along the
-    stages and starts windows ahead (a sequence with two windows in flight)."""
+    """The service turns orchestrate run's loop: async drafts while passes run
+    and starts windows ahead (a sequence with two windows in flight)."""
     from orchestrator.decoding.schedule import Schedule
 
     watched = Watched(chain)

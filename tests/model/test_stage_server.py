@@ -16,7 +16,7 @@ import pytest
 
 from orchestrator.transport import wire
 from orchestrator.transport.handshake import accept_peer, cancel_role, connect_peer, upstream_role
-from orchestrator.transport.messages import Boundary, Cancel, Cancelled, StageBatch, StageFailure
+from orchestrator.transport.messages import Cancel, Cancelled, Shutdown, StageBatch, StageFailure
 from orchestrator.workers.stage_server import StageServer
 from stages.backend import detect
 from stages.cost_curve import BatchCurve, CostCurve, StageCurve
@@ -251,11 +251,11 @@ def test_a_cancel_of_a_pass_that_already_left_changes_nothing(cancelling_stage):
 
 def test_anything_but_a_cancel_on_the_cancel_connection_fails_the_next_pass(cancelling_stage):
     server, upstream, downstream, cancels = cancelling_stage
-    wire.send_message(cancels, Boundary(1, 0))
+    wire.send_message(cancels, Shutdown())
     wait_until(lambda: server.cancels.problem)
     wire.send_message(upstream, numbered(1, PROMPT))
     failure = wire.receive_message(downstream)
-    assert failure == StageFailure(1, 0, "the cancel connection sent Boundary, not a cancel")
+    assert failure == StageFailure(1, 0, "the cancel connection sent Shutdown, not a cancel")
 
 
 # -- under an emulated cost curve (--cost-curve, stages.cost_curve)

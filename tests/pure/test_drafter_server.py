@@ -6,7 +6,7 @@ import threading
 import time
 
 import fakes
-from orchestrator.config import chain_reach
+from orchestrator.config import DRAFT_MAX, chain_reach
 from orchestrator.transport import wire
 from orchestrator.workers.drafter_server import DrafterServer
 from orchestrator.cluster.drafters import DrafterClient, draft_seconds_per_token
@@ -34,7 +34,8 @@ SECRET = b"s" * 32
 
 def serve(make, **settings):
     server = DrafterServer(make, "127.0.0.1", secret=SECRET, **settings)
-    return server, DrafterClient(0, connect_peer("127.0.0.1", server.port, SECRET, drafter_role(0), 10))
+    sock = connect_peer("127.0.0.1", server.port, SECRET, drafter_role(0), 10)
+    return server, DrafterClient(0, sock, draft_max=settings.get("draft_max", DRAFT_MAX))
 
 
 def test_synchronous_collect_waits_for_a_full_draft():
@@ -54,6 +55,7 @@ def test_a_request_for_fewer_drafts_stops_the_drafter_there():
     assert client.collect(wait=True) == [4, 5, 6, 7, 1]
     client.speculate([1, 2, 3, 4, 5, 6, 7, 1, 2, 3], most=99)  # never past two windows' worth
     assert len(client.collect(wait=True)) == chain_reach(5) == 12
+    assert client.alive  # which the client takes from it
     client.close()
 
 

@@ -16,7 +16,7 @@ from orchestrator.transport import handshake
 
 from orchestrator.transport import wire
 from orchestrator.transport.handshake import HandshakeError, accept_peer, connect_peer
-from orchestrator.transport.messages import Boundary, StageBatch
+from orchestrator.transport.messages import Cancel, StageBatch
 
 SECRET = b"a" * 32
 ROLE = handshake.upstream_role(0)
@@ -44,9 +44,9 @@ def port(listener) -> int:
 
 
 def assert_connected(ours: socket.socket, theirs: socket.socket) -> None:
-    wire.send_message(ours, Boundary(7, 1))
+    wire.send_message(ours, Cancel(7))
     theirs.settimeout(10)
-    assert wire.receive_message(theirs) == Boundary(7, 1)
+    assert wire.receive_message(theirs) == Cancel(7)
 
 
 def test_the_peer_with_the_secret_and_the_role_gets_through(listener):

@@ -40,7 +40,7 @@ def test_a_side_branch_is_committed_and_its_tokens_fed_again(schedule):
     assert stats.tree_passes > 0 and stats.refed_tokens == stats.side_accepted
     if schedule is Schedule.ASYNC:
         # async drafts a tree only before a window it waits for (after a rejection);
-        # here the relay had drafted the fork's chain before that
+        # here the drafting during the pass before had drafted the fork's chain
         return
     assert stats.side_accepted > 0
     windows = [target_pass.windows[0] for target_pass in target.submitted]

@@ -84,9 +84,6 @@ class CountingModel:
             raise RuntimeError("stage 1 died")
         return PassResult(0, self.pending.pop(0), (0.0, 0.0))
 
-    def await_boundary(self, stage_index: int) -> int:
-        return 0
-
     def release(self, sequence: int) -> None:
         self.released.append(sequence)
         self.cache.pop(sequence, None)

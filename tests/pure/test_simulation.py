@@ -1,6 +1,6 @@
 """The schedule simulation (orchestrator.planning.simulation): the workloads' draws at
 their boundaries, traces replayed and written, which hop and which drafter each
-step pays for, the moments of the async relay, cores shared by stages, the end
+step pays for, async drafting through a pass, cores shared by stages, the end
 of the text, seeds, and predict's medians. Times are virtual."""
 
 from __future__ import annotations
@@ -169,23 +169,21 @@ def test_sync_pays_the_stage_0_drafter_the_call_every_hop_in_order_and_the_coord
     assert run.stage_busy_seconds == pytest.approx([20 * 1.0, 20 * 2.0, 20 * 4.0])
 
 
-def test_async_collects_each_drafter_at_the_boundary_and_the_result_and_pays_a_call_for_each():
+def test_async_drafts_on_one_drafter_through_each_pass_and_pays_a_call_for_each_collect():
     """One draft a window (draft_max 1), both drafters at 0.75 s a token, calls of
     0.25 s, a step of 0.3 (windows ahead only after a window accepted all its
     drafts). A pass submitted at t leaves stage 0 at t + 1 (hop 0.5, compute
     0.5) and stage 1 at t + 1.5, and its result is back at t + 2.25.
 
     First the drafter beside stage 0 drafts token 1 (0.75 s, then the call: t = 1).
-    During each pass the drafter beside stage 1 drafts from t until the boundary
-    (1 s: one token), is collected (the call: t + 1.25), and the drafter beside
-    stage 0 drafts from then until the result (1 s: one token), collected by
-    t + 2.5. Pass 1 (token 0, draft 1) commits tokens 1-2 by 3.5 and the
-    speculation holds token 3: pass 2 (token 2, draft 3) goes at 3.5. At its
-    boundary the speculation holds token 4, and the sequence is on a roll:
-    pass 3 (token 4 ahead, no draft) goes at 4.75. Pass 2 commits 3-4 by 6.0,
-    where the speculation holds token 5 after pass 3's: pass 4 (token 5) goes
-    ahead at 6.0; pass 3 commits 5 at 7.0, pass 4 commits 6 at 8.25 (8.5
-    with the last call)."""
+    During each pass the same drafter drafts from t until the result, at most
+    two windows' worth (the speculation budget), and is collected with it (the
+    call: t + 2.5). During pass 1 (token 0, draft 1) it drafts tokens 2-4 (2.25
+    s); pass 1 commits tokens 1-2 by 3.5 and the sequence is on a roll: pass 2
+    (token 2, draft 3) and pass 3 (token 4, started ahead) go at 3.5. During
+    pass 2 it drafts token 5 (the budget); pass 2 commits 3-4 by 6.0: pass 4
+    (token 5) goes ahead at 6.0. Pass 3 commits 5 at 6.5, pass 4 commits 6 at
+    8.25 (8.5 with the last call)."""
     costs = TableCosts(stages=(0.5, 0.5), hops=(0.5, 0.0, 0.75), drafts=(0.75, 0.75), call=0.25)
     run = simulate(costs, Mode("async", 1, step=0.3), DraftBehaviour(1.0), max_tokens=7)
     assert (run.tokens, run.passes, run.discarded_passes, run.drafted_tokens, run.accepted_tokens) == (7, 4, 0, 2, 2)
@@ -207,8 +205,8 @@ def test_a_window_started_ahead_waits_for_each_stage_to_finish_the_window_before
     instant, one draft a window, a step of 0.3 (windows ahead only after a
     window accepted all its drafts). A pass submitted at t leaves stage i at
     t + 1.0625 (i + 1) and is back at t + 3.25. The first window (token 0, draft
-    1) is back at 3.25 with tokens 1-2; meanwhile the three drafters drafted
-    tokens 2, 3 and 4. Then the next window (token 2, draft 3) and one started
+    1) is back at 3.25 with tokens 1-2; meanwhile the drafter beside stage 0
+    drafted tokens 2, 3 and 4. Then the next window (token 2, draft 3) and one started
     ahead on the speculation (token 4) are submitted together. The one ahead
     waits for stage 0 until 4.3125 and leaves it at 5.3125; it reaches stages 1
     and 2 as the window before it leaves them (5.375, 6.4375), leaves them at

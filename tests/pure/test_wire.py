@@ -18,7 +18,6 @@ from orchestrator.config import KEEPALIVE_IDLE_SECONDS, KEEPALIVE_INTERVAL_SECON
 from orchestrator.transport import tls, wire
 from orchestrator.transport.messages import (
     MESSAGE_TYPES,
-    Boundary,
     Cancel,
     Cancelled,
     CollectDraft,
@@ -75,7 +74,6 @@ EXAMPLES = [
                stage_started=(1765000000.0, 1765000000.125)),
     StageFailure(pass_id=2, stage_index=1, message="boom: ünïcode survives"),
     Shutdown(),
-    Boundary(pass_id=11, stage_index=0),
     Cancel(pass_id=12),
     Cancelled(pass_id=12, stage_index=1, stage_seconds=(0.5, 0.0625), stage_started=(1765000000.0, 1765000000.5)),
     SpeculateFrom(epoch=7, context=np.array([1, 17, 4, 99999], np.int32)),
@@ -383,7 +381,7 @@ def test_random_bytes_end_in_one_of_two_errors(data):
 
 KNOWN_KINDS = ", ".join(message_class.KIND for message_class in MESSAGE_TYPES)
 """The kinds of orchestrator.transport.messages.MESSAGE_TYPES, in its order, comma-separated
-("batch, result, failure, shutdown, boundary, ..."): the list grows with the messages."""
+("batch, result, failure, shutdown, cancel, ..."): the list grows with the messages."""
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux socket options")
 

@@ -33,8 +33,7 @@ SEEDED = SamplingSettings(temperature=0.8, top_p=0.95, seed=3)
 def pipeline(ray_cluster, splits):
     from stages.tokenizer import Tokenizer
 
-    with Pipeline(splits[2], StageSettings(n_ctx=512, sequences=SEQUENCES), overlapping=True,
-                  notify_boundaries=True) as running:
+    with Pipeline(splits[2], StageSettings(n_ctx=512, sequences=SEQUENCES), overlapping=True) as running:
         running.is_end = Tokenizer(splits[2][0]).is_end
         yield running
 

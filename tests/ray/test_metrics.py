@@ -47,7 +47,7 @@ def test_custom_metrics_of_a_run_reach_the_metrics_endpoint_while_the_pipeline_i
     """Scraped after the run, the pipeline and drafters still up (exports come every second)."""
     tokenizer = Tokenizer(splits[2][0])
     prompt = tokenizer.chat_prompt("Repeat exactly: the quick brown fox jumps over the lazy dog, twice.")
-    with Pipeline(splits[2], StageSettings(n_ctx=1024), notify_boundaries=True) as pipeline:
+    with Pipeline(splits[2], StageSettings(n_ctx=1024)) as pipeline:
         drafters = start_drafters(pipeline, PromptLookupSpeculator, DrafterSettings(draft_max=6))
         live = GenerationMetrics()
         # other tests' runs on this cluster export the same series: count only this run's

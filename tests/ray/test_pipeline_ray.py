@@ -289,8 +289,8 @@ def test_a_broken_link_that_heals_costs_a_replay_not_a_stage(ray_cluster, splits
 
 
 def test_a_stage_killed_during_asynchronous_speculation_through_three_stages(ray_cluster, splits, reference):
-    """Passes in flight, boundary notices half taken, drafts relayed: a killed
-    middle stage still changes no token."""
+    """Passes in flight, cancelled and started ahead, drafting while they run:
+    a killed middle stage still changes no token."""
     from orchestrator.cluster.drafters import DrafterSettings, start_drafters, stop_drafters
     from orchestrator.decoding.drafting import Drafting
     from orchestrator.decoding.schedule import Schedule
@@ -298,7 +298,7 @@ def test_a_stage_killed_during_asynchronous_speculation_through_three_stages(ray
 
     tokens = reference.tokenize(PROMPTS[1]) * 2  # prompt lookup finds drafts in a repeated prompt
     expected = reference.greedy(tokens, 40).tokens
-    with Pipeline(splits[3], SETTINGS, notify_boundaries=True) as pipeline:
+    with Pipeline(splits[3], SETTINGS) as pipeline:
         drafters = start_drafters(pipeline, PromptLookupSpeculator, DrafterSettings(draft_max=4))
         try:
             kill = killing_stage(pipeline, 1, after_tokens=12)
@@ -351,7 +351,7 @@ def strangers_at(host, port, forged) -> list:
 
 def test_strangers_at_every_port_neither_hijack_nor_block_the_run(ray_cluster, splits, reference, monkeypatch):
     """Strangers reach every listening port first: each stage's, the
-    coordinator's (result and boundary notices) and each drafter's, before the
+    coordinator's (result and cancels) and each drafter's, before the
     real peer; then again at every port during decoding, where they wait in
     the backlog until a stage is killed and the chain is wired anew through
     them. Each is dropped; the output is the whole model's."""
@@ -388,7 +388,7 @@ def test_strangers_at_every_port_neither_hijack_nor_block_the_run(ray_cluster, s
     monkeypatch.setattr(chain_module.SocketChain, "__init__", coordinator_strangers_first)
     monkeypatch.setattr(drafters_module, "connect_peer", drafter_strangers_first)
     tokens = reference.tokenize(PROMPTS[0]) * 2
-    with Pipeline(splits[2], StageSettings(n_ctx=256), notify_boundaries=True) as pipeline:
+    with Pipeline(splits[2], StageSettings(n_ctx=256)) as pipeline:
         drafters = start_drafters(pipeline, PromptLookupSpeculator, DrafterSettings(draft_max=4))
         assert len(ports) == 2 + 1 + 2 and len(intruders) == 3 * 5
         kill = killing_stage(pipeline, 1, after_tokens=10)
@@ -412,7 +412,7 @@ def test_strangers_at_every_port_neither_hijack_nor_block_the_run(ray_cluster, s
 
 
 def test_a_tls_chain_with_drafters_equals_the_whole_model_and_survives_a_lost_stage(ray_cluster, splits, reference):
-    """--tls: every chain, boundary and drafter connection in TLS; output exact,
+    """--tls: every chain, cancel and drafter connection in TLS; output exact,
     before and after a stage is killed and rewired (in TLS again)."""
     import ssl
 
@@ -422,7 +422,7 @@ def test_a_tls_chain_with_drafters_equals_the_whole_model_and_survives_a_lost_st
     from speculators.prompt_lookup import PromptLookupSpeculator
 
     tokens = reference.tokenize(PROMPTS[1]) * 2
-    with Pipeline(splits[2], SETTINGS, notify_boundaries=True, tls=True) as pipeline:
+    with Pipeline(splits[2], SETTINGS, tls=True) as pipeline:
         assert isinstance(pipeline.chain._to_first, ssl.SSLSocket)
         assert pipeline.chain._to_first.version() == "TLSv1.3"
         drafters = start_drafters(pipeline, PromptLookupSpeculator, DrafterSettings(draft_max=4))

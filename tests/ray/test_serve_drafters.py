@@ -1,5 +1,5 @@
 """`orchestrate serve --speculator model`: a drafter beside every stage (the
-actors `orchestrate run` uses, a KV sequence per request in each), relayed by
+actors `orchestrate run` uses, a KV sequence per request in each), driven by
 the one decoding loop; concurrent requests get the whole model's text, and
 each the same as alone. The draft is SmolLM2 requantized (benchmarks.drafts),
 so drafts are accepted and rejected within every request."""
@@ -61,5 +61,5 @@ def test_a_drafter_beside_every_stage_and_concurrent_requests_equal_the_whole_mo
     health = server.settled()
     drafters = health["drafters"]
     assert [drafter["index"] for drafter in drafters] == [0, 1] and all(drafter["alive"] for drafter in drafters)
-    assert all(drafter["busy_seconds"] > 0 for drafter in drafters)  # both machines drafted (async relays)
+    assert all(drafter["busy_seconds"] > 0 for drafter in drafters)  # both machines drafted (requests sharing passes spread over them)
     assert health["status"] == "ok" and [stage["kv_cells"] for stage in health["stages"]] == [0, 0]

@@ -44,7 +44,7 @@ def pickle_doubles_by_value():
 
 @pytest.fixture(scope="module")
 def pipelines(ray_cluster, splits):
-    opened = {count: Pipeline(splits[count], StageSettings(n_ctx=1024), notify_boundaries=True) for count in (2, 3)}
+    opened = {count: Pipeline(splits[count], StageSettings(n_ctx=1024)) for count in (2, 3)}
     yield opened
     for pipeline in opened.values():
         pipeline.close()

@@ -31,7 +31,7 @@ def test_token_trees_through_the_pipeline_are_exact(ray_cluster, splits, referen
     def is_end(token):
         return bool(llama_cpp.llama_vocab_is_eog(reference.llama._model.vocab, token))
 
-    with Pipeline(splits[2], StageSettings(n_ctx=1024, tree_sequences=3), notify_boundaries=True) as pipeline:
+    with Pipeline(splits[2], StageSettings(n_ctx=1024, tree_sequences=3)) as pipeline:
         drafters = start_drafters(pipeline, PromptLookupSpeculator, DrafterSettings(draft_max=6))
         side_accepted = tree_passes = 0
         try:
