@@ -333,7 +333,8 @@ def verify_split(model: Path, stage_files: tuple[Path, ...], threads: int) -> No
 @pipeline_options("runs")
 @click.option("--prompt", help="Prompt text.")
 @click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Read the prompt from a file.")
-@click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
+@click.option("--chat/--raw", default=None,
+              help="The prompt in the model's chat template (the default where the model has one), or as it is.")
 @click.option("--max-tokens", default=config.MAX_TOKENS, show_default=True, type=click.IntRange(1))
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0.0), help="0 is greedy.")
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True))
@@ -368,6 +369,8 @@ def run(pipeline: PipelineOptions, speculation, prompt, prompt_file, chat, max_t
         with contextlib.redirect_stdout(sys.stderr):
             outcome = run_generation(settings, on_status=lambda line: click.echo(line, err=True))
         click.echo(json.dumps(outcome.as_json()), file=text_out)
+        if not outcome.generation.tokens:
+            click.echo(_why_nothing(outcome.generation.stopped_by, chat), err=True)
         return
 
     def show(text: str) -> None:
@@ -378,10 +381,21 @@ def run(pipeline: PipelineOptions, speculation, prompt, prompt_file, chat, max_t
         outcome = run_generation(settings, on_text=show, on_status=lambda line: click.echo(line, err=True))
     click.echo(file=text_out)
     click.echo(outcome.summary_line(), err=True)
+    if not outcome.generation.tokens:
+        click.echo(_why_nothing(outcome.generation.stopped_by, chat), err=True)
 
 
-def _prompt_of(prompt: str | None, prompt_file: Path | None, chat: bool) -> tuple[str, bool]:
-    """(the prompt, chat): --prompt, --prompt-file, or the default chat prompt."""
+def _why_nothing(stopped_by: str, chat: bool | None) -> str:
+    """Why a run generated no token, in one line."""
+    if stopped_by != "end":
+        return f"no token was generated (stopped by {stopped_by})"
+    fix = "drop --raw to use its chat template" if chat is False else "rephrase the prompt, or use --raw"
+    return f"no token was generated: the model's first token ended its text ({fix})"
+
+
+def _prompt_of(prompt: str | None, prompt_file: Path | None, chat: bool | None) -> tuple[str, bool | None]:
+    """(the prompt, chat): --prompt, --prompt-file, or the default prompt;
+    chat None: in the model's chat template where it has one."""
     from orchestrator.config import DEFAULT_PROMPT
 
     if prompt is not None and prompt_file is not None:
@@ -393,9 +407,7 @@ def _prompt_of(prompt: str | None, prompt_file: Path | None, chat: bool) -> tupl
             raise click.UsageError(f"{prompt_file} is not UTF-8 text (byte {error.start})") from None
     if prompt is not None and not prompt.strip():
         raise click.UsageError("the prompt is empty")
-    if prompt is None:
-        return DEFAULT_PROMPT, True
-    return prompt, chat
+    return (DEFAULT_PROMPT if prompt is None else prompt), chat
 
 
 def _whole_model_settings(files, address, whole_model, stage_count, boundaries, profiles):

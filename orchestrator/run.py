@@ -36,7 +36,7 @@ class RunSettings:
 
     stage_paths: list[str]
     prompt: str
-    chat: bool
+    chat: bool | None  # the prompt in the model's chat template; None: where the model has one (--chat/--raw)
     max_tokens: int
     sampling: SamplingSettings
     stage: StageSettings
@@ -53,7 +53,8 @@ class RunSettings:
 @dataclass(frozen=True)
 class SpeculatorReport:
     """lost: why the drafter was last lost ("" if never); restarts: replacements that rejoined;
-    compute: where its draft model computes (DrafterServer.compute; None: prompt lookup, or no answer)."""
+    compute: where its draft model computes (DrafterServer.compute; None: prompt lookup, or no answer);
+    error: its speculator's last failure while drafting ("" if none: a failing one drafts nothing)."""
 
     index: int
     node_id: str
@@ -61,6 +62,12 @@ class SpeculatorReport:
     lost: str
     restarts: int = 0
     compute: dict | None = None
+    error: str = ""
+
+    def trouble(self) -> str:
+        """What went wrong with it, for the summary line ("" if nothing)."""
+        parts = [f"lost: {self.lost}"] * bool(self.lost) + [f"failed: {self.error}"] * bool(self.error)
+        return f"drafter {self.index} {'; '.join(parts)}" if parts else ""
 
 
 @dataclass(frozen=True)
@@ -118,7 +125,7 @@ class RunOutcome:
             ],
             "speculators": [
                 {"index": report.index, "node": report.node_id, "busy_seconds": report.busy_seconds, "lost": report.lost,
-                 "restarts": report.restarts, "compute": report.compute}
+                 "restarts": report.restarts, "compute": report.compute, "error": report.error}
                 for report in self.speculators
             ],
             "shipped": [
@@ -158,13 +165,18 @@ class RunOutcome:
         ) + "".join(f"; the chain wired anew, every stage alive ({relink.reason}), in {relink.seconds:.1f} s"
                     for relink in self.relinks)
         emulated = f" (emulated: {self.cost_curve})" if self.cost_curve else ""
+        restarts += "".join(f"; {trouble}" for report in self.speculators if (trouble := report.trouble()))
         return (
             f"[{len(generation.tokens)} tokens, {generation.tokens_per_second:.1f} tokens/s{emulated}{speculation}, "
             f"{len(self.stages)} stages: {placed}; hop {self.hop_seconds * 1e6:.0f} us{restarts}]"
         )
 
 
-def prompt_tokens(tokenizer: Tokenizer, prompt: str, chat: bool) -> list[int]:
+def prompt_tokens(tokenizer: Tokenizer, prompt: str, chat: bool | None) -> list[int]:
+    """The prompt's tokens: in the model's chat template (chat None: where the
+    model has one, as llama.cpp's CLI does), or the text as it is."""
+    if chat is None:
+        chat = bool(tokenizer.chat_template)
     return tokenizer.chat_prompt(prompt) if chat else tokenizer.tokenize(prompt)
 
 
@@ -292,7 +304,8 @@ def _generate_through(pipeline: Pipeline, settings: RunSettings, prepared, resta
         )
     finally:
         speculator_reports = [SpeculatorReport(client.index, client.node_id, client.busy_seconds, client.lost_reason,
-                                               client.restarts, drafter_compute(client)) for client in drafters]
+                                               client.restarts, drafter_compute(client), client.last_error)
+                              for client in drafters]
         stop_drafters(drafters)
     curve = settings.stage.cost_curve
     drafts_shipped = {client.draft_shipment.node_id: client.draft_shipment for client in drafters

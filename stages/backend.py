@@ -105,7 +105,7 @@ def loaded_library(name: str) -> ctypes.CDLL:
     soname); loading another of the names would put a second copy of ggml in
     the process, with a registry and state of its own (on the CUDA build the
     first model load then crashed: docs/backends.md)."""
-    import llama_cpp
+    from stages.llama import llama_cpp
 
     folder = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
     names = [f"{name}.so.0", f"{name}.so", f"{name}.dylib"]  # the last two: builds that keep links, macOS
@@ -118,7 +118,7 @@ def loaded_library(name: str) -> ctypes.CDLL:
 @functools.cache
 def detect() -> ComputeBackend:
     """This process's llama.cpp backend (read once: the registry is fixed when ggml loads)."""
-    import llama_cpp
+    from stages.llama import llama_cpp
 
     library = loaded_library("libggml")
     calls = (("ggml_backend_dev_count", ctypes.c_size_t, []),

@@ -49,7 +49,7 @@ import os
 
 import numpy as np
 
-import llama_cpp
+from stages.llama import llama_cpp, missing
 from stages.backend import StageCompute, detect as detect_backend, loaded_library
 from stages.capture import AbortFlag, CaptureError, NodeCapture
 from stages.errors import SpecpipeError
@@ -57,7 +57,10 @@ from stages.gguf_file import KEY_FIRST_BLOCK, KEY_SOURCE_FINGERPRINT, KEY_STAGE_
 from stages.settings import StageSettings
 from stages.tree_shape import TreeError, branch_sequences, check_preorder, depths
 
-_ggml_base = loaded_library("libggml-base")
+try:
+    _ggml_base = loaded_library("libggml-base")
+except OSError as failure:
+    raise missing(failure) from None
 
 _backend_ready = False
 

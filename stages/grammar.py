@@ -42,7 +42,7 @@ from typing import NoReturn
 
 import numpy as np
 
-import llama_cpp
+from stages.llama import llama_cpp
 from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 from stages.engine import ensure_backend, quiet_logs
 from stages.errors import GrammarError

@@ -22,7 +22,7 @@ def requantize(source: str | os.PathLike[str], destination: str | os.PathLike[st
                threads: int = 2) -> Path:
     """Write ``source`` quantized to ``type_name`` (one of TYPES) at
     ``destination``, whole or not at all (``<name>.partial`` renamed once done)."""
-    import llama_cpp
+    from stages.llama import llama_cpp
 
     from stages.engine import ensure_backend, quiet_logs
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import codecs
 import ctypes
 
-import llama_cpp
+from stages.llama import llama_cpp
 
 from stages.engine import StageError, ensure_backend, meta_string, quiet_logs
 

@@ -22,6 +22,11 @@ case "$BACKEND" in
   cpu) FLAGS="" ;;
   *) echo "BACKEND=$BACKEND: the device check builds cuda or cpu" >&2; exit 2 ;;
 esac
+# The kernels every build keeps off (the Makefile's LLAMA_CFLAGS and GGML_LLAMAFILE=OFF): AMX on x86.
+case "$(uname -m)" in
+  x86_64|amd64) NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+                FLAGS="$FLAGS -DCMAKE_C_FLAGS='$NO_AMX' -DCMAKE_CXX_FLAGS='$NO_AMX'" ;;
+esac
 
 build() {
   [ -f "$DEVICE/llama-cpp-python-$VERSION-cuda-src.tar.gz" ] || { echo "no $DEVICE bundle: run make device-bundle first" >&2; exit 2; }
@@ -37,7 +42,8 @@ build() {
 
 run() {
   [ -d "$SITE/llama_cpp" ] || { echo "no build in $SITE: run tools/device_check.sh build first" >&2; exit 2; }
-  PYTHONPATH="$SITE:." PYTHONUNBUFFERED=1 "$PYTHON" -m benchmarks.device_check --out "$1" --work "$WORK/model" ${SHAPE:+--shape "$SHAPE"}
+  # -X faulthandler: a native crash (the first run's segmentation fault) leaves every thread's Python stack
+  PYTHONPATH="$SITE:." PYTHONUNBUFFERED=1 "$PYTHON" -X faulthandler -m benchmarks.device_check --out "$1" --work "$WORK/model" ${SHAPE:+--shape "$SHAPE"}
 }
 
 case "${1:-}" in

@@ -107,7 +107,7 @@ def delayed_link(repetitions: int, delay_ms: float, max_tokens: int, profile_pat
             def run(mode: str, repetition: int) -> Outcome:
                 result = cluster.driver(
                     ["-m", "orchestrator.cli", "run", "--model-split", *stages, "--address", cluster.address,
-                     "--place", f"0={hosts.first.address},1={hosts.second.address}", "--prompt", PROMPT,
+                     "--place", f"0={hosts.first.address},1={hosts.second.address}", "--raw", "--prompt", PROMPT,
                      "--max-tokens", str(max_tokens), "--json"], timeout=600)
                 if result is None or result.returncode != 0:
                     raise click.ClickException(f"orchestrate run failed: {result.stderr if result else 'timed out'}")

@@ -210,9 +210,10 @@ class Coordinator:
                 for index, load in enumerate(loads)]
 
     def drafter_health(self) -> list[dict]:
-        """Each drafter beside a stage: alive, or why it was last lost, its restarts and drafting seconds."""
+        """Each drafter beside a stage: alive, or why it was last lost, its
+        speculator's last failure, its restarts and drafting seconds."""
         return [{"index": client.index, "node": client.node_id, "alive": client.alive, "lost": client.lost_reason,
-                 "restarts": client.restarts, "busy_seconds": round(client.busy_seconds, 3)}
+                 "error": client.last_error, "restarts": client.restarts, "busy_seconds": round(client.busy_seconds, 3)}
                 for client in self.drafters]
 
     def app(self):

@@ -43,7 +43,7 @@ def delayed_run(cluster: RayAcrossHosts, stage_files: list[str], *options: str) 
     result = cluster.driver(
         ["-m", "orchestrator.cli", "run", "--model-split", *stage_files, "--address", cluster.address,
          "--place", f"0={hosts.first.address},1={hosts.second.address}",
-         "--prompt", PROMPTS[2], "--max-tokens", str(MAX_TOKENS), "--json", *options],
+         "--raw", "--prompt", PROMPTS[2], "--max-tokens", str(MAX_TOKENS), "--json", *options],
         timeout=300,
     )
     assert result is not None, f"orchestrate run timed out\n{cluster.log_tail()}"

@@ -61,7 +61,7 @@ def run_across_hosts(cluster: RayAcrossHosts, stage_files: list[str], *options: 
     files = ["--model-split", *stage_files] if stage_files else []
     result = cluster.driver(
         ["-m", "orchestrator.cli", "run", *files, "--address", cluster.address,
-         "--prompt", PROMPTS[0], "--max-tokens", str(MAX_TOKENS), "--json", *options],
+         "--raw", "--prompt", PROMPTS[0], "--max-tokens", str(MAX_TOKENS), "--json", *options],
         timeout=300, env=env,
     )
     assert result is not None, f"orchestrate run timed out\n{cluster.log_tail()}"

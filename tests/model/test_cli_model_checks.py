@@ -30,7 +30,7 @@ def test_draft_with_another_vocabulary_is_refused(splits, gemma3):
 
 
 def test_the_context_check_counts_drafts_only_when_speculating(smollm2):
-    common = ["run", "--model-split", smollm2, "--prompt", "Hello", "--n-ctx", "40", "--max-tokens", "36"]
+    common = ["run", "--model-split", smollm2, "--raw", "--prompt", "Hello", "--n-ctx", "40", "--max-tokens", "36"]
     speculating = orchestrate(*common, "--speculator", "ngram")
     assert speculating.returncode == 1 and "+ --draft-max 8 exceed the context of 40 tokens" in speculating.stderr
     too_long = orchestrate(*common[:-1], "40")
@@ -76,3 +76,35 @@ def test_a_drafter_refuses_to_start_where_its_draft_does_not_fit():
     with pytest.raises(StageError, match=r"^drafter 0's draft model needs \d+ MiB, but 10.0.0.2 has \d+ MiB "
                                          r"available \(at most 90% of it is used\)$"):
         check_memory_available(available, "drafter 0's draft model", "10.0.0.2")
+
+
+def test_a_prompt_goes_in_the_chat_template_where_the_model_has_one_unless_raw(smollm2, monkeypatch):
+    """run's prompt (orchestrator.run.prompt_tokens): --chat, --raw, or by
+    default the model's chat template when its file has one (as llama.cpp's CLI)."""
+    from orchestrator.run import prompt_tokens
+    from stages.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(smollm2)
+    question = "Why is the sky blue?"
+    assert tokenizer.chat_template
+    assert prompt_tokens(tokenizer, question, None) == prompt_tokens(tokenizer, question, True) \
+        == tokenizer.chat_prompt(question)
+    assert prompt_tokens(tokenizer, question, False) == tokenizer.tokenize(question) != tokenizer.chat_prompt(question)
+    monkeypatch.setattr(tokenizer, "chat_template", "")  # a model without one: the text as it is
+    assert prompt_tokens(tokenizer, question, None) == tokenizer.tokenize(question)
+
+
+def test_a_drafter_that_failed_or_was_lost_is_named_in_the_summary_line_and_the_json():
+    """A speculator failing every time drafts nothing; its last error is shown,
+    as is why a drafter was lost (orchestrator.run.RunOutcome)."""
+    from orchestrator.decoding.loop import Generation
+    from orchestrator.run import RunOutcome, SpeculatorReport
+
+    reports = [SpeculatorReport(0, "n0", 0.5, lost=""),
+               SpeculatorReport(1, "n1", 0.0, lost="", error="RuntimeError: the draft's context is full"),
+               SpeculatorReport(2, "n2", 0.1, lost="sent 9 draft tokens (at most 8)")]
+    outcome = RunOutcome("", Generation([1, 2], tokens=[5]), [], reports, 0.0, [])
+    assert outcome.summary_line().endswith(
+        "; drafter 1 failed: RuntimeError: the draft's context is full; drafter 2 lost: sent 9 draft tokens (at most 8)]")
+    assert [entry["error"] for entry in outcome.as_json()["speculators"]] == [
+        "", "RuntimeError: the draft's context is full", ""]

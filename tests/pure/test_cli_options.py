@@ -86,3 +86,19 @@ def test_a_crafted_gguf_header_gives_one_line_not_a_traceback(command, header, t
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {crafted}: "), result.stderr
     assert result.stdout == "" and sorted(tmp_path.iterdir()) == [crafted]
+
+
+def test_a_llama_cpp_that_cannot_load_is_one_line_naming_it_and_what_to_install():
+    """llama-cpp-python missing or broken (here: its import refused) is one
+    line and exit status 1, not a traceback from the first module that imports it."""
+    import subprocess
+    import sys
+
+    script = ("import sys; sys.modules['llama_cpp'] = None\n"
+              "from orchestrator.cli import main\nmain(['run', '--prompt', 'hi'])")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        "error: llama.cpp (llama-cpp-python) could not be loaded: ModuleNotFoundError: import of llama_cpp halted; "
+        "None in sys.modules; `make install` builds it into .venv (a C/C++ toolchain and CMake needed), "
+        "or `pip install llama-cpp-python` into this Python"]

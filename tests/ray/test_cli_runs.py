@@ -19,7 +19,7 @@ def test_split_then_run_json_equals_llama(smollm2, reference, tmp_path, orchestr
     verified = orchestrate("verify-split", smollm2, *outputs)
     assert verified.returncode == 0 and "largest logit difference 0" in verified.stdout
 
-    result = orchestrate_on_cluster("run", "--model-split", *outputs, "--prompt", PROMPTS[0], "--max-tokens", "24",
+    result = orchestrate_on_cluster("run", "--model-split", *outputs, "--raw", "--prompt", PROMPTS[0], "--max-tokens", "24",
                                     "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
@@ -47,7 +47,7 @@ def test_temperature_and_seed_change_the_text_and_the_same_seed_reproduces_it(sm
     cluster), and differ from seed 6's and from greedy decoding's:
     --temperature and --seed both reach the sampler (greedy with them ignored
     would give the same text every time)."""
-    common = ["--prompt", PROMPTS[2], "--max-tokens", "16", "--json", "--temperature", "1.5"]
+    common = ["--raw", "--prompt", PROMPTS[2], "--max-tokens", "16", "--json", "--temperature", "1.5"]
     whole = orchestrate("run", "--model-split", smollm2, *common, "--seed", "5")
     runs = [whole] + [orchestrate_on_cluster("run", "--model-split", *splits[2], *common, "--seed", seed)
                       for seed in ("5", "6")]
@@ -63,7 +63,7 @@ def test_temperature_and_seed_change_the_text_and_the_same_seed_reproduces_it(sm
 
 def test_run_with_token_trees_gives_the_whole_models_tokens(reference, orchestrate_on_cluster):
     prompt = "the cat sat on the mat. the cat ate the fish. the cat sat on the mat. the cat ate the"
-    result = orchestrate_on_cluster("run", "--prompt", prompt, "--max-tokens", "24", "--speculator", "ngram",
+    result = orchestrate_on_cluster("run", "--raw", "--prompt", prompt, "--max-tokens", "24", "--speculator", "ngram",
                          "--tree-leaves", "4", "--schedule", "sync", "--json")
     assert result.returncode == 0, result.stderr
     output = json.loads(result.stdout)
@@ -73,12 +73,19 @@ def test_run_with_token_trees_gives_the_whole_models_tokens(reference, orchestra
     assert output["committed_tokens_per_pass"] >= 1.0
 
 
-def test_default_run_streams_a_chat_answer_and_a_summary():
-    result = orchestrate("run", "--max-tokens", "32")
+def test_a_question_is_answered_in_the_chat_template_by_default_and_a_run_without_a_token_says_why():
+    """The default model has a chat template: a question is answered through
+    it, streamed with a summary; as raw text (--raw) the model ends at once,
+    and the run says so instead of printing nothing."""
+    result = orchestrate("run", "--prompt", "Why is the sky blue?", "--max-tokens", "32")
     assert result.returncode == 0, result.stderr
     assert len(result.stdout.split()) >= 10
     summary = result.stderr.strip().splitlines()[-1]
     assert "32 tokens" in summary and "tokens/s" in summary and "2 stages" in summary
+    raw = orchestrate("run", "--raw", "--prompt", "Why is the sky blue?", "--max-tokens", "32")
+    assert raw.returncode == 0, raw.stderr
+    assert raw.stderr.strip().splitlines()[-1] == ("no token was generated: the model's first token ended its "
+                                                   "text (drop --raw to use its chat template)")
 
 
 def test_run_with_speculation_reports_its_figures(splits, orchestrate_on_cluster, tmp_path):
@@ -114,7 +121,7 @@ def test_a_draft_model_on_the_cpu_with_its_own_threads_beside_every_stage_keeps_
     """--draft-device cpu --draft-threads 1 (the seed's setup: the draft on the CPU cores beside
     a stage), a drafter beside each of 2 stages; each says where it computed (--json)."""
     prompt = PROMPTS[1]
-    result = orchestrate_on_cluster("run", "--model-split", *splits[2], "--prompt", prompt, "--max-tokens", "24",
+    result = orchestrate_on_cluster("run", "--model-split", *splits[2], "--raw", "--prompt", prompt, "--max-tokens", "24",
                                     "--json", "--speculator", "model", "--draft", realistic_draft,
                                     "--draft-device", "cpu", "--draft-threads", "1", "--threads", "2")
     assert result.returncode == 0, result.stderr
@@ -134,7 +141,7 @@ def test_a_run_under_an_emulated_cost_curve_keeps_its_tokens_and_lasts_the_curve
     curve = tmp_path / "flat.json"
     curve.write_text(json.dumps({"name": "flat 40 ms", "stages": [{"tokens": [1], "ms": [40]}]}))
     prompt = "Repeat exactly: one two three four five six seven eight."
-    result = orchestrate_on_cluster("run", "--model-split", *splits[2], "--prompt", prompt, "--max-tokens", "16",
+    result = orchestrate_on_cluster("run", "--model-split", *splits[2], "--raw", "--prompt", prompt, "--max-tokens", "16",
                                     "--json", "--cost-curve", str(curve), "--speculator", "ngram", "--schedule",
                                     "async")
     assert result.returncode == 0, result.stderr
@@ -159,7 +166,7 @@ def test_draft_model_trees_through_the_pipeline_keep_the_greedy_and_the_seeded_t
     run's, with trees among the passes."""
     curve = tmp_path / "flat.json"
     curve.write_text(json.dumps({"name": "flat 1 s", "stages": [{"tokens": [1, 64], "ms": [1000, 1000]}]}))
-    common = ["run", "--model-split", *splits[2], "--prompt", PROMPTS[1], "--max-tokens", "16", "--json"]
+    common = ["run", "--model-split", *splits[2], "--raw", "--prompt", PROMPTS[1], "--max-tokens", "16", "--json"]
     trees = ["--speculator", "model", "--draft", realistic_draft, "--tree-leaves", "4", "--schedule", "sync",
              "--cost-curve", str(curve)]
     seeded = ["--temperature", "0.8", "--seed", "4"]

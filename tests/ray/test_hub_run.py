@@ -29,7 +29,7 @@ def hub(smollm2):
 
 
 def hub_run(hub, cache: Path) -> dict:
-    result = orchestrate("run", "--model", "hf:org/smol:Q4_1", "--stages", "2", "--prompt", PROMPTS[0],
+    result = orchestrate("run", "--model", "hf:org/smol:Q4_1", "--stages", "2", "--raw", "--prompt", PROMPTS[0],
                          "--max-tokens", str(MAX_TOKENS), "--json",
                          env={"HF_ENDPOINT": hub.endpoint, "SPECPIPE_STAGE_CACHE": str(cache)})
     assert result.returncode == 0, result.stderr

@@ -15,7 +15,7 @@ MAX_TOKENS = 16
 
 
 def shipped_run(smollm2, cache: Path, *options: str) -> dict:
-    result = orchestrate("run", "--model", smollm2, "--prompt", PROMPTS[0], "--max-tokens", str(MAX_TOKENS),
+    result = orchestrate("run", "--model", smollm2, "--raw", "--prompt", PROMPTS[0], "--max-tokens", str(MAX_TOKENS),
                          "--json", *options, env={"SPECPIPE_STAGE_CACHE": str(cache)})
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
