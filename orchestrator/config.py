@@ -29,6 +29,27 @@ DRAFT_MAX = 8
 # may draft this many windows' worth: chain_reach.
 WINDOWS_DRAFTED_AHEAD = 2
 
+# Scheduler.drafting_during (orchestrator.decoding.scheduler), in passes: while several sequences
+# share passes, drafting pauses after this many shared passes in a row took no drafts, and drafts again
+# for UNUSED_DRAFTS_STRETCH passes UNUSED_DRAFTS_PROBE passes into the pause, then after gaps that
+# double up to UNUSED_DRAFTS_PROBE_MOST. Each stretch costs the drafters a catch-up. orchestrate bench --serve @40, 2026-12-03: a pass in every 8 left 8 requests at
+# 0.90x the server without drafts; single passes with doubling gaps resumed too seldom at 4 requests (1.00x)
+UNUSED_DRAFTS_PAUSE = 4
+UNUSED_DRAFTS_PROBE = 8
+UNUSED_DRAFTS_PROBE_MOST = 128
+UNUSED_DRAFTS_STRETCH = 2
+
+# Batching.holds (orchestrator.decoding.scheduler), a share of two one-token passes: sharing a pass
+# pays when two one-token windows in one pass cost under this share of two passes (below it, the wait
+# for a shared pass is paid back; on this CPU, step 0.6: 0.8 of two passes)
+PAYING_SHARE = 0.95
+
+# Prefill (orchestrator.decoding.schedule.prompt_chunk): chunks per stage (the pipeline idles
+# (S - 1) / (4S + S - 1) < 1/5 of the prefill), and the smallest chunk, in tokens, worth a pass of
+# its own (smaller chunks pay each pass's fixed cost and a hop more often for a bubble already small).
+PREFILL_CHUNKS_PER_STAGE = 4
+PREFILL_LEAST_CHUNK = 64
+
 
 def chain_reach(draft_max: int) -> int:
     """The most tokens one ask of a drafter may add to a chain: WINDOWS_DRAFTED_AHEAD windows."""

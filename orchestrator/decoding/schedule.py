@@ -79,7 +79,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from orchestrator.config import WINDOWS_DRAFTED_AHEAD
+from orchestrator.config import PREFILL_CHUNKS_PER_STAGE, PREFILL_LEAST_CHUNK, WINDOWS_DRAFTED_AHEAD
 from speculators.draft_length import DRAFTER_CALL_COST, PRIOR_STEP, DraftPolicy, DraftPrices
 from speculators.sampling import SamplingSettings
 from speculators.tree import (DraftTree, PassCost, RankAcceptance, TreeAsk, accepted_rows, choose_rows, curve_cost,
@@ -109,11 +109,6 @@ class Schedule(enum.Enum):
         return self is Schedule.ASYNC
 
 
-# Prefill (prompt_chunk): chunks per stage (the pipeline idles (S - 1) / (4S + S - 1) < 1/5 of
-# the prefill), and the smallest chunk worth a pass of its own (smaller chunks pay each pass's fixed
-# cost and a hop more often for a bubble already small).
-PREFILL_CHUNKS_PER_STAGE = 4
-PREFILL_LEAST_CHUNK = 64
 
 
 def prompt_chunk(prompt_length: int, stage_count: int, n_batch: int) -> int:

@@ -1,6 +1,8 @@
 """Many sequences' windows in flight through one target: the Scheduler
 (which passes go, which sequences draft and on which machine, which passes
-a rejection made worthless) and continuous batching (Batching). The rules each sequence follows are orchestrator.decoding.schedule's."""
+a rejection made worthless) and continuous batching (Batching). The rules
+each sequence follows are orchestrator.decoding.schedule's; its tuning
+constants are orchestrator.config's."""
 
 from __future__ import annotations
 
@@ -8,23 +10,12 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from orchestrator.config import (PAYING_SHARE, UNUSED_DRAFTS_PAUSE, UNUSED_DRAFTS_PROBE, UNUSED_DRAFTS_PROBE_MOST,
+                                 UNUSED_DRAFTS_STRETCH)
 from orchestrator.decoding.schedule import SequenceState
 from orchestrator.decoding.windows import TargetPass, Window
 from stages.cost_curve import BatchCurve
 
-# Scheduler.drafting_during: while several sequences share passes, drafting pauses after this many shared
-# passes in a row took no drafts, and drafts again for UNUSED_DRAFTS_STRETCH passes UNUSED_DRAFTS_PROBE
-# passes into the pause, then after gaps that double up to UNUSED_DRAFTS_PROBE_MOST. Each stretch costs
-# the drafters a catch-up. orchestrate bench --serve @40, 2026-12-03: a pass in every 8 left 8 requests at
-# 0.90x the server without drafts; single passes with doubling gaps resumed too seldom at 4 requests (1.00x)
-UNUSED_DRAFTS_PAUSE = 4
-UNUSED_DRAFTS_PROBE = 8
-UNUSED_DRAFTS_PROBE_MOST = 128
-UNUSED_DRAFTS_STRETCH = 2
-
-# Batching.holds: sharing a pass pays when two one-token windows in one pass cost under this share of
-# two passes (below it, the wait for a shared pass is paid back; on this CPU, step 0.6: 0.8 of two passes)
-PAYING_SHARE = 0.95
 
 
 @dataclass(frozen=True)
