@@ -120,7 +120,7 @@ class Pipeline:
             self.stages = self.actors.start(self.stage_paths, self.loopback, self._take_over(left))
             self.n_vocab = self.stages[-1].n_vocab
             self.stage_count = len(self.stages)
-            self.chain = self._wire()
+            self.chain = self.new_chain()
             self.pin_stages(overlapping)
             if pass_deadline_minimum is not None:
                 self.chain.deadline_minimum = pass_deadline_minimum
@@ -162,7 +162,7 @@ class Pipeline:
             return self.whole_model.vocabulary_path
         return fetch_vocabulary(self.stage_paths[0], self.reservation.scheduling_strategy(0))
 
-    def _wire(self) -> SocketChain:
+    def new_chain(self) -> SocketChain:
         """A new chain: each stage connects to the next, the last to us; then we connect to the first."""
         import ray
 
@@ -339,7 +339,7 @@ class Pipeline:
             self.restarts.append(restart)
             if self.on_restart is not None:
                 self.on_restart(restart)
-        old_chain, self.chain = self.chain, self._wire()
+        old_chain, self.chain = self.chain, self.new_chain()
         self.chain.take_timing_from(old_chain)
         try:
             for sequence in self.ledger.sequences():

@@ -84,7 +84,7 @@ def recover(pipeline: Pipeline, late: PassLate) -> None:
         for index, reason in dead:
             restarted.append((index, reason, pipeline.stages[index].node_id))
             pipeline.restart_stage(index)
-        pipeline.chain = pipeline._wire()
+        pipeline.chain = pipeline.new_chain()
         pipeline.chain.take_timing_from(old_chain)
         replaying = time.perf_counter()
         try:
