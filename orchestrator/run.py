@@ -11,7 +11,7 @@ from orchestrator.config import MAX_RESTARTS, TREE_CURVE_SIZES
 from orchestrator.cluster.drafters import (DrafterClient, draft_prices, drafter_compute, drafter_nodes,
                                           drafter_settings,
                                           speculator_factory, start_drafters, stop_drafters)
-from orchestrator.decoding.drafting import Drafting, SpeculationSettings
+from orchestrator.decoding.drafting import Drafting, SpeculationSettings, exact_trees
 from orchestrator.decoding.loop import Generation, generate
 from orchestrator.cluster.metrics import GenerationMetrics, RestartMetrics
 from orchestrator.cluster.pipeline import ChainRelink, Pipeline, StageReport, StageRestart
@@ -279,7 +279,7 @@ def _generate_through(pipeline: Pipeline, settings: RunSettings, prepared, resta
     """Start the drafters beside the stages (with a speculator; a draft model
     shipped to their nodes first), generate, stop them, and report."""
     tokenizer, tokens, make_speculator = prepared
-    speculation = settings.speculation
+    speculation = exact_trees(settings.speculation, pipeline.inexact_tree_stages(), on_status)
     text = _Text(tokenizer, on_text)
     drafters: list[DrafterClient] = []
     drafting = None

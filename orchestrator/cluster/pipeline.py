@@ -354,6 +354,11 @@ class Pipeline:
         return self.chain.hop_seconds
 
     # -- reporting and shutdown ------------------------------------------
+    def inexact_tree_stages(self) -> list[int]:
+        """The stages whose token-tree side rows differ from their paths on
+        their machines (stages.tree_check): trees there could change the text."""
+        return [stage.stage_index for stage in self.stages if not stage.side_rows_exact]
+
     def reports(self) -> list[StageReport]:
         return [StageReport(stage.stage_index, stage.first_block, stage.end_block, stage.node_id, stage.host, *counts,
                             compute=stage.compute)

@@ -5,8 +5,8 @@ schedule and the draft policy's prices)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 from orchestrator.config import DRAFT_MAX
 from orchestrator.decoding.schedule import Schedule
@@ -34,7 +34,7 @@ class SpeculationError(ValueError):
 @dataclass(frozen=True)
 class SpeculationSettings:
     """speculator: none, ngram (prompt lookup) or model (draft_path, a whole GGUF model).
-    schedule: async (draft on idle machines, windows started ahead) or sync (draft, then verify).
+    schedule: async (draft while passes run, windows started ahead) or sync (draft, then verify).
     draft_max: most draft tokens per target pass; draft_p_min: a model draft stops
     below this probability; overlap: draft even while the machine's own stage
     runs (drafter actors only).
@@ -142,3 +142,16 @@ class Drafting:
     @property
     def drafter_first(self) -> Drafter:
         return self.first or self.drafters[0]
+
+
+def exact_trees(speculation: SpeculationSettings, inexact: list[int],
+                on_status: Callable[[str], None] | None) -> SpeculationSettings:
+    """Token trees where every stage computes their side rows exactly, else
+    chains (the text must stay the whole model's), said on the status line."""
+    if speculation.tree_leaves == 1 or not inexact:
+        return speculation
+    if on_status is not None:
+        stages = ", ".join(map(str, inexact))
+        on_status(f"[token trees off: a side row's output differs from its path's on the machine of stage "
+                  f"{stages} (llama.cpp's kernels there), so trees could change the text; drafting chains]")
+    return replace(speculation, tree_leaves=1)

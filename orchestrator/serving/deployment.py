@@ -36,7 +36,7 @@ from orchestrator.config import (
     SERVE_KV_MEMORY_SHARE,
     SERVE_MAX_SEQUENCES,
 )
-from orchestrator.decoding.drafting import SpeculationSettings
+from orchestrator.decoding.drafting import SpeculationSettings, exact_trees
 from orchestrator.decoding.prefix_cache import PREFIX_BLOCK
 from stages.errors import SpecpipeError
 from stages.settings import StageSettings
@@ -141,6 +141,7 @@ class Coordinator:
                                  on_restart=lambda restart: restart_metrics.record("stage", restart.stage_index))
         try:
             check_same_model(vocabulary_of(settings), self.pipeline.stage_files)
+            speculation = exact_trees(speculation, self.pipeline.inexact_tree_stages(), print)  # to the replica's log
             # the pass cost measured here at several widths (or under --cost-curve, the curve's): batching reads it
             pass_curve = self.pipeline.pass_curve(sequence=0)
             pass_seconds, batch_step = pass_curve.at(1), curve_step(pass_curve)

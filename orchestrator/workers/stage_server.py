@@ -49,6 +49,7 @@ from stages.backend import StageCompute
 from stages.cost_curve import CostCurveError, StageCurve
 from stages.engine import PassAborted, StageEngine, StageError
 from stages.settings import StageSettings
+from stages.tree_check import side_rows_exact
 
 if TYPE_CHECKING:
     from orchestrator.transport.tls import ChainCertificate
@@ -67,6 +68,8 @@ class StageDescription:
     cpus: the CPUs its process could run on when it started (orchestrator.cluster.stage_cpus pins it to some).
     compute: its llama.cpp backend, devices and offloaded layers.
     source_fingerprint: the whole model's its file was cut from ("" for a whole model).
+    side_rows_exact: a stage set up for token trees computes a side row as its
+    path on this machine (stages.tree_check); True where it holds no trees.
     """
 
     stage_index: int
@@ -81,6 +84,7 @@ class StageDescription:
     cpus: tuple[int, ...] = ()
     compute: StageCompute | None = None
     source_fingerprint: str = ""
+    side_rows_exact: bool = True
 
 
 class StageServer:
@@ -134,6 +138,7 @@ class StageServer:
             cpus=process_cpus(),
             compute=self.engine.compute,
             source_fingerprint=self.engine.source_fingerprint,
+            side_rows_exact=side_rows_exact(self.engine) if settings.tree_sequences else True,
         )
 
     def pin(self, cpus: tuple[int, ...] | None) -> None:

@@ -121,3 +121,30 @@ def test_tree_batches_are_checked(smollm2):
     finally:
         engine.close()
         plain.close()
+
+
+@pytest.mark.parametrize("tree_sequences", [1, 4])
+def test_each_stage_tells_whether_its_side_rows_are_exact_on_this_machine(splits, tree_sequences):
+    """stages.tree_check.side_rows_exact: on each stage of a split, what the
+    row-by-row comparison above finds on this CPU; the cache is left empty.
+    A side row's output one ulp off is seen (a planted difference)."""
+    from stages.tree_check import side_rows_exact
+
+    for path in splits[2]:
+        engine = StageEngine(path, StageSettings(n_ctx=64, tree_sequences=tree_sequences))
+        try:
+            assert side_rows_exact(engine) is GAPS_ROUND_ALIKE
+            assert engine.cached_positions() == 0
+            decode = engine.decode
+
+            def off_by_an_ulp(positions, parents=None, **inputs):
+                rows = decode(positions, parents=parents, **inputs)
+                if parents is not None:  # the side rows (after the main chain) one ulp off
+                    side = slice(main_chain_length(parents), None)
+                    rows[side] = np.nextafter(rows[side], np.inf)
+                return rows
+
+            engine.decode = off_by_an_ulp
+            assert side_rows_exact(engine) is False
+        finally:
+            engine.close()
