@@ -47,7 +47,8 @@ from pathlib import Path
 import click
 
 from benchmarks.side_by_side import draft_steps
-from benchmarks.suite import DRAFT_MAX, SCENARIO_DIR, load_scenario, prompts_of
+from benchmarks.scenarios import SCENARIO_DIR, load_scenario, prompts_of
+from orchestrator.config import DRAFT_MAX
 from orchestrator.cluster.connect import free_port
 
 LLAMA_VERSION = "0.3.36"

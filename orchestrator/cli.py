@@ -511,7 +511,8 @@ def bench(out_dir: Path, quick: bool, names: tuple[str, ...], folder: Path | Non
     import tempfile
 
     from benchmarks.report import write_results
-    from benchmarks.suite import SCENARIO_DIR, load_scenarios, run_scenario
+    from benchmarks.scenarios import SCENARIO_DIR, load_scenarios
+    from benchmarks.suite import run_scenario
     from orchestrator.cluster.connect import ray_session
 
     curve = _cost_curve(cost_curve)

@@ -32,7 +32,8 @@ FIGURES = ("tokens/s", "x plain", "x sync", "C", "least stage busy", "discarded 
 def across_rejections(repetitions: int, stages: int, curve: str | None, max_tokens: int) -> Report:
     """Async speculation across rejections beside sync and the plain pipeline."""
     from benchmarks.drafts import realistic_draft
-    from benchmarks.suite import SCENARIO_DIR, load_scenario, prompts_of, start_kinds
+    from benchmarks.scenarios import SCENARIO_DIR, load_scenario, prompts_of
+    from benchmarks.suite import start_kinds
     from orchestrator.cluster.connect import ray_session
     from orchestrator.cluster.drafters import draft_prices, speculator_factory, stop_drafters
     from orchestrator.cluster.pipeline import Pipeline

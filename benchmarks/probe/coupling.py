@@ -81,7 +81,7 @@ def draft_coupling(repetitions: int, max_tokens: int) -> Report:
     from pathlib import Path
 
     from benchmarks.drafts import realistic_draft
-    from benchmarks.suite import SCENARIO_DIR, load_scenario, prompts_of
+    from benchmarks.scenarios import SCENARIO_DIR, load_scenario, prompts_of
     from orchestrator.config import default_model_path
     from stages.engine import StageEngine
     from stages.settings import StageSettings

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.drafts import agreement
-from benchmarks.suite import SCENARIO_DIR, load_scenario, prompts_of
+from benchmarks.scenarios import SCENARIO_DIR, load_scenario, prompts_of
 from stages.requantize import RequantizeError, requantize
 from stages.tokenizer import Tokenizer
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from benchmarks.suite import ScenarioError, load_scenario, load_scenarios
+from benchmarks.scenarios import ScenarioError, load_scenario, load_scenarios
 from conftest import orchestrate
 
 # the modes of a quick bench, as in tests/ray/test_bench.py
