@@ -204,7 +204,7 @@ def test_ray_up_then_run_the_whole_model_then_ray_down(boxes, reference):
 
         run = boxes.ray("exec", str(cluster_file),
                         f"cd ~/specpipe && RAY_AUTH_MODE=token .venv/bin/orchestrate run --address {head}:6379 "
-                        f"--model {MODEL_ON_NODE} --prompt '{PROMPTS[0]}' --max-tokens {MAX_TOKENS} --json",
+                        f"--model {MODEL_ON_NODE} --raw --prompt '{PROMPTS[0]}' --max-tokens {MAX_TOKENS} --json",
                         timeout=900)
         report_line = last_line_starting(run.stdout, "{")
         assert run.returncode == 0 and report_line, f"orchestrate run failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
