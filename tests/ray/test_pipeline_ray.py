@@ -365,7 +365,7 @@ def test_strangers_at_every_port_neither_hijack_nor_block_the_run(ray_cluster, s
 
     forged = StageBatch(1, 0, np.arange(3, dtype=np.int32), np.array([2], np.int32), tokens=np.array([7, 7, 7], np.int32))
     intruders, ports = [], set()
-    wire_for_real, chain_for_real, connect_for_real = Pipeline._wire, chain_module.SocketChain.__init__, \
+    wire_for_real, chain_for_real, connect_for_real = Pipeline.new_chain, chain_module.SocketChain.__init__, \
         drafters_module.connect_peer
 
     def stage_strangers_first(self):
@@ -384,7 +384,7 @@ def test_strangers_at_every_port_neither_hijack_nor_block_the_run(ray_cluster, s
         ports.add((host, port))
         return connect_for_real(host, port, *arguments)
 
-    monkeypatch.setattr(Pipeline, "_wire", stage_strangers_first)
+    monkeypatch.setattr(Pipeline, "new_chain", stage_strangers_first)
     monkeypatch.setattr(chain_module.SocketChain, "__init__", coordinator_strangers_first)
     monkeypatch.setattr(drafters_module, "connect_peer", drafter_strangers_first)
     tokens = reference.tokenize(PROMPTS[0]) * 2
