@@ -11,277 +11,18 @@ each command imports what it uses.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import click
 
 from orchestrator import config
-from orchestrator.decoding.schedule import Schedule
-from speculators.model import DRAFT_DEVICES
+from orchestrator.cli_options import (COST_CURVE_OPTION, PipelineOptions, cost_curve_of, one_line_errors, parse_boundaries,
+                                      pipeline_options, progress_bar, speculation_options)
 from speculators.sampling import SamplingSettings
-from stages.errors import SpecpipeError
 from stages.settings import DEFAULT_CONTEXT
-
-
-def one_line_errors(command):
-    """Turn the errors a user can cause into one line and exit status 1."""
-
-    @functools.wraps(command)
-    def wrapper(*args, **kwargs):
-        try:
-            return command(*args, **kwargs)
-        except SpecpipeError as error:
-            click.echo(f"error: {error}", err=True)
-            sys.exit(1)
-        except KeyboardInterrupt:
-            click.echo("interrupted", err=True)
-            sys.exit(130)
-
-    return wrapper
-
-
-class ModelSource(click.ParamType):
-    """--model: an hf: source as given (orchestrator.sources.hub reads it), else an existing file."""
-
-    name = "PATH|hf:ORG/REPO[/FILE.gguf|:QUANT][@REVISION]"
-
-    def convert(self, value, param, ctx):
-        from orchestrator.sources.hub_reference import is_hub_source
-
-        if isinstance(value, str) and is_hub_source(value):
-            return value
-        return click.Path(exists=True, dir_okay=False, path_type=Path).convert(value, param, ctx)
-
-
-def _progress_bar(label: str):
-    """A progress callback (done, total) drawing a click progress bar on stderr."""
-    state: dict = {}
-
-    def update(done: int, total: int) -> None:
-        if "bar" not in state:
-            state["bar"] = click.progressbar(length=total, label=label, file=sys.stderr, show_pos=False)
-            state["bar"].__enter__()
-            state["done"] = 0
-        state["bar"].update(done - state["done"])
-        state["done"] = done
-        if done >= total:
-            state["bar"].__exit__(None, None, None)
-
-    return update
-
-
-def _parse_boundaries(text: str | None) -> list[int] | None:
-    if text is None:
-        return None
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{text!r} is not a comma-separated list of block indices") from None
-
-
-def _options(command, options):
-    """Apply click options given in the order they are listed in --help."""
-    for option in reversed(options):
-        command = option(command)
-    return command
-
-
-class GpuLayers(click.ParamType):
-    """--n-gpu-layers: a count of layers, or "all" (stages.settings.ALL_LAYERS)."""
-
-    name = "N|all"
-
-    def convert(self, value, param, ctx):
-        from stages.settings import ALL_LAYERS
-
-        if isinstance(value, int):
-            return value
-        if str(value).strip().lower() == "all":
-            return ALL_LAYERS
-        try:
-            count = int(value)
-        except ValueError:
-            count = -1
-        if count < 0:
-            self.fail(f"{value!r} is neither a number of layers (0 or more) nor 'all'", param, ctx)
-        return count
-
-
-@dataclass(frozen=True)
-class PipelineOptions:
-    """What ``run`` and ``serve`` share about the model and the pipeline (pipeline_options)."""
-
-    files: list[str]  # the stage files given ([]: the default model's, or --model)
-    whole_model: object  # orchestrator.cluster.model_files.WholeModelSettings, or None: the stage files
-    address: str | None
-    place: dict[int, str] | None
-    threads: int
-    n_gpu_layers: int
-    wire_dtype: str
-    max_restarts: int
-    tls: bool
-    cost_curve: object = None  # stages.cost_curve.CostCurve (--cost-curve, measurements only), or None
-
-    def stage_settings(self, n_ctx: int, **more):
-        """Every stage's llama.cpp settings, from these options and the command's own."""
-        from stages.settings import StageSettings
-
-        return StageSettings(n_ctx=n_ctx, threads=self.threads, n_gpu_layers=self.n_gpu_layers,
-                             cost_curve=self.cost_curve, **more)
-
-    def settings_fields(self) -> dict:
-        """The fields RunSettings and ServeSettings take from these options
-        (splitting the default model on first use: after every check of the options)."""
-        from orchestrator.config import default_stage_paths
-
-        stage_paths = self.files
-        if not stage_paths and self.whole_model is None:
-            stage_paths = default_stage_paths(progress=_progress_bar("splitting default model"))
-        return dict(stage_paths=stage_paths, whole_model=self.whole_model, address=self.address,
-                    place=self.place, wire_dtype=self.wire_dtype, max_restarts=self.max_restarts, tls=self.tls)
-
-
-COST_CURVE_OPTION = click.option(
-    "--cost-curve", metavar="CURVE",
-    help="For measurements: every stage pass lasts at least this curve's time for its width, emulating other "
-         "machines (SETUP.toml@MS, device-check.json or a curve file; docs/measurements.md). Tokens are unchanged.")
-
-
-def _cost_curve(spec: str | None):
-    """--cost-curve's CostCurve, or None."""
-    if spec is None:
-        return None
-    from orchestrator.planning.curves import load_cost_curve
-
-    return load_cost_curve(spec)
-
-
-def pipeline_options(what: str):
-    """FILES, --model-split, --model (and --stages, --boundaries, --profile),
-    --address, --place, --threads, --n-gpu-layers, --wire-dtype,
-    --max-restarts, --tls: written once for run and serve, passed to the
-    command as ``pipeline``, a PipelineOptions. ``what``: "runs" or "serves"."""
-
-    def decorate(command):
-        @functools.wraps(command)
-        @one_line_errors
-        def wrapper(*args, files, model_split, whole_model, stage_count, boundaries, profiles, address, place,
-                    threads, n_gpu_layers, wire_dtype, max_restarts, tls, cost_curve, **kwargs):
-            from orchestrator.cluster.placement import parse_place
-
-            if model_split and not files:
-                raise click.UsageError("--model-split needs the stage files, e.g. --model-split a.gguf b.gguf")
-            whole = _whole_model_settings(files, address, whole_model, stage_count, boundaries, profiles)
-            if whole is not None:
-                from orchestrator.cluster.model_files import with_source
-
-                whole = with_source(whole)  # an hf: source's header is read here, before anything is placed
-            pipeline = PipelineOptions([] if whole is not None else [str(path) for path in files], whole, address,
-                                       parse_place(place) if place else None, threads, n_gpu_layers, wire_dtype,
-                                       max_restarts, tls, _cost_curve(cost_curve))
-            return command(*args, pipeline=pipeline, **kwargs)
-
-        return _options(wrapper, [
-            click.argument("files", nargs=-1, type=click.Path(dir_okay=False, path_type=Path)),
-            click.option("--model-split", "model_split", is_flag=True,
-                         help=f"FILES are the stage files in order (one unsplit file {what} the whole model as one "
-                              "stage)."),
-            click.option("--model", "whole_model", type=ModelSource(),
-                         help="The whole model: a file on this machine, cut into stages and shipped to the nodes "
-                              "that run them, or hf:ORG/REPO/FILE.gguf, hf:ORG/REPO:QUANT (@REVISION), of which "
-                              "each node fetches only its stage (cached there; docs/cluster.md)."),
-            click.option("--stages", "stage_count", type=click.IntRange(1),
-                         help="With --model: how many stages (default: one per node of the cluster)."),
-            click.option("--boundaries", help="With --model: blocks where stages 2..n start (default: chosen for the "
-                                              "nodes' free memory and, with --profile, speed)."),
-            click.option("--profile", "profiles", multiple=True, metavar="ADDRESS=PROFILE.json",
-                         help="With --model: a node's `orchestrate profile`, for its speed (give one for every node)."),
-            click.option("--address", help="Ray cluster to use ('auto' honours RAY_ADDRESS); default: start a local "
-                                           "Ray."),
-            click.option("--place", help="Stage placement, e.g. '0=10.0.0.1,1=10.0.0.2' (node address or id)."),
-            click.option("--threads", default=1, show_default=True, type=click.IntRange(1, config.MAX_THREADS),
-                         help="Threads per stage."),
-            click.option("--n-gpu-layers", default="all", show_default=True, type=GpuLayers(),
-                         help="Layers of each stage on a GPU, where the node's llama.cpp build has one (make "
-                              "install BACKEND=cuda|metal|vulkan): a number, or all. A CPU build ignores it."),
-            click.option("--wire-dtype", type=click.Choice(["f32", "f16"]), default="f32", show_default=True,
-                         help="Activations between stages; f16 halves traffic but is LOSSY (output may differ from "
-                              "the whole model)."),
-            click.option("--max-restarts", default=config.MAX_RESTARTS, show_default=True,
-                         type=click.IntRange(0, 100),
-                         help="Restarts of each stage (and drafter) that dies; a restarted stage is rebuilt by replay."),
-            click.option("--tls", is_flag=True, help="Encrypt the chain between stages (TLS 1.3, a certificate made "
-                                                     "for this run); docs/security.md."),
-            COST_CURVE_OPTION,
-        ])
-
-    return decorate
-
-
-def speculation_options(overlap: bool):
-    """--speculator, --draft, --draft-max, --draft-p-min, --schedule,
-    --tree-leaves, --draft-sampling (and, with drafter actors, --draft-overlap): written once for
-    run and serve, passed to the command as ``speculation``, a SpeculationSettings."""
-
-    def decorate(command):
-        @functools.wraps(command)
-        def wrapper(*args, speculator, draft_path, draft_max, draft_p_min, schedule, tree_leaves, draft_device,
-                    draft_threads, drafter_nodes, draft_sampling, draft_overlap=False, **kwargs):
-            from orchestrator.decoding.drafting import SpeculationError, SpeculationSettings
-
-            try:
-                speculation = SpeculationSettings(speculator, draft_path, Schedule(schedule), draft_max, draft_p_min,
-                                                  draft_overlap, tree_leaves, draft_device, draft_threads,
-                                                  tuple(drafter_nodes), draft_sampling)
-            except SpeculationError as error:
-                raise click.UsageError(str(error)) from None
-            return command(*args, speculation=speculation, **kwargs)
-
-        options = [
-            click.option("--speculator", type=click.Choice(["none", "ngram", "model"]), default="none",
-                         show_default=True,
-                         help="Drafts for speculative decoding: prompt lookup (ngram) or a draft model (model, with "
-                              "--draft)."),
-            click.option("--draft", "draft_path", type=click.Path(dir_okay=False),
-                         help="Draft model (whole GGUF, same vocabulary): a file, or hf:ORG/REPO[:QUANT or /FILE] "
-                              "(fetched here once, then shipped to the drafters' nodes)."),
-            click.option("--draft-max", default=config.DRAFT_MAX, show_default=True, type=click.IntRange(1, 64),
-                         help="Most draft tokens per target pass."),
-            click.option("--draft-p-min", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0),
-                         help="A draft model stops drafting below this probability."),
-            click.option("--draft-device", type=click.Choice(DRAFT_DEVICES), default="auto",
-                         show_default=True,
-                         help="Where a draft model computes on its machine: cpu (its cores, beside a stage on the "
-                              "GPU), gpu, or auto (the GPU where the llama.cpp build has one)."),
-            click.option("--draft-threads", type=click.IntRange(1, 1024),
-                         help="A draft model's CPU threads (default: the stages' --threads)."),
-            click.option("--drafter-node", "drafter_nodes", multiple=True, metavar="NODE",
-                         help="A Ray node (address or id) that drafts in place of the machine of stage 0 (given "
-                              "again: of stage 1, ...), e.g. one that holds no stage. Repeatable."),
-            click.option("--schedule", type=click.Choice([Schedule.ASYNC.value, Schedule.SYNC.value]),
-                         default=Schedule.ASYNC.value, show_default=True,
-                         help="async: draft on machines while their stage is idle, and start windows ahead; sync: "
-                              "draft, then verify."),
-            click.option("--tree-leaves", default=1, show_default=True, type=click.IntRange(1, 64),
-                         help="Above 1: token trees of up to this many leaves, from prompt lookup (other matches' "
-                              "continuations) or the draft model (its most probable continuations, grown best-first); "
-                              "the rows that pay on the measured pass cost are verified in one pass. 1: chains."),
-            click.option("--draft-sampling", type=click.Choice(["coupled", "top"]), default="coupled",
-                         show_default=True,
-                         help="When sampling (--temperature > 0): coupled drafts draw with the target's seeded "
-                              "uniforms, top drafts are the draft's top choices. The text is the same either way."),
-        ]
-        if overlap:
-            options.append(click.option("--draft-overlap", is_flag=True,
-                                        help="Let drafters run while their own stage computes too."))
-        return _options(wrapper, options)
-
-    return decorate
 
 
 @click.group()
@@ -301,7 +42,7 @@ def split(model: Path, outputs: tuple[Path, ...], boundaries: str | None, only: 
     from stages.split import split_model
 
     plan = split_model(
-        model, list(outputs), _parse_boundaries(boundaries), progress=_progress_bar("splitting"), only=only
+        model, list(outputs), parse_boundaries(boundaries), progress=progress_bar("splitting"), only=only
     )
     for stage_index, (output, (first, end)) in enumerate(zip(outputs, plan.ranges)):
         if only is None or stage_index == only:
@@ -410,36 +151,6 @@ def _prompt_of(prompt: str | None, prompt_file: Path | None, chat: bool | None) 
     return (DEFAULT_PROMPT if prompt is None else prompt), chat
 
 
-def _whole_model_settings(files, address, whole_model, stage_count, boundaries, profiles):
-    """--model's settings (None: stage files given). One unsplit file on a
-    cluster is a whole model too, split over the nodes when there are several."""
-    from orchestrator.planning.loaders import read_profile
-    from orchestrator.cluster.model_files import WholeModelSettings
-    from stages.gguf_file import stage_info_of
-
-    if whole_model is None:
-        if stage_count is not None or boundaries is not None or profiles:
-            raise click.UsageError("--stages, --boundaries and --profile go with --model WHOLE.gguf")
-        if len(files) == 1 and address is not None and files[0].exists() and stage_info_of(str(files[0])) is None:
-            return WholeModelSettings(str(files[0]), stages=None, single_file=True)
-        return None
-    if files:
-        raise click.UsageError("give --model WHOLE.gguf or the stage files, not both")
-    if boundaries is not None and profiles:
-        raise click.UsageError("--boundaries fixes the split; --profile only helps choose one")
-    parsed = _parse_boundaries(boundaries)
-    if parsed is not None and stage_count is not None and len(parsed) != stage_count - 1:
-        raise click.UsageError(f"--stages {stage_count} needs {stage_count - 1} boundaries, got {len(parsed)}")
-    by_address = {}
-    for item in profiles:
-        address_part, separator, path = item.partition("=")
-        if not separator or not address_part or not path:
-            raise click.UsageError(f"--profile {item!r} is not ADDRESS=PROFILE.json")
-        by_address[address_part] = read_profile(path)
-    return WholeModelSettings(str(whole_model), stages=stage_count or (len(parsed) + 1 if parsed is not None else None),
-                              boundaries=parsed, profiles=by_address or None)
-
-
 @main.command()
 @pipeline_options("serves")
 @click.option("--host", default="127.0.0.1", show_default=True,
@@ -515,7 +226,7 @@ def bench(out_dir: Path, quick: bool, names: tuple[str, ...], folder: Path | Non
     from benchmarks.suite import run_scenario
     from orchestrator.cluster.connect import ray_session
 
-    curve = _cost_curve(cost_curve)
+    curve = cost_curve_of(cost_curve)
     if concurrencies and not serving:
         raise click.UsageError("--concurrency goes with --serve")
     if serving:
@@ -535,7 +246,7 @@ def bench(out_dir: Path, quick: bool, names: tuple[str, ...], folder: Path | Non
             click.echo(f"[{where}]", err=True)
         for scenario in scenarios:
             results["scenarios"].append(
-                run_scenario(scenario, Path(workdir), progress=_progress_bar(f"{scenario.name:14s}"), cost_curve=curve)
+                run_scenario(scenario, Path(workdir), progress=progress_bar(f"{scenario.name:14s}"), cost_curve=curve)
             )
     for path in write_results(results, out_dir):
         click.echo(str(path))
@@ -553,13 +264,13 @@ def _bench_serve(out_dir: Path, quick: bool, cost_curve: str | None, curve, conc
     from benchmarks.serve_bench import run_serve_bench, write_serve_results
     from orchestrator.config import default_model_path, default_stage_paths
 
-    stage_paths = default_stage_paths(progress=_progress_bar("splitting default model"))
+    stage_paths = default_stage_paths(progress=progress_bar("splitting default model"))
     shape = dict(concurrencies=(1, 2), repetitions=1, max_tokens=8) if quick else {}
     if concurrencies:
         shape["concurrencies"] = concurrencies
     with tempfile.TemporaryDirectory() as workdir:
         results = run_serve_bench(stage_paths, str(default_model_path()), workdir=Path(workdir),
-                                  progress=_progress_bar("serve bench"), cost_curve=cost_curve, **shape)
+                                  progress=progress_bar("serve bench"), cost_curve=cost_curve, **shape)
     results["command"] = "orchestrate bench " + " ".join(sys.argv[2:])
     results["cost_curve"] = {"spec": cost_curve, "name": curve.name} if curve else None
     for path in write_serve_results(results, out_dir):
@@ -593,7 +304,7 @@ def profile(stage_files, whole_path, draft_path, out_path, repetitions, threads)
 
     if stage_files and whole_path is None:
         raise click.UsageError("give --whole MODEL.gguf, the model the stage files were cut from")
-    paths = [str(path) for path in stage_files] or default_stage_paths(progress=_progress_bar("splitting default model"))
+    paths = [str(path) for path in stage_files] or default_stage_paths(progress=progress_bar("splitting default model"))
     if len(paths) < 2:
         raise click.UsageError("profile needs at least two stage files (to tell a block's time from the head's)")
     whole = str(whole_path or default_model_path())
@@ -601,7 +312,7 @@ def profile(stage_files, whole_path, draft_path, out_path, repetitions, threads)
     if first is None or first.source_fingerprint != read_model(whole).fingerprint:
         raise ModelFileError(f"{paths[0]} was not cut from {whole}; give the model the stage files came from with --whole")
     settings = ProfileSettings(paths, whole, draft_path, repetitions=repetitions, threads=threads)
-    result = profile_machine(settings, progress=_progress_bar("batch sizes"), status=lambda line: click.echo(line, err=True))
+    result = profile_machine(settings, progress=progress_bar("batch sizes"), status=lambda line: click.echo(line, err=True))
     write_whole(out_path, lambda path: path.write_text(json.dumps(result, indent=1) + "\n"))
     click.echo(
         f"{out_path}: one token {sum(stage['seconds'][0] for stage in result['stages']) * 1e3:.1f} ms over "
@@ -669,7 +380,7 @@ def plan(setup_file, profile_path, acceptance, first_acceptance, availability, c
     if cost_curve is not None:
         from orchestrator.planning.curves import under_curve
 
-        setup = under_curve(setup, _cost_curve(cost_curve), draft=setup_file is not None or drafter == "model")
+        setup = under_curve(setup, cost_curve_of(cost_curve), draft=setup_file is not None or drafter == "model")
     recommendation = recommend(setup)
     if as_json:
         click.echo(json.dumps(plan_json(setup, recommendation)))
@@ -693,7 +404,7 @@ def _plan_against_bench(profile_path: Path, bench_path: Path, as_json: bool, cos
     except (json.JSONDecodeError, KeyError, TypeError):
         raise click.ClickException(f"{bench_path}: not a results.json written by orchestrate bench") from None
     spec = cost_curve or (results.get("cost_curve") or {}).get("spec")
-    curve = _cost_curve(spec)
+    curve = cost_curve_of(spec)
     if curve is not None and not as_json:
         click.echo(f"emulated: {curve.name}")
     predictions = [prediction for scenario in scenarios
