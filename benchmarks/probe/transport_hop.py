@@ -44,7 +44,8 @@ import numpy as np
 from benchmarks.probe.harness import Report, probe, table
 from benchmarks.side_by_side import Outcome, Samples, side_by_side, spread
 from orchestrator.transport import tls, wire
-from orchestrator.transport.messages import Message, PassResult, ProtocolError, Shutdown, StageBatch
+from orchestrator.transport.fields import ProtocolError
+from orchestrator.transport.messages import Message, PassResult, Shutdown, StageBatch
 
 N_EMBD, N_VOCAB = 576, 49152  # SmolLM2-135M
 WARMUP_ROUND_TRIPS = 50

@@ -20,7 +20,7 @@ and shapes that must agree, before building a message: a violation is one
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 
@@ -29,103 +29,11 @@ from stages.settings import MAX_GRAMMAR_BYTES
 from speculators.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
 from speculators.sampling import SamplingSettings
 from speculators.tree import MAX_TREE_ROWS, TreeAsk
-from stages.tree_shape import TreeError, check_preorder
-from stages.errors import SpecpipeError
+from stages.tree_shape import TreeError
+from orchestrator.transport.fields import (ProtocolError, WireHeader, checked_array, flag, int32_array, int32_bytes, integer,
+                                            number, seconds_field, started_field, text_field, tree_field)
 
 MAX_BATCHED = 255  # StageBatch.more: the most batches one batched pass adds to the first (KV sequences are fewer)
-
-WireHeader = dict[str, Any]
-"""A message's msgpack header entries, without the ``kind`` and ``array`` entries of the frame."""
-
-
-class ProtocolError(SpecpipeError):
-    """A frame or message that breaks the protocol: the message names the field.
-    Nothing on the network is trusted: every received field is checked before use."""
-
-
-def _int32_bytes(array: np.ndarray | None) -> bytes | None:
-    """A small int32 array as header bytes (None stays None)."""
-    return None if array is None else np.ascontiguousarray(array, dtype=np.int32).tobytes()
-
-
-def _int32_array(header: WireHeader, name: str, *, optional: bool = False) -> np.ndarray | None:
-    """Header bytes back as a (read-only) int32 array (None stays None where optional)."""
-    data = header.get(name)
-    if data is None and optional:
-        return None
-    if not isinstance(data, bytes) or len(data) % 4:
-        raise ProtocolError(f"{name}: expected int32 bytes, got {type(data).__name__}"
-                            + (f" of {len(data)} bytes" if isinstance(data, bytes) else ""))
-    return np.frombuffer(data, dtype="<i4")
-
-
-def _tree(header: WireHeader, name: str, rows: int) -> np.ndarray | None:
-    """An optional int32[rows] of parents that must describe a tree in preorder."""
-    parents = _int32_array(header, name, optional=True)
-    if parents is None:
-        return None
-    if len(parents) != rows:
-        raise ProtocolError(f"{name}: {len(parents)} parents for {rows} rows")
-    try:
-        check_preorder(parents)
-    except TreeError as error:
-        raise ProtocolError(f"{name}: {error}") from None
-    return parents
-
-
-def _integer(header: WireHeader, name: str, low: int = 0) -> int:
-    value = header.get(name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ProtocolError(f"{name}: expected an integer >= {low}, got {value!r:.40}")
-    return value
-
-
-def _number(header: WireHeader, name: str, what: str = "seconds") -> float:
-    value = header.get(name)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) or value < 0:
-        raise ProtocolError(f"{name}: expected {what} (a finite number >= 0), got {value!r:.40}")
-    return float(value)
-
-
-def _text(header: WireHeader, name: str) -> str:
-    value = header.get(name)
-    if not isinstance(value, str):
-        raise ProtocolError(f"{name}: expected text, got {type(value).__name__}")
-    return value
-
-
-def _flag(header: WireHeader, name: str) -> bool:
-    value = header.get(name)
-    if not isinstance(value, bool):
-        raise ProtocolError(f"{name}: expected true or false, got {value!r:.40}")
-    return value
-
-
-def _seconds(header: WireHeader, name: str) -> tuple[float, ...]:
-    values = header.get(name)
-    if not isinstance(values, list) or len(values) > 4096:
-        raise ProtocolError(f"{name}: expected a list of seconds, got {type(values).__name__}")
-    return tuple(_number({name: value}, name) for value in values)
-
-
-def _started(header: WireHeader, seconds: tuple[float, ...]) -> tuple[float, ...]:
-    """The "started" times beside a message's stage seconds: none, or one per stage time."""
-    if header.get("started") is None:
-        return ()
-    started = _seconds(header, "started")
-    if started and len(started) != len(seconds):
-        raise ProtocolError(f"started: {len(started)} times for {len(seconds)} stage times")
-    return started
-
-
-def _array(array: np.ndarray | None, name: str, rank: int, dtypes: tuple[str, ...], optional: bool = False):
-    if array is None and optional:
-        return None
-    if array is None or array.ndim != rank or array.dtype.str not in dtypes:
-        described = "none" if array is None else f"{array.dtype.str}{list(array.shape)}"
-        raise ProtocolError(f"{name}: expected a rank-{rank} array of {'/'.join(dtypes)}, got {described}")
-    return array
-
 
 @dataclass(frozen=True)
 class TokenChoice:
@@ -159,31 +67,31 @@ class TokenChoice:
     generated: np.ndarray | None = None
 
     def to_wire(self) -> WireHeader:
-        return {"drafts": _int32_bytes(self.drafts), "first": self.first_position, "parents": _int32_bytes(self.parents),
+        return {"drafts": int32_bytes(self.drafts), "first": self.first_position, "parents": int32_bytes(self.parents),
                 "temperature": self.sampling.temperature, "top_p": self.sampling.top_p, "seed": self.sampling.seed,
-                "logprobs": self.top_logprobs, "grammar": self.grammar, "generated": _int32_bytes(self.generated)}
+                "logprobs": self.top_logprobs, "grammar": self.grammar, "generated": int32_bytes(self.generated)}
 
     @classmethod
     def from_wire(cls, header: WireHeader) -> TokenChoice:
         if not isinstance(header, dict):
             raise ProtocolError(f"choice: expected a map, got {type(header).__name__}")
-        drafts = _int32_array(header, "drafts")
-        top_logprobs = _integer(header, "logprobs", low=-1)
+        drafts = int32_array(header, "drafts")
+        top_logprobs = integer(header, "logprobs", low=-1)
         if top_logprobs > MAX_TOP_LOGPROBS:
             raise ProtocolError(f"logprobs: {top_logprobs} alternatives (at most {MAX_TOP_LOGPROBS})")
         grammar, generated = _grammar(header)
         return cls(drafts=drafts,  # type: ignore[arg-type]
-                   first_position=_integer(header, "first"),
+                   first_position=integer(header, "first"),
                    sampling=_sampling(header),
-                   parents=_tree(header, "parents", len(drafts) + 1),  # type: ignore[arg-type]
+                   parents=tree_field(header, "parents", len(drafts) + 1),  # type: ignore[arg-type]
                    top_logprobs=top_logprobs, grammar=grammar, generated=generated)
 
 
 def _sampling(header: WireHeader) -> SamplingSettings:
-    temperature, top_p = _number(header, "temperature", "a temperature"), _number(header, "top_p", "a share")
+    temperature, top_p = number(header, "temperature", "a temperature"), number(header, "top_p", "a share")
     if not 0.0 < top_p <= 1.0:
         raise ProtocolError(f"top_p: expected a number in (0, 1], got {top_p!r:.40}")
-    seed = _integer(header, "seed")
+    seed = integer(header, "seed")
     if seed >= 2**64:
         raise ProtocolError("seed: more than 64 bits")
     return SamplingSettings(temperature=temperature, top_p=top_p, seed=seed)
@@ -195,10 +103,10 @@ def _grammar(header: WireHeader) -> tuple[str | None, np.ndarray | None]:
         if header.get("generated") is not None:
             raise ProtocolError("generated: tokens without a grammar")
         return None, None
-    grammar = _text(header, "grammar")
+    grammar = text_field(header, "grammar")
     if len(grammar.encode()) > MAX_GRAMMAR_BYTES:
         raise ProtocolError(f"grammar: over {MAX_GRAMMAR_BYTES} bytes")
-    generated = _int32_array(header, "generated")
+    generated = int32_array(header, "generated")
     if len(generated) > MAX_GRAMMAR_TOKENS or (len(generated) and generated.min() < 0):  # type: ignore[arg-type]
         raise ProtocolError(f"generated: {len(generated)} tokens (at most {MAX_GRAMMAR_TOKENS}, none negative)")
     return grammar, generated
@@ -256,13 +164,13 @@ class StageBatch:
             "more": self.more,
             "source": self.source,
             "choice": None if self.choice is None else self.choice.to_wire(),
-            "parents": _int32_bytes(self.parents),
+            "parents": int32_bytes(self.parents),
             "pass": self.pass_id,
             "sequence": self.sequence,
             "keep": self.keep,
-            "positions": _int32_bytes(self.positions),
-            "rows": _int32_bytes(self.logit_rows),
-            "tokens": _int32_bytes(self.tokens),
+            "positions": int32_bytes(self.positions),
+            "rows": int32_bytes(self.logit_rows),
+            "tokens": int32_bytes(self.tokens),
             "seconds": list(self.stage_seconds),
             "started": list(self.stage_started),
         }
@@ -270,10 +178,10 @@ class StageBatch:
 
     @classmethod
     def from_wire(cls, header: WireHeader, array: np.ndarray | None) -> StageBatch:
-        positions = _int32_array(header, "positions")
-        rows = _int32_array(header, "rows")
-        tokens = _int32_array(header, "tokens", optional=True)
-        hidden = _array(array, "hidden", 2, ("<f4", "<f2"), optional=True)
+        positions = int32_array(header, "positions")
+        rows = int32_array(header, "rows")
+        tokens = int32_array(header, "tokens", optional=True)
+        hidden = checked_array(array, "hidden", 2, ("<f4", "<f2"), optional=True)
         count = len(positions)  # type: ignore[arg-type]
         if tokens is not None and len(tokens) != count:
             raise ProtocolError(f"tokens: {len(tokens)} for {count} positions")
@@ -288,17 +196,17 @@ class StageBatch:
         choice = None if header.get("choice") is None else TokenChoice.from_wire(header["choice"])
         if choice is not None and len(choice.drafts) + 1 != len(rows):  # type: ignore[arg-type]
             raise ProtocolError(f"choice: {len(choice.drafts)} drafts for {len(rows)} logit rows (need rows - 1)")
-        pass_id, sequence, keep = _integer(header, "pass"), _integer(header, "sequence"), _integer(header, "keep")
-        more = _integer(header, "more")
+        pass_id, sequence, keep = integer(header, "pass"), integer(header, "sequence"), integer(header, "keep")
+        more = integer(header, "more")
         if more > MAX_BATCHED:
             raise ProtocolError(f"more: {more} batches to follow (at most {MAX_BATCHED})")
-        parents = _tree(header, "parents", count)
+        parents = tree_field(header, "parents", count)
         if more and (parents is not None or not count):
             raise ProtocolError("more: a batched pass carries chains of tokens, not a tree or a release")
-        source = None if header.get("source") is None else _integer(header, "source")
+        source = None if header.get("source") is None else integer(header, "source")
         if source is not None and (count or more):
             raise ProtocolError("source: a copy carries no tokens and is not batched")
-        seconds = _seconds(header, "seconds")
+        seconds = seconds_field(header, "seconds")
         return cls(
             pass_id=pass_id,
             sequence=sequence,
@@ -312,7 +220,7 @@ class StageBatch:
             parents=parents,
             more=more,
             source=source,
-            stage_started=_started(header, seconds),
+            stage_started=started_field(header, seconds),
         )
 
 
@@ -343,25 +251,25 @@ class PassResult:
     stage_started: tuple[float, ...] = ()
 
     def to_wire(self) -> tuple[WireHeader, np.ndarray | None]:
-        header = {"pass": self.pass_id, "seconds": list(self.stage_seconds), "tokens": _int32_bytes(self.tokens),
+        header = {"pass": self.pass_id, "seconds": list(self.stage_seconds), "tokens": int32_bytes(self.tokens),
                   "started": list(self.stage_started)}
         if self.logprobs is not None:
             header["logprobs"] = {"chosen": self.logprobs.logprobs.astype("<f4").tobytes(),
                                   "top": self.logprobs.top_tokens.shape[1],
-                                  "top_tokens": _int32_bytes(self.logprobs.top_tokens),
+                                  "top_tokens": int32_bytes(self.logprobs.top_tokens),
                                   "top_logprobs": self.logprobs.top_logprobs.astype("<f4").tobytes()}
         return header, self.logits
 
     @classmethod
     def from_wire(cls, header: WireHeader, array: np.ndarray | None) -> PassResult:
-        logits = _array(array, "logits", 2, ("<f4",), optional=True)
-        tokens = _int32_array(header, "tokens", optional=True)
+        logits = checked_array(array, "logits", 2, ("<f4",), optional=True)
+        tokens = int32_array(header, "tokens", optional=True)
         if (logits is None) == (tokens is None):
             raise ProtocolError("a result carries exactly one of logits and tokens")
         logprobs = None if header.get("logprobs") is None else _logprobs(header["logprobs"], tokens)
-        seconds = _seconds(header, "seconds")
-        return cls(pass_id=_integer(header, "pass"), logits=logits, stage_seconds=seconds,
-                   tokens=tokens, logprobs=logprobs, stage_started=_started(header, seconds))
+        seconds = seconds_field(header, "seconds")
+        return cls(pass_id=integer(header, "pass"), logits=logits, stage_seconds=seconds,
+                   tokens=tokens, logprobs=logprobs, stage_started=started_field(header, seconds))
 
 
 def _float32_array(header: WireHeader, name: str) -> np.ndarray:
@@ -375,10 +283,10 @@ def _logprobs(header: WireHeader, tokens: np.ndarray | None) -> TokenLogprobs:
     """A result's logprobs map, checked against its tokens."""
     if not isinstance(header, dict) or tokens is None:
         raise ProtocolError("logprobs: expected a map beside chosen tokens")
-    top = _integer(header, "top")
+    top = integer(header, "top")
     if top > MAX_TOP_LOGPROBS:
         raise ProtocolError(f"logprobs: {top} alternatives (at most {MAX_TOP_LOGPROBS})")
-    chosen, top_tokens = _float32_array(header, "chosen"), _int32_array(header, "top_tokens")
+    chosen, top_tokens = _float32_array(header, "chosen"), int32_array(header, "top_tokens")
     top_logprobs = _float32_array(header, "top_logprobs")
     if len(chosen) != len(tokens) or len(top_tokens) != len(tokens) * top or len(top_logprobs) != len(top_tokens):
         raise ProtocolError(f"logprobs: {len(chosen)}, {len(top_tokens)} and {len(top_logprobs)} entries for "
@@ -405,8 +313,8 @@ class StageFailure:
 
     @classmethod
     def from_wire(cls, header: WireHeader, array: np.ndarray | None) -> StageFailure:
-        return cls(pass_id=_integer(header, "pass"), stage_index=_integer(header, "stage"),
-                   message=_text(header, "message")[:2000])
+        return cls(pass_id=integer(header, "pass"), stage_index=integer(header, "stage"),
+                   message=text_field(header, "message")[:2000])
 
 
 @dataclass(frozen=True)
@@ -438,7 +346,7 @@ class Cancel:
 
     @classmethod
     def from_wire(cls, header: WireHeader, array: np.ndarray | None) -> Cancel:
-        return cls(pass_id=_integer(header, "pass", low=1))
+        return cls(pass_id=integer(header, "pass", low=1))
 
 
 @dataclass(frozen=True)
@@ -465,9 +373,9 @@ class Cancelled:
 
     @classmethod
     def from_wire(cls, header: WireHeader, array: np.ndarray | None) -> Cancelled:
-        seconds = _seconds(header, "seconds")
-        return cls(pass_id=_integer(header, "pass"), stage_index=_integer(header, "stage"),
-                   stage_seconds=seconds, stage_started=_started(header, seconds))
+        seconds = seconds_field(header, "seconds")
+        return cls(pass_id=integer(header, "pass"), stage_index=integer(header, "stage"),
+                   stage_seconds=seconds, stage_started=started_field(header, seconds))
 
 
 @dataclass(frozen=True)
@@ -511,12 +419,12 @@ class SpeculateFrom:
         tree = None
         if "rows" in header:
             try:
-                tree = TreeAsk(_integer(header, "rows"), _integer(header, "leaves"),
-                               _number(header, "acceptance", "a share"))
+                tree = TreeAsk(integer(header, "rows"), integer(header, "leaves"),
+                               number(header, "acceptance", "a share"))
             except TreeError as error:
                 raise ProtocolError(str(error)) from None
-        return cls(epoch=_integer(header, "epoch"), context=_array(array, "context", 1, ("<i4",)),
-                   most=_integer(header, "most"), sequence=_sequence(header), tree=tree,
+        return cls(epoch=integer(header, "epoch"), context=checked_array(array, "context", 1, ("<i4",)),
+                   most=integer(header, "most"), sequence=_sequence(header), tree=tree,
                    sampling=_sampling(header) if "temperature" in header else None)
 
 
@@ -526,7 +434,7 @@ def _sequence_field(sequence: int) -> WireHeader:
 
 
 def _sequence(header: WireHeader) -> int:
-    return _integer(header, "sequence") if "sequence" in header else 0
+    return integer(header, "sequence") if "sequence" in header else 0
 
 
 @dataclass(frozen=True)
@@ -548,7 +456,7 @@ class CollectDraft:
 
     @classmethod
     def from_wire(cls, header: WireHeader, array: np.ndarray | None) -> CollectDraft:
-        return cls(epoch=_integer(header, "epoch"), wait=_flag(header, "wait"), sequence=_sequence(header))
+        return cls(epoch=integer(header, "epoch"), wait=flag(header, "wait"), sequence=_sequence(header))
 
 
 @dataclass(frozen=True)
@@ -575,28 +483,28 @@ class DraftReply:
     ranks: np.ndarray | None = None
 
     def to_wire(self) -> tuple[WireHeader, np.ndarray | None]:
-        header = {"epoch": self.epoch, "tokens": _int32_bytes(self.tokens), "busy": self.busy_seconds, "error": self.error,
+        header = {"epoch": self.epoch, "tokens": int32_bytes(self.tokens), "busy": self.busy_seconds, "error": self.error,
                   **_sequence_field(self.sequence)}
         if self.parents is not None:
-            header.update(parents=_int32_bytes(self.parents), ranks=_int32_bytes(self.ranks))
+            header.update(parents=int32_bytes(self.parents), ranks=int32_bytes(self.ranks))
         return header, None
 
     @classmethod
     def from_wire(cls, header: WireHeader, array: np.ndarray | None) -> DraftReply:
-        tokens = _int32_array(header, "tokens")
+        tokens = int32_array(header, "tokens")
         if len(tokens) > MAX_TREE_ROWS:  # type: ignore[arg-type]
             raise ProtocolError(f"tokens: {len(tokens)} draft rows (at most {MAX_TREE_ROWS})")  # type: ignore[arg-type]
-        parents = _tree(header, "parents", len(tokens) + 1)  # type: ignore[arg-type]
+        parents = tree_field(header, "parents", len(tokens) + 1)  # type: ignore[arg-type]
         ranks = None
         if parents is not None:
-            ranks = _int32_array(header, "ranks")
+            ranks = int32_array(header, "ranks")
             if len(ranks) != len(parents) or int(ranks[0]) != 0 or (len(ranks) > 1 and int(ranks[1:].min()) < 1):
                 raise ProtocolError("ranks: one per row, 0 for the root and at least 1 for the others")
         return cls(
-            epoch=_integer(header, "epoch"),
+            epoch=integer(header, "epoch"),
             tokens=tokens,  # type: ignore[arg-type]
-            busy_seconds=_number(header, "busy"),
-            error=_text(header, "error")[:2000],
+            busy_seconds=number(header, "busy"),
+            error=text_field(header, "error")[:2000],
             sequence=_sequence(header),
             parents=parents,
             ranks=ranks,

@@ -28,7 +28,8 @@ import struct
 import msgpack
 import numpy as np
 
-from orchestrator.transport.messages import MESSAGE_TYPES, Message, ProtocolError
+from orchestrator.transport.fields import ProtocolError
+from orchestrator.transport.messages import MESSAGE_TYPES, Message
 
 _LENGTH = struct.Struct("!I")
 

@@ -8,7 +8,8 @@ from fakes import truth_target
 from orchestrator.decoding.drafting import Drafting
 from orchestrator.decoding.loop import generate
 from orchestrator.decoding.targets import InstantDrafter
-from orchestrator.transport.messages import ProtocolError, StageBatch, TokenChoice
+from orchestrator.transport.fields import ProtocolError
+from orchestrator.transport.messages import StageBatch, TokenChoice
 from orchestrator.decoding.schedule import Schedule
 from orchestrator.decoding.windows import Window
 from speculators.prompt_lookup import PromptLookupSpeculator

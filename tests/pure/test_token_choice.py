@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from orchestrator.transport.chain import result_problem
-from orchestrator.transport.messages import PassResult, ProtocolError, StageBatch, TokenChoice
+from orchestrator.transport.fields import ProtocolError
+from orchestrator.transport.messages import PassResult, StageBatch, TokenChoice
 from orchestrator.transport.ledger import PassRecord
 from speculators.sampling import SamplingSettings
 
