@@ -1,53 +1,39 @@
 """A discrete-event simulation of the coordinator's decoding loop.
 
-It turns the real decoding loop (orchestrator.decoding.loop), whose decisions
-are those of orchestrator.decoding.schedule, against simulated stages and
-drafters: the same
-windows, the same drafting before a pass, the same async drafting while a
-pass runs, the same windows started ahead (at a turn; across rejections
-where passes are flat),
-the same discarding of a window started on a failed speculation, the same
-cancelling of it, the same draft policy; only time is virtual. It comes from a cost model
-(``PipelineCosts``); no formula for tokens/s is assumed anywhere: throughput
-is what the simulated clock shows. Several sequences may be decoded at once
-(``simulate_many``), their windows sharing passes, as in generate_many.
+It turns the real decoding loop (orchestrator.decoding.loop, whose decisions
+are orchestrator.decoding.schedule's) against simulated stages and drafters:
+the same windows, drafting, windows started ahead, discards, cancels and
+draft policy; only time is virtual, from a cost model (``PipelineCosts``).
+No formula for tokens/s is assumed: throughput is what the simulated clock
+shows. Several sequences may share passes (``simulate_many``).
 
 Resources and their timelines:
 
 * each stage runs one pass at a time, in submission order, on a free core of
   its machine (stages sharing a machine with fewer cores wait for one);
-* a hop carries a pass from the coordinator to stage 0 (hop 0), from stage
-  i - 1 to stage i (hop i), and the result from the last stage back (hop n);
-* the coordinator does its own work after each result (verification,
-  bookkeeping) and waits on results as the real loop does;
+* hop 0 carries a pass to stage 0, hop i from stage i - 1 to stage i, hop n
+  the result back; the coordinator then does its own work;
 * a cancelled pass (``Scheduler.invalid_passes``) reaches every stage at
-  once (the cancel's hop is not costed): a stage that has not started it
-  skips it, the one running it stops there, and the cancellation travels the
-  rest of the chain at the hops' one-token cost. Only the pass last
-  submitted is cancelled so; one with passes after it runs in full (a
-  single sequence never has any: it submits nothing while a window of it is
-  invalid);
-* one drafter per machine drafts from when it is told to speculate until it
-  is collected, one token per ``draft_seconds``, stopping by itself (with
-  probability ``1 - availability`` before its first token from the committed
-  text, ``1 - continuation`` after each token) and after ``chain_reach(draft_max)``.
+  once: a stage that has not started it skips it, the one running it stops,
+  and the cancellation travels on at the hops' one-token cost. Only the
+  pass last submitted is cancelled so; one with passes after it runs in full;
+* one drafter per machine drafts from ``speculate`` until collected, one
+  token per ``draft_seconds``, stopping by itself (with probability
+  ``1 - availability`` before its first token from the committed text,
+  ``1 - continuation`` after each) and after ``chain_reach(draft_max)``.
 
-Which drafts are proposed and right comes from the workload: drawn at random
-from rates (``DraftBehaviour``: each draft token is right with probability
-``acceptance`` when every token before it is right, the first one drafted
-from the committed text with ``first_acceptance``; a token drafted after a
-wrong one is wrong), or replayed from a real output (``DraftTrace``).
-tests/pure/test_planning.py checks that on traces it makes the same passes,
-drafts, acceptances and discards as generate() itself. Pure Python, no Ray,
-no llama.cpp.
+Which drafts are right comes from the workload: rates (``DraftBehaviour``:
+each draft token right with probability ``acceptance`` while every token
+before it is, the first from the committed text with ``first_acceptance``),
+or a real output replayed (``DraftTrace``; tests/pure/test_planning.py
+checks it makes the same passes, drafts and discards as generate()). Pure
+Python, no Ray, no llama.cpp.
 
-Token trees (``Mode.tree_leaves`` > 1) are simulated from a trace that
-records prompt lookup's other candidates at each position (``DraftTrace.forks``):
-the drafter beside stage 0 builds its tree with speculators.tree.lookup_tree
-over the simulated text, the schedule chooses the rows that pay, and the
-target walks the tree. Known approximation: where the right token is among
-the other candidates, the candidates ranked after it are not counted (the
-trace keeps one character a position); off the true text, no fork is offered.
+Token trees (``Mode.tree_leaves`` > 1) come from a trace that records prompt
+lookup's other candidates at each position (``DraftTrace.forks``), built
+with speculators.tree.lookup_tree. Approximation: where the right token is
+among the other candidates, those ranked after it are not counted; off the
+true text, no fork is offered.
 """
 
 from __future__ import annotations
@@ -570,7 +556,7 @@ def simulate_many(costs: PipelineCosts, mode: Mode, workloads: list[DraftOutcome
     step = pass_step(costs) if mode.step is None else mode.step
     prices = DraftPrices(awaited=wait_cost(costs)) if mode.draft_prices is None else mode.draft_prices
     ends = [workload.end for workload in workloads]
-    loop = DecodingLoop(target, _is_end, choose=lambda reply, window, rows: _target_tokens(window, ends[window.sequence]))
+    loop = DecodingLoop(target, lambda token: token == _END, choose=lambda reply, window, rows: _target_tokens(window, ends[window.sequence]))
     keepers = []
     for index, workload in enumerate(workloads):
         tree_leaves = mode.tree_leaves if mode.tree_leaves > 1 and getattr(workload, "forks", ()) else 1
@@ -594,9 +580,6 @@ def simulate_many(costs: PipelineCosts, mode: Mode, workloads: list[DraftOutcome
         for state, keeper in zip((decoding.state for decoding in loop.decodings.values()), keepers)
     ]
 
-
-def _is_end(token: int) -> bool:
-    return token == _END
 
 def predict(costs: PipelineCosts, mode: Mode, behaviour: DraftOutcomes, max_tokens: int, runs: int = 32) -> Prediction:
     """Medians over ``runs`` simulated generations with different random draws."""
