@@ -25,16 +25,14 @@ the stage; every frame is checked and every read has a deadline::
 A frame is ``u32 length | msgpack map``. The receiver appends to
 ``<file>.partial`` and renames it to ``<file>`` only once the SHA-256 of all
 of it (the part held before, read back, and the part received) equals the
-sender's (computed over the source as it is read: the prefix a resumed
-transfer skips is read and hashed, not sent). A refused file is deleted and
-the driver starts it again from zero, once. An interrupted transfer leaves
-the ``.partial`` for the next run to resume; a lock file keeps two transfers
-of one file apart. A socket may stay silent for TRANSFER_IDLE_SECONDS, but
-before the first bytes of a resumed transfer both sides read the prefix the
-node holds, so those may take longer (``resume_wait_seconds``).
-
-Plain classes (``StageReceiver``, ``send_stage``) do the work; the Ray actor
-(``_receiver_actor_class``) and ``ship_stages`` are the shell.
+sender's (computed over the source as it is read: a resumed transfer's
+prefix is read and hashed, not sent). A refused file is deleted and sent
+again from zero, once. An interrupted transfer leaves the ``.partial`` to
+resume; a lock file keeps two transfers of one file apart. A socket may stay
+silent TRANSFER_IDLE_SECONDS, longer before a resumed transfer's first bytes
+(both sides read the held prefix first: ``resume_wait_seconds``). Plain
+classes (``StageReceiver``, ``send_stage``) do the work; the Ray actor
+(``_receiver_actor_class``) and ``ship_whole_model`` are the shell.
 """
 
 from __future__ import annotations
@@ -60,7 +58,7 @@ from orchestrator.transport.handshake import accept_peer, connect_peer
 from orchestrator.planning.cluster_split import NodeMemory
 from stages.errors import SpecpipeError
 from stages.gguf_file import ModelFile
-from stages.stage_image import CHUNK_BYTES, StageImage
+from stages.stage_image import CHUNK_BYTES, StageImage, write_atomically
 
 if TYPE_CHECKING:
     from orchestrator.transport.tls import ChainCertificate
@@ -573,8 +571,6 @@ def write_vocabulary_file(header: bytes) -> str:
     """A model's metadata (stages.stage_image.vocabulary_image) as a file in
     this machine's cache, named by its digest: what the coordinator's
     tokenizer loads."""
-    from stages.stage_image import StageImage, write_atomically
-
     path = cache_dir() / "vocabularies" / f"{hashlib.sha256(header).hexdigest()[:32]}.gguf"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
