@@ -66,7 +66,11 @@ class SpeculatorReport:
 
     def trouble(self) -> str:
         """What went wrong with it, for the summary line ("" if nothing)."""
-        parts = [f"lost: {self.lost}"] * bool(self.lost) + [f"failed: {self.error}"] * bool(self.error)
+        parts = []
+        if self.lost:
+            parts.append(f"lost: {self.lost}")
+        if self.error:
+            parts.append(f"failed: {self.error}")
         return f"drafter {self.index} {'; '.join(parts)}" if parts else ""
 
 

@@ -30,11 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from orchestrator.decoding.schedule import SequenceState, prompt_chunk
-
 from orchestrator.decoding.scheduler import Batching, Scheduler
-
 from orchestrator.decoding.stats import SpeculationStats
-
 from orchestrator.decoding.windows import Window
 from orchestrator.decoding.drafting import Drafting
 from orchestrator.decoding.targets import Target, committed_logprobs, committed_tokens
