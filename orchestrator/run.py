@@ -186,7 +186,7 @@ def prompt_tokens(tokenizer: Tokenizer, prompt: str, chat: bool | None) -> list[
 
 def make_drafting(kind: str, drafters: list, schedule: Schedule, draft_max: int, make_speculator,
                   step: float = PRIOR_STEP, tree_leaves: int = 1, draft_prices: DraftPrices = DraftPrices(),
-                  pass_curve: BatchCurve | None = None, coupled: bool = True) -> Drafting:
+                  pass_curve: BatchCurve | None = None, coupled: bool = True, corrections: bool = True) -> Drafting:
     """The Drafting of a run: prompt lookup is asked before a window in this
     process (no round trip; the actors beside the stages still draft while
     async passes run), a draft model beside stage 0. step: Pipeline.draft_step's.
@@ -194,14 +194,17 @@ def make_drafting(kind: str, drafters: list, schedule: Schedule, draft_max: int,
     draft model's tree grown beside stage 0); pass_curve: the pass timed at
     every width the trees may take (Pipeline.pass_curve), for their rule.
     draft_prices: a draft model's (cluster.drafters.draft_prices).
-    coupled: drafters sample with the target's uniforms (--draft-sampling)."""
+    coupled: drafters sample with the target's uniforms (--draft-sampling).
+    corrections: an async draft model's drafter also drafts corrections
+    while a pass runs (Drafting.corrects; False: the chain alone, the bench's comparison)."""
     from orchestrator.decoding.targets import InstantDrafter
 
     if kind == "ngram":
         return Drafting(drafters, schedule, draft_max, first=InstantDrafter(make_speculator(), draft_max),
                         call_cost=ask_cost(kind), step=step, tree_leaves=tree_leaves, pass_curve=pass_curve)
     return Drafting(drafters, schedule, draft_max, call_cost=ask_cost(kind), step=step, tree_leaves=tree_leaves,
-                    draft_prices=draft_prices, pass_curve=pass_curve, coupled=coupled)
+                    draft_prices=draft_prices, pass_curve=pass_curve, coupled=coupled,
+                    corrects=corrections and kind == "model" and schedule.asynchronous)
 
 
 def run_generation(

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from speculators.model_tree import TreeGrowth
+from speculators.corrections import CORRECTION_RANKS
+from speculators.model_tree import TreeGrowth, children_of
 from speculators.sampling import SamplingSettings, choose_token
 from speculators.tree import DraftTree
 
@@ -96,6 +97,8 @@ class ModelSpeculator:
         self.p_min = p_min
         self.step_seconds = step_seconds
         self.cached: list[int] = []  # tokens at positions 0..len-1 of the draft's KV sequence
+        # position -> the draft's next best tokens there, for each token it drafted (corrections.py forks on them)
+        self.runners_up: dict[int, list[int]] = {}
 
     def extend(self, context: Sequence[int], sampling: SamplingSettings | None = None) -> int | None:
         """The next draft token: the draft's argmax, or with ``sampling`` (not
@@ -110,6 +113,8 @@ class ModelSpeculator:
                 token = None
         if token is not None and sampling is not None and not sampling.greedy:
             token = choose_token(logits, len(context), sampling)
+        if token is not None:
+            self.note_runner_up(len(context), token, logits, sampling)
         rest = self.step_seconds - (time.perf_counter() - started)
         if rest > 0:
             time.sleep(rest)
@@ -138,12 +143,18 @@ class ModelSpeculator:
         self.cached = [*context, *growth.main_tokens()]
         return growth.tree(rows, leaves)
 
+    def note_runner_up(self, position: int, token: int, logits: np.ndarray, sampling: SamplingSettings | None) -> None:
+        """Keep the draft's CORRECTION_RANKS most probable tokens other than
+        ``token`` (what it drafted at ``position``): where the target rejects
+        the draft there, its own token is often one of them (speculators.corrections)."""
+        others = [other for other, _ in children_of(logits, position, sampling, top_k=CORRECTION_RANKS + 1)
+                  if other != token]
+        self.runners_up[position] = others[:CORRECTION_RANKS]
+
     def _context_logits(self, context: Sequence[int]) -> np.ndarray:
         """The draft's logits after ``context``: its cache rolled back to the
         common prefix, the rest decoded."""
-        keep = min(common_prefix_length(self.cached, context), len(context) - 1)  # always decode the last token
-        self.engine.remove(keep, self.sequence)
-        del self.cached[keep:]
+        keep = self.roll_back(context)
         batch = self.engine.settings.n_batch
         logits = None
         for first in range(keep, len(context), batch):
@@ -152,3 +163,13 @@ class ModelSpeculator:
             logits = self.engine.decode(positions, tokens=chunk, sequence=self.sequence)[-1]
         self.cached = list(context)
         return logits
+
+    def roll_back(self, context: Sequence[int]) -> int:
+        """Drop the cached cells after the prefix ``context`` shares with them
+        (always leaving its last token to decode), and every tree branch;
+        the runners-up drafted after that prefix go too. Returns the cells kept."""
+        keep = min(common_prefix_length(self.cached, context), len(context) - 1)
+        self.engine.remove(keep, self.sequence)
+        del self.cached[keep:]
+        self.runners_up = {position: token for position, token in self.runners_up.items() if position <= keep}
+        return keep

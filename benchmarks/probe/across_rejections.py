@@ -7,7 +7,9 @@ figure is emulated) or none, through 2 or more stages.
 Figures per repetition (both chat prompts): tokens/s of the generation
 phase, its ratio to the plain pipeline and to sync, the tokens a verified
 pass committed (C), and each stage's compute over the wall time (the least
-of the stages) with the share of it on discarded passes.
+of the stages) with the share of it on discarded passes. ``async`` drafts
+corrections while a pass runs (speculators.corrections), ``async-chain``
+only the chain; "corrected" is the share of rejections a correction covered.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ import click
 from benchmarks.probe.harness import Report, probe, table
 from benchmarks.side_by_side import Outcome, Samples, draft_steps, side_by_side
 
-MODES = ["plain", "sync", "async"]
-FIGURES = ("tokens/s", "x plain", "x sync", "C", "least stage busy", "discarded share")
+MODES = ["plain", "sync", "async-chain", "async"]
+FIGURES = ("tokens/s", "x plain", "x sync", "C", "least stage busy", "discarded share", "corrected")
 
 
 @probe("across-rejections", repetitions=3)
@@ -68,7 +70,8 @@ def across_rejections(repetitions: int, stages: int, curve: str | None, max_toke
                 def run(mode: str, repetition: int) -> Outcome:
                     schedule = {"plain": None, "sync": Schedule.SYNC}.get(mode, Schedule.ASYNC)
                     drafting = None if schedule is None else make_drafting(
-                        "model", drafters, schedule, DRAFT_MAX, make, steps[schedule is Schedule.ASYNC], 1, prices)
+                        "model", drafters, schedule, DRAFT_MAX, make, steps[schedule is Schedule.ASYNC], 1, prices,
+                        corrections=mode == "async")
                     pipeline.pin_stages(overlapping=schedule is Schedule.ASYNC)
                     results = [generate(pipeline, prompt, max_tokens, SamplingSettings(), tokenizer.is_end,
                                         drafting=drafting) for prompt in prompts]
@@ -82,7 +85,9 @@ def across_rejections(repetitions: int, stages: int, curve: str | None, max_toke
                     windows = sum(sum(stats.accepted_lengths.values()) for stats in verified)
                     committed = sum(sum(length * count for length, count in stats.accepted_lengths.items())
                                     for stats in verified)
+                    rejected = sum(stats.rejected_passes for stats in verified)
                     return Outcome({"tokens/s": rate, "C": committed / windows if windows else 1.0,
+                                    "corrected": sum(stats.corrected_windows for stats in verified) / max(1, rejected),
                                     "least stage busy": min(busy),
                                     "discarded share": discarded / sum(sum(result.stage_seconds) for result in results)},
                                    [result.tokens for result in results])

@@ -40,6 +40,7 @@ from speculators import Speculator
 from speculators.draft_length import DraftPrices
 from orchestrator.transport.messages import CollectDraft, DraftReply, Shutdown, SpeculateFrom
 from speculators.sampling import SamplingSettings
+from speculators.corrections import CORRECTION_RANKS, Corrections
 from speculators.tree import MAX_TREE_ROWS, DraftTree, TreeAsk
 from stages.tree_shape import depths
 
@@ -149,6 +150,8 @@ class DrafterClient:
         self._speculating: set[int] = set()  # KV sequences asked to draft and not collected since
         self._asked: set[int] = set()  # KV sequences whose collect was sent (ask) and not yet read
         self._trees: dict[int, tuple[TreeAsk | None, int]] = {}  # by KV sequence: its latest request's tree, root
+        self._forks: dict[int, tuple[int, int] | None] = {}  # by KV sequence: its latest request's forks
+        self._corrections: dict[int, Corrections] = {}  # by KV sequence: its last reply's corrections
         self._busy_earlier = 0.0  # drafting seconds of the drafters this one replaced
         self.busy_seconds = 0.0
         self.last_error = ""
@@ -224,18 +227,21 @@ class DrafterClient:
         return SequenceDrafter(self, sequence)
 
     def speculate(self, context: list[int], most: int | None = None, sequence: int = 0, *,
-                  sampling: SamplingSettings | None = None, tree: TreeAsk | None = None) -> None:
+                  sampling: SamplingSettings | None = None, tree: TreeAsk | None = None,
+                  forks: tuple[int, int] | None = None) -> None:
         """Ask the drafter to extend context (committed text + speculation) from
         now on, by at most ``most`` tokens (None: up to draft_max), in KV
-        sequence ``sequence``; sampling, tree: as the loop's Drafter.speculate."""
+        sequence ``sequence``; sampling, tree, forks: as the loop's Drafter.speculate."""
         self._rejoin()
+        self._corrections.pop(sequence, None)
         if self._sock is None:
             return
         epoch = self._epochs[sequence] = self._epochs.get(sequence, 0) + 1
         self._trees[sequence] = (tree, int(context[-1]))
+        self._forks[sequence] = forks
         try:
             wire.send_message(self._sock, SpeculateFrom(epoch, np.asarray(context, dtype=np.int32), most or 0, sequence,
-                                                        tree, sampling))
+                                                        tree, sampling, forks))
             self._speculating.add(sequence)
         except OSError as error:
             self._lose(f"send failed: {error}")
@@ -255,6 +261,11 @@ class DrafterClient:
         """The tokens drafted since the last speculate of ``sequence`` (best effort); [] if none or lost."""
         reply = self._reply(wait, sequence)
         return [] if reply is None else reply.tokens.tolist()
+
+    def corrections(self, sequence: int = 0) -> Corrections:
+        """The corrections of the last reply of ``sequence`` (asked with forks):
+        (position, a runner-up of the draft there) -> that token and its continuation."""
+        return self._corrections.pop(sequence, {})
 
     def collect_tree(self, leaves: int, sequence: int = 0) -> DraftTree:
         """The tree drafted since a speculate that asked for one, once grown
@@ -309,10 +320,34 @@ class DrafterClient:
         if self.n_vocab is not None and len(tokens) and (tokens.min() < 0 or tokens.max() >= self.n_vocab):
             self._lose(f"sent token ids outside the vocabulary of {self.n_vocab}")
             return None
+        if not self._check_corrections(reply, sequence):
+            return None
         self.busy_seconds = self._busy_earlier + reply.busy_seconds
         if reply.error:
             self.last_error = reply.error
         return reply
+
+    def _check_corrections(self, reply: DraftReply, sequence: int) -> bool:
+        """Keep a reply's corrections if they are where they were asked for,
+        no longer than a window and in the vocabulary; else lose the drafter."""
+        if not reply.corrections:
+            return True
+        forks = self._forks.get(sequence)
+        if forks is None:
+            self._lose("sent corrections that were not asked for")
+            return False
+        first, count = forks
+        longest = 1 + (self.draft_max or MAX_TREE_ROWS)
+        for position, tokens in reply.corrections:
+            if not first <= position < first + count or len(tokens) > longest:
+                self._lose(f"sent a correction at position {position} of {len(tokens)} tokens"
+                           f" (asked for {first}..{first + count - 1}, at most {longest})")
+                return False
+            if self.n_vocab is not None and (min(tokens) < 0 or max(tokens) >= self.n_vocab):
+                self._lose(f"sent token ids outside the vocabulary of {self.n_vocab}")
+                return False
+        self._corrections[sequence] = {(position, tokens[0]): list(tokens) for position, tokens in reply.corrections}
+        return True
 
     def close(self) -> None:
         with self._lock:
@@ -338,8 +373,11 @@ class SequenceDrafter:
         self.sequence = sequence
 
     def speculate(self, context: list[int], most: int | None = None, sampling: SamplingSettings | None = None,
-                  tree: TreeAsk | None = None) -> None:
-        self.client.speculate(context, most, self.sequence, sampling=sampling, tree=tree)
+                  tree: TreeAsk | None = None, forks: tuple[int, int] | None = None) -> None:
+        self.client.speculate(context, most, self.sequence, sampling=sampling, tree=tree, forks=forks)
+
+    def corrections(self) -> Corrections:
+        return self.client.corrections(self.sequence)
 
     def collect_tree(self, leaves: int) -> DraftTree:
         return self.client.collect_tree(leaves, self.sequence)
@@ -502,12 +540,17 @@ def speculator_factory(settings, tokenizer, stage, sequences: int = 1, spare_con
     if settings.speculator == "model":
         check_draft_model(settings.draft_path, tokenizer)
         trees = settings.tree_leaves > 1 and sequences == 1  # a tree grows in the cells after its one sequence
+        # corrections (speculators.corrections): a KV id for each runner-up at each draft of a window,
+        # a window's cells each
+        corrects = settings.asynchronous and sequences == 1
+        forks = settings.draft_max * CORRECTION_RANKS if corrects else 0
+        branches = DRAFT_TREE_BRANCHES if trees else forks
+        cells = MAX_TREE_ROWS if trees else forks * (1 + settings.draft_max)
         return functools.partial(
             ModelSpeculator, path=settings.draft_path, p_min=settings.draft_p_min,
-            n_ctx=stage.n_ctx + spare_context + (MAX_TREE_ROWS if trees else 0),
+            n_ctx=stage.n_ctx + spare_context + cells,
             threads=settings.draft_threads or stage.threads, device=settings.draft_device, sequences=sequences,
-            step_seconds=stage.cost_curve.draft_seconds if stage.cost_curve else 0.0,
-            tree_branches=DRAFT_TREE_BRANCHES if trees else 0,
+            step_seconds=stage.cost_curve.draft_seconds if stage.cost_curve else 0.0, tree_branches=branches,
         )
     return None
 

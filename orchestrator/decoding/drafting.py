@@ -125,6 +125,9 @@ class Drafting:
     which the tree rule reads at every width; None: the line through ``step``.
     coupled: when a request samples, its drafters sample with the target's
     seeded uniforms (SpeculationSettings.draft_sampling); else their top choices.
+    corrects: while an async pass runs, its drafter also drafts corrections at
+    the drafts being verified (speculators.corrections; a draft model's
+    drafter actors, whose speculate takes forks and who have corrections()).
     """
 
     drafters: Sequence[Drafter]
@@ -138,6 +141,7 @@ class Drafting:
     draft_prices: DraftPrices = DraftPrices()
     pass_curve: BatchCurve | None = None
     coupled: bool = True
+    corrects: bool = False
 
     @property
     def drafter_first(self) -> Drafter:

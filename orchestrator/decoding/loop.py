@@ -213,17 +213,20 @@ class DecodingLoop:
         if not drafting:
             return self.target.receive()
         crowded = self.scheduler.crowded
-        machines = [self.decodings[state.sequence].drafting.drafters for state in drafting]  # type: ignore[union-attr]
-        chosen = [drafters[self.scheduler.drafter_of(state, len(drafters), crowded)]
-                  for state, drafters in zip(drafting, machines)]
-        for state, drafter in zip(drafting, chosen):
-            if (room := state.speculation_room) > 0:
+        ways = [self.decodings[state.sequence].drafting for state in drafting]
+        chosen = [way.drafters[self.scheduler.drafter_of(state, len(way.drafters), crowded)]  # type: ignore[union-attr]
+                  for state, way in zip(drafting, ways)]
+        for state, way, drafter in zip(drafting, ways, chosen):
+            if (room := state.speculation_room) > 0 and way.corrects:  # type: ignore[union-attr]
+                drafter.speculate(state.text, room, sampling=state.draft_sampling, forks=state.forks)
+            elif room > 0:
                 drafter.speculate(state.text, room, sampling=state.draft_sampling)
         reply = self.target.receive()
         for drafter in chosen:
             drafter.ask()
-        for state, drafter in zip(drafting, chosen):
-            state.drafted(drafter.collect())
+        for state, way, drafter in zip(drafting, ways, chosen):
+            tokens = drafter.collect()
+            state.drafted(tokens, drafter.corrections() if way.corrects else None)  # type: ignore[union-attr]
         return reply
 
 

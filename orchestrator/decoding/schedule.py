@@ -26,7 +26,13 @@ The rules:
   drafter for the whole pass, collected with its result: a lone sequence's
   is the drafter beside stage 0, which drafted the window and keeps it in its
   cache; sequences sharing passes spread over the machines. A sequence whose
-  draft policy takes no drafts does not draft meanwhile.
+  draft policy takes no drafts does not draft meanwhile. A draft model's
+  drafter (Drafting.corrects) also drafts *corrections* at the head window's
+  drafts meanwhile (``SequenceState.forks``; speculators.corrections): its
+  runners-up there and what it drafts after each. After a rejection whose
+  target token is such a runner-up, that correction's continuation is the
+  speculation at once (``SequenceState.verified``), so the next window need
+  not wait for the drafter.
 * When a window is started ahead (``SequenceState.window_ahead``, ``async``
   only, PipeInfer's idea): while one window of the sequence is in flight,
   the next window of the speculation, assuming the one in flight commits
@@ -80,6 +86,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from orchestrator.config import PREFILL_CHUNKS_PER_STAGE, PREFILL_LEAST_CHUNK, WINDOWS_DRAFTED_AHEAD
+from speculators.corrections import Corrections
 from speculators.draft_length import DRAFTER_CALL_COST, PRIOR_STEP, DraftPolicy, DraftPrices
 from speculators.sampling import SamplingSettings
 from speculators.tree import (DraftTree, PassCost, RankAcceptance, TreeAsk, accepted_rows, choose_rows, curve_cost,
@@ -168,6 +175,7 @@ class SequenceState:
     pass_curve: BatchCurve | None = None  # a pass's seconds by width, measured (the tree rule reads it at every width)
     coupled: bool = True  # when sampling, the drafters sample with the target's seeded uniforms (draft_sampling)
     candidates: DraftTree | None = None  # the tree drafted for the next window (drafted_tree)
+    corrections: Corrections = field(default_factory=dict)  # drafted while the head window was verified (drafted)
     ranks: RankAcceptance = field(default_factory=RankAcceptance)  # acceptance by candidate rank at forks
     refeed: int = 0  # committed tokens before the last whose cells the stages dropped: fed again next
     finished: bool = False
@@ -277,10 +285,24 @@ class SequenceState:
         self.drafted_first(tree.drafts[: main_chain_length(tree.parents) - 1])
         self.candidates = tree if not tree.is_chain else None
 
-    def drafted(self, tokens: list[int]) -> None:
-        """Tokens a drafter added to the end of the speculation while a pass ran."""
+    def drafted(self, tokens: list[int], corrections: Corrections | None = None) -> None:
+        """Tokens a drafter added to the end of the speculation while a pass
+        ran, and the corrections it drafted at the head window's positions
+        (``forks``; speculators.corrections)."""
         self.stats.collected_tokens += len(tokens)
         self.speculation.extend(tokens)
+        self.corrections = dict(corrections or {})
+
+    @property
+    def forks(self) -> tuple[int, int] | None:
+        """Where corrections may be drafted while the head window is verified:
+        (the position of its first draft, its drafts), for a chain of drafts
+        starting at the last committed token; None otherwise."""
+        head = self.in_flight[0] if self.in_flight else None
+        if (head is None or head.prompt or head.parents is not None or head.refed
+                or head.first != len(self.committed) - 1 or not head.main_drafts):
+            return None
+        return len(self.committed), len(head.main_drafts)
 
     def _prompt_window(self) -> Window:
         """The prompt's next chunk."""
@@ -487,8 +509,13 @@ class SequenceState:
             if self.generated == self.max_tokens:
                 self.finished = True
                 break
+        corrections, self.corrections = self.corrections, {}
         if self.speculation[: len(committed)] == committed:
             del self.speculation[: len(committed)]
         else:
-            self.speculation = []  # the speculation went wrong: drop it
+            # the speculation went wrong: the correction drafted where it did, if it holds the target's token
+            correction = [] if self.finished else corrections.get((len(self.committed) - 1, self.committed[-1]), [])
+            taken = bool(correction)
+            self.speculation = correction[1:]
+            self.stats.corrected_windows += taken
         return committed

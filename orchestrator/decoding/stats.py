@@ -27,7 +27,10 @@ class SpeculationStats:
     waited_calls, waited_nonempty, waited_tokens, waited_stops: over the drafts
     awaited until the drafter stopped (``drafts_first``): how many, how many
     brought at least one token, the tokens, and how many stopped by themselves
-    before draft_max."""
+    before draft_max.
+    corrected_windows: rejections after which a correction drafted during the
+    pass (speculators.corrections) held the target's token, so its drafts
+    went at once."""
 
     drafted_tokens: int = 0
     accepted_tokens: int = 0
@@ -44,6 +47,7 @@ class SpeculationStats:
     side_rows: int = 0
     side_accepted: int = 0
     refed_tokens: int = 0
+    corrected_windows: int = 0
     accepted_lengths: Counter = field(default_factory=Counter)
     input_lengths: Counter = field(default_factory=Counter)
 

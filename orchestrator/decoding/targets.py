@@ -132,7 +132,11 @@ class Drafter(Protocol):
         now on, by at most ``most`` tokens (None: as many as it may);
         sampling: coupled drafting, the draft sampling with the target's
         seeded uniforms (speculators.model_tree; None: its top choices);
-        tree: grow a token tree (collect_tree), not a chain."""
+        tree: grow a token tree (collect_tree), not a chain. A drafter that
+        drafts corrections (Drafting.corrects: the drafter actors of
+        orchestrator.cluster.drafters) also takes ``forks`` = (first, count):
+        draft them at those context positions (speculators.corrections), and
+        has ``corrections()``, those its last reply brought."""
 
     def collect(self, wait: bool = False) -> list[int]:
         """The tokens drafted since the last speculate ([] if none); with ``wait``,

@@ -392,9 +392,12 @@ class SpeculateFrom:
     (speculators.model_tree), not a chain; None: a chain.
     sampling: the request's, for coupled drafting (the draft samples with the
     target's seeded uniforms); None or greedy: the draft's top choices.
+    forks: (first, count): also draft corrections at context positions first
+    .. first + count - 1, the window being verified (speculators.corrections);
+    None: none.
 
     On the wire: context raw (it can be long), as int32; sequence only when
-    not 0; tree and sampling only when given.
+    not 0; tree, sampling and forks only when given.
     """
 
     KIND: ClassVar[str] = "speculate"
@@ -405,9 +408,12 @@ class SpeculateFrom:
     sequence: int = 0
     tree: TreeAsk | None = None
     sampling: SamplingSettings | None = None
+    forks: tuple[int, int] | None = None
 
     def to_wire(self) -> tuple[WireHeader, np.ndarray | None]:
         header: WireHeader = {"epoch": self.epoch, "most": self.most, **_sequence_field(self.sequence)}
+        if self.forks is not None:
+            header.update(fork_from=self.forks[0], forks=self.forks[1])
         if self.tree is not None:
             header.update(rows=self.tree.rows, leaves=self.tree.leaves, acceptance=self.tree.acceptance)
         if self.sampling is not None:
@@ -425,7 +431,8 @@ class SpeculateFrom:
                 raise ProtocolError(str(error)) from None
         return cls(epoch=integer(header, "epoch"), context=checked_array(array, "context", 1, ("<i4",)),
                    most=integer(header, "most"), sequence=_sequence(header), tree=tree,
-                   sampling=_sampling(header) if "temperature" in header else None)
+                   sampling=_sampling(header) if "temperature" in header else None,
+                   forks=(integer(header, "fork_from", 1), integer(header, "forks", 1)) if "forks" in header else None)
 
 
 def _sequence_field(sequence: int) -> WireHeader:
@@ -468,8 +475,12 @@ class DraftReply:
     root, parents int32[k + 1] the rows' parents in preorder (row 0 the
     root, the context's last token) and ranks int32[k + 1] each row's rank
     among its siblings (speculators.tree.DraftTree); None for a chain.
+    corrections: asked with SpeculateFrom.forks, (position, tokens) for each
+    correction drafted: the draft's runner-up at that context position, then
+    its continuation (speculators.corrections).
 
-    On the wire: tokens (and a tree's parents and ranks) in the header.
+    On the wire: tokens (and a tree's parents and ranks, and the corrections'
+    positions, lengths and tokens) in the header.
     """
 
     KIND: ClassVar[str] = "draft"
@@ -481,12 +492,18 @@ class DraftReply:
     sequence: int = 0
     parents: np.ndarray | None = None
     ranks: np.ndarray | None = None
+    corrections: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     def to_wire(self) -> tuple[WireHeader, np.ndarray | None]:
         header = {"epoch": self.epoch, "tokens": int32_bytes(self.tokens), "busy": self.busy_seconds, "error": self.error,
                   **_sequence_field(self.sequence)}
         if self.parents is not None:
             header.update(parents=int32_bytes(self.parents), ranks=int32_bytes(self.ranks))
+        if self.corrections:
+            header.update(
+                fork_at=int32_bytes(np.array([position for position, _ in self.corrections], np.int32)),
+                fork_lengths=int32_bytes(np.array([len(tokens) for _, tokens in self.corrections], np.int32)),
+                fork_tokens=int32_bytes(np.array([token for _, tokens in self.corrections for token in tokens], np.int32)))
         return header, None
 
     @classmethod
@@ -508,7 +525,23 @@ class DraftReply:
             sequence=_sequence(header),
             parents=parents,
             ranks=ranks,
+            corrections=_corrections(header) if "fork_at" in header else (),
         )
+
+
+def _corrections(header: WireHeader) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """A DraftReply's corrections: positions, each one's length (at least 1), their tokens one after the other."""
+    at, lengths, tokens = (np.asarray(int32_array(header, name)) for name in ("fork_at", "fork_lengths", "fork_tokens"))
+    if len(at) != len(lengths) or len(at) > MAX_TREE_ROWS:
+        raise ProtocolError(f"fork_at, fork_lengths: {len(at)} positions and {len(lengths)} lengths"
+                            f" (one each, at most {MAX_TREE_ROWS})")
+    if len(lengths) and (int(lengths.min()) < 1 or int(lengths.sum()) != len(tokens)):
+        raise ProtocolError("fork_lengths: each at least 1, adding up to the fork_tokens sent")
+    if len(at) and int(at.min()) < 1:
+        raise ProtocolError("fork_at: positions from 1")
+    ends = np.cumsum(lengths)
+    return tuple((int(position), tuple(int(token) for token in tokens[end - length:end]))
+                 for position, length, end in zip(at, lengths, ends))
 
 
 Message = (StageBatch | PassResult | StageFailure | Shutdown | Cancel | Cancelled | SpeculateFrom | CollectDraft

@@ -5,7 +5,9 @@ its stage). The coordinator connects and sends, for KV sequence ``sequence``
 (one per request the drafter drafts for; 0 in a run):
 
 * ``SpeculateFrom(epoch, context, most, sequence)``: start extending
-  ``context`` now, by at most ``most`` tokens;
+  ``context`` now, by at most ``most`` tokens; with ``forks``, a draft model
+  also drafts corrections at those positions of the context, a round at a
+  time beside the chain (speculators.corrections);
 * ``CollectDraft(epoch, wait, sequence)``: reply at once with what has been
   drafted for that epoch, and stop drafting it (the machine's stage is about
   to run). With ``wait`` the drafting is first allowed to finish by itself
@@ -33,6 +35,7 @@ from speculators import Speculator
 from orchestrator.transport.handshake import HandshakeError, accept_peer, drafter_role
 from orchestrator.config import CONNECT_SECONDS, DRAFTER_WAIT_SECONDS, chain_reach
 from orchestrator.transport.messages import CollectDraft, DraftReply, Shutdown, SpeculateFrom
+from speculators.corrections import CorrectionGrowth, Corrections
 from speculators.sampling import SamplingSettings
 from speculators.tree import DraftTree, TreeAsk
 from stages.tree_shape import main_chain_length
@@ -53,12 +56,25 @@ class _Request:
     sampling: SamplingSettings | None = None  # coupled drafting (SpeculateFrom.sampling)
     tree_ask: TreeAsk | None = None  # grow a tree (SpeculateFrom.tree), in one go
     tree: DraftTree | None = None  # the tree grown for this epoch
+    forks: tuple[int, int] | None = None  # draft corrections there too (SpeculateFrom.forks), a round at a time
+    growth: CorrectionGrowth | None = None  # the main chain and corrections being grown for this epoch
+    corrections: Corrections = field(default_factory=dict)  # what the growth's rounds drafted so far
 
     @property
     def wants(self) -> bool:
         if self.tree_ask is not None:
             return self.drafting and self.tree is None
+        if self.correcting:
+            return self.drafting and (self.growth is None or not self.growth.done)
         return self.drafting and len(self.extension) < self.most
+
+    @property
+    def correcting(self) -> bool:
+        """Its drafting grows corrections beside the chain: asked, and a draft
+        model with KV ids to fork them in (prompt lookup has no runners-up)."""
+        engine = getattr(self.speculator, "engine", None)
+        return (self.forks is not None and hasattr(self.speculator, "runners_up") and engine is not None
+                and engine.tree_sequences > 0)
 
 
 def _speculators(make_speculator: Callable[[], Speculator], sequences: int) -> list[Speculator]:
@@ -162,6 +178,7 @@ class DrafterServer:
             request.extension = []
             request.error = ""
             request.sampling, request.tree_ask, request.tree = message.sampling, message.tree, None
+            request.forks, request.growth, request.corrections = message.forks, None, {}
             request.drafting = True
             request.finished.clear()
             self._wake.notify_all()
@@ -184,8 +201,9 @@ class DrafterServer:
                 return DraftReply(message.epoch, np.asarray(tree.drafts, dtype=np.int32), self.busy_seconds,
                                   request.error, message.sequence, np.asarray(tree.parents, dtype=np.int32),
                                   np.asarray(tree.ranks, dtype=np.int32))
+            corrections = tuple((position, tuple(drafted)) for (position, _), drafted in sorted(request.corrections.items()))
             return DraftReply(message.epoch, np.asarray(tokens, dtype=np.int32), self.busy_seconds, request.error,
-                              message.sequence)
+                              message.sequence, corrections=corrections if current else ())
 
     # -- drafting ---------------------------------------------------------
     def _next_request(self) -> _Request | None:
@@ -233,6 +251,37 @@ class DrafterServer:
             request.drafting = False
             request.finished.set()
 
+    def _correct(self, request: _Request, epoch: int, sampling: SamplingSettings | None, started: float) -> None:
+        """One step of a request that drafts corrections beside its chain
+        (speculators.corrections): start the growth, or grow one round; what
+        the rounds drafted is what a collect returns, at any time."""
+        growth = request.growth
+        try:
+            if growth is None:
+                first, count = request.forks  # type: ignore[misc]
+                growth = CorrectionGrowth(request.speculator, request.context, first, count, request.most,
+                                          1 + self.draft_max, sampling)
+            else:
+                growth.round()
+            error = ""
+        except Exception as failure:  # a drafter's failure must never stop generation
+            growth, error = None, f"{type(failure).__name__}: {failure}"
+        finally:
+            self.busy_seconds += time.perf_counter() - started
+            self._stalled = False
+        with self._lock:
+            if epoch != request.epoch or not request.drafting:
+                return  # the text moved on, or it was collected, while this round ran
+            if growth is None:
+                request.drafting, request.error = False, error
+                request.finished.set()
+                return
+            self.drafted_tokens += len(growth.extension) - len(request.extension) + sum(
+                len(tokens) for tokens in growth.corrections.values()) - sum(map(len, request.corrections.values()))
+            request.growth = growth
+            request.extension = list(growth.extension)
+            request.corrections = {fork: list(tokens) for fork, tokens in growth.corrections.items()}
+
     def _draft_loop(self) -> None:
         while True:
             with self._lock:
@@ -248,6 +297,9 @@ class DrafterServer:
             started = time.perf_counter()
             if tree_ask is not None:
                 self._grow(request, epoch, context, sampling, tree_ask, started)
+                continue
+            if request.correcting:
+                self._correct(request, epoch, sampling, started)
                 continue
             try:
                 token = request.speculator.extend(context, sampling)

@@ -187,3 +187,50 @@ def test_drafting_that_slows_the_passes_prices_each_relayed_token_by_the_slowdow
     assert 0.25 <= prices.relayed < 0.5 and prices.awaited >= 0
     for client in clients:
         client.close()
+
+
+def answered_by(reply_for):
+    """A DrafterClient whose drafter is this test: it reads each request and
+    sends ``reply_for(request)`` back when collected."""
+    import socket
+
+    ours, theirs = socket.socketpair()
+    client = DrafterClient(0, ours, draft_max=4, n_vocab=100)
+
+    def serve_once():
+        request = wire.receive_message(theirs)
+        collect = wire.receive_message(theirs)
+        wire.send_message(theirs, reply_for(request, collect))
+
+    return client, threading.Thread(target=serve_once, daemon=True), theirs
+
+
+def reply_with(corrections):
+    import numpy as np
+    from orchestrator.transport.messages import DraftReply
+
+    return lambda request, collect: DraftReply(collect.epoch, np.array([5], np.int32), 0.0, corrections=corrections)
+
+
+def test_corrections_where_they_were_asked_for_are_kept_by_position_and_token():
+    client, drafter, _ = answered_by(reply_with(((3, (7, 8, 9)), (3, (11,)), (4, (12, 13)))))
+    drafter.start()
+    client.speculate([1, 2, 3, 4, 5], 2, forks=(3, 2))
+    assert client.collect(wait=True) == [5]
+    assert client.corrections() == {(3, 7): [7, 8, 9], (3, 11): [11], (4, 12): [12, 13]}
+    assert client.corrections() == {}  # handed over once
+    assert client.alive
+
+
+def test_corrections_outside_the_window_asked_for_lose_the_drafter():
+    for corrections, forks, reason in [
+        (((5, (7,)),), (3, 2), "a correction at position 5 of 1 tokens (asked for 3..4, at most 5)"),
+        (((3, (7,) * 6),), (3, 2), "a correction at position 3 of 6 tokens"),
+        (((3, (700,)),), (3, 2), "outside the vocabulary of 100"),
+        (((3, (7,)),), None, "corrections that were not asked for"),
+    ]:
+        client, drafter, _ = answered_by(reply_with(corrections))
+        drafter.start()
+        client.speculate([1, 2, 3, 4, 5], 2, forks=forks)
+        assert client.collect(wait=True) == [] and client.corrections() == {}
+        assert not client.alive and reason in client.lost_reason, client.lost_reason

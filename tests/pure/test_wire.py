@@ -84,6 +84,8 @@ EXAMPLES = [
     DraftReply(epoch=9, tokens=np.array([3], np.int32), busy_seconds=0.5, sequence=7),
     DraftReply(epoch=7, tokens=np.array([4, 5, 6], np.int32), busy_seconds=0.03125),
     DraftReply(epoch=8, tokens=np.array([], np.int32), busy_seconds=0.0, error="drafter crashed"),
+    SpeculateFrom(epoch=10, context=np.array([1, 2, 3, 4], np.int32), most=3, forks=(2, 2)),
+    DraftReply(epoch=10, tokens=np.array([5], np.int32), busy_seconds=0.25, corrections=((2, (7, 8, 9)), (3, (11,)))),
 ]
 """At least one of every message class, every field set away from its default somewhere."""
 
@@ -638,3 +640,20 @@ def test_a_connection_sends_at_once_and_probes_a_silent_peer(monkeypatch):
             # unacknowledged data waits no longer than an idle socket: 10 + 5 x 3 s
             assert connected.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 25_000
     assert asked == [30.0, 2.5]  # the connect waits 30 s unless told otherwise
+
+
+def int32s(values) -> bytes:
+    return np.asarray(values, dtype="<i4").tobytes()
+
+
+@pytest.mark.parametrize("at, lengths, tokens, message", [
+    ([2], [2], [7], r"fork_lengths: each at least 1, adding up to the fork_tokens sent"),
+    ([2], [0], [], r"fork_lengths: each at least 1, adding up to the fork_tokens sent"),
+    ([2, 3], [1], [7], r"fork_at, fork_lengths: 2 positions and 1 lengths"),
+    ([0], [1], [7], r"fork_at: positions from 1"),
+])
+def test_a_draft_replys_corrections_must_add_up(at, lengths, tokens, message):
+    header = {"kind": "draft", "epoch": 1, "tokens": int32s([3]), "busy": 0.0, "error": "",
+              "fork_at": int32s(at), "fork_lengths": int32s(lengths), "fork_tokens": int32s(tokens)}
+    with pytest.raises(wire.ProtocolError, match=message):
+        receive_raw(frame(header))

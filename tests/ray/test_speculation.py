@@ -21,6 +21,7 @@ from orchestrator.decoding.schedule import Schedule
 from orchestrator.cluster.pipeline import Pipeline
 from speculators.sampling import SamplingSettings
 from stages.tokenizer import Tokenizer
+from speculators.corrections import CORRECTION_RANKS
 from speculators.model import ModelSpeculator
 from speculators.prompt_lookup import PromptLookupSpeculator
 from stages.settings import StageSettings
@@ -55,14 +56,16 @@ def tokenizer(splits):
     return Tokenizer(splits[2][0])
 
 
-def decode(pipeline, tokenizer, prompt, sampling, drafters=None, schedule="sync", draft_max=6):
-    drafting = Drafting(drafters, Schedule(schedule), draft_max) if drafters else None
+def decode(pipeline, tokenizer, prompt, sampling, drafters=None, schedule="sync", draft_max=6, corrects=False):
+    drafting = Drafting(drafters, Schedule(schedule), draft_max, corrects=corrects) if drafters else None
     tokens = tokenizer.chat_prompt(prompt)
     return generate(pipeline, tokens, MAX_TOKENS, sampling, tokenizer.is_end, drafting=drafting)
 
 
-def assert_unchanged(pipeline, tokenizer, make_speculator, prompts=(REWRITE, OPEN), schedules=("sync", "async")):
-    """Every schedule, greedy and sampled, gives the plain pipeline's tokens. Returns the stats."""
+def assert_unchanged(pipeline, tokenizer, make_speculator, prompts=(REWRITE, OPEN), schedules=("sync", "async"),
+                     corrects=False):
+    """Every schedule, greedy and sampled, gives the plain pipeline's tokens. Returns the stats.
+    corrects: async drafters draft corrections too (speculators.corrections)."""
     drafters = start_drafters(pipeline, make_speculator, DrafterSettings(draft_max=6))
     stats = []
     try:
@@ -71,7 +74,7 @@ def assert_unchanged(pipeline, tokenizer, make_speculator, prompts=(REWRITE, OPE
             for sampling in (GREEDY, SAMPLING):
                 plain = decode(pipeline, tokenizer, prompt, sampling).tokens
                 for schedule in schedules:
-                    speculative = decode(pipeline, tokenizer, prompt, sampling, drafters, schedule)
+                    speculative = decode(pipeline, tokenizer, prompt, sampling, drafters, schedule, corrects=corrects)
                     assert speculative.tokens == plain, (prompt, sampling, schedule)
                     stats.append(speculative.speculation)
     finally:
@@ -94,10 +97,15 @@ def test_model_as_its_own_draft_is_accepted_and_exact(pipelines, tokenizer, smol
 
 
 def test_a_draft_of_realistic_agreement_is_partly_rejected_and_still_exact(pipelines, tokenizer, realistic_draft):
-    make = functools.partial(ModelSpeculator, realistic_draft, n_ctx=1024)
-    stats = assert_unchanged(pipelines[2], tokenizer, make, prompts=(OPEN,))
+    """Async with corrections (speculators.corrections): after some rejections
+    the next window's drafts are a correction's, and the text is unchanged."""
+    forks = 6 * CORRECTION_RANKS  # a KV id for each runner-up of each of a window's 6 drafts
+    make = functools.partial(ModelSpeculator, realistic_draft, n_ctx=1024 + forks * 7, tree_branches=forks)
+    stats = assert_unchanged(pipelines[2], tokenizer, make, prompts=(OPEN,), corrects=True)
     assert all(s.drafted_tokens > 0 for s in stats)
     assert 0 < sum(s.accepted_tokens for s in stats) < sum(s.drafted_tokens for s in stats)
+    asynchronous = stats[1::2]  # greedy and sampled
+    assert all(s.corrected_windows > 0 for s in asynchronous), [s.corrected_windows for s in asynchronous]
 
 
 @pytest.mark.parametrize("stage_count", [2, 3])

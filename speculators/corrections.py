@@ -1,0 +1,132 @@
+"""Drafting for the likely rejections while a window is verified: corrections.
+
+While the target verifies a window [c, d1 .. dk], the drafter that drafted
+d1 .. dk drafts on after dk (the speculation, for the case that every
+draft is accepted) and, in the same draft passes, a *correction* at each
+draft position p: the draft's runner-up token there (its next best after
+d_p, kept when it drafted d_p: ModelSpeculator.runners_up) and the draft's
+own continuation after it. Where the target rejects d_p and its own token
+is that runner-up, the correction's continuation is the next window's
+drafts at once (orchestrator.decoding.schedule: SequenceState.verified),
+instead of the window waiting for the drafter to draft from the new text.
+
+Each round decodes one token of the main chain and one of every correction
+in one draft pass (a KV id per correction, forked from the main chain's
+cells below its position, as token trees grow: speculators.model_tree), so
+on a machine where a batch of a few tokens costs about one (a GPU, Apple
+silicon, an emulated memory-bound curve) the corrections come nearly free;
+on a compute-bound CPU each costs about a token's step. The rounds stop
+when the main chain has its tokens and every correction its length, or
+when the coordinator collects (the drafter server stops between rounds).
+Nothing drafted is trusted: every token is verified by the target as any
+draft is.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from speculators.sampling import SamplingSettings, choose_token
+
+CORRECTION_RANKS = 2  # corrections at a position: the draft's next best tokens there after its own
+
+Corrections = dict[tuple[int, int], list[int]]
+"""(position, the token there) -> the correction's tokens: that token, then the draft's continuation."""
+
+
+class CorrectionGrowth:
+    """The main chain after ``context`` and the corrections at positions
+    ``first`` .. ``first + count - 1`` of it, grown a round at a time
+    (``round``) by ``speculator`` (a ModelSpeculator with tree KV ids).
+
+    most: main-chain tokens to draft; length: each correction's tokens (its
+    runner-up included). ``extension`` and ``corrections`` are what the
+    rounds so far drafted; a correction for each of the draft's runners-up
+    at a position (CORRECTION_RANKS), as many as the engine has KV ids."""
+
+    def __init__(self, speculator, context: Sequence[int], first: int, count: int, most: int, length: int,
+                 sampling: SamplingSettings | None = None):
+        self.speculator = speculator
+        self.engine = speculator.engine
+        self.sampling = sampling
+        self.most = most
+        self.length = length
+        self.extension: list[int] = []
+        self.corrections: Corrections = {}
+        keep = speculator.roll_back(context)
+        if keep < len(context) - 1:  # the main chain's cells up to its last token (the rounds decode that one)
+            self._prefill(context[keep:-1], keep)
+        speculator.cached = list(context[:-1])
+        self._main = list(context)
+        self._ended = most <= 0  # the main chain stops (most reached, or the draft declined: p_min)
+        runners_up = speculator.runners_up
+        forks = [(position, token) for position in range(max(first, 1), min(first + count, len(context)))
+                 for token in runners_up.get(position, [])]
+        self._branches = {fork: branch for branch, fork in enumerate(forks[: self.engine.tree_sequences], start=1)}
+        for (position, token), branch in self._branches.items():
+            self.engine.fork(0, branch, position)
+            self.corrections[position, token] = [token]
+        self._open = {fork for fork in self.corrections if length > 1}
+
+    def _prefill(self, tokens: Sequence[int], first: int) -> None:
+        batch = self.engine.settings.n_batch
+        for start in range(0, len(tokens), batch):
+            chunk = np.asarray(tokens[start:start + batch], dtype=np.int32)
+            self.engine.decode(np.arange(first + start, first + start + len(chunk), dtype=np.int32), tokens=chunk,
+                               sequence=self.speculator.sequence)
+
+    @property
+    def done(self) -> bool:
+        return self._ended and not self._open
+
+    def round(self) -> None:
+        """One draft pass: the next token of the main chain and of every open correction."""
+        started = time.perf_counter()
+        rows: list[tuple[tuple[int, int] | None, int, int, int]] = []  # (fork or None: main, branch, position, token)
+        if not self._ended:
+            rows.append((None, 0, len(self._main) - 1, self._main[-1]))
+        for fork in sorted(self._open):
+            tokens = self.corrections[fork]
+            rows.append((fork, self._branches[fork], fork[0] + len(tokens) - 1, tokens[-1]))
+        if not rows:
+            return
+        logits = self.engine.decode_branches(np.array([row[2] for row in rows], np.int32),
+                                             np.array([row[3] for row in rows], np.int32),
+                                             np.array([row[1] for row in rows], np.int32))
+        for (correction, _, position, _), row in zip(rows, logits):
+            token = self._choose(row, position + 1)
+            if correction is None:
+                self.speculator.cached.append(self._main[-1])
+                self._grow_main(token, row, position + 1)
+            elif token is None:
+                self._open.discard(correction)
+            else:
+                self.corrections[correction].append(token)
+                if len(self.corrections[correction]) >= self.length:
+                    self._open.discard(correction)
+        rest = self.speculator.step_seconds - (time.perf_counter() - started)  # an emulated draft pass
+        if rest > 0:
+            time.sleep(rest)
+
+    def _grow_main(self, token: int | None, logits: np.ndarray, position: int) -> None:
+        if token is None:
+            self._ended = True
+            return
+        self.speculator.note_runner_up(position, token, logits, self.sampling)
+        self._main.append(token)
+        self.extension.append(token)
+        self._ended = len(self.extension) >= self.most
+
+    def _choose(self, logits: np.ndarray, position: int) -> int | None:
+        """The draft's token at ``position``: its argmax, None below p_min, or its coupled draw."""
+        token = int(np.argmax(logits))
+        if self.speculator.p_min > 0.0:
+            shifted = np.exp(logits.astype(np.float64) - float(logits[token]))
+            if 1.0 / shifted.sum() < self.speculator.p_min:
+                return None
+        if self.sampling is not None and not self.sampling.greedy:
+            token = choose_token(logits, position, self.sampling)
+        return token

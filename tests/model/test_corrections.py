@@ -1,0 +1,58 @@
+"""Corrections (speculators.corrections) grown by the bench's draft of
+realistic agreement: each is what the draft drafts after that token, as if
+it had drafted it alone, and the chain beside them is the draft's chain."""
+
+import numpy as np
+import pytest
+
+from speculators.corrections import CORRECTION_RANKS, CorrectionGrowth
+from speculators.model import ModelSpeculator
+from speculators.sampling import SamplingSettings
+from stages.tokenizer import Tokenizer
+
+PROMPT = "The capital of France is Paris. The capital of Germany is"
+
+
+@pytest.fixture(scope="module")
+def context(realistic_draft):
+    return Tokenizer(realistic_draft).tokenize(PROMPT)
+
+
+def chain(speculator, context, count, sampling=None):
+    drafts = []
+    for _ in range(count):
+        drafts.append(speculator.extend([*context, *drafts], sampling))
+    return drafts
+
+
+@pytest.mark.parametrize("sampling", [None, SamplingSettings(temperature=0.9, seed=3)], ids=["greedy", "coupled"])
+def test_each_correction_is_the_drafts_own_continuation_of_a_runner_up(realistic_draft, context, sampling):
+    speculator = ModelSpeculator(realistic_draft, n_ctx=512, tree_branches=4 * CORRECTION_RANKS)
+    reference = ModelSpeculator(realistic_draft, n_ctx=512)
+    drafts = chain(speculator, context, 4, sampling)
+    first = len(context)
+    for position in range(first, first + 4 if sampling is None else first):  # greedy: its next best after its argmax
+        logits = reference._context_logits([*context, *drafts][:position])
+        ranked = [int(token) for token in np.argsort(-logits, kind="stable")[:CORRECTION_RANKS + 1]]
+        assert speculator.runners_up[position] == ranked[1:]
+    growth = CorrectionGrowth(speculator, [*context, *drafts], first, 4, most=3, length=4, sampling=sampling)
+    while not growth.done:
+        growth.round()
+    assert len(growth.corrections) == 4 * CORRECTION_RANKS
+    assert growth.extension == chain(reference, [*context, *drafts], 3, sampling)
+    for (position, token), tokens in growth.corrections.items():
+        assert token in speculator.runners_up[position] and tokens[0] == token and len(tokens) == 4
+        assert tokens[1:] == chain(reference, [*context, *drafts][:position] + [token], 3, sampling), (position, token)
+    text = [*context, *drafts, *growth.extension]  # and the draft goes on drafting from its cache afterwards
+    assert speculator.extend(text, sampling) == reference.extend(text, sampling)
+
+
+def test_a_growth_stops_the_chain_at_most_and_forks_only_where_it_has_ids(realistic_draft, context):
+    speculator = ModelSpeculator(realistic_draft, n_ctx=512, tree_branches=3)
+    drafts = chain(speculator, context, 4)
+    growth = CorrectionGrowth(speculator, [*context, *drafts], len(context) + 1, 2, most=1, length=3)
+    assert sorted({position for position, _ in growth.corrections}) == [len(context) + 1, len(context) + 2]
+    assert len(growth.corrections) == 3  # three KV ids: the first three forks
+    while not growth.done:
+        growth.round()
+    assert len(growth.extension) == 1 and all(len(tokens) == 3 for tokens in growth.corrections.values())
