@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from orchestrator.cluster.connect import ray_session
-from orchestrator.config import MAX_RESTARTS, TREE_CURVE_SIZES
+from orchestrator.config import CORRECTIONS_RELAYED_MOST, MAX_RESTARTS, TREE_CURVE_SIZES
 from orchestrator.cluster.drafters import (DrafterClient, draft_prices, drafter_compute, drafter_nodes,
                                           drafter_settings,
                                           speculator_factory, start_drafters, stop_drafters)
@@ -196,7 +196,9 @@ def make_drafting(kind: str, drafters: list, schedule: Schedule, draft_max: int,
     draft_prices: a draft model's (cluster.drafters.draft_prices).
     coupled: drafters sample with the target's uniforms (--draft-sampling).
     corrections: an async draft model's drafter also drafts corrections
-    while a pass runs (Drafting.corrects; False: the chain alone, the bench's comparison)."""
+    while a pass runs (Drafting.corrects), where drafting then costs the
+    passes little (config.CORRECTIONS_RELAYED_MOST); False: the chain alone,
+    the bench's comparison."""
     from orchestrator.decoding.targets import InstantDrafter
 
     if kind == "ngram":
@@ -204,7 +206,8 @@ def make_drafting(kind: str, drafters: list, schedule: Schedule, draft_max: int,
                         call_cost=ask_cost(kind), step=step, tree_leaves=tree_leaves, pass_curve=pass_curve)
     return Drafting(drafters, schedule, draft_max, call_cost=ask_cost(kind), step=step, tree_leaves=tree_leaves,
                     draft_prices=draft_prices, pass_curve=pass_curve, coupled=coupled,
-                    corrects=corrections and kind == "model" and schedule.asynchronous)
+                    corrects=(corrections and kind == "model" and schedule.asynchronous
+                              and draft_prices.relayed <= CORRECTIONS_RELAYED_MOST))
 
 
 def run_generation(

@@ -32,7 +32,6 @@ import numpy as np
 from speculators.sampling import SamplingSettings, choose_token
 
 CORRECTION_RANKS = 2  # corrections at a position: the draft's next best tokens there after its own
-
 Corrections = dict[tuple[int, int], list[int]]
 """(position, the token there) -> the correction's tokens: that token, then the draft's continuation."""
 
@@ -44,16 +43,21 @@ class CorrectionGrowth:
 
     most: main-chain tokens to draft; length: each correction's tokens (its
     runner-up included). ``extension`` and ``corrections`` are what the
-    rounds so far drafted; a correction for each of the draft's runners-up
-    at a position (CORRECTION_RANKS), as many as the engine has KV ids."""
+    rounds so far drafted: a correction for each of the draft's runners-up
+    at a position (CORRECTION_RANKS), the likeliest first (every position's
+    runner-up, earliest first, then the next ranks), as many as the engine
+    has KV ids for. after: the chain drafts this many tokens alone before the
+    corrections start (the next window's drafts are worth more than any
+    correction: they count whenever the window being verified is accepted whole)."""
 
     def __init__(self, speculator, context: Sequence[int], first: int, count: int, most: int, length: int,
-                 sampling: SamplingSettings | None = None):
+                 sampling: SamplingSettings | None = None, after: int = 0):
         self.speculator = speculator
         self.engine = speculator.engine
         self.sampling = sampling
         self.most = most
         self.length = length
+        self.after = after
         self.extension: list[int] = []
         self.corrections: Corrections = {}
         keep = speculator.roll_back(context)
@@ -63,8 +67,9 @@ class CorrectionGrowth:
         self._main = list(context)
         self._ended = most <= 0  # the main chain stops (most reached, or the draft declined: p_min)
         runners_up = speculator.runners_up
-        forks = [(position, token) for position in range(max(first, 1), min(first + count, len(context)))
-                 for token in runners_up.get(position, [])]
+        positions = range(max(first, 1), min(first + count, len(context)))
+        forks = [(position, tokens[rank]) for rank in range(CORRECTION_RANKS) for position in positions
+                 if len(tokens := runners_up.get(position, [])) > rank]
         self._branches = {fork: branch for branch, fork in enumerate(forks[: self.engine.tree_sequences], start=1)}
         for (position, token), branch in self._branches.items():
             self.engine.fork(0, branch, position)
@@ -88,7 +93,7 @@ class CorrectionGrowth:
         rows: list[tuple[tuple[int, int] | None, int, int, int]] = []  # (fork or None: main, branch, position, token)
         if not self._ended:
             rows.append((None, 0, len(self._main) - 1, self._main[-1]))
-        for fork in sorted(self._open):
+        for fork in sorted(self._open) if self._ended or len(self.extension) >= self.after else ():
             tokens = self.corrections[fork]
             rows.append((fork, self._branches[fork], fork[0] + len(tokens) - 1, tokens[-1]))
         if not rows:
@@ -130,3 +135,4 @@ class CorrectionGrowth:
         if self.sampling is not None and not self.sampling.greedy:
             token = choose_token(logits, position, self.sampling)
         return token
+

@@ -81,11 +81,12 @@ The rules:
 from __future__ import annotations
 
 import enum
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from orchestrator.config import PREFILL_CHUNKS_PER_STAGE, PREFILL_LEAST_CHUNK, WINDOWS_DRAFTED_AHEAD
+from orchestrator.config import CORRECTION_SHARE, PREFILL_CHUNKS_PER_STAGE, PREFILL_LEAST_CHUNK, WINDOWS_DRAFTED_AHEAD
 from speculators.corrections import Corrections
 from speculators.draft_length import DRAFTER_CALL_COST, PRIOR_STEP, DraftPolicy, DraftPrices
 from speculators.sampling import SamplingSettings
@@ -294,15 +295,26 @@ class SequenceState:
         self.corrections = dict(corrections or {})
 
     @property
-    def forks(self) -> tuple[int, int] | None:
-        """Where corrections may be drafted while the head window is verified:
-        (the position of its first draft, its drafts), for a chain of drafts
-        starting at the last committed token; None otherwise."""
+    def forks(self) -> tuple[int, int, int] | None:
+        """Where corrections may be drafted while the head window is verified
+        (speculators.corrections): the position of its first draft, its
+        drafts, and the tokens the chain drafts alone before the corrections
+        start. Those are the next window's (its first token and draft_limit
+        drafts, less what is speculated already) where the head window is
+        likelier to be accepted whole than to be corrected at its first draft
+        (the policy's acceptances; CORRECTION_SHARE of rejections covered),
+        else none. None unless the head window is a chain of drafts starting
+        at the last committed token."""
         head = self.in_flight[0] if self.in_flight else None
         if (head is None or head.prompt or head.parents is not None or head.refed
                 or head.first != len(self.committed) - 1 or not head.main_drafts):
             return None
-        return len(self.committed), len(head.main_drafts)
+        drafts = len(head.main_drafts)
+        acceptances = self.policy.acceptances()
+        whole = math.prod(acceptances[:drafts])
+        end = len(self.committed) + drafts  # the next window's first position
+        chain_first = whole >= (1.0 - acceptances[0]) * CORRECTION_SHARE
+        return len(self.committed), drafts, max(0, 1 + self.draft_limit - (len(self.text) - end)) if chain_first else 0
 
     def _prompt_window(self) -> Window:
         """The prompt's next chunk."""
@@ -515,7 +527,7 @@ class SequenceState:
         else:
             # the speculation went wrong: the correction drafted where it did, if it holds the target's token
             correction = [] if self.finished else corrections.get((len(self.committed) - 1, self.committed[-1]), [])
-            taken = bool(correction)
+            taken = len(correction) > 1  # it holds drafts after the target's token
             self.speculation = correction[1:]
             self.stats.corrected_windows += taken
         return committed

@@ -56,7 +56,7 @@ class _Request:
     sampling: SamplingSettings | None = None  # coupled drafting (SpeculateFrom.sampling)
     tree_ask: TreeAsk | None = None  # grow a tree (SpeculateFrom.tree), in one go
     tree: DraftTree | None = None  # the tree grown for this epoch
-    forks: tuple[int, int] | None = None  # draft corrections there too (SpeculateFrom.forks), a round at a time
+    forks: tuple[int, int, int] | None = None  # draft corrections there too (SpeculateFrom.forks), a round at a time
     growth: CorrectionGrowth | None = None  # the main chain and corrections being grown for this epoch
     corrections: Corrections = field(default_factory=dict)  # what the growth's rounds drafted so far
 
@@ -258,9 +258,9 @@ class DrafterServer:
         growth = request.growth
         try:
             if growth is None:
-                first, count = request.forks  # type: ignore[misc]
+                first, count, after = request.forks  # type: ignore[misc]
                 growth = CorrectionGrowth(request.speculator, request.context, first, count, request.most,
-                                          1 + self.draft_max, sampling)
+                                          1 + self.draft_max, sampling, after)
             else:
                 growth.round()
             error = ""

@@ -51,8 +51,22 @@ def test_a_growth_stops_the_chain_at_most_and_forks_only_where_it_has_ids(realis
     speculator = ModelSpeculator(realistic_draft, n_ctx=512, tree_branches=3)
     drafts = chain(speculator, context, 4)
     growth = CorrectionGrowth(speculator, [*context, *drafts], len(context) + 1, 2, most=1, length=3)
-    assert sorted({position for position, _ in growth.corrections}) == [len(context) + 1, len(context) + 2]
-    assert len(growth.corrections) == 3  # three KV ids: the first three forks
+    runners_up = speculator.runners_up
+    assert list(growth.corrections) == [(len(context) + 1, runners_up[len(context) + 1][0]),  # the likeliest first:
+                                        (len(context) + 2, runners_up[len(context) + 2][0]),  # each runner-up
+                                        (len(context) + 1, runners_up[len(context) + 1][1])]  # then the next rank
     while not growth.done:
         growth.round()
     assert len(growth.extension) == 1 and all(len(tokens) == 3 for tokens in growth.corrections.values())
+
+
+
+def test_the_chain_drafts_the_next_window_alone_before_the_corrections_start(realistic_draft, context):
+    speculator = ModelSpeculator(realistic_draft, n_ctx=512, tree_branches=2)
+    drafts = chain(speculator, context, 2)
+    growth = CorrectionGrowth(speculator, [*context, *drafts], len(context), 1, most=4, length=3, after=2)
+    growth.round()
+    growth.round()
+    assert len(growth.extension) == 2 and all(len(tokens) == 1 for tokens in growth.corrections.values())
+    growth.round()
+    assert len(growth.extension) == 3 and all(len(tokens) == 2 for tokens in growth.corrections.values())

@@ -14,11 +14,21 @@ def state(speculation=(4, 5, 6), max_tokens=50):
     return SequenceState(0, [1, 2, 3], 2, max_tokens, Schedule.ASYNC, 4, speculation=list(speculation), draft_limit=4)
 
 
-def test_corrections_fork_at_the_head_windows_drafts():
+def test_corrections_fork_at_the_head_windows_drafts_and_start_at_once_where_rejections_are_likelier():
     sequence = state()
     assert sequence.forks is None  # nothing in flight
     sequence.first_window()  # 3 | 4 5 6 at positions 2 | 3 4 5
-    assert sequence.forks == (3, 3)
+    assert sequence.forks == (3, 3, 0)  # the policy's prior: half the drafts accepted, so the corrections first
+
+
+def test_where_windows_are_likely_accepted_whole_the_chain_drafts_the_next_window_first():
+    sequence = state()
+    for _ in range(40):
+        sequence.policy.observe_window(3, 3)
+    sequence.first_window()
+    assert sequence.forks == (3, 3, 1 + sequence.draft_limit)  # the next window's first token and its drafts
+    sequence.drafted([7, 8])
+    assert sequence.forks == (3, 3, sequence.draft_limit - 1)  # less what is speculated already
 
 
 def test_a_window_without_drafts_forks_nothing():
@@ -72,3 +82,11 @@ def test_no_correction_is_taken_once_the_sequence_has_finished():
     sequence.drafted([], {(4, 50): [50, 51]})
     sequence.verified(head, [4, 50], never_ends)  # the third generated token ends it
     assert sequence.finished and sequence.speculation == []
+
+
+def test_a_correction_holding_no_drafts_after_the_targets_token_is_no_speculation():
+    sequence = state()
+    head = sequence.first_window()
+    sequence.drafted([], {(4, 50): [50]})  # the runner-up alone: collected before its next token
+    sequence.verified(head, [4, 50], never_ends)
+    assert sequence.speculation == [] and sequence.stats.corrected_windows == 0 and sequence.drafts_first
