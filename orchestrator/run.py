@@ -207,6 +207,7 @@ def make_drafting(kind: str, drafters: list, schedule: Schedule, draft_max: int,
     return Drafting(drafters, schedule, draft_max, call_cost=ask_cost(kind), step=step, tree_leaves=tree_leaves,
                     draft_prices=draft_prices, pass_curve=pass_curve, coupled=coupled,
                     corrects=(corrections and kind == "model" and schedule.asynchronous
+                              and draft_prices.awaited > 0  # measured (unmeasured: not known to be cheap)
                               and draft_prices.relayed <= CORRECTIONS_RELAYED_MOST))
 
 

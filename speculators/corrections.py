@@ -66,10 +66,12 @@ class CorrectionGrowth:
         speculator.cached = list(context[:-1])
         self._main = list(context)
         self._ended = most <= 0  # the main chain stops (most reached, or the draft declined: p_min)
-        runners_up = speculator.runners_up
+        # the committed positions before ``first`` are never corrected again
+        runners_up = speculator.runners_up = {position: tokens for position, tokens in speculator.runners_up.items()
+                                              if position >= first}
         positions = range(max(first, 1), min(first + count, len(context)))
         forks = [(position, tokens[rank]) for rank in range(CORRECTION_RANKS) for position in positions
-                 if len(tokens := runners_up.get(position, [])) > rank]
+                 if len(tokens := runners_up.get(position, [])) > rank and tokens[rank] != context[position]]
         self._branches = {fork: branch for branch, fork in enumerate(forks[: self.engine.tree_sequences], start=1)}
         for (position, token), branch in self._branches.items():
             self.engine.fork(0, branch, position)

@@ -72,7 +72,8 @@ class ModelSpeculator:
     step_seconds: under an emulated cost curve (stages.cost_curve), the least
     time one step (one drafted token, or one round of a growing tree) takes;
     0: as long as it really takes. tree_branches: KV ids for growing token
-    trees (grow_tree; one sequence only).
+    trees (grow_tree) or corrections (speculators.corrections; one sequence
+    only); with them it keeps the draft's runners-up of each token it drafts.
     """
 
     def __init__(self, path: str, *, p_min: float = 0.0, n_ctx: int = 4096, threads: int = 1,
@@ -113,7 +114,7 @@ class ModelSpeculator:
                 token = None
         if token is not None and sampling is not None and not sampling.greedy:
             token = choose_token(logits, len(context), sampling)
-        if token is not None:
+        if token is not None and self.engine.tree_sequences:  # corrections fork in tree ids: none, none kept
             self.note_runner_up(len(context), token, logits, sampling)
         rest = self.step_seconds - (time.perf_counter() - started)
         if rest > 0:

@@ -338,6 +338,9 @@ class DrafterClient:
             return False
         first, count, _ = forks
         longest = 1 + (self.draft_max or MAX_TREE_ROWS)
+        if len(reply.corrections) > count * CORRECTION_RANKS:
+            self._lose(f"sent {len(reply.corrections)} corrections (at most {count * CORRECTION_RANKS})")
+            return False
         for position, tokens in reply.corrections:
             if not first <= position < first + count or len(tokens) > longest:
                 self._lose(f"sent a correction at position {position} of {len(tokens)} tokens"

@@ -134,9 +134,10 @@ class Drafter(Protocol):
         seeded uniforms (speculators.model_tree; None: its top choices);
         tree: grow a token tree (collect_tree), not a chain. A drafter that
         drafts corrections (Drafting.corrects: the drafter actors of
-        orchestrator.cluster.drafters) also takes ``forks`` = (first, count):
-        draft them at those context positions (speculators.corrections), and
-        has ``corrections()``, those its last reply brought."""
+        orchestrator.cluster.drafters) also takes ``forks`` = (first, count,
+        after): draft them at those context positions once the chain has
+        ``after`` tokens (speculators.corrections), and has
+        ``corrections()``, those its last reply brought."""
 
     def collect(self, wait: bool = False) -> list[int]:
         """The tokens drafted since the last speculate ([] if none); with ``wait``,

@@ -16,8 +16,8 @@ its stage). The coordinator connects and sends, for KV sequence ``sequence``
 The socket is served by its own thread, so a speculator that is slow, hangs
 or raises never delays a reply: the reply is whatever exists by then. A result
 computed for an older epoch is thrown away. One drafting thread serves the
-sequences in turn, a token each (a draft model's sequences share its engine:
-speculators.model.ModelSpeculator.sibling).
+sequences in turn, a token each, or a round of a chain and its corrections
+(a draft model's sequences share its engine: speculators.model.ModelSpeculator.sibling).
 """
 
 from __future__ import annotations
@@ -251,16 +251,18 @@ class DrafterServer:
             request.drafting = False
             request.finished.set()
 
-    def _correct(self, request: _Request, epoch: int, sampling: SamplingSettings | None, started: float) -> None:
+    def _correct(self, request: _Request, epoch: int, step: tuple, sampling: SamplingSettings | None,
+                 started: float) -> None:
         """One step of a request that drafts corrections beside its chain
         (speculators.corrections): start the growth, or grow one round; what
-        the rounds drafted is what a collect returns, at any time."""
-        growth = request.growth
+        the rounds drafted is what a collect returns, at any time. step: its
+        growth, or (context, forks, most) to start one, read under the lock."""
+        growth = step[0] if isinstance(step[0], CorrectionGrowth) else None
         try:
             if growth is None:
-                first, count, after = request.forks  # type: ignore[misc]
-                growth = CorrectionGrowth(request.speculator, request.context, first, count, request.most,
-                                          1 + self.draft_max, sampling, after)
+                context, (first, count, after), most = step
+                growth = CorrectionGrowth(request.speculator, context, first, count, most, 1 + self.draft_max,
+                                          sampling, after)
             else:
                 growth.round()
             error = ""
@@ -276,8 +278,10 @@ class DrafterServer:
                 request.drafting, request.error = False, error
                 request.finished.set()
                 return
-            self.drafted_tokens += len(growth.extension) - len(request.extension) + sum(
-                len(tokens) for tokens in growth.corrections.values()) - sum(map(len, request.corrections.values()))
+            # the tokens the rounds drafted (a correction's first, the draft's runner-up, was drafted before)
+            self.drafted_tokens += (len(growth.extension) - len(request.extension)
+                                    + sum(len(tokens) - 1 for tokens in growth.corrections.values())
+                                    - sum(len(tokens) - 1 for tokens in request.corrections.values()))
             request.growth = growth
             request.extension = list(growth.extension)
             request.corrections = {fork: list(tokens) for fork, tokens in growth.corrections.items()}
@@ -294,12 +298,14 @@ class DrafterServer:
                 epoch = request.epoch
                 context = request.context + request.extension
                 sampling, tree_ask = request.sampling, request.tree_ask
+                correcting = request.correcting
+                step = (request.growth,) if request.growth is not None else (context, request.forks, request.most)
             started = time.perf_counter()
             if tree_ask is not None:
                 self._grow(request, epoch, context, sampling, tree_ask, started)
                 continue
-            if request.correcting:
-                self._correct(request, epoch, sampling, started)
+            if correcting:
+                self._correct(request, epoch, step, sampling, started)
                 continue
             try:
                 token = request.speculator.extend(context, sampling)

@@ -234,3 +234,11 @@ def test_corrections_outside_the_window_asked_for_lose_the_drafter():
         client.speculate([1, 2, 3, 4, 5], 2, forks=forks)
         assert client.collect(wait=True) == [] and client.corrections() == {}
         assert not client.alive and reason in client.lost_reason, client.lost_reason
+
+
+def test_more_corrections_than_asked_for_lose_the_drafter():
+    corrections = tuple((3, (token,)) for token in range(7, 12))  # five at one position: two runners-up asked for
+    client, drafter, _ = answered_by(reply_with(corrections))
+    drafter.start()
+    client.speculate([1, 2, 3, 4, 5], 2, forks=(3, 2, 0))
+    assert client.collect(wait=True) == [] and "sent 5 corrections (at most 4)" in client.lost_reason
