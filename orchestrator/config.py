@@ -34,11 +34,6 @@ WINDOWS_DRAFTED_AHEAD = 2
 # 2 x draft_max corrections. Measured 2026-12-06: emulated @40 0.005, @160 0.001, 4 stages at 20 ms
 # 0.042 (the stages sleep, the drafter has the cores); this 2-core CPU 0.154 (drafter and stages share them).
 CORRECTIONS_RELAYED_MOST = 0.05
-# The share of rejections whose target token is one of the draft's two runners-up there, taken when
-# choosing whether a pass's drafting first drafts the next window's chain or the corrections
-# (SequenceState.forks). Measured: 0.38-0.50 of rejections corrected, the bench's chat-draft, probe
-# across-rejections 2026-12-06.
-CORRECTION_SHARE = 0.4
 
 # Scheduler.drafting_during (orchestrator.decoding.scheduler), in passes: while several sequences
 # share passes, drafting pauses after this many shared passes in a row took no drafts, and drafts again

@@ -32,6 +32,12 @@ import numpy as np
 from speculators.sampling import SamplingSettings, choose_token
 
 CORRECTION_RANKS = 2  # corrections at a position: the draft's next best tokens there after its own
+# Corrections join the chain's rounds from the first where a round with all of them costs at most this
+# many of the chain's own steps (a batch of rows costs about one: a memory-bound drafter); elsewhere
+# (each row costs about a step: a compute-bound CPU) they wait until the chain has the next window's
+# drafts, so that they take only the drafter's spare time. Timed on the drafter's machine (round_costs).
+CORRECTION_SLACK = 1.25
+ROUND_WIDTHS = (1, 2, 3, 5, 9, 17)  # the rounds timed once per draft engine: the chain alone, and 1-16 corrections
 Corrections = dict[tuple[int, int], list[int]]
 """(position, the token there) -> the correction's tokens: that token, then the draft's continuation."""
 
@@ -46,9 +52,9 @@ class CorrectionGrowth:
     rounds so far drafted: a correction for each of the draft's runners-up
     at a position (CORRECTION_RANKS), the likeliest first (every position's
     runner-up, earliest first, then the next ranks), as many as the engine
-    has KV ids for. after: the chain drafts this many tokens alone before the
-    corrections start (the next window's drafts are worth more than any
-    correction: they count whenever the window being verified is accepted whole)."""
+    has KV ids for. after: the chain's tokens (the next window's) before
+    which the corrections join the rounds, unless a round with them costs
+    the chain little (CORRECTION_SLACK, ``round_costs``)."""
 
     def __init__(self, speculator, context: Sequence[int], first: int, count: int, most: int, length: int,
                  sampling: SamplingSettings | None = None, after: int = 0):
@@ -57,7 +63,6 @@ class CorrectionGrowth:
         self.sampling = sampling
         self.most = most
         self.length = length
-        self.after = after
         self.extension: list[int] = []
         self.corrections: Corrections = {}
         keep = speculator.roll_back(context)
@@ -66,6 +71,7 @@ class CorrectionGrowth:
         speculator.cached = list(context[:-1])
         self._main = list(context)
         self._ended = most <= 0  # the main chain stops (most reached, or the draft declined: p_min)
+        costs = self._round_costs(len(context) - 1)  # timed first: the timing forks and drops KV ids
         # the committed positions before ``first`` are never corrected again
         runners_up = speculator.runners_up = {position: tokens for position, tokens in speculator.runners_up.items()
                                               if position >= first}
@@ -77,6 +83,16 @@ class CorrectionGrowth:
             self.engine.fork(0, branch, position)
             self.corrections[position, token] = [token]
         self._open = {fork for fork in self.corrections if length > 1}
+        width = max((width for width in costs if width <= 1 + len(self.corrections)), default=1)
+        self.after = 0 if costs[width] <= CORRECTION_SLACK * costs[1] else after
+
+    def _round_costs(self, position: int) -> dict[int, float]:
+        """A round's seconds by its rows on this drafter (timed once per
+        speculator: ``round_costs``), each at least its emulated step."""
+        if self.speculator.round_seconds is None:
+            self.speculator.round_seconds = round_costs(self.engine, position, self.speculator.sequence)
+        step = self.speculator.step_seconds
+        return {width: max(seconds, step) for width, seconds in self.speculator.round_seconds.items()}
 
     def _prefill(self, tokens: Sequence[int], first: int) -> None:
         batch = self.engine.settings.n_batch
@@ -138,3 +154,21 @@ class CorrectionGrowth:
             token = choose_token(logits, position, self.sampling)
         return token
 
+
+def round_costs(engine, position: int, sequence: int = 0) -> dict[int, float]:
+    """Seconds of one round of each width of ROUND_WIDTHS the engine's KV ids
+    allow, its rows at ``position`` after the cells branch 0 holds below it:
+    the median of three, each round's rows dropped again."""
+    costs = {}
+    for width in (width for width in ROUND_WIDTHS if width <= 1 + engine.tree_sequences):
+        times = []
+        for _ in range(3):
+            for branch in range(1, width):
+                engine.fork(0, branch, position)
+            started = time.perf_counter()
+            engine.decode_branches(np.full(width, position, np.int32), np.zeros(width, np.int32),
+                                   np.arange(width, dtype=np.int32))
+            times.append(time.perf_counter() - started)
+            engine.remove(position, sequence)
+        costs[width] = sorted(times)[1]
+    return costs

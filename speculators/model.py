@@ -100,6 +100,7 @@ class ModelSpeculator:
         self.cached: list[int] = []  # tokens at positions 0..len-1 of the draft's KV sequence
         # position -> the draft's next best tokens there, for each token it drafted (corrections.py forks on them)
         self.runners_up: dict[int, list[int]] = {}
+        self.round_seconds: dict[int, float] | None = None  # a correction round's seconds by its rows, once timed
 
     def extend(self, context: Sequence[int], sampling: SamplingSettings | None = None) -> int | None:
         """The next draft token: the draft's argmax, or with ``sampling`` (not

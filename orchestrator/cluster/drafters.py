@@ -150,7 +150,7 @@ class DrafterClient:
         self._speculating: set[int] = set()  # KV sequences asked to draft and not collected since
         self._asked: set[int] = set()  # KV sequences whose collect was sent (ask) and not yet read
         self._trees: dict[int, tuple[TreeAsk | None, int]] = {}  # by KV sequence: its latest request's tree, root
-        self._forks: dict[int, tuple[int, int, int] | None] = {}  # by KV sequence: its latest request's forks
+        self._forks: dict[int, tuple[int, int] | None] = {}  # by KV sequence: its latest request's forks
         self._corrections: dict[int, Corrections] = {}  # by KV sequence: its last reply's corrections
         self._busy_earlier = 0.0  # drafting seconds of the drafters this one replaced
         self.busy_seconds = 0.0

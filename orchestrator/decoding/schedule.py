@@ -81,12 +81,11 @@ The rules:
 from __future__ import annotations
 
 import enum
-import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from orchestrator.config import CORRECTION_SHARE, PREFILL_CHUNKS_PER_STAGE, PREFILL_LEAST_CHUNK, WINDOWS_DRAFTED_AHEAD
+from orchestrator.config import PREFILL_CHUNKS_PER_STAGE, PREFILL_LEAST_CHUNK, WINDOWS_DRAFTED_AHEAD
 from speculators.corrections import Corrections
 from speculators.draft_length import DRAFTER_CALL_COST, PRIOR_STEP, DraftPolicy, DraftPrices
 from speculators.sampling import SamplingSettings
@@ -298,23 +297,16 @@ class SequenceState:
     def forks(self) -> tuple[int, int, int] | None:
         """Where corrections may be drafted while the head window is verified
         (speculators.corrections): the position of its first draft, its
-        drafts, and the tokens the chain drafts alone before the corrections
-        start. Those are the next window's (its first token and draft_limit
-        drafts, less what is speculated already) where the head window is
-        likelier to be accepted whole than to be corrected at its first draft
-        (the policy's acceptances; CORRECTION_SHARE of rejections covered),
-        else none. None unless the head window is a chain of drafts starting
-        at the last committed token."""
+        drafts, and the chain's tokens they wait for where they would slow
+        it: the next window's (its first token and draft_limit drafts, less
+        what is speculated already). None unless the head window is a chain
+        of drafts starting at the last committed token."""
         head = self.in_flight[0] if self.in_flight else None
         if (head is None or head.prompt or head.parents is not None or head.refed
                 or head.first != len(self.committed) - 1 or not head.main_drafts):
             return None
-        drafts = len(head.main_drafts)
-        acceptances = self.policy.acceptances()
-        whole = math.prod(acceptances[:drafts])
-        end = len(self.committed) + drafts  # the next window's first position
-        chain_first = whole >= (1.0 - acceptances[0]) * CORRECTION_SHARE
-        return len(self.committed), drafts, max(0, 1 + self.draft_limit - (len(self.text) - end)) if chain_first else 0
+        end = len(self.committed) + len(head.main_drafts)  # the next window's first position
+        return len(self.committed), len(head.main_drafts), max(0, 1 + self.draft_limit - (len(self.text) - end))
 
     def _prompt_window(self) -> Window:
         """The prompt's next chunk."""

@@ -135,8 +135,7 @@ class Drafter(Protocol):
         tree: grow a token tree (collect_tree), not a chain. A drafter that
         drafts corrections (Drafting.corrects: the drafter actors of
         orchestrator.cluster.drafters) also takes ``forks`` = (first, count,
-        after): draft them at those context positions once the chain has
-        ``after`` tokens (speculators.corrections), and has
+        after): draft them at those context positions (speculators.corrections), and has
         ``corrections()``, those its last reply brought."""
 
     def collect(self, wait: bool = False) -> list[int]:

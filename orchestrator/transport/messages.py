@@ -393,8 +393,9 @@ class SpeculateFrom:
     sampling: the request's, for coupled drafting (the draft samples with the
     target's seeded uniforms); None or greedy: the draft's top choices.
     forks: (first, count, after): also draft corrections at context positions
-    first .. first + count - 1, the window being verified, once the chain has
-    ``after`` tokens (speculators.corrections); None: none.
+    first .. first + count - 1, the window being verified, joining the chain's
+    rounds once it has ``after`` tokens or where they cost it little
+    (speculators.corrections); None: none.
 
     On the wire: context raw (it can be long), as int32; sequence only when
     not 0; tree, sampling and forks only when given.

@@ -5,7 +5,7 @@ it had drafted it alone, and the chain beside them is the draft's chain."""
 import numpy as np
 import pytest
 
-from speculators.corrections import CORRECTION_RANKS, CorrectionGrowth
+from speculators.corrections import CORRECTION_RANKS, ROUND_WIDTHS, CorrectionGrowth, round_costs
 from speculators.model import ModelSpeculator
 from speculators.sampling import SamplingSettings
 from stages.tokenizer import Tokenizer
@@ -60,13 +60,33 @@ def test_a_growth_stops_the_chain_at_most_and_forks_only_where_it_has_ids(realis
     assert len(growth.extension) == 1 and all(len(tokens) == 3 for tokens in growth.corrections.values())
 
 
-
-def test_the_chain_drafts_the_next_window_alone_before_the_corrections_start(realistic_draft, context):
+def grown_after_two_rounds(realistic_draft, context, round_seconds):
     speculator = ModelSpeculator(realistic_draft, n_ctx=512, tree_branches=2)
+    speculator.round_seconds = round_seconds  # as if timed so on the drafter's machine
     drafts = chain(speculator, context, 2)
     growth = CorrectionGrowth(speculator, [*context, *drafts], len(context), 1, most=4, length=3, after=2)
     growth.round()
     growth.round()
+    return growth
+
+
+def test_where_a_round_of_corrections_slows_the_chain_they_wait_for_its_next_window(realistic_draft, context):
+    growth = grown_after_two_rounds(realistic_draft, context, {1: 1.0, 2: 1.8, 3: 2.6})  # each row a step
     assert len(growth.extension) == 2 and all(len(tokens) == 1 for tokens in growth.corrections.values())
-    growth.round()
+    growth.round()  # the chain has the next window's two tokens: now the corrections grow beside it
     assert len(growth.extension) == 3 and all(len(tokens) == 2 for tokens in growth.corrections.values())
+
+
+def test_where_a_round_of_corrections_costs_about_one_step_they_join_at_once(realistic_draft, context):
+    growth = grown_after_two_rounds(realistic_draft, context, {1: 1.0, 2: 1.0, 3: 1.1})  # memory-bound
+    assert len(growth.extension) == 2 and all(len(tokens) == 3 for tokens in growth.corrections.values())
+
+
+def test_rounds_are_timed_without_changing_what_the_draft_drafts(realistic_draft, context):
+    speculator = ModelSpeculator(realistic_draft, n_ctx=512, tree_branches=4)
+    reference = ModelSpeculator(realistic_draft, n_ctx=512)
+    drafts = chain(speculator, context, 2)
+    speculator.roll_back([*context, *drafts])  # the cells below the last token, as a growth times them
+    costs = round_costs(speculator.engine, len(context) + 1)
+    assert sorted(costs) == [width for width in ROUND_WIDTHS if width <= 5] and all(costs.values())
+    assert chain(speculator, [*context, *drafts], 3) == chain(reference, [*context, *drafts], 3)

@@ -14,21 +14,13 @@ def state(speculation=(4, 5, 6), max_tokens=50):
     return SequenceState(0, [1, 2, 3], 2, max_tokens, Schedule.ASYNC, 4, speculation=list(speculation), draft_limit=4)
 
 
-def test_corrections_fork_at_the_head_windows_drafts_and_start_at_once_where_rejections_are_likelier():
+def test_corrections_fork_at_the_head_windows_drafts():
     sequence = state()
     assert sequence.forks is None  # nothing in flight
     sequence.first_window()  # 3 | 4 5 6 at positions 2 | 3 4 5
-    assert sequence.forks == (3, 3, 0)  # the policy's prior: half the drafts accepted, so the corrections first
-
-
-def test_where_windows_are_likely_accepted_whole_the_chain_drafts_the_next_window_first():
-    sequence = state()
-    for _ in range(40):
-        sequence.policy.observe_window(3, 3)
-    sequence.first_window()
-    assert sequence.forks == (3, 3, 1 + sequence.draft_limit)  # the next window's first token and its drafts
+    assert sequence.forks == (3, 3, 5)  # where they slow it, after the chain's next window: 1 + 4 drafts
     sequence.drafted([7, 8])
-    assert sequence.forks == (3, 3, sequence.draft_limit - 1)  # less what is speculated already
+    assert sequence.forks == (3, 3, 3)  # less what is speculated already
 
 
 def test_a_window_without_drafts_forks_nothing():

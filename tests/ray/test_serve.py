@@ -313,14 +313,15 @@ def test_a_full_queue_answers_429_with_retry_after(server, model_name):
     assert server.settled()["requests_queued"] == 0
 
 
-def test_soak_hundreds_of_requests_with_random_disconnects(server, model_name):
-    """200 requests at concurrency 8, a quarter of them dropped by their
+def test_dozens_of_requests_with_random_disconnects(server, model_name):
+    """64 requests at concurrency 8, a quarter of them dropped by their
     client mid-stream: every other one completes or gets an error, none hangs
     (a minute without a byte is a client timeout, an outcome the test
     refuses; the overall limit only keeps a deadlock from stalling the suite);
-    afterwards no sequence is held and no stage grew."""
+    afterwards no sequence is held and no stage grew. (The long soak, hundreds
+    of requests with faults, is a benchmark: benchmarks/chaos.py.)"""
     rng = random.Random(7)
-    plan = [(rng.choice(PROMPTS) + f" ({index})", rng.randint(1, 10), rng.random() < 0.25) for index in range(200)]
+    plan = [(rng.choice(PROMPTS) + f" ({index})", rng.randint(1, 10), rng.random() < 0.25) for index in range(64)]
     before = [stage["rss_mb"] for stage in server.health()["stages"]]
     outcomes: list[str] = []
 
