@@ -32,10 +32,12 @@ import numpy as np
 from speculators.sampling import SamplingSettings, choose_token
 
 CORRECTION_RANKS = 2  # corrections at a position: the draft's next best tokens there after its own
-# Corrections join the chain's rounds from the first where a round with all of them costs at most this
-# many of the chain's own steps (a batch of rows costs about one: a memory-bound drafter); elsewhere
-# (each row costs about a step: a compute-bound CPU) they wait until the chain has the next window's
-# drafts, so that they take only the drafter's spare time. Timed on the drafter's machine (round_costs).
+# A round carries as many corrections as keep it within this many of the chain's own steps (timed on the
+# drafter's machine: round_costs): where a batch of rows costs about one (a memory-bound drafter) that is
+# all of them; where each row costs about a step (a compute-bound CPU) none. A round cannot be cut short:
+# one wider than that delays the chain's next token and the next window's drafting, which measured
+# async at 0.86-0.88x the chain alone under the emulated @40 curve here (the draft's rounds computed by
+# this CPU), whether the corrections joined at once or after the chain had the next window's drafts.
 CORRECTION_SLACK = 1.25
 ROUND_WIDTHS = (1, 2, 3, 5, 9, 17)  # the rounds timed once per draft engine: the chain alone, and 1-16 corrections
 Corrections = dict[tuple[int, int], list[int]]
@@ -52,12 +54,11 @@ class CorrectionGrowth:
     rounds so far drafted: a correction for each of the draft's runners-up
     at a position (CORRECTION_RANKS), the likeliest first (every position's
     runner-up, earliest first, then the next ranks), as many as the engine
-    has KV ids for. after: the chain's tokens (the next window's) before
-    which the corrections join the rounds, unless a round with them costs
-    the chain little (CORRECTION_SLACK, ``round_costs``)."""
+    has KV ids for and a round can carry within CORRECTION_SLACK of the
+    chain's own step (``round_costs``)."""
 
     def __init__(self, speculator, context: Sequence[int], first: int, count: int, most: int, length: int,
-                 sampling: SamplingSettings | None = None, after: int = 0):
+                 sampling: SamplingSettings | None = None):
         self.speculator = speculator
         self.engine = speculator.engine
         self.sampling = sampling
@@ -78,13 +79,12 @@ class CorrectionGrowth:
         positions = range(max(first, 1), min(first + count, len(context)))
         forks = [(position, tokens[rank]) for rank in range(CORRECTION_RANKS) for position in positions
                  if len(tokens := runners_up.get(position, [])) > rank and tokens[rank] != context[position]]
-        self._branches = {fork: branch for branch, fork in enumerate(forks[: self.engine.tree_sequences], start=1)}
+        most_forks = min(self.engine.tree_sequences, affordable_corrections(costs))
+        self._branches = {fork: branch for branch, fork in enumerate(forks[:most_forks], start=1)}
         for (position, token), branch in self._branches.items():
             self.engine.fork(0, branch, position)
             self.corrections[position, token] = [token]
         self._open = {fork for fork in self.corrections if length > 1}
-        width = max((width for width in costs if width <= 1 + len(self.corrections)), default=1)
-        self.after = 0 if costs[width] <= CORRECTION_SLACK * costs[1] else after
 
     def _round_costs(self, position: int) -> dict[int, float]:
         """A round's seconds by its rows on this drafter (timed once per
@@ -111,7 +111,7 @@ class CorrectionGrowth:
         rows: list[tuple[tuple[int, int] | None, int, int, int]] = []  # (fork or None: main, branch, position, token)
         if not self._ended:
             rows.append((None, 0, len(self._main) - 1, self._main[-1]))
-        for fork in sorted(self._open) if self._ended or len(self.extension) >= self.after else ():
+        for fork in sorted(self._open):
             tokens = self.corrections[fork]
             rows.append((fork, self._branches[fork], fork[0] + len(tokens) - 1, tokens[-1]))
         if not rows:
@@ -172,3 +172,9 @@ def round_costs(engine, position: int, sequence: int = 0) -> dict[int, float]:
             engine.remove(position, sequence)
         costs[width] = sorted(times)[1]
     return costs
+
+
+def affordable_corrections(costs: dict[int, float]) -> int:
+    """The most corrections a round may carry: the widest round timed that
+    costs at most CORRECTION_SLACK times the chain's own (width 1), less the chain's row."""
+    return max(width for width, seconds in costs.items() if seconds <= CORRECTION_SLACK * costs[1]) - 1

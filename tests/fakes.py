@@ -139,3 +139,17 @@ class TraceTreeDrafter(TraceDrafter):
         limit = min(self.draft_max, self.most or self.draft_max)
         return lookup_tree(TraceLookup(self.truth, self.prompt_length, self.trace), context, limit, 2 * limit,
                            leaves - 1)
+
+
+def flat_round_draft(path: str, **settings):
+    """A draft model (speculators.model.ModelSpeculator on ``path``) whose
+    correction rounds are taken as timed at one step at every width, as on a
+    memory-bound machine: its corrections join the chain's rounds at once
+    (speculators.corrections), where this CPU's own timings would keep them
+    for the drafter's spare time. What it drafts is the real draft's."""
+    from speculators.corrections import ROUND_WIDTHS
+    from speculators.model import ModelSpeculator
+
+    speculator = ModelSpeculator(path, **settings)
+    speculator.round_seconds = {width: 1.0 for width in ROUND_WIDTHS}
+    return speculator

@@ -228,7 +228,7 @@ class DrafterClient:
 
     def speculate(self, context: list[int], most: int | None = None, sequence: int = 0, *,
                   sampling: SamplingSettings | None = None, tree: TreeAsk | None = None,
-                  forks: tuple[int, int, int] | None = None) -> None:
+                  forks: tuple[int, int] | None = None) -> None:
         """Ask the drafter to extend context (committed text + speculation) from
         now on, by at most ``most`` tokens (None: up to draft_max), in KV
         sequence ``sequence``; sampling, tree, forks: as the loop's Drafter.speculate."""
@@ -336,7 +336,7 @@ class DrafterClient:
         if forks is None:
             self._lose("sent corrections that were not asked for")
             return False
-        first, count, _ = forks
+        first, count = forks
         longest = 1 + (self.draft_max or MAX_TREE_ROWS)
         if len(reply.corrections) > count * CORRECTION_RANKS:
             self._lose(f"sent {len(reply.corrections)} corrections (at most {count * CORRECTION_RANKS})")
@@ -376,7 +376,7 @@ class SequenceDrafter:
         self.sequence = sequence
 
     def speculate(self, context: list[int], most: int | None = None, sampling: SamplingSettings | None = None,
-                  tree: TreeAsk | None = None, forks: tuple[int, int, int] | None = None) -> None:
+                  tree: TreeAsk | None = None, forks: tuple[int, int] | None = None) -> None:
         self.client.speculate(context, most, self.sequence, sampling=sampling, tree=tree, forks=forks)
 
     def corrections(self) -> Corrections:

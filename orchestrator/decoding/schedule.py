@@ -294,19 +294,16 @@ class SequenceState:
         self.corrections = dict(corrections or {})
 
     @property
-    def forks(self) -> tuple[int, int, int] | None:
+    def forks(self) -> tuple[int, int] | None:
         """Where corrections may be drafted while the head window is verified
-        (speculators.corrections): the position of its first draft, its
-        drafts, and the chain's tokens they wait for where they would slow
-        it: the next window's (its first token and draft_limit drafts, less
-        what is speculated already). None unless the head window is a chain
-        of drafts starting at the last committed token."""
+        (speculators.corrections): the position of its first draft and its
+        drafts; None unless the head window is a chain of drafts starting at
+        the last committed token."""
         head = self.in_flight[0] if self.in_flight else None
         if (head is None or head.prompt or head.parents is not None or head.refed
                 or head.first != len(self.committed) - 1 or not head.main_drafts):
             return None
-        end = len(self.committed) + len(head.main_drafts)  # the next window's first position
-        return len(self.committed), len(head.main_drafts), max(0, 1 + self.draft_limit - (len(self.text) - end))
+        return len(self.committed), len(head.main_drafts)
 
     def _prompt_window(self) -> Window:
         """The prompt's next chunk."""

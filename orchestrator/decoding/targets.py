@@ -134,8 +134,8 @@ class Drafter(Protocol):
         seeded uniforms (speculators.model_tree; None: its top choices);
         tree: grow a token tree (collect_tree), not a chain. A drafter that
         drafts corrections (Drafting.corrects: the drafter actors of
-        orchestrator.cluster.drafters) also takes ``forks`` = (first, count,
-        after): draft them at those context positions (speculators.corrections), and has
+        orchestrator.cluster.drafters) also takes ``forks`` = (first, count):
+        draft them at those context positions (speculators.corrections), and has
         ``corrections()``, those its last reply brought."""
 
     def collect(self, wait: bool = False) -> list[int]:

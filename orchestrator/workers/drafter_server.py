@@ -56,7 +56,7 @@ class _Request:
     sampling: SamplingSettings | None = None  # coupled drafting (SpeculateFrom.sampling)
     tree_ask: TreeAsk | None = None  # grow a tree (SpeculateFrom.tree), in one go
     tree: DraftTree | None = None  # the tree grown for this epoch
-    forks: tuple[int, int, int] | None = None  # draft corrections there too (SpeculateFrom.forks), a round at a time
+    forks: tuple[int, int] | None = None  # draft corrections there too (SpeculateFrom.forks), a round at a time
     growth: CorrectionGrowth | None = None  # the main chain and corrections being grown for this epoch
     corrections: Corrections = field(default_factory=dict)  # what the growth's rounds drafted so far
 
@@ -260,9 +260,9 @@ class DrafterServer:
         growth = step[0] if isinstance(step[0], CorrectionGrowth) else None
         try:
             if growth is None:
-                context, (first, count, after), most = step
+                context, (first, count), most = step
                 growth = CorrectionGrowth(request.speculator, context, first, count, most, 1 + self.draft_max,
-                                          sampling, after)
+                                          sampling)
             else:
                 growth.round()
             error = ""

@@ -5,7 +5,8 @@ it had drafted it alone, and the chain beside them is the draft's chain."""
 import numpy as np
 import pytest
 
-from speculators.corrections import CORRECTION_RANKS, ROUND_WIDTHS, CorrectionGrowth, round_costs
+from speculators.corrections import (CORRECTION_RANKS, CORRECTION_SLACK, ROUND_WIDTHS, CorrectionGrowth,
+                                     affordable_corrections, round_costs)
 from speculators.model import ModelSpeculator
 from speculators.sampling import SamplingSettings
 from stages.tokenizer import Tokenizer
@@ -18,6 +19,12 @@ def context(realistic_draft):
     return Tokenizer(realistic_draft).tokenize(PROMPT)
 
 
+def flat(speculator):
+    """Its rounds taken as timed at one step at every width (a memory-bound drafter): every correction fits."""
+    speculator.round_seconds = {width: 1.0 for width in ROUND_WIDTHS}
+    return speculator
+
+
 def chain(speculator, context, count, sampling=None):
     drafts = []
     for _ in range(count):
@@ -27,7 +34,7 @@ def chain(speculator, context, count, sampling=None):
 
 @pytest.mark.parametrize("sampling", [None, SamplingSettings(temperature=0.9, seed=3)], ids=["greedy", "coupled"])
 def test_each_correction_is_the_drafts_own_continuation_of_a_runner_up(realistic_draft, context, sampling):
-    speculator = ModelSpeculator(realistic_draft, n_ctx=512, tree_branches=4 * CORRECTION_RANKS)
+    speculator = flat(ModelSpeculator(realistic_draft, n_ctx=512, tree_branches=4 * CORRECTION_RANKS))
     reference = ModelSpeculator(realistic_draft, n_ctx=512)
     drafts = chain(speculator, context, 4, sampling)
     first = len(context)
@@ -48,7 +55,7 @@ def test_each_correction_is_the_drafts_own_continuation_of_a_runner_up(realistic
 
 
 def test_a_growth_stops_the_chain_at_most_and_forks_only_where_it_has_ids(realistic_draft, context):
-    speculator = ModelSpeculator(realistic_draft, n_ctx=512, tree_branches=3)
+    speculator = flat(ModelSpeculator(realistic_draft, n_ctx=512, tree_branches=3))
     drafts = chain(speculator, context, 4)
     growth = CorrectionGrowth(speculator, [*context, *drafts], len(context) + 1, 2, most=1, length=3)
     runners_up = speculator.runners_up
@@ -60,27 +67,25 @@ def test_a_growth_stops_the_chain_at_most_and_forks_only_where_it_has_ids(realis
     assert len(growth.extension) == 1 and all(len(tokens) == 3 for tokens in growth.corrections.values())
 
 
-def grown_after_two_rounds(realistic_draft, context, round_seconds):
-    speculator = ModelSpeculator(realistic_draft, n_ctx=512, tree_branches=2)
-    speculator.round_seconds = round_seconds  # as if timed so on the drafter's machine
+
+def forks_timed(realistic_draft, context, round_seconds):
+    """The corrections a growth opens at two drafts, its rounds timed so (as on the drafter's machine)."""
+    speculator = ModelSpeculator(realistic_draft, n_ctx=512, tree_branches=4)
+    speculator.round_seconds = round_seconds
     drafts = chain(speculator, context, 2)
-    growth = CorrectionGrowth(speculator, [*context, *drafts], len(context), 1, most=4, length=3, after=2)
-    growth.round()
-    growth.round()
-    return growth
+    return list(CorrectionGrowth(speculator, [*context, *drafts], len(context), 2, most=4, length=3).corrections)
 
 
-def test_where_a_round_of_corrections_slows_the_chain_they_wait_for_its_next_window(realistic_draft, context):
-    growth = grown_after_two_rounds(realistic_draft, context, {1: 1.0, 2: 1.8, 3: 2.6})  # each row a step
-    assert len(growth.extension) == 2 and all(len(tokens) == 1 for tokens in growth.corrections.values())
-    growth.round()  # the chain has the next window's two tokens: now the corrections grow beside it
-    assert len(growth.extension) == 3 and all(len(tokens) == 2 for tokens in growth.corrections.values())
-
-
-def test_where_a_round_of_corrections_costs_about_one_step_they_join_at_once(realistic_draft, context):
-    growth = grown_after_two_rounds(realistic_draft, context, {1: 1.0, 2: 1.0, 3: 1.1})  # memory-bound
-    assert len(growth.extension) == 2 and all(len(tokens) == 3 for tokens in growth.corrections.values())
-
+def test_a_round_carries_the_corrections_that_keep_it_within_the_slack_of_the_chains_step(realistic_draft,
+                                                                                          context):
+    each_row_a_step = {1: 1.0, 2: 1.8, 3: 2.6, 5: 4.2}  # a compute-bound CPU
+    assert forks_timed(realistic_draft, context, each_row_a_step) == []
+    memory_bound = {1: 1.0, 2: 1.0, 3: 1.05, 5: 1.1}
+    assert len(forks_timed(realistic_draft, context, memory_bound)) == 4
+    in_between = {1: 1.0, 2: 1.0, 3: 1.1, 5: 1.9}  # two fit: the runners-up of both drafts, the likeliest
+    first, second = len(context), len(context) + 1
+    assert [position for position, _ in forks_timed(realistic_draft, context, in_between)] == [first, second]
+    assert affordable_corrections({1: 1.0, 2: 1.0, 3: 1.0, 5: 1.0, 9: CORRECTION_SLACK, 17: 2.0}) == 8
 
 def test_rounds_are_timed_without_changing_what_the_draft_drafts(realistic_draft, context):
     speculator = ModelSpeculator(realistic_draft, n_ctx=512, tree_branches=4)

@@ -84,7 +84,7 @@ EXAMPLES = [
     DraftReply(epoch=9, tokens=np.array([3], np.int32), busy_seconds=0.5, sequence=7),
     DraftReply(epoch=7, tokens=np.array([4, 5, 6], np.int32), busy_seconds=0.03125),
     DraftReply(epoch=8, tokens=np.array([], np.int32), busy_seconds=0.0, error="drafter crashed"),
-    SpeculateFrom(epoch=10, context=np.array([1, 2, 3, 4], np.int32), most=3, forks=(2, 2, 1)),
+    SpeculateFrom(epoch=10, context=np.array([1, 2, 3, 4], np.int32), most=3, forks=(2, 2)),
     DraftReply(epoch=10, tokens=np.array([5], np.int32), busy_seconds=0.25, corrections=((2, (7, 8, 9)), (3, (11,)))),
 ]
 """At least one of every message class, every field set away from its default somewhere."""
