@@ -21,8 +21,8 @@ from conftest import FORKING, PROMPTS
 COPY = "Repeat this sentence exactly: the old keeper climbed the stairs every night and lit the lamp. " * 2
 LONG = "The harbour log, day by day: the ships came in, the nets were mended, the lamps were lit. " * 30
 WORK = [  # (prompt, max_tokens): different lengths, one prompt longer than a batch (n_batch 128 here)
-    (PROMPTS[0], 12), (PROMPTS[1], 24), (PROMPTS[2], 17), (COPY, 20),
-    ("Q: What is 2 + 2?\nA:", 8), (LONG, 10), ("List three colours:", 21), ("import numpy as np\n", 14),
+    (PROMPTS[0], 12), (PROMPTS[1], 40), (PROMPTS[2], 25), (COPY, 30),
+    ("Q: What is 2 + 2?\nA:", 8), (LONG, 16), ("List three colours:", 33), ("import numpy as np\n", 20),
 ]
 
 
