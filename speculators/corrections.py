@@ -3,19 +3,22 @@
 While the target verifies a window [c, d1 .. dk], the drafter that drafted
 d1 .. dk drafts on after dk (the speculation, for the case that every
 draft is accepted) and, in the same draft passes, a *correction* at each
-draft position p: the draft's runner-up token there (its next best after
-d_p, kept when it drafted d_p: ModelSpeculator.runners_up) and the draft's
-own continuation after it. Where the target rejects d_p and its own token
-is that runner-up, the correction's continuation is the next window's
-drafts at once (orchestrator.decoding.schedule: SequenceState.verified),
-instead of the window waiting for the drafter to draft from the new text.
+draft position p: one of the draft's runners-up there (its next best
+tokens after d_p, kept when it drafted d_p: ModelSpeculator.runners_up)
+and the draft's own continuation after it. Where the target rejects d_p
+and its own token is that runner-up, the correction's continuation is the
+next window's drafts at once (orchestrator.decoding.schedule:
+SequenceState.verified), instead of the window waiting for the drafter to
+draft from the new text.
 
 Each round decodes one token of the main chain and one of every correction
 in one draft pass (a KV id per correction, forked from the main chain's
-cells below its position, as token trees grow: speculators.model_tree), so
-on a machine where a batch of a few tokens costs about one (a GPU, Apple
-silicon, an emulated memory-bound curve) the corrections come nearly free;
-on a compute-bound CPU each costs about a token's step. The rounds stop
+cells below its position, as token trees grow: speculators.model_tree). A
+round carries only the corrections that keep it within CORRECTION_SLACK of
+the chain's own step, timed once on the drafter's machine: where a batch of
+a few tokens costs about one (a GPU, Apple silicon) all of them, nearly
+free; where each row costs about a step (a compute-bound CPU) none, since
+a wide round delays the chain and the next window's drafting. The rounds stop
 when the main chain has its tokens and every correction its length, or
 when the coordinator collects (the drafter server stops between rounds).
 Nothing drafted is trusted: every token is verified by the target as any
