@@ -257,20 +257,14 @@ class DrafterServer:
         (speculators.corrections): start the growth, or grow one round; what
         the rounds drafted is what a collect returns, at any time. step: its
         growth, or (context, forks, most) to start one, read under the lock."""
-        growth = step[0] if isinstance(step[0], CorrectionGrowth) else None
-        try:
-            if growth is None:
-                context, (first, count), most = step
-                growth = CorrectionGrowth(request.speculator, context, first, count, most, 1 + self.draft_max,
-                                          sampling)
-            else:
-                growth.round()
-            error = ""
-        except Exception as failure:  # a drafter's failure must never stop generation
-            growth, error = None, f"{type(failure).__name__}: {failure}"
-        finally:
-            self.busy_seconds += time.perf_counter() - started
-            self._stalled = False
+        def work() -> CorrectionGrowth:
+            if isinstance(step[0], CorrectionGrowth):
+                step[0].round()
+                return step[0]
+            context, (first, count), most = step
+            return CorrectionGrowth(request.speculator, context, first, count, most, 1 + self.draft_max, sampling)
+
+        growth, error = self._timed(work, started)
         with self._lock:
             if epoch != request.epoch or not request.drafting:
                 return  # the text moved on, or it was collected, while this round ran
@@ -285,6 +279,18 @@ class DrafterServer:
             request.growth = growth
             request.extension = list(growth.extension)
             request.corrections = {fork: list(tokens) for fork, tokens in growth.corrections.items()}
+
+    def _timed(self, work: Callable[[], object], started: float) -> tuple:
+        """(what ``work`` returns, "") or (None, its failure in one line): a
+        drafter's failure must never stop generation. Its time since
+        ``started`` counts as busy."""
+        try:
+            return work(), ""
+        except Exception as failure:
+            return None, f"{type(failure).__name__}: {failure}"
+        finally:
+            self.busy_seconds += time.perf_counter() - started
+            self._stalled = False
 
     def _draft_loop(self) -> None:
         while True:
@@ -307,14 +313,7 @@ class DrafterServer:
             if correcting:
                 self._correct(request, epoch, step, sampling, started)
                 continue
-            try:
-                token = request.speculator.extend(context, sampling)
-                error = ""
-            except Exception as failure:  # a drafter's failure must never stop generation
-                token, error = None, f"{type(failure).__name__}: {failure}"
-            finally:
-                self.busy_seconds += time.perf_counter() - started
-                self._stalled = False
+            token, error = self._timed(lambda: request.speculator.extend(context, sampling), started)
             if token is not None:
                 self.drafted_tokens += 1  # computed, whether or not it is still wanted
             with self._lock:
