@@ -14,11 +14,15 @@ draft from the new text.
 Each round decodes one token of the main chain and one of every correction
 in one draft pass (a KV id per correction, forked from the main chain's
 cells below its position, as token trees grow: speculators.model_tree). A
-round carries only the corrections that keep it within CORRECTION_SLACK of
-the chain's own step, timed once on the drafter's machine: where a batch of
-a few tokens costs about one (a GPU, Apple silicon) all of them, nearly
-free; where each row costs about a step (a compute-bound CPU) none, since
-a wide round delays the chain and the next window's drafting. The rounds stop
+round carries only the corrections the drafter has time for
+(``affordable_corrections``, its rounds timed once on its machine): as
+many as keep a round within CORRECTION_SLACK of the chain's own step, or,
+where the pass being verified lasts longer than the chain's drafting for
+the next window, as many as still let the chain draft that within the pass
+(``Forks.rounds``). Where a batch of a few tokens costs about one (a GPU,
+Apple silicon) that is all of them, nearly free; where each row costs about
+a step (a compute-bound CPU) only what the pass's idle time holds, since a
+wide round delays the chain and the next window's drafting. The rounds stop
 when the main chain has its tokens and every correction its length, or
 when the coordinator collects (the drafter server stops between rounds).
 Nothing drafted is trusted: every token is verified by the target as any
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -47,20 +52,38 @@ Corrections = dict[tuple[int, int], list[int]]
 """(position, the token there) -> the correction's tokens: that token, then the draft's continuation."""
 
 
+@dataclass(frozen=True)
+class Forks:
+    """Where a drafter drafts corrections while a window is verified, and the time it has.
+
+    first, count: the window's drafts are at positions first .. first + count - 1.
+    rounds: how long the window's pass lasts, in the chain's own draft rounds
+    (a one-row round each; the pass's cost on the draft policy's line over
+    the awaited draft price: SequenceState.forks); 0: not known (the slack
+    rule alone decides)."""
+
+    first: int
+    count: int
+    rounds: float = 0.0
+
+    def __post_init__(self):
+        if self.first < 1 or self.count < 1 or not 0.0 <= self.rounds < float("inf"):
+            raise ValueError(f"corrections asked at {self.first} for {self.count} drafts within {self.rounds} rounds")
+
+
 class CorrectionGrowth:
-    """The main chain after ``context`` and the corrections at positions
-    ``first`` .. ``first + count - 1`` of it, grown a round at a time
-    (``round``) by ``speculator`` (a ModelSpeculator with tree KV ids).
+    """The main chain after ``context`` and the corrections at the positions
+    ``forks`` names, grown a round at a time (``round``) by ``speculator``
+    (a ModelSpeculator with tree KV ids).
 
     most: main-chain tokens to draft; length: each correction's tokens (its
     runner-up included). ``extension`` and ``corrections`` are what the
     rounds so far drafted: a correction for each of the draft's runners-up
     at a position (CORRECTION_RANKS), the likeliest first (every position's
     runner-up, earliest first, then the next ranks), as many as the engine
-    has KV ids for and a round can carry within CORRECTION_SLACK of the
-    chain's own step (``round_costs``)."""
+    has KV ids for and its rounds can carry (``affordable_corrections``)."""
 
-    def __init__(self, speculator, context: Sequence[int], first: int, count: int, most: int, length: int,
+    def __init__(self, speculator, context: Sequence[int], forks: Forks, most: int, length: int,
                  sampling: SamplingSettings | None = None):
         self.speculator = speculator
         self.engine = speculator.engine
@@ -76,14 +99,14 @@ class CorrectionGrowth:
         self._main = list(context)
         self._ended = most <= 0  # the main chain stops (most reached, or the draft declined: p_min)
         costs = self._round_costs(len(context) - 1)  # timed first: the timing forks and drops KV ids
-        # the committed positions before ``first`` are never corrected again
+        # the committed positions before the first fork are never corrected again
         runners_up = speculator.runners_up = {position: tokens for position, tokens in speculator.runners_up.items()
-                                              if position >= first}
-        positions = range(max(first, 1), min(first + count, len(context)))
-        forks = [(position, tokens[rank]) for rank in range(CORRECTION_RANKS) for position in positions
+                                              if position >= forks.first}
+        positions = range(forks.first, min(forks.first + forks.count, len(context)))
+        asked = [(position, tokens[rank]) for rank in range(CORRECTION_RANKS) for position in positions
                  if len(tokens := runners_up.get(position, [])) > rank and tokens[rank] != context[position]]
-        most_forks = min(self.engine.tree_sequences, affordable_corrections(costs))
-        self._branches = {fork: branch for branch, fork in enumerate(forks[:most_forks], start=1)}
+        most_forks = min(self.engine.tree_sequences, affordable_corrections(costs, min(most, length), forks.rounds))
+        self._branches = {fork: branch for branch, fork in enumerate(asked[:most_forks], start=1)}
         for (position, token), branch in self._branches.items():
             self.engine.fork(0, branch, position)
             self.corrections[position, token] = [token]
@@ -177,7 +200,14 @@ def round_costs(engine, position: int, sequence: int = 0) -> dict[int, float]:
     return costs
 
 
-def affordable_corrections(costs: dict[int, float]) -> int:
-    """The most corrections a round may carry: the widest round timed that
-    costs at most CORRECTION_SLACK times the chain's own (width 1), less the chain's row."""
-    return max(width for width, seconds in costs.items() if seconds <= CORRECTION_SLACK * costs[1]) - 1
+def affordable_corrections(costs: dict[int, float], need: int = 0, rounds: float = 0.0) -> int:
+    """The most corrections a round may carry, less the chain's row: the
+    widest round timed that costs at most CORRECTION_SLACK times the chain's
+    own (width 1), or whose ``need`` rounds (the chain's tokens for the next
+    window) still fit in ``rounds`` of the chain's own (the pass's length:
+    Forks.rounds), the drafter idle otherwise."""
+    def fits(width: int) -> bool:
+        seconds = costs[width]
+        return seconds <= CORRECTION_SLACK * costs[1] or (rounds > 0 and need * seconds <= rounds * costs[1])
+
+    return max(width for width in costs if fits(width)) - 1

@@ -40,7 +40,7 @@ from speculators import Speculator
 from speculators.draft_length import DraftPrices
 from orchestrator.transport.messages import CollectDraft, DraftReply, Shutdown, SpeculateFrom
 from speculators.sampling import SamplingSettings
-from speculators.corrections import CORRECTION_RANKS, Corrections
+from speculators.corrections import CORRECTION_RANKS, Corrections, Forks
 from speculators.tree import MAX_TREE_ROWS, DraftTree, TreeAsk
 from stages.tree_shape import depths
 
@@ -150,7 +150,7 @@ class DrafterClient:
         self._speculating: set[int] = set()  # KV sequences asked to draft and not collected since
         self._asked: set[int] = set()  # KV sequences whose collect was sent (ask) and not yet read
         self._trees: dict[int, tuple[TreeAsk | None, int]] = {}  # by KV sequence: its latest request's tree, root
-        self._forks: dict[int, tuple[int, int] | None] = {}  # by KV sequence: its latest request's forks
+        self._forks: dict[int, Forks | None] = {}  # by KV sequence: its latest request's forks
         self._corrections: dict[int, Corrections] = {}  # by KV sequence: its last reply's corrections
         self._busy_earlier = 0.0  # drafting seconds of the drafters this one replaced
         self.busy_seconds = 0.0
@@ -228,7 +228,7 @@ class DrafterClient:
 
     def speculate(self, context: list[int], most: int | None = None, sequence: int = 0, *,
                   sampling: SamplingSettings | None = None, tree: TreeAsk | None = None,
-                  forks: tuple[int, int] | None = None) -> None:
+                  forks: Forks | None = None) -> None:
         """Ask the drafter to extend context (committed text + speculation) from
         now on, by at most ``most`` tokens (None: up to draft_max), in KV
         sequence ``sequence``; sampling, tree, forks: as the loop's Drafter.speculate."""
@@ -336,7 +336,7 @@ class DrafterClient:
         if forks is None:
             self._lose("sent corrections that were not asked for")
             return False
-        first, count = forks
+        first, count = forks.first, forks.count
         longest = 1 + (self.draft_max or MAX_TREE_ROWS)
         if len(reply.corrections) > count * CORRECTION_RANKS:
             self._lose(f"sent {len(reply.corrections)} corrections (at most {count * CORRECTION_RANKS})")
@@ -376,7 +376,7 @@ class SequenceDrafter:
         self.sequence = sequence
 
     def speculate(self, context: list[int], most: int | None = None, sampling: SamplingSettings | None = None,
-                  tree: TreeAsk | None = None, forks: tuple[int, int] | None = None) -> None:
+                  tree: TreeAsk | None = None, forks: Forks | None = None) -> None:
         self.client.speculate(context, most, self.sequence, sampling=sampling, tree=tree, forks=forks)
 
     def corrections(self) -> Corrections:

@@ -86,7 +86,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from orchestrator.config import PREFILL_CHUNKS_PER_STAGE, PREFILL_LEAST_CHUNK, WINDOWS_DRAFTED_AHEAD
-from speculators.corrections import Corrections
+from speculators.corrections import Corrections, Forks
 from speculators.draft_length import DRAFTER_CALL_COST, PRIOR_STEP, DraftPolicy, DraftPrices
 from speculators.sampling import SamplingSettings
 from speculators.tree import (DraftTree, PassCost, RankAcceptance, TreeAsk, accepted_rows, choose_rows, curve_cost,
@@ -294,16 +294,19 @@ class SequenceState:
         self.corrections = dict(corrections or {})
 
     @property
-    def forks(self) -> tuple[int, int] | None:
+    def forks(self) -> Forks | None:
         """Where corrections may be drafted while the head window is verified
-        (speculators.corrections): the position of its first draft and its
-        drafts; None unless the head window is a chain of drafts starting at
-        the last committed token."""
+        (speculators.corrections): at its drafts, within the rounds its pass
+        lasts (its cost on the policy's line, in awaited draft steps: 0 where
+        the draft's price is not measured); None unless the head window is a
+        chain of drafts starting at the last committed token."""
         head = self.in_flight[0] if self.in_flight else None
         if (head is None or head.prompt or head.parents is not None or head.refed
                 or head.first != len(self.committed) - 1 or not head.main_drafts):
             return None
-        return len(self.committed), len(head.main_drafts)
+        drafts, price = len(head.main_drafts), self.draft_prices.awaited
+        rounds = self.policy.cost(drafts, awaited=False) / price if price > 0 else 0.0
+        return Forks(len(self.committed), drafts, rounds)
 
     def _prompt_window(self) -> Window:
         """The prompt's next chunk."""

@@ -134,8 +134,9 @@ class Drafter(Protocol):
         seeded uniforms (speculators.model_tree; None: its top choices);
         tree: grow a token tree (collect_tree), not a chain. A drafter that
         drafts corrections (Drafting.corrects: the drafter actors of
-        orchestrator.cluster.drafters) also takes ``forks`` = (first, count):
-        draft them at those context positions (speculators.corrections), and has
+        orchestrator.cluster.drafters) also takes ``forks`` (a
+        speculators.corrections.Forks: draft them at those context positions,
+        within the rounds the pass lasts), and has
         ``corrections()``, those its last reply brought."""
 
     def collect(self, wait: bool = False) -> list[int]:

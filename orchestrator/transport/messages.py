@@ -24,6 +24,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from speculators.corrections import Forks
 from speculators.grammar import MAX_GRAMMAR_TOKENS
 from stages.settings import MAX_GRAMMAR_BYTES
 from speculators.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
@@ -392,9 +393,8 @@ class SpeculateFrom:
     (speculators.model_tree), not a chain; None: a chain.
     sampling: the request's, for coupled drafting (the draft samples with the
     target's seeded uniforms); None or greedy: the draft's top choices.
-    forks: (first, count): also draft corrections at context positions first
-    .. first + count - 1, the window being verified (speculators.corrections);
-    None: none.
+    forks: also draft corrections at the window being verified, within the
+    rounds its pass lasts (speculators.corrections.Forks); None: none.
 
     On the wire: context raw (it can be long), as int32; sequence only when
     not 0; tree, sampling and forks only when given.
@@ -408,12 +408,12 @@ class SpeculateFrom:
     sequence: int = 0
     tree: TreeAsk | None = None
     sampling: SamplingSettings | None = None
-    forks: tuple[int, int] | None = None
+    forks: Forks | None = None
 
     def to_wire(self) -> tuple[WireHeader, np.ndarray | None]:
         header: WireHeader = {"epoch": self.epoch, "most": self.most, **_sequence_field(self.sequence)}
         if self.forks is not None:
-            header.update(fork_from=self.forks[0], forks=self.forks[1])
+            header.update(fork_from=self.forks.first, forks=self.forks.count, fork_rounds=self.forks.rounds)
         if self.tree is not None:
             header.update(rows=self.tree.rows, leaves=self.tree.leaves, acceptance=self.tree.acceptance)
         if self.sampling is not None:
@@ -432,7 +432,12 @@ class SpeculateFrom:
         return cls(epoch=integer(header, "epoch"), context=checked_array(array, "context", 1, ("<i4",)),
                    most=integer(header, "most"), sequence=_sequence(header), tree=tree,
                    sampling=_sampling(header) if "temperature" in header else None,
-                   forks=(integer(header, "fork_from", 1), integer(header, "forks", 1)) if "forks" in header else None)
+                   forks=_forks(header) if "forks" in header else None)
+
+
+def _forks(header: WireHeader) -> Forks:
+    return Forks(integer(header, "fork_from", 1), integer(header, "forks", 1),
+                 number(header, "fork_rounds", "draft rounds"))
 
 
 def _sequence_field(sequence: int) -> WireHeader:

@@ -35,7 +35,7 @@ from speculators import Speculator
 from orchestrator.transport.handshake import HandshakeError, accept_peer, drafter_role
 from orchestrator.config import CONNECT_SECONDS, DRAFTER_WAIT_SECONDS, chain_reach
 from orchestrator.transport.messages import CollectDraft, DraftReply, Shutdown, SpeculateFrom
-from speculators.corrections import CorrectionGrowth, Corrections
+from speculators.corrections import CorrectionGrowth, Corrections, Forks
 from speculators.sampling import SamplingSettings
 from speculators.tree import DraftTree, TreeAsk
 from stages.tree_shape import main_chain_length
@@ -56,7 +56,7 @@ class _Request:
     sampling: SamplingSettings | None = None  # coupled drafting (SpeculateFrom.sampling)
     tree_ask: TreeAsk | None = None  # grow a tree (SpeculateFrom.tree), in one go
     tree: DraftTree | None = None  # the tree grown for this epoch
-    forks: tuple[int, int] | None = None  # draft corrections there too (SpeculateFrom.forks), a round at a time
+    forks: Forks | None = None  # draft corrections there too (SpeculateFrom.forks), a round at a time
     growth: CorrectionGrowth | None = None  # the main chain and corrections being grown for this epoch
     corrections: Corrections = field(default_factory=dict)  # what the growth's rounds drafted so far
 
@@ -261,8 +261,8 @@ class DrafterServer:
             if isinstance(step[0], CorrectionGrowth):
                 step[0].round()
                 return step[0]
-            context, (first, count), most = step
-            return CorrectionGrowth(request.speculator, context, first, count, most, 1 + self.draft_max, sampling)
+            context, forks, most = step
+            return CorrectionGrowth(request.speculator, context, forks, most, 1 + self.draft_max, sampling)
 
         growth, error = self._timed(work, started)
         with self._lock:

@@ -5,7 +5,7 @@ it had drafted it alone, and the chain beside them is the draft's chain."""
 import numpy as np
 import pytest
 
-from speculators.corrections import (CORRECTION_RANKS, CORRECTION_SLACK, ROUND_WIDTHS, CorrectionGrowth,
+from speculators.corrections import (CORRECTION_RANKS, CORRECTION_SLACK, ROUND_WIDTHS, CorrectionGrowth, Forks,
                                      affordable_corrections, round_costs)
 from speculators.model import ModelSpeculator
 from speculators.sampling import SamplingSettings
@@ -42,7 +42,7 @@ def test_each_correction_is_the_drafts_own_continuation_of_a_runner_up(realistic
         logits = reference._context_logits([*context, *drafts][:position])
         ranked = [int(token) for token in np.argsort(-logits, kind="stable")[:CORRECTION_RANKS + 1]]
         assert speculator.runners_up[position] == ranked[1:]
-    growth = CorrectionGrowth(speculator, [*context, *drafts], first, 4, most=3, length=4, sampling=sampling)
+    growth = CorrectionGrowth(speculator, [*context, *drafts], Forks(first, 4), most=3, length=4, sampling=sampling)
     while not growth.done:
         growth.round()
     assert len(growth.corrections) == 4 * CORRECTION_RANKS
@@ -57,7 +57,7 @@ def test_each_correction_is_the_drafts_own_continuation_of_a_runner_up(realistic
 def test_a_growth_stops_the_chain_at_most_and_forks_only_where_it_has_ids(realistic_draft, context):
     speculator = flat(ModelSpeculator(realistic_draft, n_ctx=512, tree_branches=3))
     drafts = chain(speculator, context, 4)
-    growth = CorrectionGrowth(speculator, [*context, *drafts], len(context) + 1, 2, most=1, length=3)
+    growth = CorrectionGrowth(speculator, [*context, *drafts], Forks(len(context) + 1, 2), most=1, length=3)
     runners_up = speculator.runners_up
     assert list(growth.corrections) == [(len(context) + 1, runners_up[len(context) + 1][0]),  # the likeliest first:
                                         (len(context) + 2, runners_up[len(context) + 2][0]),  # each runner-up
@@ -68,12 +68,14 @@ def test_a_growth_stops_the_chain_at_most_and_forks_only_where_it_has_ids(realis
 
 
 
-def forks_timed(realistic_draft, context, round_seconds):
-    """The corrections a growth opens at two drafts, its rounds timed so (as on the drafter's machine)."""
+def forks_timed(realistic_draft, context, round_seconds, rounds=0.0):
+    """The corrections a growth opens at two drafts, its rounds timed so (as
+    on the drafter's machine), its pass lasting ``rounds`` of the chain's."""
     speculator = ModelSpeculator(realistic_draft, n_ctx=512, tree_branches=4)
     speculator.round_seconds = round_seconds
     drafts = chain(speculator, context, 2)
-    return list(CorrectionGrowth(speculator, [*context, *drafts], len(context), 2, most=4, length=3).corrections)
+    forks = Forks(len(context), 2, rounds)
+    return list(CorrectionGrowth(speculator, [*context, *drafts], forks, most=4, length=3).corrections)
 
 
 def test_a_round_carries_the_corrections_that_keep_it_within_the_slack_of_the_chains_step(realistic_draft,
@@ -86,6 +88,16 @@ def test_a_round_carries_the_corrections_that_keep_it_within_the_slack_of_the_ch
     first, second = len(context), len(context) + 1
     assert [position for position, _ in forks_timed(realistic_draft, context, in_between)] == [first, second]
     assert affordable_corrections({1: 1.0, 2: 1.0, 3: 1.0, 5: 1.0, 9: CORRECTION_SLACK, 17: 2.0}) == 8
+
+
+def test_a_pass_longer_than_the_chains_drafting_carries_corrections_in_its_idle_rounds(realistic_draft, context):
+    """The chain needs 3 rounds for the next window (most 4, length 3): in a
+    pass of 8 of its rounds, rounds of up to 8/3 steps fit, on a CPU where each row costs a step."""
+    each_row_a_step = {1: 1.0, 2: 1.8, 3: 2.6, 5: 4.2}
+    assert forks_timed(realistic_draft, context, each_row_a_step, rounds=3.0) == []  # the chain alone fills it
+    assert len(forks_timed(realistic_draft, context, each_row_a_step, rounds=8.0)) == 2  # a round of 3 rows
+    assert len(forks_timed(realistic_draft, context, each_row_a_step, rounds=13.0)) == 4
+    assert affordable_corrections(each_row_a_step, need=3, rounds=7.7) == 1
 
 def test_rounds_are_timed_without_changing_what_the_draft_drafts(realistic_draft, context):
     speculator = ModelSpeculator(realistic_draft, n_ctx=512, tree_branches=4)

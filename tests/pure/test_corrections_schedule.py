@@ -2,7 +2,11 @@
 how the schedule forks them and takes one after a rejection
 (orchestrator.decoding.schedule.SequenceState.forks, drafted, verified)."""
 
+import pytest
+
 from orchestrator.decoding.schedule import Schedule, SequenceState
+from speculators.corrections import Forks
+from speculators.draft_length import DraftPrices
 
 
 def never_ends(token):
@@ -18,7 +22,17 @@ def test_corrections_fork_at_the_head_windows_drafts():
     sequence = state()
     assert sequence.forks is None  # nothing in flight
     sequence.first_window()  # 3 | 4 5 6 at positions 2 | 3 4 5
-    assert sequence.forks == (3, 3)
+    assert sequence.forks == Forks(3, 3)  # the draft's price not measured: no time known for them
+
+
+def test_corrections_are_asked_within_the_rounds_the_heads_pass_lasts():
+    """The head window's pass on the policy's line (1 + 3 x 0.1 one-token passes)
+    over the awaited draft step (0.05 of a pass): 26 of the chain's rounds."""
+    sequence = SequenceState(0, [1, 2, 3], 2, 50, Schedule.ASYNC, 4, speculation=[4, 5, 6], draft_limit=4,
+                             draft_step=0.1, draft_prices=DraftPrices(awaited=0.05, relayed=0.0))
+    sequence.first_window()
+    assert sequence.forks.first == 3 and sequence.forks.count == 3
+    assert sequence.forks.rounds == pytest.approx(1.3 / 0.05)
 
 
 def test_a_window_without_drafts_forks_nothing():

@@ -10,6 +10,7 @@ from orchestrator.config import DRAFT_MAX, chain_reach
 from orchestrator.transport import wire
 from orchestrator.workers.drafter_server import DrafterServer
 from orchestrator.cluster.drafters import DrafterClient, draft_seconds_per_token
+from speculators.corrections import Forks
 from speculators.draft_length import DraftPrices
 from orchestrator.transport.handshake import connect_peer, drafter_role
 from speculators.prompt_lookup import PromptLookupSpeculator
@@ -215,7 +216,7 @@ def reply_with(corrections):
 def test_corrections_where_they_were_asked_for_are_kept_by_position_and_token():
     client, drafter, _ = answered_by(reply_with(((3, (7, 8, 9)), (3, (11,)), (4, (12, 13)))))
     drafter.start()
-    client.speculate([1, 2, 3, 4, 5], 2, forks=(3, 2))
+    client.speculate([1, 2, 3, 4, 5], 2, forks=Forks(3, 2))
     assert client.collect(wait=True) == [5]
     assert client.corrections() == {(3, 7): [7, 8, 9], (3, 11): [11], (4, 12): [12, 13]}
     assert client.corrections() == {}  # handed over once
@@ -224,9 +225,9 @@ def test_corrections_where_they_were_asked_for_are_kept_by_position_and_token():
 
 def test_corrections_outside_the_window_asked_for_lose_the_drafter():
     for corrections, forks, reason in [
-        (((5, (7,)),), (3, 2), "a correction at position 5 of 1 tokens (asked for 3..4, at most 5)"),
-        (((3, (7,) * 6),), (3, 2), "a correction at position 3 of 6 tokens"),
-        (((3, (700,)),), (3, 2), "outside the vocabulary of 100"),
+        (((5, (7,)),), Forks(3, 2), "a correction at position 5 of 1 tokens (asked for 3..4, at most 5)"),
+        (((3, (7,) * 6),), Forks(3, 2), "a correction at position 3 of 6 tokens"),
+        (((3, (700,)),), Forks(3, 2), "outside the vocabulary of 100"),
         (((3, (7,)),), None, "corrections that were not asked for"),
     ]:
         client, drafter, _ = answered_by(reply_with(corrections))
@@ -240,5 +241,5 @@ def test_more_corrections_than_asked_for_lose_the_drafter():
     corrections = tuple((3, (token,)) for token in range(7, 12))  # five at one position: two runners-up asked for
     client, drafter, _ = answered_by(reply_with(corrections))
     drafter.start()
-    client.speculate([1, 2, 3, 4, 5], 2, forks=(3, 2))
+    client.speculate([1, 2, 3, 4, 5], 2, forks=Forks(3, 2))
     assert client.collect(wait=True) == [] and "sent 5 corrections (at most 4)" in client.lost_reason

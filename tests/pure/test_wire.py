@@ -14,6 +14,7 @@ import msgpack
 import numpy as np
 import pytest
 
+from speculators.corrections import Forks
 from orchestrator.config import KEEPALIVE_IDLE_SECONDS, KEEPALIVE_INTERVAL_SECONDS, KEEPALIVE_PROBES
 from orchestrator.transport import tls, wire
 from orchestrator.transport.messages import (
@@ -84,7 +85,7 @@ EXAMPLES = [
     DraftReply(epoch=9, tokens=np.array([3], np.int32), busy_seconds=0.5, sequence=7),
     DraftReply(epoch=7, tokens=np.array([4, 5, 6], np.int32), busy_seconds=0.03125),
     DraftReply(epoch=8, tokens=np.array([], np.int32), busy_seconds=0.0, error="drafter crashed"),
-    SpeculateFrom(epoch=10, context=np.array([1, 2, 3, 4], np.int32), most=3, forks=(2, 2)),
+    SpeculateFrom(epoch=10, context=np.array([1, 2, 3, 4], np.int32), most=3, forks=Forks(2, 2, 4.5)),
     DraftReply(epoch=10, tokens=np.array([5], np.int32), busy_seconds=0.25, corrections=((2, (7, 8, 9)), (3, (11,)))),
 ]
 """At least one of every message class, every field set away from its default somewhere."""
@@ -657,3 +658,10 @@ def test_a_draft_replys_corrections_must_add_up(at, lengths, tokens, message):
               "fork_at": int32s(at), "fork_lengths": int32s(lengths), "fork_tokens": int32s(tokens)}
     with pytest.raises(wire.ProtocolError, match=message):
         receive_raw(frame(header))
+
+
+@pytest.mark.parametrize("rounds", [-1.0, float("nan"), float("inf"), "4", True])
+def test_corrections_asked_within_a_bad_number_of_rounds_are_refused(rounds):
+    header = {"kind": "speculate", "epoch": 1, "most": 3, "fork_from": 2, "forks": 2, "fork_rounds": rounds}
+    with pytest.raises(wire.ProtocolError, match=r"^fork_rounds: expected draft rounds"):
+        SpeculateFrom.from_wire(header, np.array([1, 2, 3], np.int32))
