@@ -96,6 +96,13 @@ SHUTDOWN_SECONDS = 10.0
 # dead or hung and fails with its name, instead of waiting forever.
 PASS_DEADLINE_FACTOR = 20.0
 PASS_DEADLINE_MINIMUM_SECONDS = 120.0
+# While a result is awaited the coordinator pings every stage on its cancel connection each
+# STAGE_PING_SECONDS, and a stage that leaves a ping unanswered STAGE_SILENCE_SECONDS is silent:
+# the pass is late at once (PassLate) instead of at its deadline, which a slow pass of a 405B may
+# need. A stage's own thread answers, also while llama.cpp computes, so only a frozen process or
+# machine, or a cut link, goes silent; then it is found within 5 + 15 = 20 s of its last word.
+STAGE_PING_SECONDS = 5.0
+STAGE_SILENCE_SECONDS = 15.0
 # Seconds a stage actor has to answer that question before it counts as hung.
 STAGE_ANSWER_SECONDS = 10.0
 # A stage that does not answer is lost, not hung, if Ray reports its node dead

@@ -128,7 +128,7 @@ def dead_stages(pipeline: Pipeline, late: PassLate, restarting: list[tuple[int, 
         if used >= pipeline.max_restarts:
             raise PipelineError(f"{late}: {where} died ({reason}); restarted {used} times already "
                                 f"(--max-restarts {pipeline.max_restarts})") from None
-        dead.append((stage.stage_index, reason))
+        dead.append((stage.stage_index, f"{late}; {reason}"))  # how the loss showed, then what Ray says
     return dead
 
 

@@ -37,6 +37,7 @@ from orchestrator.config import (
 )
 from orchestrator.transport.messages import Cancel, Cancelled, PassResult, Shutdown, StageBatch, StageFailure
 from orchestrator.transport.ledger import KvLedger, PassRecord
+from orchestrator.transport.liveness import StageLiveness, StageSilent
 from speculators.tree import accepted_rows
 from stages.errors import SpecpipeError
 
@@ -134,6 +135,7 @@ class SocketChain:
         self._to_first: socket.socket | None = None
         self._from_last: socket.socket | None = None
         self._cancels: list[socket.socket] = []  # to each stage, in stage order
+        self._liveness = StageLiveness(self._cancels)  # pings them while a result is awaited
         self._pass_id = 0
         self._in_flight: collections.deque[_InFlight] = collections.deque()
         self.stage_count = 0
@@ -225,7 +227,16 @@ class SocketChain:
         return max(self.deadline_minimum, PASS_DEADLINE_FACTOR * self.slowest_pass_seconds)
 
     def _receive_within_deadline(self, sock: socket.socket, what: str):
-        sock.settimeout(self.deadline_seconds)
+        """The next message on ``sock`` within the pass deadline, the stages
+        pinged meanwhile (PassLate as soon as one is silent: transport.liveness)."""
+        started = time.monotonic()
+        try:
+            arrived = self._liveness.wait(sock, self.deadline_seconds)
+        except StageSilent as silent:
+            raise PassLate(f"no {what}: {silent}") from None
+        if not arrived:
+            raise PassLate(f"no {what} within the deadline of {self.deadline_seconds:.0f} s")
+        sock.settimeout(max(1.0, self.deadline_seconds - (time.monotonic() - started)))  # the frame begun, whole
         try:
             return wire.receive_message(sock)
         except TimeoutError:

@@ -351,6 +351,41 @@ class Cancel:
 
 
 @dataclass(frozen=True)
+class Ping:
+    """Coordinator -> a stage, on its cancel connection, while a result is
+    awaited: answer with ``Alive`` (orchestrator.transport.liveness)."""
+
+    KIND: ClassVar[str] = "ping"
+
+    number: int
+
+    def to_wire(self) -> tuple[WireHeader, np.ndarray | None]:
+        return {"number": self.number}, None
+
+    @classmethod
+    def from_wire(cls, header: WireHeader, array: np.ndarray | None) -> Ping:
+        return cls(number=integer(header, "number", low=1))
+
+
+@dataclass(frozen=True)
+class Alive:
+    """A stage -> the coordinator, on its cancel connection: stage
+    ``stage_index`` answers ping ``number`` (its thread beside the serving loop does)."""
+
+    KIND: ClassVar[str] = "alive"
+
+    number: int
+    stage_index: int
+
+    def to_wire(self) -> tuple[WireHeader, np.ndarray | None]:
+        return {"number": self.number, "stage": self.stage_index}, None
+
+    @classmethod
+    def from_wire(cls, header: WireHeader, array: np.ndarray | None) -> Alive:
+        return cls(number=integer(header, "number", low=1), stage_index=integer(header, "stage"))
+
+
+@dataclass(frozen=True)
 class Cancelled:
     """A cancelled pass, dropped or stopped by stage ``stage_index``: travels
     the rest of the chain in its place (later stages forward it) and reaches
@@ -549,8 +584,8 @@ def _corrections(header: WireHeader) -> tuple[tuple[int, tuple[int, ...]], ...]:
                  for position, length, end in zip(at, lengths, ends))
 
 
-Message = (StageBatch | PassResult | StageFailure | Shutdown | Cancel | Cancelled | SpeculateFrom | CollectDraft
-           | DraftReply)
+Message = (StageBatch | PassResult | StageFailure | Shutdown | Cancel | Ping | Alive | Cancelled | SpeculateFrom
+           | CollectDraft | DraftReply)
 
 MESSAGE_TYPES: tuple[type[Message], ...] = (
     StageBatch,
@@ -558,6 +593,8 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     StageFailure,
     Shutdown,
     Cancel,
+    Ping,
+    Alive,
     Cancelled,
     SpeculateFrom,
     CollectDraft,

@@ -2,7 +2,9 @@
 cancellation), kept beside the stage's serving loop.
 
 The coordinator sends ``Cancel`` on a connection of its own, read by a
-thread (``read``) while the serving thread takes passes (``take``). A pass
+thread (``read``) while the serving thread takes passes (``take``); the
+same thread answers the coordinator's ``Ping`` with ``Alive`` at once, also
+while llama.cpp computes (orchestrator.transport.liveness). A pass
 cancelled before it reaches the stage is dropped; one the stage is running
 stops once every pass it decodes with is cancelled (``abort`` is set: the
 engine stops after its current graph node). State shared by the two threads
@@ -17,14 +19,15 @@ import threading
 import time
 
 from orchestrator.transport import wire
-from orchestrator.transport.messages import Cancel, Cancelled, StageBatch
+from orchestrator.transport.messages import Alive, Cancel, Cancelled, Ping, StageBatch
 
 
 class PassCancels:
-    """abort: the engine's stop flag (StageEngine.abort)."""
+    """abort: the engine's stop flag (StageEngine.abort); stage: its stage's index (its Alive says it)."""
 
-    def __init__(self, abort: threading.Event):
+    def __init__(self, abort: threading.Event, stage: int):
         self.abort = abort
+        self.stage = stage
         self.lock = threading.Lock()
         self.wanted: set[int] = set()  # passes of this chain cancelled before they arrived here
         self.latest = 0  # the last pass of this chain taken by the serving thread (ids increase)
@@ -51,6 +54,12 @@ class PassCancels:
                 return  # the chain ended
             except wire.ProtocolError as error:
                 message = f"a bad frame on the cancel connection: {error}"
+            if isinstance(message, Ping):
+                try:
+                    wire.send_message(connection, Alive(message.number, self.stage))
+                except OSError:
+                    return  # the chain ended
+                continue
             if not isinstance(message, Cancel):
                 with self.lock:
                     if generation == self.generation:

@@ -121,7 +121,7 @@ class StageServer:
         self._connections: list[socket.socket] = []  # of the chain being served
         self._thread: threading.Thread | None = None
         self._downstream_ready = threading.Event()
-        self.cancels = PassCancels(self.engine.abort)  # read by a thread of its own (connect_cancel)
+        self.cancels = PassCancels(self.engine.abort, self.engine.stage_index)  # read by a thread of its own (connect_cancel)
         self.windows_decoded = 0  # sequences' windows over all passes (more than passes: batched passes)
         self.dropped_passes = 0  # cancelled passes this stage never started
         self.stopped_passes = 0  # cancelled passes this stage stopped mid-graph

@@ -2,8 +2,9 @@
 namespace hosts on one switch, a Ray node on each (the head holds the
 driver), a pipeline of two stages spread over two of them, the third spare.
 The link of a stage's host (not the head's) is taken down and stays down:
-the stage's sockets go silent (no reset, unlike a killed process), the
-chain breaks once the silent-peer bound passes, the stage does not answer,
+the stage's sockets go silent (no reset, unlike a killed process), it
+leaves the coordinator's pings unanswered and is found silent (before the
+sockets' own 25 s bound), the stage does not answer,
 Ray calls its node dead, and the stage restarts on the spare; the tokens
 equal the whole model's. Once under `orchestrate run`'s pipeline (after the
 8th token), once under `orchestrate serve` with four requests streaming.
@@ -80,6 +81,7 @@ def test_a_host_cut_off_for_good_mid_generation_has_its_stage_restarted_on_the_s
     [(index, reason)] = report["restarts"]
     assert index == victim, report
     assert "node" in reason, reason  # ours ("... Ray reports it dead") or Ray's (the actor died with its node)
+    assert f"stage {victim} is silent: no answer to the coordinator's ping" in reason, reason  # found at 20 s, not 25+
     assert report["now"][victim] not in (cut_host, report["hosts"][1 - victim])  # on the spare
 
 

@@ -19,12 +19,14 @@ from orchestrator.config import KEEPALIVE_IDLE_SECONDS, KEEPALIVE_INTERVAL_SECON
 from orchestrator.transport import tls, wire
 from orchestrator.transport.messages import (
     MESSAGE_TYPES,
+    Alive,
     Cancel,
     Cancelled,
     CollectDraft,
     DraftReply,
     Message,
     PassResult,
+    Ping,
     ProtocolError,
     Shutdown,
     SpeculateFrom,
@@ -76,6 +78,8 @@ EXAMPLES = [
     StageFailure(pass_id=2, stage_index=1, message="boom: ünïcode survives"),
     Shutdown(),
     Cancel(pass_id=12),
+    Ping(number=3),
+    Alive(number=3, stage_index=2),
     Cancelled(pass_id=12, stage_index=1, stage_seconds=(0.5, 0.0625), stage_started=(1765000000.0, 1765000000.5)),
     SpeculateFrom(epoch=7, context=np.array([1, 17, 4, 99999], np.int32)),
     CollectDraft(epoch=7, wait=True),
