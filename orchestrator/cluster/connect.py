@@ -184,6 +184,25 @@ def alive_nodes() -> list[NodeInfo]:
     ]
 
 
+def node_answers(node_id: str, seconds: float) -> bool:
+    """Whether a task placed on node ``node_id`` runs within ``seconds``: Ray
+    lists a node that died hard (killed, cut off) as alive until its health
+    checks fail, and a restart placed there would fail."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    @ray.remote(num_cpus=0, max_retries=0)
+    def here() -> bool:
+        return True
+
+    call = here.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+    try:
+        return ray.get(call, timeout=seconds)
+    except ray.exceptions.RayError:  # the node is gone, or does not answer in time
+        ray.cancel(call, force=True)
+        return False
+
+
 def one_line(error: BaseException) -> str:
     """The message of the StageError behind a Ray error, else its last line."""
     text = str(error)
@@ -264,7 +283,7 @@ class Reservation:
         ClusterError that names the lost node where there is none yet."""
         import ray
 
-        from orchestrator.config import ROOM_WAIT_SECONDS
+        from orchestrator.config import ROOM_WAIT_SECONDS, STAGE_ANSWER_SECONDS
         from orchestrator.cluster.placement import PlacementError, plan_placement, replacement_node
 
         lost, nodes = self.node_ids[stage_index] if self.node_ids else "", alive_nodes()
@@ -275,6 +294,8 @@ class Reservation:
                 raise ClusterError(f"stage {stage_index} lost its node and no other node has room for it "
                                    f"(a free CPU and no stage) within {ROOM_WAIT_SECONDS:.0f} s") from None
         elif self.plan.movable:
+            if lost and not node_answers(lost, STAGE_ANSWER_SECONDS):  # listed alive, but dead or cut off
+                nodes = [node for node in nodes if node.node_id != lost]
             node = replacement_node(nodes, tuple(self.node_ids), stage_index)
             if node is None:
                 raise ClusterError(f"stage {stage_index}'s node {lost[:8]} is lost and no other node has room "

@@ -116,7 +116,7 @@ def removing_node(cluster, pipeline, stage_index: int, after_tokens: int):
         if len(produced) == after_tokens:
             node_id = pipeline.stages[stage_index].node_id
             [node] = [node for node in cluster.list_all_nodes() if node.node_id == node_id]
-            cluster.remove_node(node)
+            cluster.remove_node(node, allow_graceful=False)  # killed, as a machine dies: no drain
             on_token.removed = node_id
 
     on_token.removed = None
@@ -191,7 +191,7 @@ def test_serve_moves_a_lost_stage_to_the_spare_under_load(three_workers, smollm2
             asks = [asyncio.create_task(ask(client, model, prompt, started)) for prompt in prompts]
             await started.wait()
             [node] = [node for node in cluster.list_all_nodes() if node.node_id == lost]
-            await asyncio.to_thread(cluster.remove_node, node)
+            await asyncio.to_thread(cluster.remove_node, node, False)  # killed, as a machine dies: no drain
             return await asyncio.gather(*asks)
 
         async def main_without_loss():
