@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Iterator
 
 from orchestrator.cluster.placement import NodeInfo
@@ -184,23 +185,33 @@ def alive_nodes() -> list[NodeInfo]:
     ]
 
 
-def node_answers(node_id: str, seconds: float) -> bool:
-    """Whether a task placed on node ``node_id`` runs within ``seconds``: Ray
-    lists a node that died hard (killed, cut off) as alive until its health
-    checks fail, and a restart placed there would fail."""
+def answers(scheduling_strategy, seconds: float) -> bool:
+    """Whether a task placed by ``scheduling_strategy`` runs within ``seconds``:
+    Ray lists a node that died hard (killed, cut off) as alive, and keeps a
+    placement group's bundle on it, until its health checks fail; a restart
+    placed there would wait for nothing."""
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     @ray.remote(num_cpus=0, max_retries=0)
     def here() -> bool:
         return True
 
-    call = here.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+    call = here.options(scheduling_strategy=scheduling_strategy).remote()
     try:
         return ray.get(call, timeout=seconds)
     except ray.exceptions.RayError:  # the node is gone, or does not answer in time
         ray.cancel(call, force=True)
         return False
+
+
+def node_dies(node_id: str, seconds: float) -> bool:
+    """Whether Ray reports node ``node_id`` dead within ``seconds`` (asked each second)."""
+    deadline = time.monotonic() + seconds
+    while node_id in {node.node_id for node in alive_nodes()}:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(1.0)
+    return True
 
 
 def one_line(error: BaseException) -> str:
@@ -283,19 +294,15 @@ class Reservation:
         ClusterError that names the lost node where there is none yet."""
         import ray
 
-        from orchestrator.config import ROOM_WAIT_SECONDS, STAGE_ANSWER_SECONDS
+        from orchestrator.config import STAGE_ANSWER_SECONDS
         from orchestrator.cluster.placement import PlacementError, plan_placement, replacement_node
 
-        lost, nodes = self.node_ids[stage_index] if self.node_ids else "", alive_nodes()
+        lost = self.node_ids[stage_index] if self.node_ids else ""
+        gone = bool(lost) and not answers(self.scheduling_strategy(stage_index), STAGE_ANSWER_SECONDS)
+        nodes = [node for node in alive_nodes() if not (gone and node.node_id == lost)]
         if self.placement_group is not None:
-            try:
-                ray.get(self.placement_group.ready(), timeout=ROOM_WAIT_SECONDS)
-            except ray.exceptions.GetTimeoutError:
-                raise ClusterError(f"stage {stage_index} lost its node and no other node has room for it "
-                                   f"(a free CPU and no stage) within {ROOM_WAIT_SECONDS:.0f} s") from None
+            self._follow_bundle(stage_index)
         elif self.plan.movable:
-            if lost and not node_answers(lost, STAGE_ANSWER_SECONDS):  # listed alive, but dead or cut off
-                nodes = [node for node in nodes if node.node_id != lost]
             node = replacement_node(nodes, tuple(self.node_ids), stage_index)
             if node is None:
                 raise ClusterError(f"stage {stage_index}'s node {lost[:8]} is lost and no other node has room "
@@ -310,6 +317,25 @@ class Reservation:
                 raise ClusterError(f"stage {stage_index} is pinned to node {lost[:8]} (--place, or the node "
                                    "advertising it), which is lost: waiting for it to come back")
             self.node_ids[stage_index] = again.node_ids[stage_index]
+
+    def _follow_bundle(self, stage_index: int) -> None:
+        """Until stage ``stage_index``'s bundle is on a node that answers: Ray
+        moves it once it calls the lost node dead (within NODE_DEATH_SECONDS),
+        onto a node with room (within ROOM_WAIT_SECONDS more); else a ClusterError."""
+        import ray
+
+        from orchestrator.config import NODE_DEATH_SECONDS, ROOM_WAIT_SECONDS, STAGE_ANSWER_SECONDS
+
+        no_room = ClusterError(f"stage {stage_index} lost its node and no other node has room for it "
+                               f"(a free CPU and no stage) within {ROOM_WAIT_SECONDS:.0f} s")
+        try:
+            ray.get(self.placement_group.ready(), timeout=ROOM_WAIT_SECONDS)
+        except ray.exceptions.GetTimeoutError:
+            raise no_room from None
+        deadline = time.monotonic() + NODE_DEATH_SECONDS + ROOM_WAIT_SECONDS
+        while not answers(self.scheduling_strategy(stage_index), STAGE_ANSWER_SECONDS):  # still on the lost node
+            if time.monotonic() > deadline:
+                raise no_room
 
     def scheduling_strategy(self, stage_index: int):
         """The Ray scheduling strategy that puts a task or actor on stage ``stage_index``'s node."""

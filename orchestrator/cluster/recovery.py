@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from orchestrator.cluster.connect import alive_nodes, one_line
+from orchestrator.cluster.connect import node_dies, one_line
 from orchestrator.config import NODE_DEATH_SECONDS, STAGE_ANSWER_SECONDS
 from orchestrator.decoding.targets import TargetWaiting
 from orchestrator.transport.chain import PassLate, PipelineError
@@ -130,16 +130,6 @@ def dead_stages(pipeline: Pipeline, late: PassLate, restarting: list[tuple[int, 
                                 f"(--max-restarts {pipeline.max_restarts})") from None
         dead.append((stage.stage_index, f"{late}; {reason}"))  # how the loss showed, then what Ray says
     return dead
-
-
-def node_dies(node_id: str, seconds: float) -> bool:
-    """Whether Ray reports node ``node_id`` dead within ``seconds`` (asked each second)."""
-    deadline = time.monotonic() + seconds
-    while node_id in {node.node_id for node in alive_nodes()}:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(1.0)
-    return True
 
 
 def replay(pipeline: Pipeline, unanswered: list[PassRecord], cancelled: list[PassRecord]) -> None:
