@@ -165,8 +165,9 @@ bench: install
 bench-serve: install
 	$(BIN)/orchestrate bench --serve --out benchmarks/results
 
-# The chaos soak (docs/measurements.md "Chaos soak"): serve under load while stage processes, the
-# replica and a node are killed, a stage stalls and strangers write to its port; chaos.json.
+# The chaos soak (docs/measurements.md "Chaos soak"): serve with the bench's draft under load while
+# stage processes, the replica, a node and drafters are killed, a stage and a drafter stall and
+# strangers write to a stage's port; chaos.json.
 chaos: install
 	$(BIN)/python -m benchmarks.chaos --out benchmarks/results/chaos
 

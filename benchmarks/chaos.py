@@ -2,24 +2,29 @@
 seeded requests while faults are injected in turn, each request checked
 against its solo output. A benchmark, not a test: it takes minutes.
 
-    python -m benchmarks.chaos --out DIR [--requests 160] [--clients 4] [--pause 8]
+    python -m benchmarks.chaos --out DIR [--requests 160] [--clients 4] [--pause 8] [--speculator model]
 
 The service runs on a Ray cluster of this process's own
 (``ray.cluster_utils.Cluster``: a head without CPUs, and one-CPU nodes for
 the two stages and a spare), ``orchestrate serve --model M --stages 2``
-joining it. Before the load each request is run alone (its solo output).
+joining it, drafting with the bench's draft of realistic agreement (the
+default model requantized, made for the soak and not kept; ``--speculator
+ngram``: prompt lookup). Before the load each request is run alone (its solo output).
 Then CLIENTS clients stream REQUESTS requests (a few prompts, each sampled
 with its own seed), while the faults below are injected one at a time, PAUSE
 seconds after the service answered again from the last:
 
 - ``stage``: a stage process SIGKILLed;
 - ``replica``: the Serve replica (the coordinator) SIGKILLed;
-- ``node``: the Ray node holding a stage removed (its processes killed, as a
-  lost machine's), and a node added back once the service answers again;
+- ``node``: the Ray node holding a stage (and the drafter beside it)
+  removed without a drain (its processes killed, as a machine that dies),
+  and a node added back once the service answers again;
 - ``stall``: a stage process stopped (SIGSTOP) for STALL_SECONDS, then let
   go: a link that stalls and heals;
 - ``stranger``: connections to every stage's listening port that send
-  garbage and a forged handshake.
+  garbage and a forged handshake;
+- with a draft model, ``drafter``: a drafter process SIGKILLed, and
+  ``drafter-stall``: one stopped for STALL_SECONDS, then let go.
 
 Each request ends ``equal`` (its solo text), ``wrong`` (a text that differs:
 never allowed), ``retryable`` (a 503 or 429, or an error event in its stream,
@@ -30,9 +35,8 @@ each stage process that survived holds the file descriptors and sockets it
 held after warm-up and its memory is within 10 % of it. It writes
 chaos.json, prints the counts, and exits 1 if any check fails.
 
-Not injected (docs/measurements.md says so): drafters (this soak drafts by
-prompt lookup, no draft model), a cut link between separate hosts (the
-nodes here share one machine's loopback; ``stall`` stands in).
+Not injected (docs/measurements.md says so): a cut link between separate
+hosts (the nodes here share one machine's loopback; ``stall`` stands in).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import random
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -52,6 +57,7 @@ from pathlib import Path
 import httpx
 
 FAULTS = ("stage", "replica", "node", "stall", "stranger")
+DRAFTER_FAULTS = ("drafter", "drafter-stall")  # with a draft model (--speculator model)
 PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea,",
            "List three colors:", "The best way to learn a language is")
 MAX_TOKENS = 32
@@ -209,13 +215,17 @@ def inject(kind: str, cluster, base: str, rng: random.Random) -> str:
         return f"replica process {pid}"
     if kind == "node":
         [node] = [node for node in cluster.list_all_nodes() if node.node_id == stages[index]["node"]]
-        cluster.remove_node(node)
+        cluster.remove_node(node, allow_graceful=False)
         return f"stage {index}'s node {node.node_id[:8]}"
-    if kind == "stall":
-        pid = stages[index]["process"]
+    if kind in ("stall", "drafter-stall"):
+        pid, what = (stages[index]["process"], f"stage {index}") if kind == "stall" else drafter_process(rng)
         os.kill(pid, signal.SIGSTOP)
         threading.Timer(STALL_SECONDS, os.kill, (pid, signal.SIGCONT)).start()
-        return f"stage {index} process {pid} stopped {STALL_SECONDS:.0f} s"
+        return f"{what} process {pid} stopped {STALL_SECONDS:.0f} s"
+    if kind == "drafter":
+        pid, what = drafter_process(rng)
+        os.kill(pid, signal.SIGKILL)
+        return f"{what} process {pid}"
     for host, port in stage_addresses():
         for payload in (os.urandom(256), b"SPECPIPE" + os.urandom(64), b"GET / HTTP/1.1\r\n\r\n"):
             with socket.create_connection((host, port), timeout=5) as stranger:
@@ -223,12 +233,24 @@ def inject(kind: str, cluster, base: str, rng: random.Random) -> str:
     return "every stage's port"
 
 
-def inject_faults(cluster, base: str, model: str, pause: float, soak: Soak, seed: int) -> None:
-    """One fault after another, FAULTS in turn, until the load is done."""
+def drafter_process(rng: random.Random) -> tuple[int, str]:
+    """(the process id, its name) of one live drafter actor, asked through Ray."""
+    import ray
+
+    names = sorted((entry["name"], entry["namespace"]) for entry in ray.util.list_named_actors(all_namespaces=True)
+                   if entry["name"].startswith("specpipe-drafter-"))
+    if not names:
+        raise SystemExit("chaos: no drafter to hit (run with --speculator model)")
+    name, namespace = names[rng.randrange(len(names))]
+    return ray.get(ray.get_actor(name, namespace=namespace).process_id.remote(), timeout=10), name
+
+
+def inject_faults(cluster, base: str, model: str, pause: float, soak: Soak, seed: int, kinds: tuple[str, ...]) -> None:
+    """One fault after another, ``kinds`` in turn, until the load is done."""
     rng = random.Random(seed)
     turn = 0
     while not soak.done.wait(pause):
-        kind = FAULTS[turn % len(FAULTS)]
+        kind = kinds[turn % len(kinds)]
         turn += 1
         fault = Fault(kind, time.monotonic())
         fault.detail = inject(kind, cluster, base, rng)
@@ -265,19 +287,19 @@ def percentile(values: list[float], q: float) -> float | None:
     return None if not values else sorted(values)[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
-def report(soak: Soak, kv: list, leaked: list[str], seconds: float) -> dict:
+def report(soak: Soak, kv: list, leaked: list[str], seconds: float, faults: tuple[str, ...] = FAULTS) -> dict:
     kinds = ("equal", "wrong", "retryable", "cut", "failed")
-    by_fault: dict[str, dict[str, int]] = {kind: {} for kind in FAULTS}
+    by_fault: dict[str, dict[str, int]] = {kind: {} for kind in faults}
     for outcome in soak.outcomes:
         if outcome.kind != "equal":
             before = [fault for fault in soak.faults if fault.at <= outcome.ended]
             cause = before[-1].kind if before else "none"
             by_fault.setdefault(cause, {})[outcome.kind] = by_fault.get(cause, {}).get(outcome.kind, 0) + 1
-    recovery = {kind: [fault.recovered_seconds for fault in soak.faults if fault.kind == kind] for kind in FAULTS}
+    recovery = {kind: [fault.recovered_seconds for fault in soak.faults if fault.kind == kind] for kind in faults}
     return {
         "requests": len(soak.outcomes),
         "outcomes": {kind: sum(outcome.kind == kind for outcome in soak.outcomes) for kind in kinds},
-        "faults": {kind: len(recovery[kind]) for kind in FAULTS},
+        "faults": {kind: len(recovery[kind]) for kind in faults},
         "not_equal_by_fault": by_fault,
         "recovery_seconds": {kind: {"p50": percentile(values, 0.5), "p95": percentile(values, 0.95)}
                              for kind, values in recovery.items()},
@@ -350,12 +372,13 @@ def soak(cluster, base: str, arguments) -> dict:
     requests = threading.Thread(target=load, args=(base, model, solo, arguments.requests, arguments.clients, state),
                                 daemon=True)
     requests.start()
-    inject_faults(cluster, base, model, arguments.pause, state, arguments.seed)
+    kinds = FAULTS + (DRAFTER_FAULTS if arguments.speculator == "model" else ())
+    inject_faults(cluster, base, model, arguments.pause, state, arguments.seed, kinds)
     requests.join()
     kv = settled_kv(base)
     alive = [stage["process"] for stage in health(base)["stages"]]
     return report(state, kv, leaks(before, process_state([pid for pid in pids if pid in alive])),
-                  time.monotonic() - started)
+                  time.monotonic() - started, kinds)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -365,18 +388,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--pause", type=float, default=8.0, help="seconds between a recovery and the next fault")
     parser.add_argument("--seed", type=int, default=0, help="which stage each fault hits")
+    parser.add_argument("--speculator", choices=("model", "ngram"), default="model",
+                        help="model: the bench's draft of realistic agreement beside each stage; ngram: prompt lookup")
     arguments = parser.parse_args(argv)
+    from benchmarks.drafts import realistic_draft
     from benchmarks.serve_bench import start_specpipe_server
     from benchmarks.serve_load import stop_server
     from orchestrator.cluster.connect import free_port
     from orchestrator.config import default_model_path
 
     arguments.out.mkdir(parents=True, exist_ok=True)
+    drafts = tempfile.TemporaryDirectory()  # the draft is made for the soak, not kept
+    speculation = ["--speculator", "ngram"] if arguments.speculator == "ngram" else [
+        "--speculator", "model", "--draft", realistic_draft(str(default_model_path()), Path(drafts.name))]
     cluster = start_cluster()
     port, log = free_port(), arguments.out / "serve.log"
     server = start_specpipe_server(["--address", cluster.address, "--model", str(default_model_path()),
                                     "--stages", "2", "--max-sequences", str(arguments.clients), "--n-ctx", "512",
-                                    "--speculator", "ngram"], port, log)
+                                    *speculation], port, log)
     try:
         result = soak(cluster, f"http://127.0.0.1:{port}", arguments)
         result["command"] = "python -m benchmarks.chaos " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -388,6 +417,7 @@ def main(argv: list[str] | None = None) -> None:
 
         ray.shutdown()
         cluster.shutdown()
+        drafts.cleanup()
     (arguments.out / "chaos.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({key: result[key] for key in ("requests", "outcomes", "faults", "not_equal_by_fault",
                                                    "recovery_seconds", "kv_cells_at_end", "leaks", "passed")},
