@@ -117,6 +117,8 @@ def removing_node(cluster, pipeline, stage_index: int, after_tokens: int, gracef
         if len(produced) == after_tokens:
             node_id = pipeline.stages[stage_index].node_id
             [node] = [node for node in cluster.list_all_nodes() if node.node_id == node_id]
+            if not graceful:  # a machine's death takes its processes with it; here they may outlive the raylet
+                os.kill(pipeline.stages[stage_index].process_id, signal.SIGKILL)
             cluster.remove_node(node, allow_graceful=graceful)
             on_token.removed = node_id
 
@@ -173,6 +175,7 @@ def test_serve_moves_a_lost_stage_to_the_spare_under_load(three_workers, smollm2
 
     cluster = three_workers
     with serving(cluster, smollm2, tmp_path, max_sequences=4) as (base, index, lost, log):
+        stage_process = httpx.get(base + "/health", timeout=30).json()["stages"][index]["process"]
         prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], "1, 2, 3, 4,"]
         expected = [reference.llama.detokenize(reference.greedy(reference.tokenize(prompt), 40).tokens)
                     .decode("utf-8", errors="replace") for prompt in prompts]
@@ -192,6 +195,7 @@ def test_serve_moves_a_lost_stage_to_the_spare_under_load(three_workers, smollm2
             asks = [asyncio.create_task(ask(client, model, prompt, started)) for prompt in prompts]
             await started.wait()
             [node] = [node for node in cluster.list_all_nodes() if node.node_id == lost]
+            os.kill(stage_process, signal.SIGKILL)  # a machine's death takes its processes with it
             await asyncio.to_thread(cluster.remove_node, node, False)  # killed, as a machine dies: no drain
             return await asyncio.gather(*asks)
 
