@@ -352,8 +352,7 @@ class Cancel:
 
 @dataclass(frozen=True)
 class Ping:
-    """Coordinator -> a stage, on its cancel connection, while a result is
-    awaited: answer with ``Alive`` (orchestrator.transport.liveness)."""
+    """Coordinator -> a stage on its cancel connection while a result is awaited: answer ``Alive``."""
 
     KIND: ClassVar[str] = "ping"
 
@@ -369,8 +368,7 @@ class Ping:
 
 @dataclass(frozen=True)
 class Alive:
-    """A stage -> the coordinator, on its cancel connection: stage
-    ``stage_index`` answers ping ``number`` (its thread beside the serving loop does)."""
+    """A stage -> the coordinator on its cancel connection: stage ``stage_index`` answers ping ``number``."""
 
     KIND: ClassVar[str] = "alive"
 
@@ -467,12 +465,8 @@ class SpeculateFrom:
         return cls(epoch=integer(header, "epoch"), context=checked_array(array, "context", 1, ("<i4",)),
                    most=integer(header, "most"), sequence=_sequence(header), tree=tree,
                    sampling=_sampling(header) if "temperature" in header else None,
-                   forks=_forks(header) if "forks" in header else None)
-
-
-def _forks(header: WireHeader) -> Forks:
-    return Forks(integer(header, "fork_from", 1), integer(header, "forks", 1),
-                 number(header, "fork_rounds", "draft rounds"))
+                   forks=Forks(integer(header, "fork_from", 1), integer(header, "forks", 1),
+                               number(header, "fork_rounds", "draft rounds")) if "forks" in header else None)
 
 
 def _sequence_field(sequence: int) -> WireHeader:
