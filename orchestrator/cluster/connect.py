@@ -292,17 +292,16 @@ class Reservation:
         resources) the node its pin names now (a machine back with a new Ray
         node id); a placement group's bundle, where Ray moved it. A
         ClusterError that names the lost node where there is none yet."""
-        import ray
-
         from orchestrator.config import STAGE_ANSWER_SECONDS
         from orchestrator.cluster.placement import PlacementError, plan_placement, replacement_node
 
+        if self.placement_group is not None:
+            self._follow_bundle(stage_index)
+            return
         lost = self.node_ids[stage_index] if self.node_ids else ""
         gone = bool(lost) and not answers(self.scheduling_strategy(stage_index), STAGE_ANSWER_SECONDS)
         nodes = [node for node in alive_nodes() if not (gone and node.node_id == lost)]
-        if self.placement_group is not None:
-            self._follow_bundle(stage_index)
-        elif self.plan.movable:
+        if self.plan.movable:
             node = replacement_node(nodes, tuple(self.node_ids), stage_index)
             if node is None:
                 raise ClusterError(f"stage {stage_index}'s node {lost[:8]} is lost and no other node has room "
