@@ -183,7 +183,7 @@ def main(repetitions: int) -> None:
     from orchestrator.config import BENCH_CONTEXT, default_model_path, default_stage_paths
     from orchestrator.cluster.drafters import DrafterSettings, start_drafters, stop_drafters
     from orchestrator.decoding.loop import generate
-    from orchestrator.cluster.pipeline import Pipeline
+    from orchestrator.cluster.pipeline_settings import PipelineSettings
     from orchestrator.decoding.schedule import Schedule
     from orchestrator.run import make_drafting
     from stages.tokenizer import Tokenizer
@@ -205,7 +205,7 @@ def main(repetitions: int) -> None:
     differ: list[str] = []
     whole = WholeModel(model)
     with tempfile.TemporaryDirectory() as folder, ray_session(None), \
-            Pipeline(paths, StageSettings(n_ctx=BENCH_CONTEXT, threads=1)) as pipeline, \
+            PipelineSettings(paths, StageSettings(n_ctx=BENCH_CONTEXT, threads=1)).start() as pipeline, \
             servers(model, remote_blocks, Path(folder), BENCH_CONTEXT) as ports:
         workdir = Path(folder)
         drafters = start_drafters(pipeline, PromptLookupSpeculator, DrafterSettings(draft_max=DRAFT_MAX))

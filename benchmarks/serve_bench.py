@@ -190,7 +190,7 @@ def _in_process(stage_paths: list[str], prompts: list[str], concurrencies: tuple
 
     from benchmarks.serve_load import RequestOutcome
     from orchestrator.cluster.connect import ray_session
-    from orchestrator.cluster.pipeline import Pipeline
+    from orchestrator.cluster.pipeline_settings import PipelineSettings
     from orchestrator.decoding.service import Progress, Service, ServiceRequest, ServiceSettings
     from speculators.draft_length import curve_step
     from stages.tokenizer import Tokenizer
@@ -203,7 +203,7 @@ def _in_process(stage_paths: list[str], prompts: list[str], concurrencies: tuple
 
     settings = StageSettings(n_ctx=CONTEXT, sequences=max(concurrencies),
                              cost_curve=load_cost_curve(cost_curve) if cost_curve else None)
-    with ray_session(None), Pipeline(stage_paths, settings, overlapping=True) as pipeline:
+    with ray_session(None), PipelineSettings(stage_paths, settings).start(overlapping=True) as pipeline:
         pass_curve = pipeline.pass_curve()
         batch_step = curve_step(pass_curve)
         for _ in range(repetitions):

@@ -139,7 +139,7 @@ def run_scenario(
     from benchmarks.reference import WholeModel
     from benchmarks.side_by_side import draft_steps
     from orchestrator.decoding.loop import generate
-    from orchestrator.cluster.pipeline import Pipeline
+    from orchestrator.cluster.pipeline_settings import PipelineSettings
     from orchestrator.decoding.drafting import SpeculationSettings
     from orchestrator.cluster.drafters import draft_prices, speculator_factory, stop_drafters
     from orchestrator.run import make_drafting
@@ -163,7 +163,7 @@ def run_scenario(
     total = scenario.repetitions * len(prompts) * len(modes)
     texts = {tuple(prompt): tokenizer.chat_text([{"role": "user", "content": text}]) if scenario.chat else text
              for prompt, text in zip(prompts, scenario.prompts)}
-    with contextlib.ExitStack() as peers_running, Pipeline(stage_paths, settings) as pipeline:
+    with contextlib.ExitStack() as peers_running, PipelineSettings(stage_paths, settings).start() as pipeline:
         peer_ports = {}
         if any(mode.startswith("cpp-") for mode in modes):
             folder = Path(peers_running.enter_context(tempfile.TemporaryDirectory()))

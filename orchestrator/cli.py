@@ -94,14 +94,11 @@ def run(pipeline: PipelineOptions, speculation, prompt, prompt_file, chat, max_t
 
     prompt, chat = _prompt_of(prompt, prompt_file, chat)
     settings = RunSettings(
-        **pipeline.settings_fields(),
+        pipeline.settings(pipeline.stage_settings(n_ctx), speculation, dashboard),
         prompt=prompt,
         chat=chat,
         max_tokens=max_tokens,
         sampling=SamplingSettings(temperature=temperature, top_p=top_p, seed=seed),
-        stage=pipeline.stage_settings(n_ctx),
-        speculation=speculation,
-        dashboard=dashboard,
     )
     # Ray prints its own notices (such as a worker that died, before its stage
     # is restarted) to the driver's sys.stdout; stdout is kept for the text.
@@ -187,14 +184,11 @@ def serve(pipeline: PipelineOptions, speculation, host, port, api_key, model_nam
         raise click.UsageError(f"--n-ctx {n_ctx} x --max-sequences {max_sequences} exceeds {config.MAX_CONTEXT} "
                                "KV cells per stage")
     settings = ServeSettings(
-        **pipeline.settings_fields(),
-        stage=pipeline.stage_settings(n_ctx, sequences=max_sequences or 0),
+        pipeline.settings(pipeline.stage_settings(n_ctx, sequences=max_sequences or 0), speculation, dashboard),
         queue_limit=queue_limit,
         prefix_cache_tokens=prefix_cache_tokens,
         model_name=model_name,
-        speculation=speculation,
         host=host, port=port, api_key=api_key or None,
-        dashboard=dashboard,
     )
     serve_until_stopped(settings, on_status=lambda line: click.echo(line, err=True))
 

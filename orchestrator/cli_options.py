@@ -9,6 +9,7 @@ import functools
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -16,6 +17,10 @@ from orchestrator import config
 from orchestrator.decoding.schedule import Schedule
 from speculators.model import DRAFT_DEVICES
 from stages.errors import SpecpipeError
+
+if TYPE_CHECKING:  # for the types only: importing this module loads neither Ray nor llama.cpp
+    from orchestrator.cluster.model_files import WholeModelSettings
+    from stages.cost_curve import CostCurve
 
 
 def one_line_errors(command):
@@ -107,7 +112,7 @@ class PipelineOptions:
     """What ``run`` and ``serve`` share about the model and the pipeline (pipeline_options)."""
 
     files: list[str]  # the stage files given ([]: the default model's, or --model)
-    whole_model: object  # orchestrator.cluster.model_files.WholeModelSettings, or None: the stage files
+    whole_model: WholeModelSettings | None  # None: the stage files
     address: str | None
     place: dict[int, str] | None
     threads: int
@@ -115,7 +120,7 @@ class PipelineOptions:
     wire_dtype: str
     max_restarts: int
     tls: bool
-    cost_curve: object = None  # stages.cost_curve.CostCurve (--cost-curve, measurements only), or None
+    cost_curve: CostCurve | None = None  # --cost-curve (measurements only)
 
     def stage_settings(self, n_ctx: int, **more):
         """Every stage's llama.cpp settings, from these options and the command's own."""
@@ -124,16 +129,20 @@ class PipelineOptions:
         return StageSettings(n_ctx=n_ctx, threads=self.threads, n_gpu_layers=self.n_gpu_layers,
                              cost_curve=self.cost_curve, **more)
 
-    def settings_fields(self) -> dict:
-        """The fields RunSettings and ServeSettings take from these options
-        (splitting the default model on first use: after every check of the options)."""
+    def settings(self, stage, speculation, dashboard: bool):
+        """The pipeline's settings (cluster.pipeline_settings.PipelineSettings) from these
+        options and the command's own (splitting the default model on first use: after
+        every check of the options)."""
+        from orchestrator.cluster.pipeline_settings import PipelineSettings
         from orchestrator.config import default_stage_paths
 
         stage_paths = self.files
         if not stage_paths and self.whole_model is None:
             stage_paths = default_stage_paths(progress=progress_bar("splitting default model"))
-        return dict(stage_paths=stage_paths, whole_model=self.whole_model, address=self.address,
-                    place=self.place, wire_dtype=self.wire_dtype, max_restarts=self.max_restarts, tls=self.tls)
+        return PipelineSettings(stage_paths=stage_paths, stage=stage, speculation=speculation,
+                                whole_model=self.whole_model, address=self.address, place=self.place,
+                                wire_dtype=self.wire_dtype, dashboard=dashboard, max_restarts=self.max_restarts,
+                                tls=self.tls)
 
 
 COST_CURVE_OPTION = click.option(

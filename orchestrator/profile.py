@@ -94,12 +94,12 @@ def measure_pipeline(settings: ProfileSettings, progress: Callable[[int, int], N
     pipeline takes wall time minus compute as transport. The hop time comes
     from the one-token passes. Every pass is rolled back (keep = context)."""
     from orchestrator.cluster.connect import ray_session
-    from orchestrator.cluster.pipeline import Pipeline
+    from orchestrator.cluster.pipeline_settings import PipelineSettings
     from stages.settings import StageSettings
 
     rng = np.random.default_rng(0)
     stage_settings = StageSettings(n_ctx=_context_size(settings), threads=settings.threads)
-    with ray_session(None), Pipeline(settings.stage_paths, stage_settings) as pipeline:
+    with ray_session(None), PipelineSettings(settings.stage_paths, stage_settings).start() as pipeline:
         context = rng.integers(100, 10000, settings.context).astype(np.int32)
         pipeline.forward(np.arange(settings.context, dtype=np.int32), context, 0)
         per_stage: list[list[float]] = [[] for _ in settings.stage_paths]

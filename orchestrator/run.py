@@ -7,19 +7,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from orchestrator.cluster.connect import ray_session
-from orchestrator.config import CORRECTIONS_RELAYED_MOST, MAX_RESTARTS, TREE_CURVE_SIZES
+from orchestrator.config import CORRECTIONS_RELAYED_MOST, TREE_CURVE_SIZES
 from orchestrator.cluster.drafters import (DrafterClient, draft_prices, drafter_compute, drafter_nodes,
                                           drafter_settings,
                                           speculator_factory, start_drafters, stop_drafters)
-from orchestrator.decoding.drafting import Drafting, SpeculationSettings, exact_trees
+from orchestrator.decoding.drafting import Drafting, exact_trees
 from orchestrator.decoding.loop import Generation, generate
 from orchestrator.cluster.metrics import GenerationMetrics, RestartMetrics
 from orchestrator.cluster.pipeline import ChainRelink, Pipeline, StageReport, StageRestart
+from orchestrator.cluster.pipeline_settings import PipelineSettings
 from orchestrator.decoding.schedule import Schedule
 from orchestrator.cluster.shipping import Shipment
 from stages.tokenizer import Tokenizer
-from orchestrator.cluster.model_files import (RunError, WholeModelSettings, check_same_model,
-                                              local_draft, local_vocabulary_file, transfer_progress,
+from orchestrator.cluster.model_files import (RunError, check_same_model, local_vocabulary_file, transfer_progress,
                                               whole_model_stages)
 from speculators.draft_length import PRIOR_STEP, DraftPrices, ask_cost
 from speculators.sampling import SamplingSettings
@@ -32,22 +32,13 @@ MIB = 1024**2
 
 @dataclass(frozen=True)
 class RunSettings:
-    """Everything ``orchestrate run`` was asked to do."""
+    """Everything ``orchestrate run`` was asked to do: the pipeline's settings, and the prompt's."""
 
-    stage_paths: list[str]
+    pipeline: PipelineSettings
     prompt: str
     chat: bool | None  # the prompt in the model's chat template; None: where the model has one (--chat/--raw)
     max_tokens: int
     sampling: SamplingSettings
-    stage: StageSettings
-    speculation: SpeculationSettings = SpeculationSettings()
-    address: str | None = None
-    place: dict[int, str] | None = None
-    wire_dtype: str = "f32"
-    dashboard: bool = False
-    max_restarts: int = MAX_RESTARTS  # of each stage (and drafter) that dies
-    tls: bool = False  # the chain and the drafters' sockets in TLS (orchestrator.transport.tls)
-    whole_model: WholeModelSettings | None = None  # --model: stage_paths is empty, the stages are shipped
 
 
 @dataclass(frozen=True)
@@ -218,37 +209,33 @@ def run_generation(
 ) -> RunOutcome:
     """Connect Ray, start the pipeline (shipping the stages with --model) and
     the drafters, generate, and report what each part did."""
-    draft = local_draft(settings.speculation.draft_path, on_status)  # hf:: fetched here, before Ray starts
-    settings = dataclasses.replace(settings, speculation=dataclasses.replace(settings.speculation, draft_path=draft))
-    whole = settings.whole_model
-    if whole is None and settings.address is None:  # a local run: bad files fail before Ray starts
-        check_stage_files(settings.stage_paths)
+    settings = dataclasses.replace(settings, pipeline=settings.pipeline.with_local_draft(on_status))
+    pipeline_settings = settings.pipeline
+    whole = pipeline_settings.whole_model
+    if whole is None and pipeline_settings.address is None:  # a local run: bad files fail before Ray starts
+        check_stage_files(pipeline_settings.stage_paths)
     # On a cluster each file is checked on the node that runs its stage (Pipeline).
-    vocabulary_path = whole.vocabulary_path if whole is not None else local_vocabulary_file(settings.stage_paths)
+    vocabulary_path = whole.vocabulary_path if whole is not None else local_vocabulary_file(pipeline_settings.stage_paths)
     prepared = _prepare(settings, Tokenizer(vocabulary_path)) if vocabulary_path else None
-    asynchronous = settings.speculation.asynchronous
-    with ray_session(settings.address, dashboard=settings.dashboard) as where:
+    speculation = pipeline_settings.speculation
+    with ray_session(pipeline_settings.address, dashboard=pipeline_settings.dashboard) as where:
         if where and on_status is not None:
             on_status(f"[{where}]")
-        drafter_nodes(settings.speculation.drafter_nodes)  # a node not alive fails before the stages load
+        drafter_nodes(speculation.drafter_nodes)  # a node not alive fails before the stages load
         restart_metrics = RestartMetrics()
-        stage_settings = _stage_settings(settings)
-        stages = None if whole is None else whole_model_stages(whole, stage_settings, settings.speculation.draft_path,
-                                                               on_status)
+        stage_settings = _stage_settings(pipeline_settings)
+        stages = None if whole is None else whole_model_stages(whole, stage_settings, speculation.draft_path, on_status)
         if stages is None:  # stage files given, or one unsplit file for a one-node cluster
-            stages, whole = settings.stage_paths or [whole.path], None
-        with Pipeline(
-            stages, stage_settings, wire_dtype=settings.wire_dtype, place=settings.place,
-            max_restarts=settings.max_restarts, on_restart=_restart_reporter(restart_metrics, on_status),
-            tls=settings.tls, overlapping=asynchronous,
-        ) as pipeline:
+            stages, whole = pipeline_settings.stage_paths or [whole.path], None
+        with pipeline_settings.start(stages, stage=stage_settings, overlapping=speculation.asynchronous,
+                                     on_restart=_restart_reporter(restart_metrics, on_status)) as pipeline:
             check_same_model(vocabulary_path if whole is None else None, pipeline.stage_files)
             if prepared is None:  # no stage file here: the vocabulary comes from stage 0's node
                 prepared = _prepare(settings, Tokenizer(pipeline.vocabulary_file()))
             return _generate_through(pipeline, settings, prepared, restart_metrics, on_text, on_status)
 
 
-def _stage_settings(settings: RunSettings) -> StageSettings:
+def _stage_settings(settings: PipelineSettings) -> StageSettings:
     """The stages' settings: token trees need a KV id per side leaf."""
     leaves = settings.speculation.tree_leaves
     return dataclasses.replace(settings.stage, tree_sequences=leaves - 1) if leaves > 1 else settings.stage
@@ -290,13 +277,13 @@ def _generate_through(pipeline: Pipeline, settings: RunSettings, prepared, resta
     """Start the drafters beside the stages (with a speculator; a draft model
     shipped to their nodes first), generate, stop them, and report."""
     tokenizer, tokens, make_speculator = prepared
-    speculation = exact_trees(settings.speculation, pipeline.inexact_tree_stages(), on_status)
+    speculation = exact_trees(settings.pipeline.speculation, pipeline.inexact_tree_stages(), on_status)
     text = _Text(tokenizer, on_text)
     drafters: list[DrafterClient] = []
     drafting = None
     if make_speculator is not None:
         drafters = start_drafters(
-            pipeline, make_speculator, drafter_settings(speculation, pipeline.settings, settings.max_restarts),
+            pipeline, make_speculator, drafter_settings(speculation, pipeline.settings, settings.pipeline.max_restarts),
             on_restart=lambda index: restart_metrics.record("drafter", index),
             progress=transfer_progress(on_status, lambda _: "the draft model"),
         )
@@ -318,7 +305,7 @@ def _generate_through(pipeline: Pipeline, settings: RunSettings, prepared, resta
                                                client.restarts, drafter_compute(client), client.last_error)
                               for client in drafters]
         stop_drafters(drafters)
-    curve = settings.stage.cost_curve
+    curve = settings.pipeline.stage.cost_curve
     drafts_shipped = {client.draft_shipment.node_id: client.draft_shipment for client in drafters
                       if client.draft_shipment is not None}
     return RunOutcome(text.finish(), generation, pipeline.reports(), speculator_reports, pipeline.hop_seconds,
@@ -333,17 +320,18 @@ def _prepare(settings: RunSettings, tokenizer: Tokenizer):
     tokens = prompt_tokens(tokenizer, settings.prompt, settings.chat)
     if not tokens:
         raise RunError("the prompt is empty")
-    speculation = settings.speculation
+    pipeline = settings.pipeline
+    speculation = pipeline.speculation
     cells = speculation.draft_room  # a token tree's rows each hold a KV cell while its pass runs, however shallow
     reserve = f" + {cells} cells for a token tree's rows" if speculation.tree_leaves > 1 else f" + --draft-max {cells}"
-    if len(tokens) + settings.max_tokens + cells > settings.stage.n_ctx:
+    if len(tokens) + settings.max_tokens + cells > pipeline.stage.n_ctx:
         raise RunError(
             f"prompt ({len(tokens)} tokens) + --max-tokens {settings.max_tokens}"
             f"{reserve if cells else ''} exceed the context of "
-            f"{settings.stage.n_ctx} tokens; raise --n-ctx or lower --max-tokens"
+            f"{pipeline.stage.n_ctx} tokens; raise --n-ctx or lower --max-tokens"
         )
-    if settings.speculation.speculator == "model" and settings.address is None:
+    if speculation.speculator == "model" and pipeline.address is None:
         from speculators.model import draft_gpu_layers
 
-        draft_gpu_layers(settings.speculation.draft_device)  # a local run's drafters use this build: no GPU, no gpu
-    return tokenizer, tokens, speculator_factory(settings.speculation, tokenizer, settings.stage)
+        draft_gpu_layers(speculation.draft_device)  # a local run's drafters use this build: no GPU, no gpu
+    return tokenizer, tokens, speculator_factory(speculation, tokenizer, pipeline.stage)

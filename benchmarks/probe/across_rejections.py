@@ -38,7 +38,7 @@ def across_rejections(repetitions: int, stages: int, curve: str | None, max_toke
     from benchmarks.suite import start_kinds
     from orchestrator.cluster.connect import ray_session
     from orchestrator.cluster.drafters import draft_prices, speculator_factory, stop_drafters
-    from orchestrator.cluster.pipeline import Pipeline
+    from orchestrator.cluster.pipeline_settings import PipelineSettings
     from orchestrator.config import BENCH_CONTEXT, DRAFT_MAX, default_model_path
     from orchestrator.decoding.drafting import SpeculationSettings
     from orchestrator.decoding.loop import generate
@@ -58,7 +58,7 @@ def across_rejections(repetitions: int, stages: int, curve: str | None, max_toke
         tokenizer = Tokenizer(paths[0])
         prompts = prompts_of(tokenizer, load_scenario(SCENARIO_DIR.parent / "scenarios-draft" / "chat.toml"))
         settings = StageSettings(n_ctx=BENCH_CONTEXT, threads=1, cost_curve=load_cost_curve(curve) if curve else None)
-        with ray_session(None), Pipeline(paths, settings) as pipeline:
+        with ray_session(None), PipelineSettings(paths, settings).start() as pipeline:
             make = speculator_factory(SpeculationSettings("model", draft), tokenizer, settings)
             drafters = start_kinds(pipeline, {"model": make})["model"]
             try:

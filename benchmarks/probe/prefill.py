@@ -39,7 +39,7 @@ def prefill(repetitions: int, prompt_tokens: int) -> Report:
 
     from benchmarks.reference import WholeModel
     from orchestrator.cluster.connect import ray_session
-    from orchestrator.cluster.pipeline import Pipeline
+    from orchestrator.cluster.pipeline_settings import PipelineSettings
     from orchestrator.config import default_model_path, default_stage_paths
     from orchestrator.decoding.loop import generate
     from speculators.sampling import SamplingSettings
@@ -48,7 +48,7 @@ def prefill(repetitions: int, prompt_tokens: int) -> Report:
     context = prompt_tokens + 64
     prompt = (np.arange(prompt_tokens) * 7919 % 40000 + 100).astype(int).tolist()
     whole = WholeModel(str(default_model_path()), n_ctx=context)
-    with ray_session(None), Pipeline(default_stage_paths(), StageSettings(n_ctx=context), overlapping=True) as stages:
+    with ray_session(None), PipelineSettings(default_stage_paths(), StageSettings(n_ctx=context)).start(overlapping=True) as stages:
         targets = {"stages-pipelined": stages, "stages-one-chunk-at-a-time": _OneChunkAtATime(stages)}
 
         def run(mode: str, repetition: int) -> Outcome:

@@ -130,7 +130,7 @@ def prefix_reuse(repetitions: int, first_turn: int, system_prompt: int, curve_sp
     from dataclasses import replace
 
     from orchestrator.cluster.connect import ray_session
-    from orchestrator.cluster.pipeline import Pipeline
+    from orchestrator.cluster.pipeline_settings import PipelineSettings
     from orchestrator.config import default_stage_paths
     from orchestrator.planning.curves import load_cost_curve
     from stages.settings import StageSettings
@@ -138,7 +138,7 @@ def prefix_reuse(repetitions: int, first_turn: int, system_prompt: int, curve_sp
     settings = StageSettings(n_ctx=2048, sequences=8, prefix_sequences=4)
     samples, lines = {}, []
     with ray_session(None):
-        with Pipeline(default_stage_paths(), settings, overlapping=True) as pipeline:
+        with PipelineSettings(default_stage_paths(), settings).start(overlapping=True) as pipeline:
             for label, figure, run in (
                     ("chat", "first_token_seconds", lambda mode, rep: _chat_turn(pipeline, mode == "cache-on", rep,
                                                                                  first_turn)),
@@ -152,7 +152,7 @@ def prefix_reuse(repetitions: int, first_turn: int, system_prompt: int, curve_sp
                                   for mode in ("cache-off", "cache-on")]), ""]
                 samples[label + "_ratio"] = on / off
         curve = load_cost_curve(curve_spec)
-        with Pipeline(default_stage_paths(), replace(settings, cost_curve=curve), overlapping=True) as emulated:
+        with PipelineSettings(default_stage_paths(), replace(settings, cost_curve=curve)).start(overlapping=True) as emulated:
             step = emulated.draft_step(sequence=0)
             samples["choices"] = side_by_side(["n=1", "n=4"], repetitions,
                                               lambda mode, rep: _choices(emulated, int(mode[2:]), rep, step))

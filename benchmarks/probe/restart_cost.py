@@ -58,13 +58,13 @@ def restart_cost(repetitions: int, lengths: list[int]) -> Report:
     held, beside that context's prefill and an ordinary pass (the default
     model, two stages, Ray)."""
     from orchestrator.cluster.connect import ray_session
-    from orchestrator.cluster.pipeline import Pipeline
+    from orchestrator.cluster.pipeline_settings import PipelineSettings
     from orchestrator.config import default_stage_paths
     from stages.settings import StageSettings
 
     with ray_session(None):
-        with Pipeline(default_stage_paths(), StageSettings(n_ctx=max(lengths) + 16),
-                      max_restarts=len(lengths) * repetitions) as pipeline:
+        with PipelineSettings(default_stage_paths(), StageSettings(n_ctx=max(lengths) + 16),
+                              max_restarts=len(lengths) * repetitions).start() as pipeline:
             def run(mode: str, repetition: int) -> Outcome:
                 tokens = (np.arange(int(mode), dtype=np.int32) * 7919 % 40000 + 100).astype(np.int32)
                 started = time.perf_counter()

@@ -132,7 +132,7 @@ def where_time_goes(repetitions: int, tokens: int) -> Report:
     coordinator, beside the whole model and the stages in one process; pinned
     and unpinned; and a drafter actor's ask (the default model, Ray)."""
     from orchestrator.cluster.connect import ray_session
-    from orchestrator.cluster.pipeline import Pipeline
+    from orchestrator.cluster.pipeline_settings import PipelineSettings
     from orchestrator.config import default_model_path, default_stage_paths
     from stages.engine import StageEngine
     from stages.settings import StageSettings
@@ -142,7 +142,7 @@ def where_time_goes(repetitions: int, tokens: int) -> Report:
     prompt = np.asarray(Tokenizer(paths[0]).chat_prompt(PROMPT), np.int32)
     whole = StageEngine(str(default_model_path()), settings)
     engines = [StageEngine(path, settings) for path in paths]
-    with ray_session(None), Pipeline(paths, settings) as pipeline:
+    with ray_session(None), PipelineSettings(paths, settings).start() as pipeline:
         def run(mode: str, repetition: int) -> Outcome:
             figures: dict[str, list[float]] = defaultdict(list)
             if mode == "whole":

@@ -31,19 +31,18 @@ from typing import TYPE_CHECKING
 
 from orchestrator.config import (
     MAX_CONTEXT,
-    MAX_RESTARTS,
     SERVE_DRAIN_SECONDS,
     SERVE_KV_MEMORY_SHARE,
     SERVE_MAX_SEQUENCES,
 )
-from orchestrator.decoding.drafting import SpeculationSettings, exact_trees
+from orchestrator.decoding.drafting import exact_trees
 from orchestrator.decoding.prefix_cache import PREFIX_BLOCK
 from stages.errors import SpecpipeError
 from stages.settings import StageSettings
 
 if TYPE_CHECKING:
     from orchestrator.cluster.kept import KeptStages
-    from orchestrator.cluster.model_files import WholeModelSettings
+    from orchestrator.cluster.pipeline_settings import PipelineSettings
 
 APPLICATION = "specpipe"
 
@@ -65,31 +64,31 @@ class ShippedStages:
 
 @dataclass(frozen=True)
 class ServeSettings:
-    """Everything ``orchestrate serve`` was asked to do. stage.sequences is max_sequences;
+    """Everything ``orchestrate serve`` was asked to do: the pipeline's
+    settings (pipeline.stage.sequences is max_sequences), and the service's.
     prefix_cache_tokens: the most tokens finished requests' prefixes keep
     (None: as many as max_sequences sequences hold; 0: no prefix cache),
     in stage.prefix_sequences more KV sequences (``prepare`` fills both in)."""
 
-    stage_paths: list[str]
-    stage: StageSettings
+    pipeline: PipelineSettings
     queue_limit: int
     model_name: str | None = None  # None: the GGUF file's name (model_name_of)
-    speculation: SpeculationSettings = SpeculationSettings()
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
-    address: str | None = None
-    place: dict[int, str] | None = None
-    wire_dtype: str = "f32"
-    dashboard: bool = True
     drain_seconds: float = SERVE_DRAIN_SECONDS
-    max_restarts: int = MAX_RESTARTS  # of each stage that dies (orchestrator.cluster.pipeline)
-    tls: bool = False  # the chain in TLS (orchestrator.transport.tls)
-    whole_model: WholeModelSettings | None = None  # --model: shipped before the replica starts (place_stages)
     shipped: ShippedStages | None = None  # where place_stages put whole_model's stages
     vocabulary_path: str | None = None  # a file on this machine with the vocabulary (None: a local stage file)
     prefix_cache_tokens: int | None = None
     kept: KeptStages | None = None  # the stages outlive a replica (orchestrator.cluster.kept); made by the driver
+
+    def with_pipeline(self, **changes) -> ServeSettings:
+        """The same with these fields of the pipeline's settings changed."""
+        return replace(self, pipeline=replace(self.pipeline, **changes))
+
+    @property
+    def stage(self) -> StageSettings:
+        return self.pipeline.stage
 
 
 def default_max_sequences(kv_bytes: int, available_bytes: int) -> int:
@@ -121,7 +120,6 @@ class Coordinator:
         from orchestrator.cluster.drafters import stop_drafters
         from orchestrator.cluster.metrics import ServiceMetrics
         from orchestrator.serving.app import Backend
-        from orchestrator.cluster.pipeline import Pipeline
         from orchestrator.decoding.service import Service, ServiceSettings
         from orchestrator.cluster.model_files import check_same_model
         from speculators.draft_length import curve_step
@@ -133,12 +131,10 @@ class Coordinator:
         from orchestrator.cluster.metrics import RestartMetrics
 
         restart_metrics = RestartMetrics()
-        speculation = settings.speculation
-        self.pipeline = Pipeline(pipeline_stages(settings), settings.stage, wire_dtype=settings.wire_dtype,
-                                 place=settings.place, prefer=settings.shipped and settings.shipped.nodes,
-                                 max_restarts=settings.max_restarts, tls=settings.tls, overlapping=True,
-                                 kept=settings.kept,
-                                 on_restart=lambda restart: restart_metrics.record("stage", restart.stage_index))
+        speculation = settings.pipeline.speculation
+        self.pipeline = settings.pipeline.start(
+            pipeline_stages(settings), overlapping=True, prefer=settings.shipped and settings.shipped.nodes,
+            kept=settings.kept, on_restart=lambda restart: restart_metrics.record("stage", restart.stage_index))
         try:
             check_same_model(vocabulary_of(settings), self.pipeline.stage_files)
             speculation = exact_trees(speculation, self.pipeline.inexact_tree_stages(), print)  # to the replica's log
@@ -152,7 +148,7 @@ class Coordinator:
                     max_sequences=settings.stage.sequences, queue_limit=settings.queue_limit,
                     context=settings.stage.n_ctx, speculator=self._speculator(), drafters=drafters,
                     draft_prices=draft_prices, draft_max=speculation.draft_max,
-                    schedule=speculation.schedule, stage_count=len(settings.stage_paths),
+                    schedule=speculation.schedule, stage_count=len(settings.pipeline.stage_paths),
                     tree_leaves=speculation.tree_leaves, batch_step=batch_step, pass_curve=pass_curve,
                     prefix_sequences=settings.stage.prefix_sequences,
                     prefix_tokens=settings.prefix_cache_tokens or 0,
@@ -174,7 +170,7 @@ class Coordinator:
         more than it drafts), or None."""
         from speculators.prompt_lookup import PromptLookupSpeculator
 
-        if self.settings.speculation.speculator == "ngram":
+        if self.settings.pipeline.speculation.speculator == "ngram":
             return lambda sequence: PromptLookupSpeculator()
         return None
 
@@ -185,13 +181,13 @@ class Coordinator:
         from orchestrator.cluster.drafters import draft_prices, drafter_settings, speculator_factory, start_drafters
         from speculators.draft_length import DraftPrices
 
-        settings, speculation = self.settings, self.settings.speculation
+        settings, speculation = self.settings, self.settings.pipeline.speculation
         if speculation.speculator != "model":
             return None, DraftPrices()
         make = speculator_factory(speculation, tokenizer, settings.stage, sequences=settings.stage.sequences,
                                   spare_context=speculation.draft_max)
         self.drafters = start_drafters(
-            self.pipeline, make, drafter_settings(speculation, settings.stage, settings.max_restarts,
+            self.pipeline, make, drafter_settings(speculation, settings.stage, settings.pipeline.max_restarts,
                                                   sequences=settings.stage.sequences),
             on_restart=lambda index: restart_metrics.record("drafter", index))
         prices = draft_prices("model", self.pipeline, self.drafters, tokenizer.chat_prompt("Hello."), pass_seconds)
@@ -280,7 +276,7 @@ def vocabulary_of(settings: ServeSettings) -> str:
     """The file on this machine the vocabulary is read from (ServeError if none)."""
     from orchestrator.cluster.model_files import local_vocabulary_file
 
-    path = settings.vocabulary_path or local_vocabulary_file(settings.stage_paths)
+    path = settings.vocabulary_path or local_vocabulary_file(settings.pipeline.stage_paths)
     if path is None:
         raise ServeError("none of the stage files is on this machine and no vocabulary was fetched")
     return path
@@ -294,8 +290,8 @@ def pipeline_stages(settings: ServeSettings):
     from stages.settings import ALL_LAYERS
 
     if settings.shipped is None:
-        return settings.stage_paths
-    whole, starts = settings.whole_model, settings.shipped.starts
+        return settings.pipeline.stage_paths
+    whole, starts = settings.pipeline.whole_model, settings.shipped.starts
     return ModelToShip(whole.model(), len(starts), lambda nodes: starts, whole.vocabulary_path,
                        offloaded=settings.stage.n_gpu_layers == ALL_LAYERS)
 
@@ -306,8 +302,9 @@ def needs_placing(settings: ServeSettings) -> bool:
     then read on stage 0's node)."""
     from orchestrator.cluster.model_files import local_vocabulary_file
 
-    return settings.whole_model is not None or (
-        settings.vocabulary_path is None and local_vocabulary_file(settings.stage_paths) is None)
+    pipeline = settings.pipeline
+    return pipeline.whole_model is not None or (
+        settings.vocabulary_path is None and local_vocabulary_file(pipeline.stage_paths) is None)
 
 
 def place_stages(settings: ServeSettings, on_status: Callable[[str], None]) -> ServeSettings:
@@ -323,27 +320,29 @@ def place_stages(settings: ServeSettings, on_status: Callable[[str], None]) -> S
     from orchestrator.cluster.shipping import fetch_vocabulary, probe_nodes, ship_whole_model
     from orchestrator.transport.tls import new_chain_certificate
 
-    whole = settings.whole_model
+    pipeline = settings.pipeline
+    whole = pipeline.whole_model
     shipping = None
     if whole is not None:
-        shipping = whole_model_stages(whole, settings.stage, settings.speculation.draft_path, on_status)
+        shipping = whole_model_stages(whole, pipeline.stage, pipeline.speculation.draft_path, on_status)
         if shipping is None:  # one unsplit file, one node: it runs as it is
-            return replace(settings, stage_paths=[whole.path], whole_model=None, vocabulary_path=whole.path)
-    count = shipping.stage_count if shipping is not None else len(settings.stage_paths)
-    reservation = Reservation(count, settings.place)
+            return replace(settings.with_pipeline(stage_paths=[whole.path], whole_model=None),
+                           vocabulary_path=whole.path)
+    count = shipping.stage_count if shipping is not None else len(pipeline.stage_paths)
+    reservation = Reservation(count, pipeline.place)
     try:
         if shipping is None:
             nodes = [node.node_id for node in probe_nodes(reservation, count)]
-            return replace(settings, place=dict(enumerate(nodes)),
-                           vocabulary_path=fetch_vocabulary(settings.stage_paths[0], reservation.scheduling_strategy(0)))
+            return replace(settings.with_pipeline(place=dict(enumerate(nodes))),
+                           vocabulary_path=fetch_vocabulary(pipeline.stage_paths[0], reservation.scheduling_strategy(0)))
         split, shipments = ship_whole_model(shipping, reservation, range(count), new_secret(),
-                                            new_chain_certificate() if settings.tls else None)
+                                            new_chain_certificate() if pipeline.tls else None)
     finally:
         reservation.release()
     shipped = ShippedStages(tuple(split.starts), {item.stage_index: item.node_id for item in shipments})
     # a user's --place stays a pin; else the stages may move (Pipeline's prefer)
     model_name = settings.model_name or Path(shipping.model.name).name.removesuffix(".gguf")  # hf: files are digests
-    return replace(settings, stage_paths=[item.path for item in shipments], shipped=shipped,
+    return replace(settings.with_pipeline(stage_paths=[item.path for item in shipments]), shipped=shipped,
                    vocabulary_path=whole.vocabulary_path, model_name=model_name)
 
 
@@ -353,25 +352,26 @@ def prepare(settings: ServeSettings) -> ServeSettings:
     Runs before Ray starts, unless needs_placing (then after place_stages)."""
     from stages.stage_files import check_stage_files
 
-    if settings.address is None and settings.whole_model is None and settings.vocabulary_path is None:
-        check_stage_files(settings.stage_paths)  # a local run: bad files fail before Ray starts
+    pipeline = settings.pipeline
+    if pipeline.address is None and pipeline.whole_model is None and settings.vocabulary_path is None:
+        check_stage_files(pipeline.stage_paths)  # a local run: bad files fail before Ray starts
     vocabulary_path = vocabulary_of(settings)
     if settings.model_name is None:
         settings = replace(settings, model_name=model_name_of(vocabulary_path))
-    speculation = settings.speculation
+    speculation = pipeline.speculation
     if speculation.speculator == "model":  # checked here: a bad draft fails before Ray starts
         from orchestrator.cluster.model_files import check_draft_model
         from speculators.model import draft_gpu_layers
         from stages.tokenizer import Tokenizer
 
         check_draft_model(speculation.draft_path, Tokenizer(vocabulary_path))
-        if settings.address is None:  # a local service's drafters use this build: a GPU it lacks is refused
+        if pipeline.address is None:  # a local service's drafters use this build: a GPU it lacks is refused
             draft_gpu_layers(speculation.draft_device)
     if speculation.tree_leaves > 1:  # a stage holds a tree's branches beside one sequence only (stages.engine)
         if settings.stage.sequences > 1:
             raise ServeError("token trees (--tree-leaves) need --max-sequences 1")
-        settings = replace(settings, stage=replace(settings.stage, sequences=1,
-                                                   tree_sequences=speculation.tree_leaves - 1))
+        settings = settings.with_pipeline(stage=replace(settings.stage, sequences=1,
+                                                        tree_sequences=speculation.tree_leaves - 1))
     if settings.stage.sequences < 1:  # not given: what fits in memory (the default prefix cache as much again)
         from orchestrator.cluster.model_files import kv_bytes_per_sequence
 
@@ -379,7 +379,7 @@ def prepare(settings: ServeSettings) -> ServeSettings:
         streams = 2 if settings.prefix_cache_tokens is None and speculation.tree_leaves == 1 else 1
         draft_bytes = 0 if speculation.speculator != "model" else \
             kv_bytes_per_sequence(speculation.draft_path, settings.stage.n_ctx + speculation.draft_max)
-        settings = replace(settings, stage=replace(settings.stage, sequences=default_max_sequences(
+        settings = settings.with_pipeline(stage=replace(settings.stage, sequences=default_max_sequences(
             kv_bytes * streams + draft_bytes, available_memory_bytes())))  # a drafter holds a sequence per request
     return with_prefix_cache(settings)
 
@@ -396,7 +396,7 @@ def with_prefix_cache(settings: ServeSettings) -> ServeSettings:
     if stage.n_ctx * (stage.sequences + sequences) > MAX_CONTEXT:
         raise ServeError(f"--n-ctx {stage.n_ctx} x ({stage.sequences} sequences + {sequences} for the prefix "
                          f"cache) exceeds {MAX_CONTEXT} KV cells per stage: lower --prefix-cache-tokens")
-    return replace(settings, prefix_cache_tokens=tokens, stage=replace(stage, prefix_sequences=sequences))
+    return replace(settings.with_pipeline(stage=replace(stage, prefix_sequences=sequences)), prefix_cache_tokens=tokens)
 
 
 def serve_until_stopped(settings: ServeSettings, on_status: Callable[[str], None]) -> None:
@@ -405,25 +405,24 @@ def serve_until_stopped(settings: ServeSettings, on_status: Callable[[str], None
     from orchestrator.cluster.connect import ray_session
     from orchestrator.cluster.drafters import drafter_nodes
     from orchestrator.cluster.kept import SERVE_NAMESPACE, KeptStages
-    from orchestrator.cluster.model_files import local_draft
 
-    draft = local_draft(settings.speculation.draft_path, on_status)  # hf:: fetched here, before Ray starts
-    settings = replace(settings, speculation=replace(settings.speculation, draft_path=draft))
+    settings = replace(settings, pipeline=settings.pipeline.with_local_draft(on_status))  # before Ray starts
     placing = needs_placing(settings)
     if not placing:
         settings = prepare(settings)
     stop = threading.Event()
     # in Serve's namespace, where the replica names the stages it keeps: what is left of them is removed at the end
-    with ray_session(settings.address, dashboard=settings.dashboard, namespace=SERVE_NAMESPACE) as where:
+    pipeline = settings.pipeline
+    with ray_session(pipeline.address, dashboard=pipeline.dashboard, namespace=SERVE_NAMESPACE) as where:
         # after ray.init, which installs its own SIGTERM handler (it prints a stack and exits)
         previous = {number: signal.signal(number, lambda *_: stop.set()) for number in (signal.SIGINT, signal.SIGTERM)}
         try:
             if where:
                 on_status(f"[{where}]")
-            drafter_nodes(settings.speculation.drafter_nodes)  # a node not alive fails before the stages load
+            drafter_nodes(pipeline.speculation.drafter_nodes)  # a node not alive fails before the stages load
             if placing:
                 settings = prepare(place_stages(settings, on_status))
-            _run_application(replace(settings, kept=KeptStages.new(settings.tls)), on_status, stop)
+            _run_application(replace(settings, kept=KeptStages.new(pipeline.tls)), on_status, stop)
         finally:
             for number, handler in previous.items():
                 signal.signal(number, handler)
@@ -440,7 +439,7 @@ def _run_application(settings: ServeSettings, on_status: Callable[[str], None], 
     # (Serve's own logs stay in /tmp/ray/session_latest/logs/serve/).
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
 
-    on_status(f"starting {len(settings.stage_paths)} stages and the service "
+    on_status(f"starting {len(settings.pipeline.stage_paths)} stages and the service "
               f"({settings.stage.sequences} sequences of {settings.stage.n_ctx} tokens, a prefix cache of "
               f"{settings.prefix_cache_tokens} tokens)...")
     try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from orchestrator.cluster.pipeline_settings import PipelineSettings
 from orchestrator.serving.deployment import Coordinator, ServeSettings
 from stages.settings import StageSettings
 
@@ -22,7 +23,7 @@ class Part:
 
 def coordinator(failure: str) -> Coordinator:
     made = object.__new__(Coordinator)  # its parts, without Ray
-    made.settings = ServeSettings(["stage-0.gguf"], StageSettings(), queue_limit=1)
+    made.settings = ServeSettings(PipelineSettings(["stage-0.gguf"], StageSettings()), queue_limit=1)
     made.service, made.pipeline, made.drafters, made._closed = Part(failure), Part(), [], False
     return made
 
