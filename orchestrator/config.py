@@ -88,6 +88,9 @@ PLACEMENT_SECONDS = 60.0
 # Seconds for a connect or accept of the socket chain: every actor is up by
 # then, so the peer connects at once or never.
 CONNECT_SECONDS = 30.0
+# for one peer to complete its side of the chain's handshake (transport.handshake) or of TLS's
+# (transport.tls, the accepting side); a real one takes a millisecond
+HANDSHAKE_SECONDS = 5.0
 # Seconds the coordinator waits for Shutdown to travel the chain when closing.
 SHUTDOWN_SECONDS = 10.0
 # The deadline of one pass's result: this many times the slowest pass seen so

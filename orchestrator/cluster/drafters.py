@@ -400,7 +400,7 @@ def start_drafters(pipeline, make_speculator: Callable[..., Speculator], setting
 
     A draft model (settings.draft_path) is first shipped to every drafter's
     node but this one, and each drafter loads it from there: make_speculator
-    then takes the file as ``path=``. progress: shipping.ShipProgress, as it goes.
+    then takes the file as ``path=``. progress: stage_cache.ShipProgress, as it goes.
     A drafter that fails to start, or is lost later, is restarted in the
     background (settings.max_restarts); generation goes on without it meanwhile.
     Drafter ``index`` is named ``specpipe-drafter-<index>.<tag>`` with its

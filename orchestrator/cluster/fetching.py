@@ -4,7 +4,7 @@ The driver has read only the model's header. Each stage's node fetches just
 its tensors' byte ranges from the source (orchestrator.sources.remote_file)
 and writes its stage file from the same stage image a shipped stage is sent
 from, so the file is byte for byte what ``orchestrate split`` makes, into
-the same cache (shipping.CachedStageFile: a second run fetches nothing, an
+the same cache (stage_cache.CachedStageFile: a second run fetches nothing, an
 interrupted one resumes from its ``.partial``, one lock per file). The nodes
 fetch at once, each over its own link.
 
@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.cluster.shipping import CacheEntry, CachedStageFile, ShippingError, ShipProgress, stage_cache_root
+from orchestrator.cluster.stage_cache import CacheEntry, CachedStageFile, ShippingError, ShipProgress, stage_cache_root
 from orchestrator.config import ACTOR_START_SECONDS
 from orchestrator.sources.remote_file import CONNECT_SECONDS, READ_SECONDS, RETRIES, SourceUnreachable
 from stages.errors import SpecpipeError

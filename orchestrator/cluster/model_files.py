@@ -76,7 +76,7 @@ def local_draft(text: str | None, on_status: Callable[[str], None] | None = None
     import threading
 
     from orchestrator.cluster.fetching import StageFetcher
-    from orchestrator.cluster.shipping import draft_entry, stage_cache_root
+    from orchestrator.cluster.stage_cache import draft_entry, stage_cache_root
     from orchestrator.sources.hub import read_model_source
     from orchestrator.sources.hub_reference import is_hub_source
     from stages.stage_image import SourceRange, StageImage
@@ -203,7 +203,7 @@ def whole_model_stages(settings: WholeModelSettings, stage: StageSettings, draft
 
 
 def transfer_progress(on_status: Callable[[str], None] | None, named: Callable[[int], str]):
-    """A shipping.ShipProgress that tells on_status each tenth of a file sent
+    """A stage_cache.ShipProgress that tells on_status each tenth of a file sent
     or fetched: "shipping <named(index)>: 30 of 91 MiB"."""
     shown: dict[int, int] = {}  # index -> the last tenth of its file shown
 

@@ -24,18 +24,14 @@ import hmac
 import secrets
 import socket
 import time
-from typing import TYPE_CHECKING
-
+from orchestrator.config import HANDSHAKE_SECONDS
 from orchestrator.transport import wire
+from orchestrator.transport.tls import ChainCertificate, TLSError, client_side, server_side
 from stages.errors import SpecpipeError
-
-if TYPE_CHECKING:
-    from orchestrator.transport.tls import ChainCertificate
 
 MAGIC = b"specpipe-1"
 NONCE_BYTES = 32
 PROOF_BYTES = 32
-HANDSHAKE_SECONDS = 5.0  # for one peer to complete its side; a real one takes a millisecond
 
 
 # The roles of the chain's connections, named by what the accepting side waits for.
@@ -135,11 +131,9 @@ def accept_peer(listener: socket.socket, secret: bytes, role: str, deadline_seco
             continue
         try:
             if certificate is not None:
-                from orchestrator.transport.tls import server_side
-
-                connection = server_side(wire.tune(connection), certificate)
+                connection = server_side(wire.tune(connection), certificate, HANDSHAKE_SECONDS)
             verify(connection, secret, role)
-        except HandshakeError:  # a TLSError too
+        except (HandshakeError, TLSError):
             connection.close()  # a stranger, or a peer of another pipeline: wait for ours
             continue
         return wire.tune(connection)
@@ -152,11 +146,9 @@ def connect_peer(host: str, port: int, secret: bytes, role: str, timeout: float,
     sock = wire.connect(host, port, timeout=timeout)
     try:
         if certificate is not None:
-            from orchestrator.transport.tls import client_side
-
             sock = client_side(sock, certificate, timeout)
         introduce(sock, secret, role, timeout)
-    except HandshakeError as error:
+    except (HandshakeError, TLSError) as error:  # either is a HandshakeError to the caller
         sock.close()
         raise HandshakeError(f"{host}:{port}: {error}") from None
     return sock

@@ -10,8 +10,9 @@ certificate and no other (``client_side``; the hosts are IP addresses, so the
 pin is the check, not a host name). The accepting side asks for no client
 certificate: the HMAC handshake (orchestrator.transport.handshake), which runs inside
 TLS, proves the connector. A TLS handshake that fails or stalls is one
-``TLSError`` (a ``HandshakeError``: an acceptor drops such a stranger and waits
-for its peer, as for any peer that does not prove itself).
+``TLSError`` (which transport.handshake treats as a failed handshake: an
+acceptor drops such a stranger and waits for its peer, as for any peer that
+does not prove itself; a connector's is a ``HandshakeError``).
 
 Each side's ``ssl.SSLContext`` is built once per certificate (cached), not
 per connection. ``orchestrator.transport.wire`` frames messages on a TLS socket as on a
@@ -28,8 +29,8 @@ import ssl
 import tempfile
 from dataclasses import dataclass, field
 
-from orchestrator.transport import handshake
-from orchestrator.transport.handshake import HandshakeError
+from orchestrator.config import HANDSHAKE_SECONDS
+from stages.errors import SpecpipeError
 
 VALID_FOR = datetime.timedelta(days=30)  # a pipeline's certificate; past it, no new connection is made with it
 CLOCK_SKEW = datetime.timedelta(minutes=5)  # valid from a little before now: the hosts' clocks differ
@@ -37,7 +38,7 @@ CLIENT_HANDSHAKE_SECONDS = 30.0  # the connector's wait: the acceptor may first 
 COMMON_NAME = "specpipe chain"
 
 
-class TLSError(HandshakeError):
+class TLSError(SpecpipeError):
     """A TLS handshake on the chain failed or stalled; the message is one line."""
 
 
@@ -106,11 +107,11 @@ def _client_context(certificate: ChainCertificate) -> ssl.SSLContext:
     return context
 
 
-def server_side(sock: socket.socket, certificate: ChainCertificate, timeout: float | None = None) -> ssl.SSLSocket:
+def server_side(sock: socket.socket, certificate: ChainCertificate, timeout: float = HANDSHAKE_SECONDS) -> ssl.SSLSocket:
     """The accepting end of a connection, in TLS, showing the pipeline's certificate.
-    timeout: for the TLS handshake (default handshake.HANDSHAKE_SECONDS: one peer's
+    timeout: for the TLS handshake (config.HANDSHAKE_SECONDS: one peer's
     turn). On failure ``sock`` is closed and TLSError raised."""
-    return _wrap(sock, _server_context(certificate), True, handshake.HANDSHAKE_SECONDS if timeout is None else timeout)
+    return _wrap(sock, _server_context(certificate), True, timeout)
 
 
 def client_side(sock: socket.socket, certificate: ChainCertificate,

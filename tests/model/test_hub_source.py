@@ -14,7 +14,7 @@ import pytest
 
 from conftest import orchestrate
 from orchestrator.cluster.fetching import StageFetcher
-from orchestrator.cluster.shipping import CacheEntry
+from orchestrator.cluster.stage_cache import CacheEntry
 from orchestrator.sources import remote_file
 from orchestrator.sources.hub import read_model_source
 from orchestrator.sources.hub_reference import SourceReferenceError

@@ -116,3 +116,79 @@ def test_importing_speculators_loads_neither_ray_nor_llama_cpp():
     )
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert output.split() == ["False", "False"]
+
+
+def run_time_source(source: str) -> str:
+    """The source without its ``if TYPE_CHECKING:`` blocks (imports for annotations only, never run)."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        for field in ("body", "orelse"):
+            block = getattr(node, field, None)
+            if isinstance(block, list):
+                setattr(node, field, [statement for statement in block if not (
+                    isinstance(statement, ast.If) and isinstance(statement.test, ast.Name)
+                    and statement.test.id == "TYPE_CHECKING")])
+    return ast.unparse(tree)
+
+
+def module_graph(sources: dict[str, str]) -> dict[str, set[str]]:
+    """Module -> the modules of ``sources`` it imports when it runs (``from a import b``:
+    a.b where that is a module, else a), at the top or inside a function."""
+    graph = {}
+    for name, source in sources.items():
+        targets = set()
+        for module in imported(run_time_source(source)):
+            while module and module not in sources:
+                module = module.rpartition(".")[0]
+            if module and module != name:
+                targets.add(module)
+        graph[name] = targets
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_two_modules_import_each_other_however_far_round():
+    """No import circle, not even through an import inside a function: each module can be read after the ones it uses."""
+    sources = dict(product_modules())
+    for path in sorted((ROOT / "benchmarks").rglob("*.py")):
+        sources[".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")] = path.read_text()
+    assert circles(module_graph(sources)) == []
+
+
+def test_a_circle_through_a_lazy_import_is_found():
+    sources = {"orchestrator.cluster.shipping": "def f():\n    from orchestrator.cluster.fetching import fetch_stages",
+               "orchestrator.cluster.fetching": "from orchestrator.cluster.shipping import CacheEntry",
+               "orchestrator.cluster.placement": "from orchestrator.cluster import fetching"}
+    assert circles(module_graph(sources)) == [["orchestrator.cluster.fetching", "orchestrator.cluster.shipping"]]
+    typing_only = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from orchestrator.cluster.shipping import A"
+    assert circles(module_graph({**sources, "orchestrator.cluster.fetching": typing_only})) == []

@@ -14,16 +14,9 @@ import time
 import msgpack
 import pytest
 
-from orchestrator.cluster import shipping
-from orchestrator.cluster.shipping import (
-    DIGEST_REFUSED,
-    DigestRefused,
-    CacheEntry,
-    ShippingError,
-    StageReceiver,
-    send_stage,
-    stage_cache_root,
-)
+from orchestrator.cluster import shipping, stage_cache
+from orchestrator.cluster.shipping import DIGEST_REFUSED, DigestRefused, StageReceiver, send_stage
+from orchestrator.cluster.stage_cache import CacheEntry, ShippingError, stage_cache_root
 from stages.stage_image import SourceRange, StageImage, Zeros
 
 FINGERPRINT = "ab" * 32
@@ -149,6 +142,7 @@ def slow_resume(tmp_path, image, monkeypatch):
     monkeypatch.setattr(shipping, "TRANSFER_IDLE_SECONDS", 2.0)
     monkeypatch.setattr(shipping, "SLOWEST_PREFIX_READ", 400_000)
     monkeypatch.setattr(shipping, "CHUNK_BYTES", 64 * 1024)
+    monkeypatch.setattr(stage_cache, "CHUNK_BYTES", 64 * 1024)  # the read back (CachedStageFile.append)
     interrupted(receiver(tmp_path, image), image, HELD)
 
 

@@ -120,7 +120,18 @@ def test_a_peer_with_another_runs_certificate_is_refused_in_one_line(listener, c
     with pytest.raises(tls.TLSError) as on_server:  # the acceptor's side fails too: it drops the peer
         server_errors.result(timeout=LIVENESS_SECONDS)
     assert "\n" not in str(on_server.value)
-    assert isinstance(on_server.value, handshake.HandshakeError), "accept_peer drops it as a stranger"
+
+
+def test_accept_peer_drops_a_peer_of_another_run_and_waits_for_its_own(listener, certificate):
+    """A TLS failure is a stranger to accept_peer, which goes on waiting;
+    connect_peer reports it as a HandshakeError naming the address."""
+    accepted = ThreadPoolExecutor(1).submit(handshake.accept_peer, listener, SECRET, ROLE, LIVENESS_SECONDS, certificate)
+    host, port = listener.getsockname()
+    with pytest.raises(handshake.HandshakeError, match=rf"{host}:{port}: .*not this pipeline's"):
+        handshake.connect_peer(host, port, SECRET, ROLE, LIVENESS_SECONDS, tls.new_chain_certificate())
+    own = handshake.connect_peer(host, port, SECRET, ROLE, LIVENESS_SECONDS, certificate)
+    with own, accepted.result(timeout=LIVENESS_SECONDS) as theirs:
+        assert_same(exchange(own, theirs, RESULT), RESULT)
 
 
 def test_a_plain_client_is_refused_by_a_tls_acceptor(listener, certificate):
