@@ -257,3 +257,16 @@ def pytest_collection_modifyitems(config, items):
     CLUSTER_FILES.update(Path(item.path) for item in items if "ray_cluster" in item.fixturenames)
     items.sort(key=lambda item: (SCHEDULE_ORDER.index(directory_tier(Path(item.path))),
                                  Path(item.path) not in CLUSTER_FILES))
+
+
+def pytest_xdist_node_collection_finished(node, ids):
+    """Under ``--dist loadgroup`` (make test) every test's id must carry its group,
+    which pytest-xdist appends: where it does not, the groups are ignored and a
+    file's tests spread over the workers, each making the file's module
+    fixtures again (pytest 9 with pytest-xdist 3.8 did this silently:
+    pyproject.toml keeps pytest below 9)."""
+    if node.config.getvalue("dist") == "loadgroup":
+        ungrouped = [nodeid for nodeid in ids if "@" not in nodeid.rpartition("]")[2]]
+        if ungrouped:
+            pytest.exit(f"pytest-xdist did not group {len(ungrouped)} tests by file (first: {ungrouped[0]}): "
+                        "this pytest and pytest-xdist do not work together", returncode=4)
