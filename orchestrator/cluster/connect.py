@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 
 from orchestrator.cluster.placement import NodeInfo
+from orchestrator.config import STAGE_ANSWER_SECONDS
 from stages.errors import SpecpipeError
 
 def ray_environment() -> None:
@@ -204,6 +205,15 @@ def answers(scheduling_strategy, seconds: float) -> bool:
         return False
 
 
+def node_answers(node_id: str) -> bool:
+    """Whether node ``node_id`` runs a task within STAGE_ANSWER_SECONDS: a stage
+    that does not answer there is hung, not lost with its machine (a frozen or
+    cut-off machine runs nothing)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return answers(NodeAffinitySchedulingStrategy(node_id, soft=False), STAGE_ANSWER_SECONDS)
+
+
 def node_dies(node_id: str, seconds: float) -> bool:
     """Whether Ray reports node ``node_id`` dead within ``seconds`` (asked each second)."""
     deadline = time.monotonic() + seconds
@@ -323,7 +333,7 @@ class Reservation:
         onto a node with room (within ROOM_WAIT_SECONDS more); else a ClusterError."""
         import ray
 
-        from orchestrator.config import NODE_DEATH_SECONDS, ROOM_WAIT_SECONDS, STAGE_ANSWER_SECONDS
+        from orchestrator.config import NODE_DEATH_SECONDS, ROOM_WAIT_SECONDS
 
         no_room = ClusterError(f"stage {stage_index} lost its node and no other node has room for it "
                                f"(a free CPU and no stage) within {ROOM_WAIT_SECONDS:.0f} s")

@@ -36,15 +36,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator.cluster.stage_cache import CacheEntry, CachedStageFile, ShippingError, ShipProgress, stage_cache_root
-from orchestrator.config import ACTOR_START_SECONDS
-from orchestrator.sources.remote_file import CONNECT_SECONDS, READ_SECONDS, RETRIES, SourceUnreachable
+from orchestrator.config import ACTOR_START_SECONDS, FETCH_IDLE_SECONDS, FETCH_POLL_SECONDS
+from orchestrator.sources.remote_file import SourceUnreachable
 from stages.errors import SpecpipeError
 from stages.stage_image import StageImage
 
-POLL_SECONDS = 0.5
-# The longest a fetch may go without a byte: a range reader gives up on its own
-# before (each try a redirect and the file, each with its deadlines, and the sleeps between).
-FETCH_IDLE_SECONDS = (RETRIES + 1) * 2 * (CONNECT_SECONDS + READ_SECONDS) + 8.0 * RETRIES + 30.0
 
 
 @dataclass(frozen=True)
@@ -193,8 +189,8 @@ def fetch_stages(jobs: list[FetchJob], progress: ShipProgress) -> tuple[dict[int
         while len(fetched) + len(unreachable) < len(actors):
             pending = [index for index in actors if index not in fetched and index not in unreachable]
             try:
-                statuses = ray.get([actors[index].status.remote(POLL_SECONDS) for index in pending],
-                                   timeout=ACTOR_START_SECONDS + POLL_SECONDS)
+                statuses = ray.get([actors[index].status.remote(FETCH_POLL_SECONDS) for index in pending],
+                                   timeout=ACTOR_START_SECONDS + FETCH_POLL_SECONDS)
             except ray.exceptions.GetTimeoutError:
                 raise ShippingError(f"{', '.join(by_index[index].where for index in pending)}: the fetcher did not "
                                     f"answer within {ACTOR_START_SECONDS:.0f} s") from None

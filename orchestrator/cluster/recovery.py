@@ -10,9 +10,10 @@ every stage still answers (a link that broke and healed), the chain is
 wired anew through the same stages and replayed, once per loss and at
 most max_restarts times a pipeline (``ChainRelink``). A stage that hangs is
 named and the pipeline fails: it may still hold its node's memory, and a
-second copy beside it could not load; unless Ray reports its node dead
-within NODE_DEATH_SECONDS (a frozen or cut-off machine), which makes it a
-lost stage.
+second copy beside it could not load. A stage that hangs on a node that
+still runs a task at once (connect.node_answers) is named at once; unless
+its node does not answer and Ray reports it dead within NODE_DEATH_SECONDS
+(a frozen or cut-off machine), which makes it a lost stage.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from orchestrator.cluster.connect import node_dies, one_line
+from orchestrator.cluster.connect import node_answers, node_dies, one_line
 from orchestrator.config import NODE_DEATH_SECONDS, STAGE_ANSWER_SECONDS
 from orchestrator.decoding.targets import TargetWaiting
 from orchestrator.transport.chain import PassLate, PipelineError
@@ -117,7 +118,7 @@ def dead_stages(pipeline: Pipeline, late: PassLate, restarting: list[tuple[int, 
             ray.get(call, timeout=STAGE_ANSWER_SECONDS)
             continue
         except ray.exceptions.GetTimeoutError:
-            if not node_dies(stage.node_id, NODE_DEATH_SECONDS):
+            if node_answers(stage.node_id) or not node_dies(stage.node_id, NODE_DEATH_SECONDS):
                 raise PipelineError(f"{late}: {where} does not answer within {STAGE_ANSWER_SECONDS:.0f} s "
                                     "(hung or stopped)") from None
             reason = f"its node {stage.node_id[:8]} stopped answering and Ray reports it dead"

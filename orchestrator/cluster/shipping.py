@@ -53,7 +53,8 @@ import msgpack
 from orchestrator.cluster.fetching import FetchJob, fetch_stages
 from orchestrator.cluster.stage_cache import (CacheEntry, CachedStageFile, ShippingError, ShipProgress, draft_entry,
                                               stage_cache_root)
-from orchestrator.config import ACTOR_START_SECONDS, CONNECT_SECONDS, cache_dir
+from orchestrator.config import (ACTOR_START_SECONDS, CONNECT_SECONDS, SLOWEST_PREFIX_READ, TRANSFER_IDLE_SECONDS,
+                                 TRANSFER_RESULT_MARGIN_SECONDS, cache_dir)
 from orchestrator.planning.cluster_split import NodeMemory
 from orchestrator.transport.handshake import accept_peer, connect_peer
 from stages.errors import SpecpipeError
@@ -63,10 +64,6 @@ from stages.stage_image import CHUNK_BYTES, StageImage, write_atomically
 if TYPE_CHECKING:
     from orchestrator.transport.tls import ChainCertificate
 
-TRANSFER_IDLE_SECONDS = 60.0  # the longest a transfer's socket may stay silent
-# A resumed transfer starts with each side reading the prefix the node holds (resume_wait_seconds):
-SLOWEST_PREFIX_READ = 20 * 1024**2  # bytes a second: the slowest such read waited for (a source over the network)
-RESULT_MARGIN_SECONDS = 10.0  # past the receiver's own deadline, for Ray's answer
 LOOPBACK = "127.0.0.1"
 DIGEST_REFUSED = "its SHA-256 differs from the sender's"
 MAX_FRAME_BYTES = 1024
@@ -318,7 +315,7 @@ def ship_stage(image: StageImage, entry: CacheEntry, node: NodeMemory, schedulin
             if port == 0:
                 return Shipment(entry.stage_index, path, node.address, node.node_id, image.size, image.size, 0, 0.0)
             sent = _send_to(image, host, port, entry, secret, certificate, progress)
-            ray.get(actor.result.remote(CONNECT_SECONDS), timeout=CONNECT_SECONDS + RESULT_MARGIN_SECONDS)
+            ray.get(actor.result.remote(CONNECT_SECONDS), timeout=CONNECT_SECONDS + TRANSFER_RESULT_MARGIN_SECONDS)
             return Shipment(entry.stage_index, path, node.address, node.node_id, image.size, sent.offset,
                             sent.bytes_sent, time.monotonic() - started)
         except ray.exceptions.GetTimeoutError:

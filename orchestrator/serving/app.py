@@ -23,12 +23,11 @@ from typing import Any, Protocol
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from orchestrator.config import RESUME_SECONDS
+from orchestrator.config import RESUME_SECONDS, RETRY_AFTER_SECONDS
 from orchestrator.serving.protocol import FINISH_REASONS, ApiError, Reply, TextAssembler, decode_body, parse_request, sse
 from orchestrator.decoding.service import (Progress, QueueFull, RequestTooLong, Service, ServiceError, ServiceRequest,
                                            ShuttingDown, Unavailable)
 
-RETRY_AFTER_SECONDS = 1  # told to a client refused with 429: a sequence frees within a few passes
 
 
 class TokenizerLike(Protocol):

@@ -14,12 +14,12 @@ from __future__ import annotations
 from pathlib import Path
 from urllib.parse import quote
 
+from orchestrator.config import HUB_METADATA_SECONDS
 from orchestrator.sources.hub_reference import (HubReference, SourceReferenceError, choose_file, is_hub_source,
                                                 parse_reference, shard_names)
 from orchestrator.sources.remote_file import RemoteFile, SourceError, status_problem
 from stages.gguf_file import ModelFile, read_model, read_model_files
 
-METADATA_SECONDS = 20.0  # the longest one question to the Hub may take
 
 
 def read_model_source(text: str) -> ModelFile:
@@ -78,10 +78,10 @@ def _remote_files(reference: HubReference) -> tuple[RemoteFile, ...]:
         listing = None
         if reference.filename is None:
             info = HfApi(endpoint=endpoint).model_info(reference.repo, revision=reference.revision,
-                                                       timeout=METADATA_SECONDS)
+                                                       timeout=HUB_METADATA_SECONDS)
             listing = [sibling.rfilename for sibling in info.siblings or []]
         names = shard_names(choose_file(reference, listing or []))
-        metadata = [get_hf_file_metadata(url(name, reference.revision), timeout=METADATA_SECONDS, endpoint=endpoint)
+        metadata = [get_hf_file_metadata(url(name, reference.revision), timeout=HUB_METADATA_SECONDS, endpoint=endpoint)
                     for name in names]
     except (HfHubHTTPError, httpx2.HTTPError) as error:
         raise _http_problem(reference, error) from error

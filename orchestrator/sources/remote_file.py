@@ -7,7 +7,7 @@ size. Every request asks for one bounded range and must be answered ``206``
 with exactly that ``Content-Range`` over exactly that size; anything else is a
 ``SourceError`` naming the file. Every request has deadlines (to connect, and
 for each read); a connection that drops mid-range is asked again from where
-it stopped, up to ``RETRIES`` times. A server that cannot be reached at all
+it stopped, up to ``SOURCE_RETRIES`` times. A server that cannot be reached at all
 (no route, no name, refused, ``HF_HUB_OFFLINE``) is a ``SourceUnreachable``:
 the caller may then get the bytes another way.
 
@@ -22,12 +22,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from orchestrator.config import SOURCE_CONNECT_SECONDS, SOURCE_CONNECT_TRIES, SOURCE_READ_SECONDS, SOURCE_RETRIES
 from stages.errors import SpecpipeError
 
-CONNECT_SECONDS = 10.0
-READ_SECONDS = 60.0  # the longest one read of a response may wait
-RETRIES = 3
-CONNECT_TRIES = 2  # connections refused before the server counts as unreachable
 FIRST_HEADER_WINDOW = 512 * 1024  # the header is read in windows that double from this
 MAX_HEADER_WINDOW = 16 * 1024 * 1024
 CHUNK_BYTES = 4 * 1024 * 1024
@@ -108,10 +105,10 @@ class RangeReader:
             except httpx2.TransportError as error:
                 failures += 1
                 if self.fetched == 0 and isinstance(error, (httpx2.ConnectError, httpx2.ConnectTimeout)) \
-                        and failures >= CONNECT_TRIES:
+                        and failures >= SOURCE_CONNECT_TRIES:
                     raise SourceUnreachable(f"{self.remote}: cannot reach its server ({error or type(error).__name__})"
                                             ) from None
-                if failures > RETRIES:
+                if failures > SOURCE_RETRIES:
                     raise SourceError(f"{self.remote}: the transfer failed {failures} times at byte {position} "
                                       f"({error or type(error).__name__})") from None
                 time.sleep(min(2.0 ** failures, 8.0))
@@ -127,7 +124,7 @@ class RangeReader:
         if constants.HF_HUB_OFFLINE:
             raise SourceUnreachable(f"{self.remote}: HF_HUB_OFFLINE is set on this machine")
         headers = {**dict(self.remote.headers), "Range": f"bytes={low}-{end - 1}", "Accept-Encoding": "identity"}
-        timeout = httpx2.Timeout(READ_SECONDS, connect=CONNECT_SECONDS)
+        timeout = httpx2.Timeout(SOURCE_READ_SECONDS, connect=SOURCE_CONNECT_SECONDS)
         with get_session().stream("GET", self.remote.url, headers=headers, timeout=timeout,
                                   follow_redirects=True) as response:
             if 500 <= response.status_code < 600 or response.status_code == 429:

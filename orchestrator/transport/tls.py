@@ -29,12 +29,9 @@ import ssl
 import tempfile
 from dataclasses import dataclass, field
 
-from orchestrator.config import HANDSHAKE_SECONDS
+from orchestrator.config import HANDSHAKE_SECONDS, TLS_CLIENT_HANDSHAKE_SECONDS, TLS_CLOCK_SKEW, TLS_VALID_FOR
 from stages.errors import SpecpipeError
 
-VALID_FOR = datetime.timedelta(days=30)  # a pipeline's certificate; past it, no new connection is made with it
-CLOCK_SKEW = datetime.timedelta(minutes=5)  # valid from a little before now: the hosts' clocks differ
-CLIENT_HANDSHAKE_SECONDS = 30.0  # the connector's wait: the acceptor may first be busy dropping strangers
 COMMON_NAME = "specpipe chain"
 
 
@@ -50,7 +47,7 @@ class ChainCertificate:
     key_pem: bytes = field(repr=False)  # never in a log line
 
 
-def new_chain_certificate(valid_for: datetime.timedelta = VALID_FOR) -> ChainCertificate:
+def new_chain_certificate(valid_for: datetime.timedelta = TLS_VALID_FOR) -> ChainCertificate:
     """A fresh self-signed EC P-256 certificate and key, valid from now for ``valid_for``."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
@@ -66,7 +63,7 @@ def new_chain_certificate(valid_for: datetime.timedelta = VALID_FOR) -> ChainCer
         .issuer_name(name)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - CLOCK_SKEW)
+        .not_valid_before(now - TLS_CLOCK_SKEW)
         .not_valid_after(now + valid_for)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
@@ -115,7 +112,7 @@ def server_side(sock: socket.socket, certificate: ChainCertificate, timeout: flo
 
 
 def client_side(sock: socket.socket, certificate: ChainCertificate,
-                timeout: float = CLIENT_HANDSHAKE_SECONDS) -> ssl.SSLSocket:
+                timeout: float = TLS_CLIENT_HANDSHAKE_SECONDS) -> ssl.SSLSocket:
     """The connecting end of a connection, in TLS; the peer must show the
     pipeline's own certificate. On failure ``sock`` is closed and TLSError raised."""
     return _wrap(sock, _client_context(certificate), False, timeout)

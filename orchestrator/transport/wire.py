@@ -28,19 +28,14 @@ import struct
 import msgpack
 import numpy as np
 
+from orchestrator.config import MAX_ARRAY_BYTES, MAX_HEADER_BYTES
 from orchestrator.transport.fields import ProtocolError
 from orchestrator.transport.messages import MESSAGE_TYPES, Message
 
 _LENGTH = struct.Struct("!I")
 
-# What a received frame may be; anything else is a ProtocolError before any
-# allocation it asks for. The largest header is a StageBatch of n_batch (512)
-# tokens (three int32 arrays, about 6 KiB) whose choice carries a grammar (at
-# most 16 KiB) and the tokens generated under it (at most 16 KiB): about
-# 38 KiB (speculators.grammar's limits). The largest array is a batch's
-# hidden states, n_batch x n_embd float32: 32 MiB for a 405B model's 16384.
-MAX_HEADER_BYTES = 64 * 1024
-MAX_ARRAY_BYTES = 256 * 1024 * 1024
+# What a received frame may be (and config.MAX_HEADER_BYTES, MAX_ARRAY_BYTES);
+# anything else is a ProtocolError before any allocation it asks for.
 ARRAY_DTYPES = ("<f4", "<f2", "<i4")  # little-endian float32, float16, int32: never object or structured
 
 TLS_RECORD_BYTES = 16 * 1024  # the most plaintext one TLS record carries

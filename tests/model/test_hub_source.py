@@ -120,7 +120,7 @@ def test_a_node_fetches_only_its_slice_and_writes_the_split_file(hub, smollm2, t
 
 
 def test_an_interrupted_fetch_resumes_where_it_stopped(hub, smollm2, tmp_path, monkeypatch):
-    monkeypatch.setattr(remote_file, "RETRIES", 1)
+    monkeypatch.setattr(remote_file, "SOURCE_RETRIES", 1)
     monkeypatch.setattr(remote_file.time, "sleep", lambda seconds: None)
     remote = read_model_source(f"hf:org/smol/{Path(smollm2).name}")
     image, fetcher = fetch_stage(remote, (0, 15), 1, tmp_path)
@@ -143,7 +143,7 @@ def test_an_interrupted_fetch_resumes_where_it_stopped(hub, smollm2, tmp_path, m
 
 def test_a_partial_file_from_another_commit_is_started_again(hub, smollm2, tmp_path, monkeypatch):
     """Same header, so the same cache entry; but another commit may hold other weights: not spliced."""
-    monkeypatch.setattr(remote_file, "RETRIES", 0)
+    monkeypatch.setattr(remote_file, "SOURCE_RETRIES", 0)
     name = Path(smollm2).name
     image, fetcher = fetch_stage(read_model_source(f"hf:org/smol/{name}"), (0, 15), 0, tmp_path)
     hub.cut(f"org/smol/{name}", 5_000_000)
