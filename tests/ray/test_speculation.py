@@ -21,10 +21,8 @@ from orchestrator.decoding.schedule import Schedule
 from orchestrator.cluster.pipeline import Pipeline
 from speculators.sampling import SamplingSettings
 from stages.tokenizer import Tokenizer
-from speculators.corrections import CORRECTION_RANKS
 from speculators.model import ModelSpeculator
 from speculators.prompt_lookup import PromptLookupSpeculator
-from stages.cost_curve import BatchCurve, CostCurve, StageCurve
 from stages.settings import StageSettings
 
 REWRITE = (
@@ -95,27 +93,6 @@ def test_model_as_its_own_draft_is_accepted_and_exact(pipelines, tokenizer, smol
     stats = assert_unchanged(pipelines[2], tokenizer, make, prompts=(OPEN,))
     greedy = stats[:2]  # greedy runs: a model drafting for itself agrees with itself
     assert all(s.drafted_tokens > 0 and s.acceptance_rate == 1.0 for s in greedy)
-
-
-# Every stage pass lasts at least 150 ms, as on a memory-bound machine: a drafter has the pass's
-# time for its corrections, however loaded this machine is (on its own passes, tens of
-# milliseconds, a drafter slowed by other tests beside it had none ready: 0 corrected windows).
-MEMORY_BOUND = CostCurve("flat 150 ms", stages=(StageCurve(BatchCurve((1, 64), (0.150, 0.150))),))
-
-
-def test_a_draft_of_realistic_agreement_is_partly_rejected_and_still_exact(ray_cluster, splits, tokenizer,
-                                                                           realistic_draft):
-    """Async with corrections (speculators.corrections): after some rejections
-    the next window's drafts are a correction's, and the text is unchanged."""
-    forks = 6 * CORRECTION_RANKS  # a KV id for each runner-up of each of a window's 6 drafts
-    # its rounds timed as a memory-bound drafter's: on this CPU the corrections would wait for spare time
-    make = functools.partial(fakes.flat_round_draft, realistic_draft, n_ctx=1024 + forks * 7, tree_branches=forks)
-    with Pipeline(splits[2], StageSettings(n_ctx=1024, cost_curve=MEMORY_BOUND)) as pipeline:
-        stats = assert_unchanged(pipeline, tokenizer, make, prompts=(OPEN,), corrects=True)
-    assert all(s.drafted_tokens > 0 for s in stats)
-    assert 0 < sum(s.accepted_tokens for s in stats) < sum(s.drafted_tokens for s in stats)
-    asynchronous = stats[1::2]  # greedy and sampled
-    assert all(s.corrected_windows > 0 for s in asynchronous), [s.corrected_windows for s in asynchronous]
 
 
 @pytest.mark.parametrize("stage_count", [2, 3])
