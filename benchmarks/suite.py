@@ -220,10 +220,10 @@ def run_scenario(
             # what a wider pass costs here, measured once per scenario as a run measures it, per pinning
             steps = draft_steps(pipeline)
             pipeline.pin_stages(overlapping=False)
-            # what drafting a token costs, in one-token passes, as a run measures it
-            pass_seconds = pipeline.pass_costs()[0]
             # the tree rule's curve, at every width a tree may take (as a run with --tree-leaves measures it)
             tree_curve = pipeline.pass_curve(TREE_CURVE_SIZES) if trees else None
+            # what drafting a token costs, in one-token passes, as a run measures it (from that curve where timed)
+            pass_seconds = tree_curve.at(1) if tree_curve is not None else pipeline.pass_costs()[0]
             prices = {kind: draft_prices(kind, pipeline, clients, prompts[0], pass_seconds)
                       for kind, clients in drafters.items()}
             for mode in modes:  # warm-up

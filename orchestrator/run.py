@@ -21,7 +21,7 @@ from orchestrator.cluster.shipping import Shipment
 from stages.tokenizer import Tokenizer
 from orchestrator.cluster.model_files import (RunError, check_same_model, local_vocabulary_file, transfer_progress,
                                               whole_model_stages)
-from speculators.draft_length import PRIOR_STEP, DraftPrices, ask_cost
+from speculators.draft_length import PRIOR_STEP, DraftPrices, ask_cost, curve_step
 from speculators.sampling import SamplingSettings
 from stages.cost_curve import BatchCurve
 from stages.settings import StageSettings
@@ -287,8 +287,9 @@ def _generate_through(pipeline: Pipeline, settings: RunSettings, prepared, resta
             on_restart=lambda index: restart_metrics.record("drafter", index),
             progress=transfer_progress(on_status, lambda _: "the draft model"),
         )
-        pass_seconds, step = pipeline.pass_costs()
         curve = pipeline.pass_curve(TREE_CURVE_SIZES) if speculation.tree_leaves > 1 else None  # the tree rule's
+        # a tree rule's curve already holds the passes of one and of 8 tokens: timed once, not twice
+        pass_seconds, step = (curve.at(1), curve_step(curve)) if curve is not None else pipeline.pass_costs()
         drafting = make_drafting(speculation.speculator, drafters, speculation.schedule, speculation.draft_max,
                                  make_speculator, step, speculation.tree_leaves,
                                  draft_prices(speculation.speculator, pipeline, drafters, tokens, pass_seconds), curve,

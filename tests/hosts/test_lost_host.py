@@ -4,11 +4,12 @@ driver), a pipeline of two stages spread over two of them, the third spare.
 The link of a stage's host (not the head's) is taken down and stays down:
 the stage's sockets go silent (no reset, unlike a killed process), it
 leaves the coordinator's pings unanswered and is found silent (before the
-sockets' own 25 s bound), the stage does not answer,
-Ray calls its node dead, and the stage restarts on the spare; the tokens
-equal the whole model's. Once under `orchestrate run`'s pipeline (after the
-8th token), once under `orchestrate serve` with four requests streaming.
-Skips where namespaces cannot be made (not root, no iproute2, no bridge)."""
+sockets' own 25 s bound), by then Ray (its health checks made quicker
+here) has called its node dead, and the stage restarts on the spare; the
+tokens equal the whole model's. Once under `orchestrate run`'s pipeline
+(after the 8th token), once under `orchestrate serve` with four requests
+streaming. Skips where namespaces cannot be made (not root, no iproute2,
+no bridge)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,11 @@ def cluster():  # a cluster per test: each loses a host for good
     except NamespacesUnavailable as reason:
         pytest.skip(f"the lost-host test needs network namespaces and a bridge: {reason}")
     ray_nodes = RayOnThreeHosts(hosts)
+    # Ray's health checks 1 s apart, 12 missed: the cut host's node is called dead about 12 s on, before
+    # the coordinator finds its stage silent (20 s), not 30-60 s on at Ray's defaults (a minute less a test;
+    # the wait for a node's death after a stage does not answer: tests/ray/test_node_loss.py, frozen machine)
+    ray_nodes.environment.update(RAY_health_check_period_ms="1000", RAY_health_check_timeout_ms="1000",
+                                 RAY_health_check_failure_threshold="12")
     try:
         ray_nodes.start()
         yield ray_nodes

@@ -73,16 +73,18 @@ def test_run_with_token_trees_gives_the_whole_models_tokens(reference, orchestra
     assert output["committed_tokens_per_pass"] >= 1.0
 
 
-def test_a_question_is_answered_in_the_chat_template_by_default_and_a_run_without_a_token_says_why():
+def test_a_question_is_answered_in_the_chat_template_by_default_and_a_run_without_a_token_says_why(
+        orchestrate_on_cluster):
     """The default model has a chat template: a question is answered through
-    it, streamed with a summary; as raw text (--raw) the model ends at once,
-    and the run says so instead of printing nothing."""
+    it (a run that starts its own Ray, as a user's first does), streamed with
+    a summary; as raw text (--raw, on the session's cluster) the model ends
+    at once, and the run says so instead of printing nothing."""
     result = orchestrate("run", "--prompt", "Why is the sky blue?", "--max-tokens", "32")
     assert result.returncode == 0, result.stderr
     assert len(result.stdout.split()) >= 10
     summary = result.stderr.strip().splitlines()[-1]
     assert "32 tokens" in summary and "tokens/s" in summary and "2 stages" in summary
-    raw = orchestrate("run", "--raw", "--prompt", "Why is the sky blue?", "--max-tokens", "32")
+    raw = orchestrate_on_cluster("run", "--raw", "--prompt", "Why is the sky blue?", "--max-tokens", "32")
     assert raw.returncode == 0, raw.stderr
     assert raw.stderr.strip().splitlines()[-1] == ("no token was generated: the model's first token ended its "
                                                    "text (drop --raw to use its chat template)")
