@@ -42,22 +42,30 @@ from speculators.tree import TreeAsk
 
 def sequence_state(sequence: int, prompt_tokens: list[int], max_tokens: int, sampling: SamplingSettings | None,
                    drafting: Drafting | None, target: Target, cached: int = 0,
-                   logprobs: int | None = None, grammar: str | None = None) -> SequenceState:
+                   logprobs: int | None = None, grammar: str | None = None, *, begun: bool = False) -> SequenceState:
     """The schedule's state of a new sequence that drafts as ``drafting`` says
     (None: plain); its prompt goes through ``target`` in chunks that pipeline
     (schedule.prompt_chunk), from position ``cached`` on (the stages already
     hold the prompt's first ``cached`` tokens in its KV sequence: a copied prefix);
     logprobs: None, or how many alternatives each token's logprobs carry;
-    grammar: None, or its tokens are chosen under this grammar."""
-    if not 0 <= cached < len(prompt_tokens):
+    grammar: None, or its tokens are chosen under this grammar.
+    begun: the prompt's pass is done and gave the prompt's last token, the
+    first generated one: decoding starts at once (the planner's simulation,
+    which starts at the first generated token)."""
+    if begun:
+        prefill = dict(sampling=sampling, logprobs=logprobs, grammar=grammar)
+        prompt_length = len(prompt_tokens) - 1
+    elif not 0 <= cached < len(prompt_tokens):
         raise ValueError(f"a cached prefix of {cached} tokens for a prompt of {len(prompt_tokens)}")
-    prefill = dict(prompt_from=cached, cached=cached, prompt_depth=target.stage_count, sampling=sampling,
-                   logprobs=logprobs, grammar=grammar,
-                   prompt_chunk=prompt_chunk(len(prompt_tokens) - cached, target.stage_count, target.n_batch))
+    else:
+        prefill = dict(prompt_from=cached, cached=cached, prompt_depth=target.stage_count, sampling=sampling,
+                       logprobs=logprobs, grammar=grammar,
+                       prompt_chunk=prompt_chunk(len(prompt_tokens) - cached, target.stage_count, target.n_batch))
+        prompt_length = len(prompt_tokens)
     if drafting is None:
-        return SequenceState(sequence, list(prompt_tokens), len(prompt_tokens), max_tokens, **prefill)
+        return SequenceState(sequence, list(prompt_tokens), prompt_length, max_tokens, **prefill)
     return SequenceState(
-        sequence, list(prompt_tokens), len(prompt_tokens), max_tokens, drafting.schedule, drafting.draft_max,
+        sequence, list(prompt_tokens), prompt_length, max_tokens, drafting.schedule, drafting.draft_max,
         draft_call_cost=drafting.call_cost, draft_step=drafting.step, tree_leaves=drafting.tree_leaves,
         side_row_step=drafting.side_row_step, draft_prices=drafting.draft_prices, pass_curve=drafting.pass_curve,
         coupled=drafting.coupled,

@@ -48,7 +48,7 @@ from typing import Protocol
 
 from orchestrator.config import DRAFT_MAX, chain_reach
 from orchestrator.decoding.drafting import Drafting
-from orchestrator.decoding.loop import Decoding, DecodingLoop, Listener
+from orchestrator.decoding.loop import Decoding, DecodingLoop, Listener, sequence_state
 from orchestrator.decoding.schedule import Schedule, SequenceState
 from orchestrator.decoding.windows import TargetPass, Window
 from speculators.draft_length import DRAFTER_CALL_COST, DraftPrices, step_from_timings
@@ -564,9 +564,7 @@ def simulate_many(costs: PipelineCosts, mode: Mode, workloads: list[DraftOutcome
                                       workload, rng) for machine in range(costs.stage_count)]
         drafting = Drafting(drafters, mode.schedule, mode.draft_max, call_cost=mode.call_cost, step=step,
                             tree_leaves=tree_leaves, side_row_step=mode.side_row_step, draft_prices=prices)
-        state = SequenceState(index, [_TRUE], 0, max_tokens, mode.schedule, mode.draft_max,
-                              draft_call_cost=mode.call_cost, draft_step=step, tree_leaves=tree_leaves,
-                              side_row_step=mode.side_row_step, draft_prices=prices)
+        state = sequence_state(index, [_TRUE], max_tokens, None, drafting, target, begun=True)
         for drafter in drafters:
             drafter.state = state
         keepers.append(_Timekeeper(costs, clock))
