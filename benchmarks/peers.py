@@ -181,11 +181,11 @@ def main(repetitions: int) -> None:
     from benchmarks.reference import WholeModel
     from orchestrator.cluster.connect import ray_session
     from orchestrator.config import BENCH_CONTEXT, default_model_path, default_stage_paths
-    from orchestrator.cluster.drafters import DrafterSettings, start_drafters, stop_drafters
+    from orchestrator.cluster.drafter_set import start_drafter_set
+    from orchestrator.cluster.drafters import DrafterSettings
     from orchestrator.decoding.loop import generate
     from orchestrator.cluster.pipeline_settings import PipelineSettings
     from orchestrator.decoding.schedule import Schedule
-    from orchestrator.run import make_drafting
     from stages.tokenizer import Tokenizer
     from speculators.prompt_lookup import PromptLookupSpeculator
     from speculators.sampling import SamplingSettings
@@ -208,7 +208,7 @@ def main(repetitions: int) -> None:
             PipelineSettings(paths, StageSettings(n_ctx=BENCH_CONTEXT, threads=1)).start() as pipeline, \
             servers(model, remote_blocks, Path(folder), BENCH_CONTEXT) as ports:
         workdir = Path(folder)
-        drafters = start_drafters(pipeline, PromptLookupSpeculator, DrafterSettings(draft_max=DRAFT_MAX))
+        drafter_set = start_drafter_set(pipeline, "ngram", PromptLookupSpeculator, DrafterSettings(draft_max=DRAFT_MAX))
         steps = draft_steps(pipeline)
         try:
             def run(mode: str, index: int, max_tokens: int) -> tuple[list[int] | str, float]:
@@ -224,8 +224,8 @@ def main(repetitions: int) -> None:
                                                       workdir)
                     return text, rate
                 pipeline.pin_stages(overlapping=mode == "async")
-                drafting = None if mode == "pipeline" else make_drafting(
-                    "ngram", drafters, Schedule(mode), DRAFT_MAX, PromptLookupSpeculator, steps[mode == "async"])
+                drafting = None if mode == "pipeline" else drafter_set.drafting(Schedule(mode), DRAFT_MAX,
+                                                                                step=steps[mode == "async"])
                 result = generate(pipeline, prompt, max_tokens, SamplingSettings(), tokenizer.is_end, drafting=drafting)
                 return result.tokens, result.tokens_per_second
 
@@ -246,7 +246,7 @@ def main(repetitions: int) -> None:
                         if not same:
                             differ.append(f"{mode} (prompt {index}, repetition {repetition})")
         finally:
-            stop_drafters(drafters)
+            drafter_set.stop()
     first = statistics.median(rates["whole"])
     print(f"| mode | tokens/s median (range) | x whole |  (rewrite prompts, {repetitions} repetitions, "
           f"{len(paths)} parts of 1 thread; rpc split: {remote_blocks} blocks remote)")

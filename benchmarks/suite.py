@@ -141,8 +141,7 @@ def run_scenario(
     from orchestrator.decoding.loop import generate
     from orchestrator.cluster.pipeline_settings import PipelineSettings
     from orchestrator.decoding.drafting import SpeculationSettings
-    from orchestrator.cluster.drafters import draft_prices, speculator_factory, stop_drafters
-    from orchestrator.run import make_drafting
+    from orchestrator.cluster.drafters import speculator_factory
     from stages.tokenizer import Tokenizer
     from stages.settings import StageSettings
     from stages.gguf_file import stage_info_of
@@ -174,7 +173,8 @@ def run_scenario(
                                                                     tree_leaves=scenario.tree_leaves if trees else 1),
                                                 tokenizer, settings)
                        for kind in scenario.speculators}
-        drafters = start_kinds(pipeline, speculators, scenario.draft_max)
+        sets = start_kinds(pipeline, speculators, scenario.draft_max)
+        drafters = {kind: drafter_set.drafters for kind, drafter_set in sets.items()}
         try:
             def run_mode(mode: str, prompt: list[int], max_tokens: int) -> Run:
                 if mode in ("whole", "whole-lookup"):
@@ -186,10 +186,11 @@ def run_scenario(
                 clients = []
                 if mode.startswith("spec-"):
                     schedule, kind, tree = parse_mode(mode)
-                    drafting = make_drafting(kind, drafters[kind], Schedule(schedule), scenario.draft_max,
-                                             speculators[kind], steps[schedule == "async"],
-                                             scenario.tree_leaves if tree else 1, prices[kind],
-                                             tree_curve if tree else None, not mode.endswith("-top"))
+                    drafting = sets[kind].drafting(Schedule(schedule), scenario.draft_max,
+                                                   step=steps[schedule == "async"],
+                                                   tree_leaves=scenario.tree_leaves if tree else 1,
+                                                   pass_curve=tree_curve if tree else None,
+                                                   coupled=not mode.endswith("-top"))
                     if tree == "tree-all":  # side rows priced at nothing: every candidate is verified
                         drafting = dataclasses.replace(drafting, side_row_step=0.0)
                     clients = drafters[kind]
@@ -224,8 +225,8 @@ def run_scenario(
             tree_curve = pipeline.pass_curve(TREE_CURVE_SIZES) if trees else None
             # what drafting a token costs, in one-token passes, as a run measures it (from that curve where timed)
             pass_seconds = tree_curve.at(1) if tree_curve is not None else pipeline.pass_costs()[0]
-            prices = {kind: draft_prices(kind, pipeline, clients, prompts[0], pass_seconds)
-                      for kind, clients in drafters.items()}
+            prices = {kind: drafter_set.measure_prices(pipeline, prompts[0], pass_seconds)
+                      for kind, drafter_set in sets.items()}
             for mode in modes:  # warm-up
                 run_mode(mode, prompts[0], 8)
             done = 0
@@ -249,8 +250,8 @@ def run_scenario(
                            for client in clients if client.restarts_started or client.lost_reason]
                     for kind, clients in drafters.items()}
         finally:
-            for clients in drafters.values():
-                stop_drafters(clients)
+            for drafter_set in sets.values():
+                drafter_set.stop()
     references = {(run.repetition, run.prompt_index): run.tokens for run in runs if run.mode == reference_mode(scenario)}
     for run in runs:
         if run.mode == "cpp-lookup":  # its text must begin with the reference's
@@ -278,10 +279,11 @@ def run_scenario(
 
 
 def start_kinds(pipeline, speculators: dict, draft_max: int = DRAFT_MAX) -> dict:
-    """A set of drafters beside the stages for each speculator kind, named apart by kind."""
-    from orchestrator.cluster.drafters import DrafterSettings, start_drafters
+    """A DrafterSet beside the stages for each speculator kind, named apart by kind."""
+    from orchestrator.cluster.drafter_set import start_drafter_set
+    from orchestrator.cluster.drafters import DrafterSettings
 
-    return {kind: start_drafters(pipeline, make, DrafterSettings(draft_max=draft_max), kind=kind)
+    return {kind: start_drafter_set(pipeline, kind, make, DrafterSettings(draft_max=draft_max), named=True)
             for kind, make in speculators.items()}
 
 

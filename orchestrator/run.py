@@ -7,23 +7,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from orchestrator.cluster.connect import ray_session
-from orchestrator.config import CORRECTIONS_RELAYED_MOST, TREE_CURVE_SIZES
-from orchestrator.cluster.drafters import (DrafterClient, draft_prices, drafter_compute, drafter_nodes,
-                                          drafter_settings,
-                                          speculator_factory, start_drafters, stop_drafters)
-from orchestrator.decoding.drafting import Drafting, exact_trees
+from orchestrator.config import TREE_CURVE_SIZES
+from orchestrator.cluster.drafter_set import start_drafter_set
+from orchestrator.cluster.drafters import drafter_compute, drafter_nodes, drafter_settings, speculator_factory
+from orchestrator.decoding.drafting import exact_trees
 from orchestrator.decoding.loop import Generation, generate
 from orchestrator.cluster.metrics import GenerationMetrics, RestartMetrics
 from orchestrator.cluster.pipeline import ChainRelink, Pipeline, StageReport, StageRestart
 from orchestrator.cluster.pipeline_settings import PipelineSettings
-from orchestrator.decoding.schedule import Schedule
 from orchestrator.cluster.shipping import Shipment
 from stages.tokenizer import Tokenizer
 from orchestrator.cluster.model_files import (RunError, check_same_model, local_vocabulary_file, transfer_progress,
                                               whole_model_stages)
-from speculators.draft_length import PRIOR_STEP, DraftPrices, ask_cost, curve_step
+from speculators.draft_length import curve_step
 from speculators.sampling import SamplingSettings
-from stages.cost_curve import BatchCurve
 from stages.settings import StageSettings
 from stages.stage_files import check_stage_files
 
@@ -175,33 +172,6 @@ def prompt_tokens(tokenizer: Tokenizer, prompt: str, chat: bool | None) -> list[
     return tokenizer.chat_prompt(prompt) if chat else tokenizer.tokenize(prompt)
 
 
-def make_drafting(kind: str, drafters: list, schedule: Schedule, draft_max: int, make_speculator,
-                  step: float = PRIOR_STEP, tree_leaves: int = 1, draft_prices: DraftPrices = DraftPrices(),
-                  pass_curve: BatchCurve | None = None, coupled: bool = True, corrections: bool = True) -> Drafting:
-    """The Drafting of a run: prompt lookup is asked before a window in this
-    process (no round trip; the actors beside the stages still draft while
-    async passes run), a draft model beside stage 0. step: Pipeline.draft_step's.
-    tree_leaves: the trees' leaves (prompt lookup's other matches, or the
-    draft model's tree grown beside stage 0); pass_curve: the pass timed at
-    every width the trees may take (Pipeline.pass_curve), for their rule.
-    draft_prices: a draft model's (cluster.drafters.draft_prices).
-    coupled: drafters sample with the target's uniforms (--draft-sampling).
-    corrections: an async draft model's drafter also drafts corrections
-    while a pass runs (Drafting.corrects), where drafting then costs the
-    passes little (config.CORRECTIONS_RELAYED_MOST); False: the chain alone,
-    the bench's comparison."""
-    from orchestrator.decoding.targets import InstantDrafter
-
-    if kind == "ngram":
-        return Drafting(drafters, schedule, draft_max, first=InstantDrafter(make_speculator(), draft_max),
-                        call_cost=ask_cost(kind), step=step, tree_leaves=tree_leaves, pass_curve=pass_curve)
-    return Drafting(drafters, schedule, draft_max, call_cost=ask_cost(kind), step=step, tree_leaves=tree_leaves,
-                    draft_prices=draft_prices, pass_curve=pass_curve, coupled=coupled,
-                    corrects=(corrections and kind == "model" and schedule.asynchronous
-                              and draft_prices.awaited > 0  # measured (unmeasured: not known to be cheap)
-                              and draft_prices.relayed <= CORRECTIONS_RELAYED_MOST))
-
-
 def run_generation(
     settings: RunSettings,
     on_text: Callable[[str], None] | None = None,
@@ -279,21 +249,23 @@ def _generate_through(pipeline: Pipeline, settings: RunSettings, prepared, resta
     tokenizer, tokens, make_speculator = prepared
     speculation = exact_trees(settings.pipeline.speculation, pipeline.inexact_tree_stages(), on_status)
     text = _Text(tokenizer, on_text)
-    drafters: list[DrafterClient] = []
+    drafter_set = None
     drafting = None
     if make_speculator is not None:
-        drafters = start_drafters(
-            pipeline, make_speculator, drafter_settings(speculation, pipeline.settings, settings.pipeline.max_restarts),
+        drafter_set = start_drafter_set(
+            pipeline, speculation.speculator, make_speculator,
+            drafter_settings(speculation, pipeline.settings, settings.pipeline.max_restarts),
             on_restart=lambda index: restart_metrics.record("drafter", index),
             progress=transfer_progress(on_status, lambda _: "the draft model"),
         )
         curve = pipeline.pass_curve(TREE_CURVE_SIZES) if speculation.tree_leaves > 1 else None  # the tree rule's
         # a tree rule's curve already holds the passes of one and of 8 tokens: timed once, not twice
         pass_seconds, step = (curve.at(1), curve_step(curve)) if curve is not None else pipeline.pass_costs()
-        drafting = make_drafting(speculation.speculator, drafters, speculation.schedule, speculation.draft_max,
-                                 make_speculator, step, speculation.tree_leaves,
-                                 draft_prices(speculation.speculator, pipeline, drafters, tokens, pass_seconds), curve,
-                                 speculation.draft_sampling == "coupled")
+        drafter_set.measure_prices(pipeline, tokens, pass_seconds)
+        drafting = drafter_set.drafting(speculation.schedule, speculation.draft_max, step=step,
+                                        tree_leaves=speculation.tree_leaves, pass_curve=curve,
+                                        coupled=speculation.draft_sampling == "coupled")
+    drafters = drafter_set.drafters if drafter_set is not None else []
     live = GenerationMetrics()
     try:
         generation = generate(
@@ -305,7 +277,8 @@ def _generate_through(pipeline: Pipeline, settings: RunSettings, prepared, resta
         speculator_reports = [SpeculatorReport(client.index, client.node_id, client.busy_seconds, client.lost_reason,
                                                client.restarts, drafter_compute(client), client.last_error)
                               for client in drafters]
-        stop_drafters(drafters)
+        if drafter_set is not None:
+            drafter_set.stop()
     curve = settings.pipeline.stage.cost_curve
     drafts_shipped = {client.draft_shipment.node_id: client.draft_shipment for client in drafters
                       if client.draft_shipment is not None}

@@ -37,14 +37,13 @@ def across_rejections(repetitions: int, stages: int, curve: str | None, max_toke
     from benchmarks.scenarios import SCENARIO_DIR, load_scenario, prompts_of
     from benchmarks.suite import start_kinds
     from orchestrator.cluster.connect import ray_session
-    from orchestrator.cluster.drafters import draft_prices, speculator_factory, stop_drafters
+    from orchestrator.cluster.drafters import speculator_factory
     from orchestrator.cluster.pipeline_settings import PipelineSettings
     from orchestrator.config import BENCH_CONTEXT, DRAFT_MAX, default_model_path
     from orchestrator.decoding.drafting import SpeculationSettings
     from orchestrator.decoding.loop import generate
     from orchestrator.decoding.schedule import Schedule
     from orchestrator.planning.curves import load_cost_curve
-    from orchestrator.run import make_drafting
     from speculators.sampling import SamplingSettings
     from stages.settings import StageSettings
     from stages.split import split_model
@@ -60,18 +59,17 @@ def across_rejections(repetitions: int, stages: int, curve: str | None, max_toke
         settings = StageSettings(n_ctx=BENCH_CONTEXT, threads=1, cost_curve=load_cost_curve(curve) if curve else None)
         with ray_session(None), PipelineSettings(paths, settings).start() as pipeline:
             make = speculator_factory(SpeculationSettings("model", draft), tokenizer, settings)
-            drafters = start_kinds(pipeline, {"model": make})["model"]
+            drafter_set = start_kinds(pipeline, {"model": make})["model"]
             try:
                 steps = draft_steps(pipeline)
                 pipeline.pin_stages(overlapping=False)
-                prices = draft_prices("model", pipeline, drafters, prompts[0], pipeline.pass_costs()[0])
+                prices = drafter_set.measure_prices(pipeline, prompts[0], pipeline.pass_costs()[0])
                 rates: dict[tuple[str, int], float] = {}
 
                 def run(mode: str, repetition: int) -> Outcome:
                     schedule = {"plain": None, "sync": Schedule.SYNC}.get(mode, Schedule.ASYNC)
-                    drafting = None if schedule is None else make_drafting(
-                        "model", drafters, schedule, DRAFT_MAX, make, steps[schedule is Schedule.ASYNC], 1, prices,
-                        corrections=mode == "async")
+                    drafting = None if schedule is None else drafter_set.drafting(
+                        schedule, DRAFT_MAX, step=steps[schedule is Schedule.ASYNC], corrections=mode == "async")
                     pipeline.pin_stages(overlapping=schedule is Schedule.ASYNC)
                     results = [generate(pipeline, prompt, max_tokens, SamplingSettings(), tokenizer.is_end,
                                         drafting=drafting) for prompt in prompts]
@@ -94,7 +92,7 @@ def across_rejections(repetitions: int, stages: int, curve: str | None, max_toke
 
                 samples: Samples = side_by_side(MODES, repetitions, run)
             finally:
-                stop_drafters(drafters)
+                drafter_set.stop()
     for mode in MODES:  # ratios within each repetition, after all modes ran in it
         for repetition in range(repetitions):
             samples.add(mode, {"x plain": rates[mode, repetition] / rates["plain", repetition],

@@ -178,7 +178,8 @@ class Coordinator:
         """A draft model's drafter actors, one beside every stage, each with a
         KV sequence per request (run's actors, driven by the same loop), and
         what drafting a token costs (measured: draft_prices); (None, nothing) without a draft model."""
-        from orchestrator.cluster.drafters import draft_prices, drafter_settings, speculator_factory, start_drafters
+        from orchestrator.cluster.drafter_set import start_drafter_set
+        from orchestrator.cluster.drafters import drafter_settings, speculator_factory
         from speculators.draft_length import DraftPrices
 
         settings, speculation = self.settings, self.settings.pipeline.speculation
@@ -186,12 +187,12 @@ class Coordinator:
             return None, DraftPrices()
         make = speculator_factory(speculation, tokenizer, settings.stage, sequences=settings.stage.sequences,
                                   spare_context=speculation.draft_max)
-        self.drafters = start_drafters(
-            self.pipeline, make, drafter_settings(speculation, settings.stage, settings.pipeline.max_restarts,
-                                                  sequences=settings.stage.sequences),
+        drafter_set = start_drafter_set(
+            self.pipeline, "model", make, drafter_settings(speculation, settings.stage, settings.pipeline.max_restarts,
+                                                           sequences=settings.stage.sequences),
             on_restart=lambda index: restart_metrics.record("drafter", index))
-        prices = draft_prices("model", self.pipeline, self.drafters, tokenizer.chat_prompt("Hello."), pass_seconds)
-        clients = self.drafters
+        self.drafters = clients = drafter_set.drafters
+        prices = drafter_set.measure_prices(self.pipeline, tokenizer.chat_prompt("Hello."), pass_seconds)
         return (lambda sequence: [client.for_sequence(sequence) for client in clients]), prices
 
     async def stage_load(self):

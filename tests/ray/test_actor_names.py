@@ -79,10 +79,10 @@ def test_the_bench_starts_a_set_of_drafters_per_speculator_kind_beside_one_pipel
     with Pipeline(splits[2], SETTINGS) as pipeline:
         kinds = start_kinds(pipeline, {"model": OUT_OF_VOCABULARY, "ngram": PromptLookupSpeculator})
         try:
-            assert all(client.alive for clients in kinds.values() for client in clients), kinds
+            assert all(client.alive for kind in kinds.values() for client in kind.drafters), kinds
             alive = alive_named_actors()
             for kind in ("model", "ngram"):
                 assert expected(f"drafter-{kind}", pipeline.actors.tag, 2, "DrafterActor").items() <= alive.items()
         finally:
-            for clients in kinds.values():
-                stop_drafters(clients)
+            for kind in kinds.values():
+                kind.stop()
