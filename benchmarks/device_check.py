@@ -179,11 +179,11 @@ def generation_sections(whole_path: str, stage_paths: list[str], settings: Check
     """Whole against split, and prompt lookup plain / sync / async, with the agreement of every output."""
     from orchestrator.decoding.schedule import Schedule
     from orchestrator.exactness import agreement
-    from orchestrator.in_process import EngineChain
+    from orchestrator.in_process import InProcessPipeline
     from stages.tokenizer import Tokenizer
 
     prompts = rewrite_prompts(Tokenizer(whole_path))
-    whole, split = EngineChain([whole_path], settings.stage_settings()), EngineChain(stage_paths, settings.stage_settings())
+    whole, split = InProcessPipeline([whole_path], settings.stage_settings()), InProcessPipeline(stage_paths, settings.stage_settings())
     try:
         progress("whole model against its 2 stages, plain greedy decoding")
         whole_split = compare_modes({"whole": (whole, None), "split": (split, None)}, prompts, settings)
@@ -242,11 +242,11 @@ def exactness_section(whole_path: str, stage_paths: list[str], settings: CheckSe
 def serve_section(stage_paths: list[str], settings: CheckSettings) -> dict:
     """orchestrate serve's request loop over the stages: c requests at once, for c in CONCURRENCY."""
     from orchestrator.decoding.service import Service, ServiceRequest, ServiceSettings
-    from orchestrator.in_process import EngineChain
+    from orchestrator.in_process import InProcessPipeline
     from speculators.sampling import SamplingSettings
 
     rng = np.random.default_rng(2)
-    chain = EngineChain(stage_paths, settings.stage_settings(sequences=max(CONCURRENCY)))
+    chain = InProcessPipeline(stage_paths, settings.stage_settings(sequences=max(CONCURRENCY)))
     results = {}
     try:
         for concurrency in CONCURRENCY:

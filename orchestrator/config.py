@@ -162,7 +162,7 @@ RESUME_SECONDS = 5.0
 # no node with room (recovery.StageWaiting).
 ROOM_WAIT_SECONDS = 15.0
 # How soon `orchestrate serve` answers again after its coordinator (the Serve
-# replica) died, its stages kept loaded (orchestrator.cluster.kept): Serve
+# replica) died, its stages kept loaded (orchestrator.cluster.kept_stages): Serve
 # notices and starts a replica, which takes the stages over and measures the
 # pass cost again. The bound docs/architecture.md states and a test holds.
 REPLICA_BACK_SECONDS = 60.0

@@ -1,6 +1,6 @@
 """The exactness contract, checked on one recorded run (docs/backends.md).
 
-A decoding run through an ``EngineChain`` of stage files (the real loop, with
+A decoding run through an ``InProcessPipeline`` of stage files (the real loop, with
 whatever drafting it is given) is recorded pass by pass: each pass's rows
 (tokens, positions, tree parents, logit rows) and the logits float32[len(rows),
 n_vocab] its last stage returned, and every released sequence. Then:
@@ -29,7 +29,7 @@ import numpy as np
 from orchestrator.decoding.drafting import Drafting
 from orchestrator.decoding.loop import Decoding, DecodingLoop, Listener, sequence_state
 from orchestrator.decoding.windows import Window
-from orchestrator.in_process import EngineChain, window_positions
+from orchestrator.in_process import InProcessPipeline, window_positions
 from speculators.sampling import SamplingSettings, choose_token
 
 
@@ -45,8 +45,8 @@ class RecordedPass:
     logits: np.ndarray
 
 
-class RecordingChain(EngineChain):
-    """EngineChain that keeps what each pass fed and got, and every release, in order."""
+class RecordingChain(InProcessPipeline):
+    """InProcessPipeline that keeps what each pass fed and got, and every release, in order."""
 
     def __init__(self, paths, settings):
         super().__init__(paths, settings)

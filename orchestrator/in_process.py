@@ -1,7 +1,7 @@
 """A target without Ray and without sockets: stage engines one after another in this process.
 
 The decoding loop (orchestrator.decoding.loop) drives it as it drives a
-``Pipeline``: ``EngineChain`` holds the real llama.cpp engines of the stage
+``Pipeline``: ``InProcessPipeline`` holds the real llama.cpp engines of the stage
 files, and each submitted pass runs through them at once, stage by stage (no
 overlap between stages: it measures compute and exactness, not pipelining).
 One path makes it the whole model. The model tier's tests and the device
@@ -16,7 +16,7 @@ import numpy as np
 
 from orchestrator.decoding.windows import TargetPass, Window
 from orchestrator.decoding.targets import PassReplies, choice_of
-from orchestrator.workers.choosing import TokenChooser
+from orchestrator.workers.token_chooser import TokenChooser
 from orchestrator.transport.messages import PassResult
 from stages.tree_shape import depths
 
@@ -29,12 +29,12 @@ def window_positions(window: Window) -> tuple[np.ndarray, np.ndarray | None]:
     return (window.first + depths(parents)).astype(np.int32), parents
 
 
-class EngineChain:
+class InProcessPipeline:
     """The engines of ``paths`` (stage files in order, or one whole model) as a
     target. stage_seconds of every result are zeros. A pass's logits come
     back, and the loop verifies them; but a pass with a window under a
     grammar has its tokens chosen here, as the last stage of a pipeline
-    chooses them (orchestrator.workers.choosing)."""
+    chooses them (orchestrator.workers.token_chooser)."""
 
     def __init__(self, paths: list[str], settings):
         from stages.engine import StageEngine

@@ -221,7 +221,7 @@ def _restart_reporter(restart_metrics: RestartMetrics, on_status: Callable[[str]
     return stage_restarted
 
 
-class _Text:
+class _StreamedText:
     """The generated text, streamed token by token (on_text) and kept whole."""
 
     def __init__(self, tokenizer: Tokenizer, on_text: Callable[[str], None] | None):
@@ -248,7 +248,7 @@ def _generate_through(pipeline: Pipeline, settings: RunSettings, prepared, resta
     shipped to their nodes first), generate, stop them, and report."""
     tokenizer, tokens, make_speculator = prepared
     speculation = exact_trees(settings.pipeline.speculation, pipeline.inexact_tree_stages(), on_status)
-    text = _Text(tokenizer, on_text)
+    text = _StreamedText(tokenizer, on_text)
     drafter_set = None
     drafting = None
     if make_speculator is not None:

@@ -9,7 +9,7 @@
 * Targets without Ray: ``orchestrator.decoding.targets.InstantTarget`` (shared with
   ``orchestrate profile``, re-exported here) and ``truth_target``; the real
   stage engines one after another in this process are product code
-  (``orchestrator.in_process.EngineChain``, which the device check runs on).
+  (``orchestrator.in_process.InProcessPipeline``, which the device check runs on).
 """
 
 from __future__ import annotations

@@ -153,7 +153,7 @@ def pipeline_tag() -> str:
 
 def kept_group(name: str):
     """The placement group named ``name`` in this namespace (an earlier
-    coordinator's, orchestrator.cluster.kept), or None."""
+    coordinator's, orchestrator.cluster.kept_stages), or None."""
     import ray
 
     if not name:
@@ -270,7 +270,7 @@ class Reservation:
 
     def __init__(self, stage_count: int, place: dict[int, str] | None = None, prefer: dict[int, str] | None = None,
                  group_name: str = ""):
-        """group_name: a service's kept stages (orchestrator.cluster.kept):
+        """group_name: a service's kept stages (orchestrator.cluster.kept_stages):
         its placement group is detached and named so, and an earlier
         coordinator's is taken over."""
         import ray

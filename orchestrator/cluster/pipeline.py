@@ -22,7 +22,7 @@ import numpy as np
 
 from orchestrator.cluster import recovery
 from orchestrator.cluster.connect import ClusterError, Reservation
-from orchestrator.cluster.kept import FoundStage, KeptStages, find_kept, holds
+from orchestrator.cluster.kept_stages import FoundStage, KeptStages, find_kept, holds
 from orchestrator.cluster.recovery import ChainRelink, StageRestart, StageWaiting
 from orchestrator.cluster.shipping import Shipment, ModelToShip, fetch_vocabulary, ship_whole_model
 from orchestrator.cluster.stage_actors import LOOPBACK, StageActors, StageLoad, StageReport
@@ -76,7 +76,7 @@ class Pipeline:
         a service); it decides how stages sharing a machine are pinned to its
         CPUs (orchestrator.cluster.stage_cpus; pin_stages changes it).
         kept: a service's stages that outlive this coordinator
-        (orchestrator.cluster.kept): its secret and certificate (tls is then
+        (orchestrator.cluster.kept_stages): its secret and certificate (tls is then
         the certificate's), and the stages an earlier coordinator left are
         taken over where they hold what this one would load."""
         import ray

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
-from orchestrator.cluster.kept import KeptStages
+from orchestrator.cluster.kept_stages import KeptStages
 from orchestrator.cluster.model_files import WholeModelSettings, local_draft
 from orchestrator.cluster.pipeline import Pipeline, StageRestart
 from orchestrator.cluster.shipping import ModelToShip

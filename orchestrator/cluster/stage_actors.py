@@ -143,7 +143,7 @@ class StageActors:
     the pipeline's settings, secret and certificate (handed over by Ray's
     authenticated calls), and named ``specpipe-stage-<index>.<tag>``
     (connect.actor_name; the pipeline's drafters share the tag). Kept
-    (``kept_tag``: a service's, orchestrator.cluster.kept) they are detached
+    (``kept_tag``: a service's, orchestrator.cluster.kept_stages) they are detached
     from this process and named with the service's tag, and the drafters,
     which die with it, with one of their own."""
 
@@ -185,7 +185,7 @@ class StageActors:
     def start(self, paths: list[str], loopback: bool, taken_over: dict | None = None) -> list[StageDescription]:
         """Every stage's actor, once each has loaded its file. taken_over:
         stage index -> a live actor of an earlier coordinator holding that
-        stage (orchestrator.cluster.kept), used instead of a new one once it
+        stage (orchestrator.cluster.kept_stages), used instead of a new one once it
         has forgotten every KV sequence."""
         import ray
 

@@ -108,7 +108,7 @@ class Decoding:
     listener: Listener = field(default_factory=Listener)
 
 
-Choose = Callable[[object, Window, slice], list[int]]
+TokensOf = Callable[[object, Window, slice], list[int]]
 """(a pass's result, one of its windows, that window's rows) -> the tokens it commits."""
 
 
@@ -122,7 +122,7 @@ class DecodingLoop:
     """
 
     def __init__(self, target: Target, is_end: Callable[[int], bool], *, window_per_pass: bool = False,
-                 batching: Batching | None = None, choose: Choose = committed_tokens):
+                 batching: Batching | None = None, choose: TokensOf = committed_tokens):
         self.target = target
         self.is_end = is_end
         self.choose = choose

@@ -38,7 +38,7 @@ The rules:
   the next window of the speculation, assuming the one in flight commits
   its whole window, submitted at a turn's start with the window it follows,
   so stage 0 computes it while the later stages compute the one before;
-  only after a window that accepted all its drafts (``on_a_roll``), since
+  only after a window that accepted all its drafts (``accepted_whole``), since
   after a rejection the speculation is gone.
 * When a window in flight is invalid (``SequenceState.verified``): when it
   does not start at the last committed token (the window before it did not
@@ -169,7 +169,7 @@ class SequenceState:
     draft_call_cost: float = DRAFTER_CALL_COST  # asking the drafter, in one-token passes (0: in process)
     draft_step: float = PRIOR_STEP  # each extra token of a pass, in one-token passes (measured by a run)
     draft_prices: DraftPrices = DraftPrices()  # what drafting a token costs, awaited and relayed (measured by a run)
-    on_a_roll: bool = False  # the last verified window accepted all its drafts
+    accepted_whole: bool = False  # the last verified window accepted all its drafts
     tree_leaves: int = 1  # the most leaves a window's token tree may have (1: chains only)
     side_row_step: float | None = None  # what the tree rule prices a side row at (None: the curve, or draft_step)
     pass_curve: BatchCurve | None = None  # a pass's seconds by width, measured (the tree rule reads it at every width)
@@ -401,11 +401,11 @@ class SequenceState:
 
     def window_ahead(self) -> Window | None:
         """The next window of the speculation, started while one is in flight,
-        or None. Only after a window that accepted all its drafts (on_a_roll):
+        or None. Only after a window that accepted all its drafts (accepted_whole):
         the window in flight is then the only one, valid, and drafted on by
         the drafter during the last pass; after a rejection the speculation
         is gone and its next window waits for the drafter."""
-        if not (self.schedule.asynchronous and self.on_a_roll and len(self.in_flight) == 1
+        if not (self.schedule.asynchronous and self.accepted_whole and len(self.in_flight) == 1
                 and not self.finished):
             return None
         head = self.in_flight[0]
@@ -481,7 +481,7 @@ class SequenceState:
                 self.stats.side_accepted += len(path) - accepted
                 self.ranks.observe(DraftTree(list(window.inputs[window.refed:]), list(window.parents),
                                              list(window.ranks)), new_tokens)
-            self.on_a_roll = bool(drafts) and accepted == len(drafts) == len(path)
+            self.accepted_whole = bool(drafts) and accepted == len(drafts) == len(path)
             if self.schedule.speculative:
                 self.policy.observe_window(len(drafts), accepted)
                 self._choose_limits()

@@ -8,7 +8,7 @@ the stage actors and their socket chain (``Pipeline``), and the ``Service``
 loop that keeps them busy with many requests. The replica's ``__del__`` (Serve
 calls it when the application is deleted) drains the service and closes the
 pipeline. The stage actors and their placement group outlive the replica
-(orchestrator.cluster.kept): a replica Serve starts after one died takes
+(orchestrator.cluster.kept_stages): a replica Serve starts after one died takes
 them over instead of loading them again, and the driver removes what is
 left of them when it stops. A stage lost with its machine moves to a
 spare node (a whole model's is shipped there again); with none, the service
@@ -41,7 +41,7 @@ from stages.errors import SpecpipeError
 from stages.settings import StageSettings
 
 if TYPE_CHECKING:
-    from orchestrator.cluster.kept import KeptStages
+    from orchestrator.cluster.kept_stages import KeptStages
     from orchestrator.cluster.pipeline_settings import PipelineSettings
 
 APPLICATION = "specpipe"
@@ -80,7 +80,7 @@ class ServeSettings:
     shipped: ShippedStages | None = None  # where place_stages put whole_model's stages
     vocabulary_path: str | None = None  # a file on this machine with the vocabulary (None: a local stage file)
     prefix_cache_tokens: int | None = None
-    kept: KeptStages | None = None  # the stages outlive a replica (orchestrator.cluster.kept); made by the driver
+    kept: KeptStages | None = None  # the stages outlive a replica (orchestrator.cluster.kept_stages); made by the driver
 
     def with_pipeline(self, **changes) -> ServeSettings:
         """The same with these fields of the pipeline's settings changed."""
@@ -405,7 +405,7 @@ def serve_until_stopped(settings: ServeSettings, on_status: Callable[[str], None
     SIGTERM, then delete it (in-flight requests drain) and stop Serve."""
     from orchestrator.cluster.connect import ray_session
     from orchestrator.cluster.drafters import drafter_nodes
-    from orchestrator.cluster.kept import SERVE_NAMESPACE, KeptStages
+    from orchestrator.cluster.kept_stages import SERVE_NAMESPACE, KeptStages
 
     settings = replace(settings, pipeline=settings.pipeline.with_local_draft(on_status))  # before Ray starts
     placing = needs_placing(settings)
@@ -467,7 +467,7 @@ def _shutdown_serve(settings: ServeSettings) -> None:
     died just before could not)."""
     from ray import serve
 
-    from orchestrator.cluster.kept import remove_kept
+    from orchestrator.cluster.kept_stages import remove_kept
 
     try:
         serve.delete(APPLICATION)

@@ -43,7 +43,7 @@ from orchestrator.transport.handshake import (
 )
 from orchestrator.transport.messages import Cancelled, PassResult, Shutdown, StageBatch, StageFailure
 from orchestrator.workers.cancels import PassCancels
-from orchestrator.workers.choosing import TokenChooser
+from orchestrator.workers.token_chooser import TokenChooser
 from speculators.logprobs import TokenLogprobs
 from stages.backend import StageCompute
 from stages.cost_curve import CostCurveError, StageCurve
@@ -359,7 +359,7 @@ class StageServer:
 
     def _chosen(self, batch: StageBatch, output: np.ndarray) -> tuple[np.ndarray, TokenLogprobs | None] | None:
         """The tokens the last stage chooses for a batch with a choice, and
-        their logprobs if asked (orchestrator.workers.choosing); else None."""
+        their logprobs if asked (orchestrator.workers.token_chooser); else None."""
         if not self.engine.is_last or batch.choice is None:
             return None
         if self.chooser is None:

@@ -1,10 +1,10 @@
 """The decoding loop on the real model without Ray: the stage engines one after
-another in this process (orchestrator.in_process.EngineChain), drafters called in place.
+another in this process (orchestrator.in_process.InProcessPipeline), drafters called in place.
 Every schedule gives the whole model's tokens, greedy and sampled alike."""
 
 import pytest
 
-from orchestrator.in_process import EngineChain
+from orchestrator.in_process import InProcessPipeline
 from orchestrator.decoding.targets import InstantDrafter
 from orchestrator.decoding.drafting import Drafting
 from orchestrator.decoding.loop import generate
@@ -27,7 +27,7 @@ def is_end(reference):
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2-stages", "3-stages"])
 def chain(request, splits):
-    engines = EngineChain(splits[request.param], StageSettings(n_ctx=1024))
+    engines = InProcessPipeline(splits[request.param], StageSettings(n_ctx=1024))
     yield engines
     engines.close()
 
@@ -59,7 +59,7 @@ def test_windows_started_ahead_across_rejections_give_the_whole_models_tokens(sp
     """Passes priced flat (step 0, as on memory-bound machines): async starts a
     window ahead of every window, also of one that rejects a draft, and
     discards it then; greedy and seeded tokens are the whole model's."""
-    chain = EngineChain(splits[stage_count], StageSettings(n_ctx=1024))
+    chain = InProcessPipeline(splits[stage_count], StageSettings(n_ctx=1024))
     try:
         for prompt in (COPY, *FORKING):
             tokens = reference.tokenize(prompt)
@@ -85,7 +85,7 @@ SMALL_BATCH = 16
 @pytest.fixture(scope="module")
 def small_batch_chain(splits):
     """Two stages that take at most SMALL_BATCH tokens a pass: a long prompt is prefilled in chunks."""
-    engines = EngineChain(splits[2], StageSettings(n_ctx=1024, n_batch=SMALL_BATCH))
+    engines = InProcessPipeline(splits[2], StageSettings(n_ctx=1024, n_batch=SMALL_BATCH))
     yield engines
     engines.close()
 
@@ -118,7 +118,7 @@ def test_a_prompt_of_several_batches_samples_the_same_tokens_with_and_without_sp
 @pytest.fixture(scope="module")
 def tree_chain(splits):
     """Two stages that verify token trees of up to four leaves."""
-    engines = EngineChain(splits[2], StageSettings(n_ctx=1024, tree_sequences=3))
+    engines = InProcessPipeline(splits[2], StageSettings(n_ctx=1024, tree_sequences=3))
     yield engines
     engines.close()
 

@@ -13,7 +13,7 @@ from orchestrator.config import DRAFT_TREE_BRANCHES
 from orchestrator.decoding.drafting import Drafting
 from orchestrator.decoding.loop import generate
 from orchestrator.decoding.schedule import Schedule
-from orchestrator.in_process import EngineChain
+from orchestrator.in_process import InProcessPipeline
 from orchestrator.transport.handshake import connect_peer, drafter_role
 from orchestrator.workers.drafter_server import DrafterServer
 from speculators.model import ModelSpeculator
@@ -38,7 +38,7 @@ def is_end(reference):
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2-stages", "3-stages"])
 def tree_chain(request, splits):
-    engines = EngineChain(splits[request.param], StageSettings(n_ctx=1024, tree_sequences=LEAVES - 1))
+    engines = InProcessPipeline(splits[request.param], StageSettings(n_ctx=1024, tree_sequences=LEAVES - 1))
     yield engines
     engines.close()
 

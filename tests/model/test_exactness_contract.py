@@ -1,7 +1,7 @@
 """The exactness contract, as three properties of one recorded run (docs/backends.md).
 
 A decoding run through the stages (the real loop: async prompt lookup and
-token trees, stages in this process: orchestrator.in_process.EngineChain)
+token trees, stages in this process: orchestrator.in_process.InProcessPipeline)
 records every pass; orchestrator.exactness then checks, without the
 product's verifier:
 

@@ -10,7 +10,7 @@ import pytest
 
 from orchestrator.decoding.schedule import Schedule
 from orchestrator.decoding.service import Service, ServiceRequest, ServiceSettings
-from orchestrator.in_process import EngineChain
+from orchestrator.in_process import InProcessPipeline
 from speculators.prompt_lookup import PromptLookupSpeculator
 from speculators.sampling import SamplingSettings
 from stages.settings import StageSettings
@@ -38,7 +38,7 @@ def own_logprobs(smollm2):
 
 def served(splits, requests, **settings):
     """Each request's (tokens, logprobs entries in order)."""
-    chain = EngineChain(splits[2], StageSettings(n_ctx=512, n_batch=64, sequences=2))
+    chain = InProcessPipeline(splits[2], StageSettings(n_ctx=512, n_batch=64, sequences=2))
     service = Service(chain, lambda token: False, ServiceSettings(max_sequences=2, queue_limit=4, context=512,
                                                                   **settings))
     results = [([], []) for _ in requests]

@@ -15,7 +15,7 @@ import pytest
 
 from orchestrator.decoding.schedule import Schedule
 from orchestrator.decoding.service import Service, ServiceObserver, ServiceRequest, ServiceSettings
-from orchestrator.in_process import EngineChain
+from orchestrator.in_process import InProcessPipeline
 from speculators.prompt_lookup import PromptLookupSpeculator
 from speculators.sampling import SamplingSettings
 from stages.engine import StageEngine
@@ -32,7 +32,7 @@ SERVED, KEPT = 4, 4  # served sequences, prefix sequences
 
 @pytest.fixture(scope="module")
 def chain(splits):
-    engines = EngineChain(splits[2], StageSettings(n_ctx=1024, n_batch=128, sequences=SERVED,
+    engines = InProcessPipeline(splits[2], StageSettings(n_ctx=1024, n_batch=128, sequences=SERVED,
                                                    prefix_sequences=KEPT))
     yield engines
     engines.close()

@@ -1,5 +1,5 @@
 """Many requests at once through the real model (stage engines in this process,
-orchestrator.in_process.EngineChain, 8 KV sequences): each request's greedy tokens are
+orchestrator.in_process.InProcessPipeline, 8 KV sequences): each request's greedy tokens are
 llama-cpp-python's on the whole model, and a seeded sampled request gets the
 same tokens alone as beside seven others."""
 
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from orchestrator.in_process import EngineChain
+from orchestrator.in_process import InProcessPipeline
 from orchestrator.decoding.service import Progress, Service, ServiceRequest, ServiceSettings
 from speculators.model import ModelSpeculator, load_draft_engine
 from speculators.prompt_lookup import PromptLookupSpeculator
@@ -28,7 +28,7 @@ WORK = [  # (prompt, max_tokens): different lengths, one prompt longer than a ba
 
 @pytest.fixture(scope="module")
 def chain(splits):
-    engines = EngineChain(splits[2], StageSettings(n_ctx=1024, n_batch=128, sequences=8))
+    engines = InProcessPipeline(splits[2], StageSettings(n_ctx=1024, n_batch=128, sequences=8))
     yield engines
     engines.close()
 
@@ -195,7 +195,7 @@ def test_serve_drafts_with_prompt_lookup_sync_and_async_and_every_request_gets_t
 
 @pytest.fixture(scope="module")
 def tree_chain(splits):
-    engines = EngineChain(splits[2], StageSettings(n_ctx=1024, n_batch=128, sequences=1, tree_sequences=3))
+    engines = InProcessPipeline(splits[2], StageSettings(n_ctx=1024, n_batch=128, sequences=1, tree_sequences=3))
     yield engines
     engines.close()
 

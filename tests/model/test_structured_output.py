@@ -11,7 +11,7 @@ import pytest
 
 from orchestrator.decoding.schedule import Schedule
 from orchestrator.decoding.service import Service, ServiceRequest, ServiceSettings
-from orchestrator.in_process import EngineChain
+from orchestrator.in_process import InProcessPipeline
 from speculators.prompt_lookup import PromptLookupSpeculator
 from speculators.sampling import SamplingSettings
 from stages.grammar import grammar_of
@@ -25,7 +25,7 @@ LIMIT = 80
 
 @pytest.fixture(scope="module")
 def chain(splits):
-    engines = EngineChain(splits[2], StageSettings(n_ctx=512, n_batch=64, sequences=2, prefix_sequences=2))
+    engines = InProcessPipeline(splits[2], StageSettings(n_ctx=512, n_batch=64, sequences=2, prefix_sequences=2))
     yield engines
     engines.close()
 
@@ -71,7 +71,7 @@ def test_a_window_started_ahead_on_a_speculation_the_grammar_forbids_gets_a_well
     import numpy as np
 
     from orchestrator.transport.messages import TokenChoice
-    from orchestrator.workers.choosing import TokenChooser
+    from orchestrator.workers.token_chooser import TokenChooser
 
     chooser = TokenChooser(llama_cpp.llama_model_get_vocab(reference.llama.model))
     forbidden = reference.llama.tokenize(b"hello", add_bos=False)  # a JSON object cannot begin so

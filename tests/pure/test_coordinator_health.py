@@ -1,7 +1,7 @@
 """The Serve replica's health check (orchestrator.serving.deployment.Coordinator):
 once the pipeline failed for good it removes the stages before it fails, so
 that the replica Serve starts next loads fresh ones instead of taking over
-these (they outlive a replica: orchestrator.cluster.kept)."""
+these (they outlive a replica: orchestrator.cluster.kept_stages)."""
 
 from __future__ import annotations
 

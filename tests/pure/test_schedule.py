@@ -49,7 +49,7 @@ def test_drafters_never_speculate_past_the_tokens_still_wanted_nor_past_the_next
     sequence = state(speculation=[4, 5, 6, 7, 8, 9, 10])
     sequence.first_window()  # feeds positions 2..6: the next two windows feed positions 7..16
     assert sequence.speculation_room == 7  # the text may reach 17 tokens and holds 10
-    sequence.on_a_roll = True
+    sequence.accepted_whole = True
     ahead = sequence.window_ahead()
     assert ahead.inputs == (8, 9, 10) and sequence.speculation_room == 10  # fed to position 9 now
     long = state(speculation=list(range(4, 24)), max_tokens=50)
@@ -103,7 +103,7 @@ def test_a_window_starts_ahead_only_in_async_after_a_fully_accepted_window():
     first = sequence.first_window()
     assert sequence.window_ahead() is None  # not on a roll yet
     sequence.verified(first, [4, 5, 6, 7, 8], never_ends)  # all four accepted, the target adds 8
-    assert sequence.on_a_roll and sequence.speculation == [9, 10]
+    assert sequence.accepted_whole and sequence.speculation == [9, 10]
     head = sequence.first_window()
     ahead = sequence.window_ahead()
     # the head feeds 8 9 10 at positions 7..9; ahead assumes it commits 9 10 and one more
@@ -121,14 +121,14 @@ def test_a_window_starts_ahead_only_in_async_after_a_fully_accepted_window():
 
 def test_a_window_in_flight_becomes_invalid_when_the_one_before_is_rejected():
     sequence = state(speculation=[4, 5, 6, 7, 8, 9, 10, 11])
-    sequence.on_a_roll = True
+    sequence.accepted_whole = True
     head = sequence.first_window()
     ahead = sequence.window_ahead()
     assert (head.inputs, ahead.inputs) == ((3, 4, 5, 6, 7), (8, 9, 10, 11))
     committed = sequence.verified(head, [4, 5, 99], never_ends)  # 6 rejected: the target says 99
     assert committed == [4, 5, 99]
     assert not sequence.in_flight and sequence.discards_pending == 1
-    assert sequence.speculation == [] and not sequence.on_a_roll
+    assert sequence.speculation == [] and not sequence.accepted_whole
     assert not sequence.ready  # nothing new until the invalid window's result is back
     sequence.discarded()
     assert sequence.ready and sequence.stats.discarded_passes == 1 and sequence.passes == 2
@@ -136,7 +136,7 @@ def test_a_window_in_flight_becomes_invalid_when_the_one_before_is_rejected():
 
 def test_a_window_ahead_stays_valid_when_its_first_input_is_the_targets_token():
     sequence = state(speculation=[4, 5, 6])
-    sequence.on_a_roll = True
+    sequence.accepted_whole = True
     head = sequence.first_window()  # 3 4 5 6
     sequence.drafted([7, 8])
     ahead = sequence.window_ahead()  # 7 8 at position 6
@@ -166,7 +166,7 @@ def test_a_draft_limit_of_zero_runs_plain_windows_without_asking_the_drafter():
 
 def test_an_end_token_or_max_tokens_finishes_the_sequence_and_invalidates_what_is_in_flight():
     sequence = state(speculation=[4, 5, 6])
-    sequence.on_a_roll = True
+    sequence.accepted_whole = True
     head = sequence.first_window()
     sequence.drafted([7])
     sequence.window_ahead()
@@ -185,7 +185,7 @@ def test_a_lone_sequence_drafts_its_pass_through_on_the_drafter_beside_stage_0_a
 
 def test_the_scheduler_packs_the_windows_of_several_sequences_into_one_pass():
     first, second = state(speculation=[4, 5]), state(Schedule.SYNC, committed=(1, 2, 30), speculation=[40], sequence=1)
-    first.on_a_roll = True
+    first.accepted_whole = True
     first.drafted([6, 7, 8])
     scheduler = Scheduler([first, second])
     passes = scheduler.next_passes()
@@ -207,7 +207,7 @@ def test_a_sequence_whose_policy_takes_no_drafts_does_not_draft_while_its_pass_r
 
 def test_the_scheduler_reports_a_discarded_window_without_rows():
     sequence = state(speculation=[4, 5, 6, 7, 8, 9])
-    sequence.on_a_roll = True
+    sequence.accepted_whole = True
     scheduler = Scheduler([sequence])
     head_pass, _ = scheduler.next_passes()
     (_, head, rows), = scheduler.received()
@@ -218,7 +218,7 @@ def test_the_scheduler_reports_a_discarded_window_without_rows():
 
 def test_a_window_ahead_is_invalid_when_the_targets_own_token_differs_from_its_first_input():
     sequence = state(speculation=[4, 5, 6])
-    sequence.on_a_roll = True
+    sequence.accepted_whole = True
     head = sequence.first_window()  # 3 4 5 6
     sequence.drafted([7, 8])
     sequence.window_ahead()  # 7 8 at position 6
@@ -228,7 +228,7 @@ def test_a_window_ahead_is_invalid_when_the_targets_own_token_differs_from_its_f
 
 def test_a_pass_is_handed_out_for_cancelling_once_when_a_rejection_invalidates_it():
     sequence = state(speculation=[4, 5, 6, 7, 8, 9])
-    sequence.on_a_roll = True
+    sequence.accepted_whole = True
     scheduler = Scheduler([sequence])
     head_pass, ahead_pass = scheduler.next_passes()
     assert scheduler.invalid_passes() == []  # both windows still valid
@@ -256,7 +256,7 @@ def test_the_scheduler_keeps_no_pass_it_has_handed_back():
     import weakref
 
     sequence = state(speculation=[4, 5, 6, 7, 8, 9])
-    sequence.on_a_roll = True
+    sequence.accepted_whole = True
     scheduler = Scheduler([sequence])
     _, ahead_pass = scheduler.next_passes()
     (_, head, _), = scheduler.received()
@@ -348,7 +348,7 @@ def test_verified_windows_are_counted_window_by_window():
     assert stats.acceptance_rate == pytest.approx(5 / 9)
     assert stats.acceptance_first == pytest.approx(2 / 3)
     assert stats.acceptance_later == pytest.approx(3 / 4)  # 3 later acceptances, 1 later rejection
-    assert not sequence.on_a_roll
+    assert not sequence.accepted_whole
 
 
 # -- the state's policy
@@ -445,7 +445,7 @@ def test_without_a_chunk_size_the_prompt_is_one_window():
 
 def test_every_window_carries_the_sequences_sampling():
     sequence = state(speculation=list(range(4, 15)), sampling=SAMPLING)
-    sequence.on_a_roll = True
+    sequence.accepted_whole = True
     assert sequence.first_window() == Window(0, 2, (3, 4, 5, 6, 7), sampling=SAMPLING)
     assert sequence.window_ahead() == Window(0, 7, (8, 9, 10, 11, 12), sampling=SAMPLING)
     greedy_on_logits = state(speculation=[4])
@@ -460,7 +460,7 @@ def test_every_window_carries_the_sequences_sampling():
 ])
 def test_a_window_started_ahead_carries_only_what_the_room_after_the_head_allows(max_tokens, ahead_inputs):
     sequence = state(speculation=list(range(4, 15)), max_tokens=max_tokens)
-    sequence.on_a_roll = True
+    sequence.accepted_whole = True
     head = sequence.first_window()
     assert (head.first, head.inputs) == (2, (3, 4, 5, 6, 7))
     ahead = sequence.window_ahead()
@@ -473,7 +473,7 @@ def test_a_window_started_ahead_carries_only_what_the_room_after_the_head_allows
 
 def test_a_window_ahead_is_invalid_when_the_head_commits_less_even_if_the_token_matches():
     sequence = state(speculation=list(range(4, 15)))
-    sequence.on_a_roll = True
+    sequence.accepted_whole = True
     head = sequence.first_window()  # 3 4 5 6 7 at 2
     ahead = sequence.window_ahead()  # 8 9 10 11 12 at 7
     assert ahead.inputs[0] == 8
@@ -486,7 +486,7 @@ def test_a_window_ahead_is_invalid_when_the_head_commits_less_even_if_the_token_
 def test_every_discarded_window_is_counted():
     sequence = state(speculation=[4, 5, 6, 7, 8, 9, 10, 11])
     for round_ in (1, 2):
-        sequence.on_a_roll, sequence.draft_limit = True, 4
+        sequence.accepted_whole, sequence.draft_limit = True, 4
         head = sequence.first_window()
         sequence.window_ahead()
         sequence.verified(head, [99], never_ends)  # draft 1 rejected: the window ahead is invalid
@@ -498,7 +498,7 @@ def test_every_discarded_window_is_counted():
 
 def test_cancelling_twice_keeps_the_windows_to_discard():
     sequence = state(speculation=[4, 5, 6, 7, 8, 9])
-    sequence.on_a_roll = True
+    sequence.accepted_whole = True
     sequence.first_window()
     sequence.window_ahead()
     sequence.cancel()

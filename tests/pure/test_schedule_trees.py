@@ -119,7 +119,7 @@ def test_a_window_started_ahead_of_a_tree_is_dropped_when_a_side_branch_wins():
     from speculators.tree import DraftTree
 
     state = SequenceState(0, [1, 2], 1, 20, Schedule.ASYNC, 4, draft_step=0.0, tree_leaves=4)
-    state.on_a_roll = True
+    state.accepted_whole = True
     #   2 - 4 - 5        the main chain
     #    \- 7 - 8        a side branch, rank 2 at the root
     state.drafted_tree(DraftTree([2, 4, 5, 7, 8], [-1, 0, 1, 0, 3], [0, 1, 1, 2, 1]))

@@ -380,19 +380,19 @@ def test_a_modes_side_row_step_prices_the_side_rows_instead_of_the_step():
 def test_a_window_starts_ahead_only_of_one_after_a_window_that_accepted_all_its_drafts(monkeypatch):
     """Two stages, drafts right 0.8 of the time: windows start ahead, each
     while the sequence is on a roll (after a rejection its speculation is gone)."""
-    on_a_roll = []
+    accepted_whole = []
     window_ahead = SequenceState.window_ahead
 
     def spy(state):
         window = window_ahead(state)
         if window is not None:
-            on_a_roll.append(state.on_a_roll)
+            accepted_whole.append(state.accepted_whole)
         return window
 
     monkeypatch.setattr(SequenceState, "window_ahead", spy)
     costs = TableCosts(stages=(1.0, 1.0), hops=(0.0625,) * 3, drafts=(0.1, 0.1))
     simulate(costs, Mode("async", 3, step=0.0), DraftBehaviour(0.8), max_tokens=48, seed=3)
-    assert on_a_roll and all(on_a_roll)
+    assert accepted_whole and all(accepted_whole)
 
 
 def test_after_a_rejection_the_drafter_beside_stage_0_starts_before_the_discarded_passes_are_back(monkeypatch):

@@ -3,7 +3,8 @@ test's own (``ray.cluster_utils.Cluster``: one head without CPUs, which no
 stage can use, and three one-CPU nodes) removed while its stage computes, as
 a machine that dies would be: its processes killed, the node gone from Ray.
 The stage comes back on the spare node, shipped there again, and every token
-equals an uninterrupted run's.
+equals an uninterrupted run's. A node that holds only a drafter may go too:
+the run goes on without it.
 
 Its own cluster, not the session's: removing one of the session's nodes
 would take it from every test after. The session's Ray is stopped before
@@ -12,6 +13,7 @@ this file runs (conftest.py runs the files on it first)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import time
@@ -156,6 +158,60 @@ def test_each_lost_node_s_stage_is_shipped_to_a_spare_and_no_token_changes(clust
         # shipped again, to the spare (found there: the nodes share one disk here)
         assert [(shipment.stage_index, shipment.node_id) for shipment in pipeline.shipments[2:]] == [
             (restart.stage_index, restart.node_id) for restart in pipeline.restarts]
+
+
+def test_a_lost_drafter_only_node_changes_no_token_and_is_named(three_workers, smollm2, reference,
+                                                                realistic_draft):
+    """A draft model's drafter 0 (the one async waits for after a rejection)
+    on a node that holds no stage (--drafter-node), that node killed and
+    removed mid-generation: the run goes on without it, every token the
+    whole model's, and the drafter says it was lost."""
+    import psutil
+
+    from orchestrator.cluster.drafter_set import start_drafter_set
+    from orchestrator.cluster.drafters import DrafterSettings, speculator_factory
+    from orchestrator.decoding.drafting import SpeculationSettings
+    from orchestrator.decoding.schedule import Schedule
+
+    from stages.cost_curve import BatchCurve, CostCurve, StageCurve
+
+    cluster = three_workers
+    tokens = reference.tokenize(PROMPTS[0])
+    # passes of at least 30 ms, flat, as a memory-bound machine's: drafts pay, so drafter 0 is in use when lost
+    flat = dataclasses.replace(SETTINGS, cost_curve=CostCurve("flat 30 ms", (StageCurve(BatchCurve((1, 64),
+                                                                                                 (0.03, 0.03))),)))
+    model = whole_model_stages(WholeModelSettings(smollm2, stages=2), flat, None, None)
+    with Pipeline(model, flat) as pipeline:
+        stage_nodes = {stage.node_id for stage in pipeline.stages}
+        [node] = [node for node in cluster.list_all_nodes()
+                  if node.node_id not in stage_nodes and node is not cluster.head_node]
+        make = speculator_factory(SpeculationSettings("model", realistic_draft, Schedule.ASYNC, draft_max=4),
+                                  Tokenizer(smollm2), flat)
+        drafters = start_drafter_set(pipeline, "model", make,
+                                     DrafterSettings(draft_max=4, nodes=(node.node_id,), draft_path=realistic_draft))
+        try:
+            assert drafters.drafters[0].node_id == node.node_id and drafters.drafters[0].alive
+            pass_seconds, step = pipeline.pass_costs()  # as a run measures them
+            drafters.measure_prices(pipeline, tokens, pass_seconds)
+            produced, drafted_before = [], []
+
+            def lose_the_drafter_s_node(token):
+                produced.append(token)
+                if len(produced) == 8:  # a machine's death takes its processes with it
+                    drafted_before.append(drafters.drafters[0].busy_seconds)
+                    [raylet] = [psutil.Process(info.process.pid) for info in node.all_processes["raylet"]]
+                    for process in raylet.children(recursive=True):
+                        process.kill()
+                    cluster.remove_node(node, allow_graceful=False)
+
+            result = generate(pipeline, tokens, MAX_TOKENS, SamplingSettings(), Tokenizer(smollm2).is_end,
+                              on_token=lose_the_drafter_s_node, drafting=drafters.drafting(Schedule.ASYNC, 4, step=step))
+            assert result.tokens == reference.greedy(tokens, MAX_TOKENS).tokens
+            assert drafted_before[0] > 0 and result.speculation.accepted_tokens > 0  # it drafted until lost
+            assert not drafters.drafters[0].alive and drafters.drafters[0].lost_reason, drafters.drafters[0].lost_reason
+            assert pipeline.restarts == []  # the stages never noticed
+        finally:
+            drafters.stop()
 
 
 def replica_node(cluster):

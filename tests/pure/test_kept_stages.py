@@ -1,4 +1,4 @@
-"""What a restarted coordinator takes over (orchestrator.cluster.kept): the
+"""What a restarted coordinator takes over (orchestrator.cluster.kept_stages): the
 newest actor of each stage named with the service's tag, and only a stage
 that holds the slice the stage file describes."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orchestrator.cluster.kept import KeptStages, holds, stage_names
+from orchestrator.cluster.kept_stages import KeptStages, holds, stage_names
 from orchestrator.workers.stage_server import StageDescription
 from stages.gguf_file import StageFileInfo
 
