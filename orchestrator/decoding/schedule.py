@@ -89,11 +89,12 @@ from orchestrator.config import PREFILL_CHUNKS_PER_STAGE, PREFILL_LEAST_CHUNK, W
 from speculators.corrections import Corrections, Forks
 from speculators.draft_length import DRAFTER_CALL_COST, PRIOR_STEP, DraftPolicy, DraftPrices
 from speculators.sampling import SamplingSettings
-from speculators.tree import (DraftTree, PassCost, RankAcceptance, TreeAsk, accepted_rows, choose_rows, curve_cost,
+from speculators.tree import (DraftTree, PassCost, TreeAsk, accepted_rows, choose_rows, curve_cost,
                               linear_cost, offered_rows, MAX_TREE_ROWS)
 from stages.tree_shape import main_chain_length
 from stages.cost_curve import BatchCurve
 from orchestrator.decoding.stats import SpeculationStats
+from orchestrator.decoding.speculation import Speculation
 from orchestrator.decoding.windows import Window
 
 
@@ -160,7 +161,7 @@ class SequenceState:
     logprobs: int | None = None
     grammar: str | None = None
     cached: int = 0
-    speculation: list[int] = field(default_factory=list)
+    speculation: Speculation = field(default_factory=Speculation)  # draft tokens not yet verified, and beside them
     in_flight: deque[Window] = field(default_factory=deque)
     discards_pending: int = 0  # windows found invalid in flight, whose results are still to come
     draft_limit: int = 0  # the next window's most drafts: the policy's choice after every verified window
@@ -174,9 +175,6 @@ class SequenceState:
     side_row_step: float | None = None  # what the tree rule prices a side row at (None: the curve, or draft_step)
     pass_curve: BatchCurve | None = None  # a pass's seconds by width, measured (the tree rule reads it at every width)
     coupled: bool = True  # when sampling, the drafters sample with the target's seeded uniforms (draft_sampling)
-    candidates: DraftTree | None = None  # the tree drafted for the next window (drafted_tree)
-    corrections: Corrections = field(default_factory=dict)  # drafted while the head window was verified (drafted)
-    ranks: RankAcceptance = field(default_factory=RankAcceptance)  # acceptance by candidate rank at forks
     refeed: int = 0  # committed tokens before the last whose cells the stages dropped: fed again next
     finished: bool = False
     stopped_by: str = "length"
@@ -203,7 +201,7 @@ class SequenceState:
 
     @property
     def text(self) -> list[int]:
-        return self.committed + self.speculation
+        return self.committed + self.speculation.tokens
 
     @property
     def generated(self) -> int:
@@ -235,7 +233,7 @@ class SequenceState:
     def drafts_wanted(self) -> int:
         """Drafts its next window may carry: the policy's limit, within the room
         left; awaited drafts (nothing speculated, or sync) priced with their wait."""
-        limit = self.awaited_limit if self.schedule.asynchronous and not self.speculation else self.draft_limit
+        limit = self.awaited_limit if self.schedule.asynchronous and not self.speculation.tokens else self.draft_limit
         return max(0, min(limit, self.room))
 
     @property
@@ -266,7 +264,7 @@ class SequenceState:
     @property
     def _drafts_from_committed(self) -> bool:
         return (self.prompt_from is None and self.schedule.speculative and self.drafts_wanted > 0
-                and (self.schedule is Schedule.SYNC or not self.speculation))
+                and (self.schedule is Schedule.SYNC or not self.speculation.tokens))
 
     def drafted_first(self, tokens: list[int]) -> None:
         """What the drafter beside stage 0 drafted when awaited (``drafts_first``)."""
@@ -276,22 +274,20 @@ class SequenceState:
         self.stats.waited_tokens += len(tokens)
         self.stats.waited_stops += len(tokens) < self.draft_max
         self.stats.collected_tokens += len(tokens)
-        self.speculation = list(tokens)
-        self.candidates = None
+        self.speculation.awaited(tokens)
 
     def drafted_tree(self, tree: DraftTree) -> None:
         """What the drafter beside stage 0 drafted when awaited, as a tree:
         its main chain is the speculation, its side rows candidates for the next window."""
         self.drafted_first(tree.drafts[: main_chain_length(tree.parents) - 1])
-        self.candidates = tree if not tree.is_chain else None
+        self.speculation.candidates = tree if not tree.is_chain else None
 
     def drafted(self, tokens: list[int], corrections: Corrections | None = None) -> None:
         """Tokens a drafter added to the end of the speculation while a pass
         ran, and the corrections it drafted at the head window's positions
         (``forks``; speculators.corrections)."""
         self.stats.collected_tokens += len(tokens)
-        self.speculation.extend(tokens)
-        self.corrections = dict(corrections or {})
+        self.speculation.extend(tokens, corrections)
 
     @property
     def forks(self) -> Forks | None:
@@ -329,13 +325,13 @@ class SequenceState:
             limit = self.drafts_wanted if self.schedule.speculative else 0
             limit = limit if shared is None else min(shared, max(self.room, 0))
             first = len(self.committed) - 1 - self.refeed
-            drafts = self.speculation[:limit]
+            drafts = self.speculation.tokens[:limit]
             filler = 0 if shared is None else limit - len(drafts)
             tree = DraftTree.chain(self.committed[-1], drafts + [(drafts or self.committed)[-1]] * filler)
-            if self.candidates is not None and limit > 0:
-                tree = choose_rows(self.candidates, self.policy.acceptances(), self.ranks, self._row_cost(),
+            candidates = self.speculation.take_candidates()
+            if candidates is not None and limit > 0:
+                tree = choose_rows(candidates, self.policy.acceptances(), self.speculation.ranks, self._row_cost(),
                                    forced=min(limit, len(self.speculation)))
-            self.candidates = None
             window = Window(self.sequence, first, (*self.committed[first:-1], *tree.tokens), sampling=self.sampling,
                             logprobs=self.logprobs, refed=self.refeed, **self._constrained(len(self.committed)),
                             parents=None if tree.is_chain else tuple(tree.parents),
@@ -383,7 +379,7 @@ class SequenceState:
         when the target declines the first: its rank's measured share) brings
         more tokens than its growth costs while the pass waits for it: grow
         passes at the tokens a pass of the chain is expected to commit."""
-        best_side = (1.0 - acceptances[0]) * self.ranks.share(2)
+        best_side = (1.0 - acceptances[0]) * self.speculation.ranks.share(2)
         return best_side > grow * self.policy.expected_committed(max(1, self.drafts_wanted))
 
     def windows_ahead(self, speculative: bool = True) -> list[Window]:
@@ -479,7 +475,7 @@ class SequenceState:
                 self.stats.tree_passes += 1
                 self.stats.side_rows += len(window.drafts) - len(drafts)
                 self.stats.side_accepted += len(path) - accepted
-                self.ranks.observe(DraftTree(list(window.inputs[window.refed:]), list(window.parents),
+                self.speculation.ranks.observe(DraftTree(list(window.inputs[window.refed:]), list(window.parents),
                                              list(window.ranks)), new_tokens)
             self.accepted_whole = bool(drafts) and accepted == len(drafts) == len(path)
             if self.schedule.speculative:
@@ -513,13 +509,7 @@ class SequenceState:
             if self.generated == self.max_tokens:
                 self.finished = True
                 break
-        corrections, self.corrections = self.corrections, {}
-        if self.speculation[: len(committed)] == committed:
-            del self.speculation[: len(committed)]
-        else:
-            # the speculation went wrong: the correction drafted where it did, if it holds the target's token
-            correction = [] if self.finished else corrections.get((len(self.committed) - 1, self.committed[-1]), [])
-            taken = len(correction) > 1  # it holds drafts after the target's token
-            self.speculation = correction[1:]
-            self.stats.corrected_windows += taken
+        # where the speculation went wrong, the correction drafted there for the target's token, if any
+        self.stats.corrected_windows += self.speculation.committed(
+            committed, len(self.committed) - 1, None if self.finished else self.committed[-1])
         return committed

@@ -206,7 +206,7 @@ class Scheduler:
         chains = [state for state in ready if state.prompt_from is None and state.tree_leaves == 1]
         if self.batching is None or len(chains) < 2:
             return None
-        own = [min(len(state.speculation), max(state.room, 0)) if state.schedule.speculative else 0
+        own = [min(len(state.speculation.tokens), max(state.room, 0)) if state.schedule.speculative else 0
                for state in chains]
         in_flight = len(self.in_flight)
 

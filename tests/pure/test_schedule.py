@@ -7,6 +7,7 @@ import pytest
 from speculators.draft_length import DraftPolicy, DraftPrices
 from speculators.sampling import SamplingSettings
 from orchestrator.decoding.schedule import Schedule, SequenceState, prompt_chunk
+from orchestrator.decoding.speculation import Speculation
 from orchestrator.decoding.scheduler import Batching, Scheduler
 from orchestrator.decoding.stats import SpeculationStats
 from orchestrator.decoding.windows import TargetPass, Window
@@ -23,7 +24,7 @@ def state(schedule=Schedule.ASYNC, committed=(1, 2, 3), speculation=(), draft_ma
     """Two prompt tokens and one generated; the first window may carry draft_max drafts.
 
     The window mechanics, apart from the draft policy's choice (tests/pure/test_draft_length.py)."""
-    return SequenceState(sequence, list(committed), 2, max_tokens, schedule, draft_max, speculation=list(speculation),
+    return SequenceState(sequence, list(committed), 2, max_tokens, schedule, draft_max, speculation=Speculation(list(speculation)),
                          draft_limit=draft_max, sampling=sampling)
 
 
@@ -103,7 +104,7 @@ def test_a_window_starts_ahead_only_in_async_after_a_fully_accepted_window():
     first = sequence.first_window()
     assert sequence.window_ahead() is None  # not on a roll yet
     sequence.verified(first, [4, 5, 6, 7, 8], never_ends)  # all four accepted, the target adds 8
-    assert sequence.accepted_whole and sequence.speculation == [9, 10]
+    assert sequence.accepted_whole and sequence.speculation.tokens == [9, 10]
     head = sequence.first_window()
     ahead = sequence.window_ahead()
     # the head feeds 8 9 10 at positions 7..9; ahead assumes it commits 9 10 and one more
@@ -128,7 +129,7 @@ def test_a_window_in_flight_becomes_invalid_when_the_one_before_is_rejected():
     committed = sequence.verified(head, [4, 5, 99], never_ends)  # 6 rejected: the target says 99
     assert committed == [4, 5, 99]
     assert not sequence.in_flight and sequence.discards_pending == 1
-    assert sequence.speculation == [] and not sequence.accepted_whole
+    assert sequence.speculation.tokens == [] and not sequence.accepted_whole
     assert not sequence.ready  # nothing new until the invalid window's result is back
     sequence.discarded()
     assert sequence.ready and sequence.stats.discarded_passes == 1 and sequence.passes == 2
@@ -151,7 +152,7 @@ def test_the_draft_limit_is_the_policys_choice_after_each_verified_window():
     sequence.verified(sequence.first_window(), [4, 5, 6, 7, 8], never_ends)
     twin.observe_window(4, 4)
     assert sequence.draft_limit == twin.limit() > 4  # all four accepted: a longer window
-    sequence.speculation = [9, 1, 1]
+    sequence.speculation.tokens = [9, 1, 1]
     sequence.verified(sequence.first_window(), [9, 10], never_ends)
     twin.observe_window(3, 1)
     assert sequence.draft_limit == twin.limit()
@@ -314,7 +315,7 @@ def test_drafts_awaited_before_a_window_are_counted_call_by_call():
     stats = sequence.stats
     assert (stats.waited_calls, stats.waited_nonempty, stats.waited_tokens, stats.waited_stops) == (3, 2, 6, 2)
     assert stats.collected_tokens == 6
-    assert sequence.speculation == []  # each call replaces the speculation: the last proposed nothing
+    assert sequence.speculation.tokens == []  # each call replaces the speculation: the last proposed nothing
     assert (sequence.policy.asked, sequence.policy.proposed) == (3.0, 2.0)
 
 
@@ -322,7 +323,7 @@ def test_drafts_collected_while_a_pass_runs_add_up():
     sequence = state(speculation=[4])
     sequence.drafted([5, 6])
     sequence.drafted([7])
-    assert sequence.speculation == [4, 5, 6, 7] and sequence.stats.collected_tokens == 3
+    assert sequence.speculation.tokens == [4, 5, 6, 7] and sequence.stats.collected_tokens == 3
 
 
 def test_verified_windows_are_counted_window_by_window():
@@ -480,7 +481,7 @@ def test_a_window_ahead_is_invalid_when_the_head_commits_less_even_if_the_token_
     # draft 4 accepted, 5 rejected, and the target's own token happens to be 8: at position 4, not 7
     assert sequence.verified(head, [4, 8], never_ends) == [4, 8]
     assert sequence.committed == [1, 2, 3, 4, 8]
-    assert not sequence.in_flight and sequence.discards_pending == 1 and sequence.speculation == []
+    assert not sequence.in_flight and sequence.discards_pending == 1 and sequence.speculation.tokens == []
 
 
 def test_every_discarded_window_is_counted():
@@ -652,7 +653,7 @@ def test_while_shared_passes_take_no_drafts_drafting_pauses_but_for_stretches_th
     relayed = []
     for turn in range(1, 70):
         for sequence in sequences:
-            sequence.speculation = [7]  # what the drafters had
+            sequence.speculation.tokens = [7]  # what the drafters had
         (shared,) = scheduler.next_passes()
         assert [len(window.inputs) for window in shared.windows] == [1, 1]
         relayed.append(bool(scheduler.drafting_during()))

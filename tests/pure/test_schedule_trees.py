@@ -172,7 +172,7 @@ def test_a_drafted_chain_is_cut_to_the_draft_limit_like_any_speculation():
 
     state = _tree_state()
     state.drafted_tree(DraftTree.chain(2, [4, 5, 6, 7]))
-    assert state.candidates is None and state.speculation == [4, 5, 6, 7]
+    assert state.speculation.candidates is None and state.speculation.tokens == [4, 5, 6, 7]
     window = state.first_window()
     assert window.inputs == (2, 4, 5) and window.parents is None
 
@@ -185,7 +185,7 @@ def test_with_no_room_left_a_drafted_tree_gives_a_plain_window():
     assert state.room == 0
     state.drafted_tree(DraftTree(*FORKED))
     window = state.first_window()
-    assert window.inputs == (2,) and window.parents is None and state.candidates is None
+    assert window.inputs == (2,) and window.parents is None and state.speculation.candidates is None
 
 
 def test_a_draft_limit_of_one_still_adds_side_rows():
