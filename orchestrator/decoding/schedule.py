@@ -269,11 +269,7 @@ class SequenceState:
     def drafted_first(self, tokens: list[int]) -> None:
         """What the drafter beside stage 0 drafted when awaited (``drafts_first``)."""
         self.policy.observe_ask(bool(tokens))
-        self.stats.waited_calls += 1
-        self.stats.waited_nonempty += bool(tokens)
-        self.stats.waited_tokens += len(tokens)
-        self.stats.waited_stops += len(tokens) < self.draft_max
-        self.stats.collected_tokens += len(tokens)
+        self.stats.awaited(len(tokens), self.draft_max)
         self.speculation.awaited(tokens)
 
     def drafted_tree(self, tree: DraftTree) -> None:
@@ -463,20 +459,12 @@ class SequenceState:
             kept = window.first + window.refed + 1 + sum(row < len(drafts) + window.filler + 1 for row in path)
             accepted = sum(row < len(drafts) + 1 for row in path)
             self.passes += 1
-            self.stats.drafted_tokens += len(drafts)
-            self.stats.accepted_tokens += accepted
-            self.stats.rejected_passes += accepted < len(drafts)
-            self.stats.drafted_passes += bool(drafts)
-            self.stats.first_accepted_passes += bool(drafts) and accepted > 0
-            self.stats.accepted_lengths[len(new_tokens)] += 1
-            self.stats.input_lengths[len(window.inputs)] += 1
-            self.stats.refed_tokens += window.refed
-            if window.parents is not None:
-                self.stats.tree_passes += 1
-                self.stats.side_rows += len(window.drafts) - len(drafts)
-                self.stats.side_accepted += len(path) - accepted
+            tree = window.parents is not None
+            self.stats.verified(len(drafts), accepted, len(new_tokens), len(window.inputs), window.refed,
+                                len(window.drafts) - len(drafts) if tree else None, len(path) - accepted)
+            if tree:
                 self.speculation.ranks.observe(DraftTree(list(window.inputs[window.refed:]), list(window.parents),
-                                             list(window.ranks)), new_tokens)
+                                                         list(window.ranks)), new_tokens)
             self.accepted_whole = bool(drafts) and accepted == len(drafts) == len(path)
             if self.schedule.speculative:
                 self.policy.observe_window(len(drafts), accepted)

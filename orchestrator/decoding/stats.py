@@ -91,6 +91,34 @@ class SpeculationStats:
     def wasted_tokens(self) -> int:
         return max(0, self.collected_tokens - self.accepted_tokens)
 
+    def awaited(self, tokens: int, draft_max: int) -> None:
+        """The drafter beside stage 0 was awaited and brought ``tokens`` (``drafts_first``)."""
+        self.waited_calls += 1
+        self.waited_nonempty += tokens > 0
+        self.waited_tokens += tokens
+        self.waited_stops += tokens < draft_max
+        self.collected_tokens += tokens
+
+    def verified(self, drafts: int, accepted: int, committed: int, inputs: int, refed: int,
+                 side_rows: int | None = None, side_accepted: int = 0) -> None:
+        """A decoding window was verified: ``drafts`` drafts on its main chain
+        (filler left out), ``accepted`` of them accepted, ``committed`` tokens
+        given (accepted drafts, side rows and the target's own), ``inputs``
+        rows fed, ``refed`` of them fed again; a tree's ``side_rows`` off its
+        main chain (None: a chain), ``side_accepted`` of them accepted."""
+        self.drafted_tokens += drafts
+        self.accepted_tokens += accepted
+        self.rejected_passes += accepted < drafts
+        self.drafted_passes += drafts > 0
+        self.first_accepted_passes += drafts > 0 and accepted > 0
+        self.accepted_lengths[committed] += 1
+        self.input_lengths[inputs] += 1
+        self.refed_tokens += refed
+        if side_rows is not None:
+            self.tree_passes += 1
+            self.side_rows += side_rows
+            self.side_accepted += side_accepted
+
     def __add__(self, other: SpeculationStats) -> SpeculationStats:
         """The counts of two generations together."""
         return SpeculationStats(**{item.name: getattr(self, item.name) + getattr(other, item.name)
