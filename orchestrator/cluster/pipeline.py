@@ -1,7 +1,7 @@
 """The stages of a model in Ray actors, joined by a chain of sockets.
 
 A ``Pipeline`` puts three parts together: where each stage runs (a
-``connect.Reservation`` over the pure ``placement`` decision, made up front),
+``reservation.Reservation`` over the pure ``placement`` decision, made up front),
 the stage actors (orchestrator.cluster.stage_actors), and the per-token path
 (orchestrator.transport.chain.SocketChain). Ray places the actors and carries
 the control calls (describe, connect, stats); the tokens do not go through
@@ -21,7 +21,8 @@ from collections.abc import Callable
 import numpy as np
 
 from orchestrator.cluster import recovery
-from orchestrator.cluster.connect import ClusterError, Reservation
+from orchestrator.cluster.connect import ClusterError
+from orchestrator.cluster.reservation import Reservation
 from orchestrator.cluster.kept_stages import FoundStage, KeptStages, find_kept, holds
 from orchestrator.cluster.recovery import ChainRelink, StageRestart, StageWaiting
 from orchestrator.cluster.shipping import Shipment, ModelToShip, fetch_vocabulary, ship_whole_model

@@ -1,6 +1,6 @@
 """The stage actors of a pipeline: thin Ray shells over
 orchestrator.workers.stage_server.StageServer, each in its stage's placement
-bundle (orchestrator.cluster.connect.Reservation), with the calls the
+bundle (orchestrator.cluster.reservation.Reservation), with the calls the
 pipeline makes of them: read a stage file on its node, start, describe, pin,
 report, kill. Ray carries only these control calls; the tokens go through
 the chain's sockets (orchestrator.transport.chain)."""
@@ -11,8 +11,8 @@ import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from orchestrator.cluster.reservation import Reservation
 from orchestrator.cluster.connect import (
-    Reservation,
     actor_name,
     one_line,
     peak_rss_mb,

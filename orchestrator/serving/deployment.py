@@ -315,7 +315,7 @@ def place_stages(settings: ServeSettings, on_status: Callable[[str], None]) -> S
     from stage 0's node (the stages are then pinned to those nodes,
     ``place``: their files are there), so that the replica's pipeline finds
     each file where it was put."""
-    from orchestrator.cluster.connect import Reservation
+    from orchestrator.cluster.reservation import Reservation
     from orchestrator.transport.handshake import new_secret
     from orchestrator.cluster.model_files import whole_model_stages
     from orchestrator.cluster.shipping import fetch_vocabulary, probe_nodes, ship_whole_model
