@@ -16,4 +16,5 @@ common to all (benchmarks.probe.harness). The modes:
     drafter-host     a draft model on a host without a stage, beside the stages, or none (root: namespace hosts)
     draft-coupling   how often a draft's draw is the target's: top choice, cumulative sum, shared Gumbel noise, a tree
     across-rejections  async with windows ahead only after a fully accepted window, or also after rejections (emulated)
+    lost-stage-node  serve loses a stage's machine under load, on a cluster with a CPU'd head and several-CPU workers
 """

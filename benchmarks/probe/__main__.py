@@ -5,6 +5,7 @@ from benchmarks.probe import (
     coupling,
     delayed_link,
     drafter_host,
+    lost_stage_node,
     prefill,
     prefix_reuse,
     restart_cost,
@@ -16,7 +17,7 @@ from benchmarks.probe import (
 from benchmarks.probe.harness import main
 
 REGISTERED = (where_time_goes, restart_cost, sequence_batch, transport_hop, serve_overhead, delayed_link, prefill,
-              prefix_reuse, drafter_host, coupling, across_rejections)
+              prefix_reuse, drafter_host, coupling, across_rejections, lost_stage_node)
 """Each module registers its mode with the harness when it is imported."""
 
 if __name__ == "__main__":  # not when a spawned child process imports this as __mp_main__
