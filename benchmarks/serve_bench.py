@@ -79,6 +79,20 @@ def start_specpipe_server(arguments: list[str], port: int, log_path: Path, *, ap
     return process
 
 
+def replica_node(cluster):
+    """The node of a ``ray.cluster_utils.Cluster`` that runs `orchestrate
+    serve`'s replica (the coordinator): its process's title names it, and
+    Ray's workers are their raylet's children (another server may run beside it)."""
+    import psutil
+
+    raylets = {info.process.pid: node for node in cluster.list_all_nodes()
+               for info in node.all_processes.get("raylet", [])}
+    [node] = [raylets[process.ppid()] for process in psutil.process_iter(["cmdline"])
+              if any("ServeReplica:specpipe" in part for part in process.info["cmdline"] or [])
+              and process.ppid() in raylets]
+    return node
+
+
 def _model_name(port: int) -> str:
     import json
     import urllib.request

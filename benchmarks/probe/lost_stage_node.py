@@ -33,19 +33,6 @@ MAX_TOKENS = 32
 CURVE = "benchmarks/setups/llama-405b-two-machines.toml@40"
 
 
-def _replica_node(cluster):
-    """The node running the Serve replica: its process's title names it, and
-    Ray's workers are their raylet's children."""
-    import psutil
-
-    raylets = {info.process.pid: node for node in cluster.list_all_nodes()
-               for info in node.all_processes.get("raylet", [])}
-    [node] = [raylets[process.ppid()] for process in psutil.process_iter(["cmdline"])
-              if any("ServeReplica:specpipe" in part for part in process.info["cmdline"] or [])
-              and process.ppid() in raylets]
-    return node
-
-
 def _ask_all(base: str, lose) -> list[str | None]:
     """The questions' answers (None: failed): four at once, ``lose()`` once
     they decode, then two more."""
@@ -79,7 +66,7 @@ def _one_repetition(head_cpus: int, worker_cpus: int) -> tuple[int, bool, list[s
     import ray
     from ray.cluster_utils import Cluster
 
-    from benchmarks.serve_bench import start_specpipe_server, stop_server
+    from benchmarks.serve_bench import replica_node, start_specpipe_server, stop_server
     from orchestrator.cluster.connect import free_port, ray_environment
     from orchestrator.config import default_model_path
 
@@ -99,7 +86,7 @@ def _one_repetition(head_cpus: int, worker_cpus: int) -> tuple[int, bool, list[s
         try:
             base = f"http://127.0.0.1:{port}"
             stages = httpx.get(base + "/health", timeout=30).json()["stages"]
-            coordinator, head = _replica_node(cluster).node_id, cluster.head_node.node_id
+            coordinator, head = replica_node(cluster).node_id, cluster.head_node.node_id
             # Ray's head cannot be lost here (nor survived); a stage off the replica's node where there is one
             index = min((index for index, stage in enumerate(stages) if stage["node"] != head),
                         key=lambda index: stages[index]["node"] == coordinator)

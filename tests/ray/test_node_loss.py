@@ -81,7 +81,7 @@ def serving(cluster, model: str, tmp_path, max_sequences: int):
     import httpx
     import ray
 
-    from benchmarks.serve_bench import start_specpipe_server, stop_server
+    from benchmarks.serve_bench import replica_node, start_specpipe_server, stop_server
     from conftest import free_port
 
     port, log = free_port(), tmp_path / "serve.log"
@@ -212,20 +212,6 @@ def test_a_lost_drafter_only_node_changes_no_token_and_is_named(three_workers, s
             assert pipeline.restarts == []  # the stages never noticed
         finally:
             drafters.stop()
-
-
-def replica_node(cluster):
-    """The node of this cluster running the Serve replica (the coordinator):
-    its process's title names it, and Ray's workers are their raylet's
-    children (another test's server may run beside this one)."""
-    import psutil
-
-    raylets = {info.process.pid: node for node in cluster.list_all_nodes()
-               for info in node.all_processes.get("raylet", [])}
-    [node] = [raylets[process.ppid()] for process in psutil.process_iter(["cmdline"])
-              if any("ServeReplica:specpipe" in part for part in process.info["cmdline"] or [])
-              and process.ppid() in raylets]
-    return node
 
 
 def test_serve_moves_a_lost_stage_to_the_spare_under_load(three_workers, smollm2, reference, tmp_path):
