@@ -57,7 +57,7 @@ from pathlib import Path
 from benchmarks import timeline
 from benchmarks.peers import built, lookup_completion, server_completion, servers
 from benchmarks.scenarios import Scenario, prompts_of
-from orchestrator.config import BENCH_CONTEXT, DRAFT_MAX, TREE_CURVE_SIZES
+from orchestrator.config import BENCH_CONTEXT, DRAFT_MAX
 from speculators.sampling import SamplingSettings
 from orchestrator.planning.against_bench import parse_mode
 from orchestrator.decoding.schedule import Schedule
@@ -221,10 +221,8 @@ def run_scenario(
             # what a wider pass costs here, measured once per scenario as a run measures it, per pinning
             steps = draft_steps(pipeline)
             pipeline.pin_stages(overlapping=False)
-            # the tree rule's curve, at every width a tree may take (as a run with --tree-leaves measures it)
-            tree_curve = pipeline.pass_curve(TREE_CURVE_SIZES) if trees else None
-            # what drafting a token costs, in one-token passes, as a run measures it (from that curve where timed)
-            pass_seconds = tree_curve.at(1) if tree_curve is not None else pipeline.pass_costs()[0]
+            # the one-token pass drafting is priced in, and the tree rule's curve, as a run measures them
+            pass_seconds, _, tree_curve = pipeline.speculation_costs(trees)
             prices = {kind: drafter_set.measure_prices(pipeline, prompts[0], pass_seconds)
                       for kind, drafter_set in sets.items()}
             for mode in modes:  # warm-up

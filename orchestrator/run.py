@@ -7,7 +7,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from orchestrator.cluster.connect import ray_session
-from orchestrator.config import TREE_CURVE_SIZES
 from orchestrator.cluster.drafter_set import start_drafter_set
 from orchestrator.cluster.drafters import drafter_compute, drafter_nodes, drafter_settings, speculator_factory
 from orchestrator.decoding.drafting import exact_trees
@@ -19,7 +18,6 @@ from orchestrator.cluster.shipping import Shipment
 from stages.tokenizer import Tokenizer
 from orchestrator.cluster.model_files import (RunError, check_same_model, local_vocabulary_file, transfer_progress,
                                               whole_model_stages)
-from speculators.draft_length import curve_step
 from speculators.sampling import SamplingSettings
 from stages.settings import StageSettings
 from stages.stage_files import check_stage_files
@@ -258,9 +256,7 @@ def _generate_through(pipeline: Pipeline, settings: RunSettings, prepared, resta
             on_restart=lambda index: restart_metrics.record("drafter", index),
             progress=transfer_progress(on_status, lambda _: "the draft model"),
         )
-        curve = pipeline.pass_curve(TREE_CURVE_SIZES) if speculation.tree_leaves > 1 else None  # the tree rule's
-        # a tree rule's curve already holds the passes of one and of 8 tokens: timed once, not twice
-        pass_seconds, step = (curve.at(1), curve_step(curve)) if curve is not None else pipeline.pass_costs()
+        pass_seconds, step, curve = pipeline.speculation_costs(trees=speculation.tree_leaves > 1)
         drafter_set.measure_prices(pipeline, tokens, pass_seconds)
         drafting = drafter_set.drafting(speculation.schedule, speculation.draft_max, step=step,
                                         tree_leaves=speculation.tree_leaves, pass_curve=curve,

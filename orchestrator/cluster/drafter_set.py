@@ -60,7 +60,7 @@ class DrafterSet:
                             call_cost=ask_cost(self.kind), step=step, tree_leaves=tree_leaves, pass_curve=pass_curve)
         return Drafting(self.drafters, schedule, draft_max, call_cost=ask_cost(self.kind), step=step,
                         tree_leaves=tree_leaves, draft_prices=self.prices, pass_curve=pass_curve, coupled=coupled,
-                        corrects=(corrections and self.kind == "model" and schedule.asynchronous
+                        corrects=(corrections and schedule.asynchronous
                                   and self.prices.awaited > 0  # measured (unmeasured: not known to be cheap)
                                   and self.prices.relayed <= CORRECTIONS_RELAYED_MOST))
 

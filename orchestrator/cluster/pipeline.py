@@ -28,7 +28,7 @@ from orchestrator.cluster.recovery import ChainRelink, StageRestart, StageWaitin
 from orchestrator.cluster.shipping import Shipment, ModelToShip, fetch_vocabulary, ship_whole_model
 from orchestrator.cluster.stage_actors import LOOPBACK, StageActors, StageLoad, StageReport
 from orchestrator.cluster.stage_cpus import CpuSet, stage_cpu_sets
-from orchestrator.config import MAX_RESTARTS, PASS_CURVE_SIZES, STAGE_ANSWER_SECONDS
+from orchestrator.config import MAX_RESTARTS, PASS_CURVE_SIZES, STAGE_ANSWER_SECONDS, TREE_CURVE_SIZES
 from orchestrator.decoding.windows import TargetPass, Window
 from orchestrator.decoding.targets import PassReplies, choice_of
 from orchestrator.transport.chain import PassLate, PipelineError, SocketChain
@@ -36,6 +36,7 @@ from orchestrator.transport.handshake import new_secret
 from orchestrator.transport.ledger import KvLedger, PassRecord
 from orchestrator.transport.messages import Cancelled, PassResult
 from orchestrator.transport.tls import new_chain_certificate
+from speculators.draft_length import curve_step
 from stages.tree_shape import depths
 from stages.cost_curve import BatchCurve
 from stages.settings import StageSettings
@@ -220,10 +221,19 @@ class Pipeline:
 
     def pass_costs(self, batch: int = 8, repetitions: int = 3, sequence: int = 0) -> tuple[float, float]:
         """(the median one-token pass in seconds, draft_step's step), from the same passes."""
-        from speculators.draft_length import curve_step
-
         curve = self.pass_curve((1, batch), repetitions, sequence)
         return curve.at(1), curve_step(curve, batch)
+
+    def speculation_costs(self, trees: bool) -> tuple[float, float, BatchCurve | None]:
+        """What a run's drafting is priced by: (the one-token pass in seconds,
+        draft_step's step, and with ``trees`` the pass at every width a tree
+        may take, for the tree rule; else None). The trees' curve holds the
+        passes of one and of 8 tokens, so the first two come from it: nothing
+        is timed twice."""
+        if not trees:
+            return (*self.pass_costs(), None)
+        curve = self.pass_curve(TREE_CURVE_SIZES)
+        return curve.at(1), curve_step(curve), curve
 
     def pass_curve(self, sizes: tuple[int, ...] = PASS_CURVE_SIZES, repetitions: int = 2,
                    sequence: int = 0) -> BatchCurve:

@@ -11,6 +11,7 @@ from orchestrator.cluster.connect import ClusterError, alive_nodes, answers, kep
 from orchestrator.cluster.placement import PlacementError, plan_placement, replacement_node
 from orchestrator.config import NODE_DEATH_SECONDS, PLACEMENT_SECONDS, ROOM_WAIT_SECONDS, STAGE_ANSWER_SECONDS
 
+
 class Reservation:
     """Where each stage's actors and tasks run, reserved up front.
 
@@ -53,7 +54,6 @@ class Reservation:
         resources) the node its pin names now (a machine back with a new Ray
         node id); a placement group's bundle, where Ray moved it. A
         ClusterError that names the lost node where there is none yet."""
-
         if self.placement_group is not None:
             self._follow_bundle(stage_index)
             return

@@ -266,17 +266,16 @@ class SequenceState:
         return (self.prompt_from is None and self.schedule.speculative and self.drafts_wanted > 0
                 and (self.schedule is Schedule.SYNC or not self.speculation.tokens))
 
-    def drafted_first(self, tokens: list[int]) -> None:
+    def drafted_first(self, tokens: list[int], candidates: DraftTree | None = None) -> None:
         """What the drafter beside stage 0 drafted when awaited (``drafts_first``)."""
         self.policy.observe_ask(bool(tokens))
         self.stats.awaited(len(tokens), self.draft_max)
-        self.speculation.awaited(tokens)
+        self.speculation.awaited(tokens, candidates)
 
     def drafted_tree(self, tree: DraftTree) -> None:
         """What the drafter beside stage 0 drafted when awaited, as a tree:
         its main chain is the speculation, its side rows candidates for the next window."""
-        self.drafted_first(tree.drafts[: main_chain_length(tree.parents) - 1])
-        self.speculation.candidates = tree if not tree.is_chain else None
+        self.drafted_first(tree.drafts[: main_chain_length(tree.parents) - 1], None if tree.is_chain else tree)
 
     def drafted(self, tokens: list[int], corrections: Corrections | None = None) -> None:
         """Tokens a drafter added to the end of the speculation while a pass
@@ -327,7 +326,7 @@ class SequenceState:
             candidates = self.speculation.take_candidates()
             if candidates is not None and limit > 0:
                 tree = choose_rows(candidates, self.policy.acceptances(), self.speculation.ranks, self._row_cost(),
-                                   forced=min(limit, len(self.speculation)))
+                                   forced=min(limit, len(self.speculation.tokens)))
             window = Window(self.sequence, first, (*self.committed[first:-1], *tree.tokens), sampling=self.sampling,
                             logprobs=self.logprobs, refed=self.refeed, **self._constrained(len(self.committed)),
                             parents=None if tree.is_chain else tuple(tree.parents),

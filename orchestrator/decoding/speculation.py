@@ -31,13 +31,11 @@ class Speculation:
     corrections: Corrections = field(default_factory=dict)
     ranks: RankAcceptance = field(default_factory=RankAcceptance)
 
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def awaited(self, tokens: list[int]) -> None:
-        """What the drafter beside stage 0 drafted while the loop waited: the whole speculation."""
+    def awaited(self, tokens: list[int], candidates: DraftTree | None = None) -> None:
+        """What the drafter beside stage 0 drafted while the loop waited: the
+        whole speculation, and a tree's candidates for the next window (None: a chain)."""
         self.tokens = list(tokens)
-        self.candidates = None
+        self.candidates = candidates
 
     def extend(self, tokens: list[int], corrections: Corrections | None) -> None:
         """Tokens a drafter added to its end while a pass ran, and the
