@@ -174,7 +174,6 @@ def run_scenario(
                                                 tokenizer, settings)
                        for kind in scenario.speculators}
         sets = start_kinds(pipeline, speculators, scenario.draft_max)
-        drafters = {kind: drafter_set.drafters for kind, drafter_set in sets.items()}
         try:
             def run_mode(mode: str, prompt: list[int], max_tokens: int) -> Run:
                 if mode in ("whole", "whole-lookup"):
@@ -193,7 +192,7 @@ def run_scenario(
                                                    coupled=not mode.endswith("-top"))
                     if tree == "tree-all":  # side rows priced at nothing: every candidate is verified
                         drafting = dataclasses.replace(drafting, side_row_step=0.0)
-                    clients = drafters[kind]
+                    clients = sets[kind].drafters
                 # stages sharing this machine: one core while one pass runs at a time, else a core each
                 pipeline.pin_stages(overlapping=mode.startswith("spec-async"))
                 busy_before = sum(client.busy_seconds for client in clients)
@@ -239,14 +238,14 @@ def run_scenario(
                         if progress is not None:
                             progress(done, total)
             memory = {f"stage-{index}": rss for index, rss in enumerate(pipeline.peak_rss_mb())}
-            for kind, clients in drafters.items():
-                for client, rss in zip(clients, peak_rss_of(clients)):
+            for kind, drafter_set in sets.items():
+                for client, rss in zip(drafter_set.drafters, peak_rss_of(drafter_set.drafters)):
                     memory[f"drafter-{client.index} ({kind})"] = rss
             hop_seconds = pipeline.hop_seconds
             # a drafter lost (and restarted) mid-run drafts nothing meanwhile: its figures say so
             lost = {kind: [{"index": client.index, "restarts": client.restarts_started, "lost": client.lost_reason}
-                           for client in clients if client.restarts_started or client.lost_reason]
-                    for kind, clients in drafters.items()}
+                           for client in drafter_set.drafters if client.restarts_started or client.lost_reason]
+                    for kind, drafter_set in sets.items()}
         finally:
             for drafter_set in sets.values():
                 drafter_set.stop()
