@@ -180,7 +180,10 @@ class DraftPolicy:
         return max(best, 1) if self.asked == 0 and self.reached[0] == 0 else best
 
 
-def curve_step(curve, batch_tokens: int = 8) -> float:
+DRAFT_STEP_TOKENS = 8  # the step is the line through passes of 1 and of this many tokens (a window's usual width)
+
+
+def curve_step(curve, batch_tokens: int = DRAFT_STEP_TOKENS) -> float:
     """step_from_timings's step from a pass measured at several widths
     (stages.cost_curve.BatchCurve, seconds): the line through 1 and ``batch_tokens``."""
     return step_from_timings([curve.at(1)], [curve.at(batch_tokens)], batch_tokens)

@@ -36,7 +36,8 @@ from orchestrator.transport.handshake import new_secret
 from orchestrator.transport.ledger import KvLedger, PassRecord
 from orchestrator.transport.messages import Cancelled, PassResult
 from orchestrator.transport.tls import new_chain_certificate
-from speculators.draft_length import curve_step
+from speculators.draft_length import DRAFT_STEP_TOKENS, curve_step
+from speculators.tree import TREE_COST_LIMIT
 from stages.tree_shape import depths
 from stages.cost_curve import BatchCurve
 from stages.settings import StageSettings
@@ -212,14 +213,14 @@ class Pipeline:
         self._send(record)
         return self._receive_one()
 
-    def draft_step(self, batch: int = 8, repetitions: int = 3, sequence: int = 0) -> float:
+    def draft_step(self, batch: int = DRAFT_STEP_TOKENS, repetitions: int = 3, sequence: int = 0) -> float:
         """What each extra token of a batch costs a pass here, in one-token
         passes (speculators.draft_length.step_from_timings): passes of one and
         of ``batch`` tokens, wall time, in ``sequence``, which the next pass
         with keep 0 clears (a generation's first)."""
         return self.pass_costs(batch, repetitions, sequence)[1]
 
-    def pass_costs(self, batch: int = 8, repetitions: int = 3, sequence: int = 0) -> tuple[float, float]:
+    def pass_costs(self, batch: int = DRAFT_STEP_TOKENS, repetitions: int = 3, sequence: int = 0) -> tuple[float, float]:
         """(the median one-token pass in seconds, draft_step's step), from the same passes."""
         curve = self.pass_curve((1, batch), repetitions, sequence)
         return curve.at(1), curve_step(curve, batch)
@@ -229,29 +230,39 @@ class Pipeline:
         draft_step's step, and with ``trees`` the pass at every width a tree
         may take, for the tree rule; else None). The trees' curve holds the
         passes of one and of 8 tokens, so the first two come from it: nothing
-        is timed twice."""
+        is timed twice. It stops at the first width past 8 whose pass costs
+        more than TREE_COST_LIMIT one-token passes: no tree grows that wide
+        (speculators.tree.offered_rows), and on a compute-bound machine the
+        widths to 512 took most of a tree run's start (24 of 39 s, this CPU)."""
         if not trees:
             return (*self.pass_costs(), None)
-        curve = self.pass_curve(TREE_CURVE_SIZES)
+        curve = self.pass_curve(TREE_CURVE_SIZES, dearer_than=TREE_COST_LIMIT)
         return curve.at(1), curve_step(curve), curve
 
     def pass_curve(self, sizes: tuple[int, ...] = PASS_CURVE_SIZES, repetitions: int = 2,
-                   sequence: int = 0) -> BatchCurve:
+                   sequence: int = 0, *, dearer_than: float | None = None) -> BatchCurve:
         """The median pass of each width in ``sizes`` (within n_batch), in
         seconds, wall time, in ``sequence`` (released after): what continuous
         batching reads a pass's cost from (schedule.Batching), where a line
         through two widths cannot show a memory-bound machine's flat start and
-        the width where it ends."""
+        the width where it ends. One untimed pass warms up first.
+        dearer_than: stop after the first width past DRAFT_STEP_TOKENS whose
+        pass costs more than this many one-token passes (wider ones are read
+        by extrapolation, dearer still)."""
         sizes = tuple(size for size in sizes if size <= self.n_batch)
-        timings: dict[int, list[float]] = {size: [] for size in sizes}
-        for repetition in range(repetitions + 1):  # the first of each only warms up
-            for tokens in sizes:
+        self.forward(np.arange(sizes[0], dtype=np.int32), np.ones(sizes[0], np.int32), 0, sequence=sequence)
+        measured: list[float] = []
+        for tokens in sizes:
+            timings = []
+            for _ in range(repetitions):
                 started = time.perf_counter()
                 self.forward(np.arange(tokens, dtype=np.int32), np.ones(tokens, np.int32), 0, sequence=sequence)
-                if repetition:
-                    timings[tokens].append(time.perf_counter() - started)
+                timings.append(time.perf_counter() - started)
+            measured.append(sorted(timings)[len(timings) // 2])
+            if dearer_than is not None and tokens > DRAFT_STEP_TOKENS and measured[-1] > dearer_than * measured[0]:
+                break
         self.release(sequence)  # the measurement holds no cells after it
-        return BatchCurve(sizes, tuple(sorted(timings[size])[len(timings[size]) // 2] for size in sizes))
+        return BatchCurve(sizes[: len(measured)], tuple(measured))
 
     def submit(self, target_pass: TargetPass) -> None:
         """Start a pass (each window's ``sequence`` is its KV sequence in every
