@@ -205,13 +205,13 @@ def answers(scheduling_strategy, seconds: float) -> bool:
         return False
 
 
-def node_answers(node_id: str) -> bool:
-    """Whether node ``node_id`` runs a task within STAGE_ANSWER_SECONDS: a stage
+def node_answers(node_id: str, seconds: float = STAGE_ANSWER_SECONDS) -> bool:
+    """Whether node ``node_id`` runs a task within ``seconds``: a stage
     that does not answer there is hung, not lost with its machine (a frozen or
     cut-off machine runs nothing)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    return answers(NodeAffinitySchedulingStrategy(node_id, soft=False), STAGE_ANSWER_SECONDS)
+    return answers(NodeAffinitySchedulingStrategy(node_id, soft=False), seconds)
 
 
 def node_dies(node_id: str, seconds: float) -> bool:

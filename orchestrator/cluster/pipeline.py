@@ -34,6 +34,7 @@ from orchestrator.decoding.targets import PassReplies, choice_of
 from orchestrator.transport.chain import PassLate, PipelineError, SocketChain
 from orchestrator.transport.handshake import new_secret
 from orchestrator.transport.ledger import KvLedger, PassRecord
+from orchestrator.transport.liveness import StageDeadlines
 from orchestrator.transport.messages import Cancelled, PassResult
 from orchestrator.transport.tls import new_chain_certificate
 from speculators.draft_length import DRAFT_STEP_TOKENS, curve_step
@@ -58,6 +59,7 @@ class Pipeline:
         place: dict[int, str] | None = None,
         prefer: dict[int, str] | None = None,
         pass_deadline_minimum: float | None = None,
+        deadlines: StageDeadlines = StageDeadlines(),
         max_restarts: int = MAX_RESTARTS,
         on_restart: Callable[[StageRestart], None] | None = None,
         tls: bool = False,
@@ -70,7 +72,8 @@ class Pipeline:
         place: pins (--place); prefer: the nodes a whole model's stages were
         shipped to before, left for a spare node when lost (placement).
         pass_deadline_minimum: the least seconds a pass's result may take
-        (default defaults.PASS_DEADLINE_MINIMUM_SECONDS; the chain's deadline).
+        (default defaults.PASS_DEADLINE_MINIMUM_SECONDS; the chain's deadline);
+        deadlines: how soon a stage that says nothing is found silent, then hung or lost.
         max_restarts: how often each stage may be restarted after it died;
         on_restart: told of each restart (the metrics).
         tls: every chain and drafter connection in TLS, with a certificate made
@@ -95,6 +98,7 @@ class Pipeline:
         self.wire_dtype = wire_dtype
         self.n_batch = settings.n_batch
         self.max_restarts = max_restarts
+        self.deadlines = deadlines
         self.on_restart = on_restart
         self.restarts: list[StageRestart] = []
         self.relinks: list[ChainRelink] = []  # the chain wired anew with every stage alive (recovery)
@@ -170,7 +174,7 @@ class Pipeline:
         import ray
 
         host = LOOPBACK if self.loopback else ray.util.get_node_ip_address()
-        chain = SocketChain(host, self.secret, self.n_vocab, self.ledger, self.certificate)
+        chain = SocketChain(host, self.secret, self.n_vocab, self.ledger, self.certificate, self.deadlines)
         try:
             self.actors.wire(chain, self.stages)
         except BaseException:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from orchestrator.cluster.connect import node_answers, node_dies, one_line
-from orchestrator.config import NODE_DEATH_SECONDS, STAGE_ANSWER_SECONDS
+from orchestrator.config import NODE_DEATH_SECONDS
 from orchestrator.decoding.targets import TargetWaiting
 from orchestrator.transport.chain import PassLate, PipelineError
 from orchestrator.transport.ledger import PassRecord
@@ -111,15 +111,16 @@ def dead_stages(pipeline: Pipeline, late: PassLate, restarting: list[tuple[int, 
     import ray
 
     calls = [actor.describe.remote() for actor in pipeline.actors]
+    answer_seconds = pipeline.deadlines.answer_seconds
     dead = []
     for stage, call in zip(pipeline.stages, calls):
         where = f"stage {stage.stage_index} on node {stage.node_id[:8]} ({stage.host}, process {stage.process_id})"
         try:
-            ray.get(call, timeout=STAGE_ANSWER_SECONDS)
+            ray.get(call, timeout=answer_seconds)
             continue
         except ray.exceptions.GetTimeoutError:
-            if node_answers(stage.node_id) or not node_dies(stage.node_id, NODE_DEATH_SECONDS):
-                raise PipelineError(f"{late}: {where} does not answer within {STAGE_ANSWER_SECONDS:.0f} s "
+            if node_answers(stage.node_id, answer_seconds) or not node_dies(stage.node_id, NODE_DEATH_SECONDS):
+                raise PipelineError(f"{late}: {where} does not answer within {answer_seconds:.0f} s "
                                     "(hung or stopped)") from None
             reason = f"its node {stage.node_id[:8]} stopped answering and Ray reports it dead"
         except ray.exceptions.RayError as error:

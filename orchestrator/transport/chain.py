@@ -37,7 +37,7 @@ from orchestrator.config import (
 )
 from orchestrator.transport.messages import Cancel, Cancelled, PassResult, Shutdown, StageBatch, StageFailure
 from orchestrator.transport.ledger import KvLedger, PassRecord
-from orchestrator.transport.liveness import StageLiveness, StageSilent
+from orchestrator.transport.liveness import StageDeadlines, StageLiveness, StageSilent
 from speculators.tree import accepted_rows
 from stages.errors import SpecpipeError
 
@@ -118,13 +118,15 @@ class SocketChain:
     """The coordinator's ends of the chain: one socket to stage 0, one from the
     last stage, and one to each stage for its cancels."""
 
-    def __init__(self, host: str, secret: bytes, n_vocab: int, ledger: KvLedger | None = None, certificate=None):
+    def __init__(self, host: str, secret: bytes, n_vocab: int, ledger: KvLedger | None = None, certificate=None,
+                 deadlines: StageDeadlines = StageDeadlines()):
         """Listen on ``host`` (this machine's address) for the last stage and the
         cancel connections; every connection proves it holds the pipeline's ``secret``.
         n_vocab: the width of every result's logits (checked on receipt).
         ledger: settles each pass whose result came back (what the stages
         cache, for a replay; a new chain after a lost stage takes the old one's).
-        certificate: the pipeline's tls.ChainCertificate with --tls (every connection in TLS), else None."""
+        certificate: the pipeline's tls.ChainCertificate with --tls (every connection in TLS), else None.
+        deadlines: how soon a silent stage is found out (liveness.StageDeadlines)."""
         self.secret = secret
         self.certificate = certificate
         self.n_vocab = n_vocab
@@ -135,7 +137,7 @@ class SocketChain:
         self._to_first: socket.socket | None = None
         self._from_last: socket.socket | None = None
         self._cancels: list[socket.socket] = []  # to each stage, in stage order
-        self._liveness = StageLiveness(self._cancels)  # pings them while a result is awaited
+        self._liveness = StageLiveness(self._cancels, deadlines=deadlines)  # pings them while a result is awaited
         self._pass_id = 0
         self._in_flight: collections.deque[_InFlight] = collections.deque()
         self.stage_count = 0

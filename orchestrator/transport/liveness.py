@@ -18,10 +18,24 @@ import select
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from orchestrator.config import STAGE_PING_SECONDS, STAGE_SILENCE_SECONDS
+from orchestrator.config import STAGE_ANSWER_SECONDS, STAGE_PING_SECONDS, STAGE_SILENCE_SECONDS
 from orchestrator.transport import wire
 from orchestrator.transport.messages import Alive, Ping
+
+
+@dataclass(frozen=True)
+class StageDeadlines:
+    """How soon a stage that says nothing is found out, in seconds: pinged
+    every ``ping_seconds`` while a result is awaited, silent after
+    ``silence_seconds`` without an answer, then hung if its actor does not
+    answer Ray within ``answer_seconds`` (orchestrator.cluster.recovery).
+    The defaults are config's; tests shorten them to see the same path sooner."""
+
+    ping_seconds: float = STAGE_PING_SECONDS
+    silence_seconds: float = STAGE_SILENCE_SECONDS
+    answer_seconds: float = STAGE_ANSWER_SECONDS
 
 
 class StageSilent(Exception):
@@ -41,11 +55,11 @@ class StageLiveness:
     the chain's life: an answer may arrive during a later wait."""
 
     def __init__(self, connections: list[socket.socket], clock: Callable[[], float] = time.monotonic,
-                 ping_seconds: float = STAGE_PING_SECONDS, silence_seconds: float = STAGE_SILENCE_SECONDS):
+                 deadlines: StageDeadlines = StageDeadlines()):
         self.connections = connections
         self.clock = clock
-        self.ping_seconds = ping_seconds
-        self.silence_seconds = silence_seconds
+        self.ping_seconds = deadlines.ping_seconds
+        self.silence_seconds = deadlines.silence_seconds
         self._number = 0
         self._unanswered: dict[int, float] = {}  # stage -> since when a ping of it is pending
 

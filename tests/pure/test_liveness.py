@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from orchestrator.transport import wire
-from orchestrator.transport.liveness import StageLiveness, StageSilent
+from orchestrator.transport.liveness import StageDeadlines, StageLiveness, StageSilent
 from orchestrator.transport.messages import Alive, Cancel, Ping
 from orchestrator.workers.cancels import PassCancels
 
@@ -37,7 +37,7 @@ def chain():
 
 
 def liveness(cancels):
-    return StageLiveness(cancels, ping_seconds=0.02, silence_seconds=0.3)
+    return StageLiveness(cancels, deadlines=StageDeadlines(ping_seconds=0.02, silence_seconds=0.3))
 
 
 def test_stages_that_answer_keep_a_long_wait_going_until_the_result(chain):

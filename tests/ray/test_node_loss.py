@@ -23,6 +23,7 @@ import pytest
 from orchestrator.cluster.model_files import WholeModelSettings, whole_model_stages
 from orchestrator.cluster.pipeline import Pipeline
 from orchestrator.decoding.loop import generate
+from orchestrator.transport.liveness import StageDeadlines
 from speculators.sampling import SamplingSettings
 from stages.settings import StageSettings
 from stages.tokenizer import Tokenizer
@@ -31,6 +32,8 @@ from conftest import PROMPTS
 
 SETTINGS = StageSettings(n_ctx=1024)
 MAX_TOKENS = 24
+# the frozen machine's stage: found silent within 1 + 3 s, then 3 s for its actor and 3 for its node to answer
+FROZEN_DEADLINES = StageDeadlines(ping_seconds=1.0, silence_seconds=3.0, answer_seconds=3.0)
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +46,10 @@ def cluster(tmp_path_factory, monkeypatch_module):
     ray_environment()
     # a stage cache of this test's (the nodes share it: they are one machine)
     monkeypatch_module.setenv("SPECPIPE_STAGE_CACHE", str(tmp_path_factory.mktemp("stage-cache")))
-    # Ray's health checks 1 s apart, 25 missed: a frozen node is called dead ~26 s on, after its stage's
-    # 10 s to answer (so the wait for its node's death is what finds it lost), not Ray's default ~35 s
-    checks = {"health_check_period_ms": 1000, "health_check_timeout_ms": 1000, "health_check_failure_threshold": 25}
+    # Ray's health checks 1 s apart, 15 missed: a frozen node is called dead ~16 s on, after the frozen
+    # machine test's stage had its 3 s deadline and 3 + 3 s to answer (FROZEN_DEADLINES: so the wait for
+    # its node's death is what finds it lost), not Ray's default ~35 s; a node killed hard is found as soon
+    checks = {"health_check_period_ms": 1000, "health_check_timeout_ms": 1000, "health_check_failure_threshold": 15}
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": 80 * 1024**2,
                                                             "include_dashboard": False, "_system_config": checks})
     for _ in range(3):
@@ -329,7 +333,7 @@ def test_a_frozen_machine_s_stage_is_lost_not_hung_once_ray_calls_its_node_dead(
     tokens = reference.tokenize(PROMPTS[2])
     model = whole_model_stages(WholeModelSettings(smollm2, stages=2), SETTINGS, None, None)
     frozen: list[psutil.Process] = []
-    with Pipeline(model, SETTINGS, pass_deadline_minimum=3.0) as pipeline:
+    with Pipeline(model, SETTINGS, pass_deadline_minimum=3.0, deadlines=FROZEN_DEADLINES) as pipeline:
         lost = pipeline.stages[0].node_id
         [node] = [node for node in cluster.list_all_nodes() if node.node_id == lost]
         produced = []
