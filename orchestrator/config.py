@@ -95,6 +95,11 @@ CONNECT_SECONDS = 30.0
 # for one peer to complete its side of the chain's handshake (transport.handshake) or of TLS's
 # (transport.tls, the accepting side); a real one takes a millisecond
 HANDSHAKE_SECONDS = 5.0
+# Connections an acceptor checks at once, each in a thread (transport.handshake.accept_peer): strangers
+# cannot delay the peer; past this many a flood's newest are dropped unheard
+HANDSHAKES_AT_ONCE = 64
+# How often an acceptor looks whether a connection it checks has proved itself, in seconds
+ACCEPT_POLL_SECONDS = 0.01
 # Seconds the coordinator waits for Shutdown to travel the chain when closing.
 SHUTDOWN_SECONDS = 10.0
 # The deadline of one pass's result: this many times the slowest pass seen so

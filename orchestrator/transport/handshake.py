@@ -12,9 +12,11 @@ of Ray's own authenticated calls:
 Each side proves it holds the secret, for this role and these fresh nonces
 (no replay, no reflection: the two proofs are labelled). A peer that names
 another role, proves nothing, or stalls past HANDSHAKE_SECONDS ends the
-attempt; the acceptor then drops it and accepts again, until the peer it
-waits for proves itself or its deadline passes. So a stranger who reaches a
-port first can neither take the peer's place nor block it.
+attempt, and the acceptor drops it. The acceptor checks each connection in
+a thread of its own while it goes on accepting, until the peer it waits for
+proves itself or its deadline passes. So a stranger who reaches a port
+first can neither take the peer's place nor delay it (each silent one held
+the port HANDSHAKE_SECONDS when they were checked one at a time).
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ import hashlib
 import hmac
 import secrets
 import socket
+import threading
 import time
-from orchestrator.config import HANDSHAKE_SECONDS
+
+from orchestrator.config import ACCEPT_POLL_SECONDS, HANDSHAKE_SECONDS, HANDSHAKES_AT_ONCE
 from orchestrator.transport import wire
 from orchestrator.transport.tls import ChainCertificate, TLSError, client_side, server_side
 from stages.errors import SpecpipeError
@@ -77,7 +81,7 @@ def _exactly(sock: socket.socket, count: int) -> bytes:
 
 def introduce(sock: socket.socket, secret: bytes, role: str, wait_seconds: float) -> None:
     """The connecting side: name the role, check the acceptor's proof, give ours.
-    wait_seconds: the acceptor may first be busy dropping strangers (HANDSHAKE_SECONDS each)."""
+    wait_seconds: for the acceptor's answer."""
     role_bytes = role.encode()
     nonce_connector = secrets.token_bytes(NONCE_BYTES)
     sock.settimeout(wait_seconds)
@@ -118,25 +122,64 @@ def verify(sock: socket.socket, secret: bytes, role: str) -> None:
 def accept_peer(listener: socket.socket, secret: bytes, role: str, deadline_seconds: float,
                 certificate: ChainCertificate | None = None) -> socket.socket:
     """The first connection to ``listener`` that proves itself as ``role``; strangers are dropped.
+    Each connection is checked in a thread of its own (at most HANDSHAKES_AT_ONCE; more are
+    dropped unheard) while the listener accepts the next.
     certificate: the pipeline's (``--tls``): the connection is TLS first, the handshake inside it."""
     end = time.monotonic() + deadline_seconds
-    while True:
-        remaining = end - time.monotonic()
-        if remaining <= 0:
-            raise HandshakeError(f"no peer proved itself as {role} within {deadline_seconds:.0f} s")
-        listener.settimeout(remaining)
+    acceptance = _Acceptance(secret, role, certificate)
+    try:
+        while acceptance.peer is None:
+            remaining = end - time.monotonic()
+            if remaining <= 0:
+                raise HandshakeError(f"no peer proved itself as {role} within {deadline_seconds:.0f} s")
+            listener.settimeout(min(remaining, ACCEPT_POLL_SECONDS))
+            try:
+                connection, _ = listener.accept()
+            except TimeoutError:
+                continue
+            acceptance.check(connection)
+        return wire.tune(acceptance.peer)
+    finally:
+        acceptance.close()
+
+
+class _Acceptance:
+    """accept_peer's connections being checked, and the first that proved itself."""
+
+    def __init__(self, secret: bytes, role: str, certificate: ChainCertificate | None):
+        self.secret, self.role, self.certificate = secret, role, certificate
+        self.lock = threading.Lock()
+        self.peer: socket.socket | None = None
+        self.checking = 0
+        self.closed = False
+
+    def check(self, connection: socket.socket) -> None:
+        with self.lock:
+            if self.checking >= HANDSHAKES_AT_ONCE:
+                connection.close()
+                return
+            self.checking += 1
+        threading.Thread(target=self._prove, args=(connection,), daemon=True, name=f"handshake-{self.role}").start()
+
+    def _prove(self, connection: socket.socket) -> None:
         try:
-            connection, _ = listener.accept()
-        except TimeoutError:
-            continue
-        try:
-            if certificate is not None:
-                connection = server_side(wire.tune(connection), certificate, HANDSHAKE_SECONDS)
-            verify(connection, secret, role)
-        except (HandshakeError, TLSError):
+            if self.certificate is not None:
+                connection = server_side(wire.tune(connection), self.certificate, HANDSHAKE_SECONDS)
+            verify(connection, self.secret, self.role)
+        except (HandshakeError, TLSError, OSError):
             connection.close()  # a stranger, or a peer of another pipeline: wait for ours
-            continue
-        return wire.tune(connection)
+            connection = None
+        with self.lock:
+            self.checking -= 1
+            if connection is not None and self.peer is None and not self.closed:
+                self.peer, connection = connection, None
+        if connection is not None:
+            connection.close()  # proved itself after another did, or after accept_peer gave up
+
+    def close(self) -> None:
+        """accept_peer returns or gives up: a connection that proves itself later is closed."""
+        with self.lock:
+            self.closed = True
 
 
 def connect_peer(host: str, port: int, secret: bytes, role: str, timeout: float,

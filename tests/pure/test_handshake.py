@@ -147,3 +147,18 @@ def test_a_stranger_who_speaks_the_protocol_but_forges_its_proof_is_dropped(list
     ours = connect_peer("127.0.0.1", port(listener), SECRET, ROLE, 10)
     assert_connected(ours, pending.result(timeout=10))  # the accepted connection is ours, not the forger's
     forger.close()
+
+
+def test_silent_strangers_do_not_delay_the_peer(listener, monkeypatch):
+    """Each connection is checked in a thread of its own: with strangers
+    that would each hold a one-at-a-time acceptor for a minute, the peer
+    still gets in (checked one at a time, it waited 8 minutes, past the
+    acceptor's 30 s)."""
+    monkeypatch.setattr(handshake, "HANDSHAKE_SECONDS", 60.0)
+    pending = accepting(listener, deadline=30)
+    intruders = [socket.create_connection(("127.0.0.1", port(listener))) for _ in range(8)]  # all silent
+    ours = connect_peer("127.0.0.1", port(listener), SECRET, ROLE, 30)
+    assert_connected(ours, pending.result(timeout=30))
+    for intruder in intruders:
+        intruder.close()
+
