@@ -6,11 +6,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import time
 from collections.abc import Iterator
 
-from orchestrator.cluster.placement import NodeInfo
-from orchestrator.config import STAGE_ANSWER_SECONDS
 from stages.errors import SpecpipeError
 
 def ray_environment() -> None:
@@ -172,80 +169,6 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("", 0))
         return probe.getsockname()[1]
-
-
-def alive_nodes() -> list[NodeInfo]:
-    import ray
-
-    return [
-        NodeInfo(
-            node["NodeID"], node["NodeManagerAddress"], float(node["Resources"].get("CPU", 0)), dict(node["Resources"])
-        )
-        for node in ray.nodes()
-        if node["Alive"]
-    ]
-
-
-def answers(scheduling_strategy, seconds: float) -> bool:
-    """Whether a task placed by ``scheduling_strategy`` runs within ``seconds``:
-    Ray lists a node that died hard (killed, cut off) as alive, and keeps a
-    placement group's bundle on it, until its health checks fail; a restart
-    placed there would wait for nothing."""
-    import ray
-
-    @ray.remote(num_cpus=0, max_retries=0)
-    def here() -> bool:
-        return True
-
-    call = here.options(scheduling_strategy=scheduling_strategy).remote()
-    try:
-        return ray.get(call, timeout=seconds)
-    except ray.exceptions.RayError:  # the node is gone, or does not answer in time
-        ray.cancel(call, force=True)
-        return False
-
-
-def node_answers(node_id: str, seconds: float = STAGE_ANSWER_SECONDS) -> bool:
-    """Whether node ``node_id`` runs a task within ``seconds``: a stage
-    that does not answer there is hung, not lost with its machine (a frozen or
-    cut-off machine runs nothing)."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    return answers(NodeAffinitySchedulingStrategy(node_id, soft=False), seconds)
-
-
-def node_dies(node_id: str, seconds: float) -> bool:
-    """Whether Ray reports node ``node_id`` dead within ``seconds`` (asked each second)."""
-    deadline = time.monotonic() + seconds
-    while node_id in {node.node_id for node in alive_nodes()}:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(1.0)
-    return True
-
-
-def one_line(error: BaseException) -> str:
-    """The message of the StageError behind a Ray error, else its last line."""
-    text = str(error)
-    for line in reversed(text.splitlines()):
-        if "StageError:" in line:
-            return line.split("StageError:", 1)[1].strip()
-    lines = [line for line in text.splitlines() if line.strip()]
-    return lines[-1].strip() if lines else type(error).__name__
-
-
-def ray_get(refs, seconds: float, error: type[SpecpipeError], late: str, failed: str):
-    """``ray.get(refs)`` within ``seconds``: past them ``error("<late> within N s")``,
-    on any other Ray error ``error("<failed>: <its one line>")``, so every
-    wait on an actor has a deadline and every failure one line that names it."""
-    import ray
-
-    try:
-        return ray.get(refs, timeout=seconds)
-    except ray.exceptions.GetTimeoutError:
-        raise error(f"{late} within {seconds:.0f} s") from None
-    except ray.exceptions.RayError as cause:
-        raise error(f"{failed}: {one_line(cause)}") from None
 
 
 def peak_rss_mb() -> float:

@@ -198,7 +198,7 @@ class DrafterClient:
         try:
             launched = self._relaunch()  # type: ignore[misc]
         except Exception as error:  # noqa: BLE001 - any failure to start leaves the drafter lost, never the run
-            from orchestrator.cluster.connect import one_line
+            from orchestrator.cluster.ray_calls import one_line
 
             self.lost_reason = f"{self.lost_reason}; the restart failed: {one_line(error)}"
             return
@@ -412,7 +412,8 @@ def start_drafters(pipeline, make_speculator: Callable[..., Speculator], setting
     """
     import ray
 
-    from orchestrator.cluster.connect import actor_name, one_line
+    from orchestrator.cluster.connect import actor_name
+    from orchestrator.cluster.ray_calls import one_line
     from orchestrator.cluster.shipping import ship_draft
 
     actor_class = _drafter_actor_class()
@@ -461,7 +462,7 @@ def drafter_nodes(nodes: tuple[str, ...], stage_count: int | None = None) -> lis
     """The alive Ray nodes (placement.NodeInfo) that ``nodes`` (addresses or
     ids, --drafter-node) name; PlacementError, one line, for a node not alive
     or more nodes than the ``stage_count`` stages (None: not known yet)."""
-    from orchestrator.cluster.connect import alive_nodes
+    from orchestrator.cluster.node_liveness import alive_nodes
     from orchestrator.cluster.placement import PlacementError, find_node
 
     if stage_count is not None and len(nodes) > stage_count:

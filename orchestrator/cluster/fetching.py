@@ -177,7 +177,7 @@ def fetch_stages(jobs: list[FetchJob], progress: ShipProgress) -> tuple[dict[int
     ShippingError naming the stage and node for any other failure."""
     import ray
 
-    from orchestrator.cluster.connect import one_line
+    from orchestrator.cluster.ray_calls import one_line
 
     actors = {job.entry.stage_index: _fetcher_actor_class().options(
         scheduling_strategy=job.scheduling_strategy).remote(job.entry, job.image) for job in jobs}

@@ -168,7 +168,7 @@ def check_memory_available(needed: int, what: str, where: str) -> None:
 def whole_model_stages(settings: WholeModelSettings, stage: StageSettings, draft_path: str | None,
                        on_status: Callable[[str], None] | None) -> ModelToShip | None:
     """What Pipeline needs to cut ``settings.path`` and ship its stages: how many, and where to cut for the nodes."""
-    from orchestrator.cluster.connect import alive_nodes
+    from orchestrator.cluster.node_liveness import alive_nodes
     from orchestrator.planning.cluster_split import choose_cluster_split
     from orchestrator.planning.loaders import model_shape_of_gguf
     from stages.layer_rules import layer_rules

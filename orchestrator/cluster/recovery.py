@@ -11,7 +11,7 @@ wired anew through the same stages and replayed, once per loss and at
 most max_restarts times a pipeline (``ChainRelink``). A stage that hangs is
 named and the pipeline fails: it may still hold its node's memory, and a
 second copy beside it could not load. A stage that hangs on a node that
-still runs a task at once (connect.node_answers) is named at once; unless
+still runs a task at once (node_liveness.node_answers) is named at once; unless
 its node does not answer and Ray reports it dead within NODE_DEATH_SECONDS
 (a frozen or cut-off machine), which makes it a lost stage.
 """
@@ -22,7 +22,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from orchestrator.cluster.connect import node_answers, node_dies, one_line
+from orchestrator.cluster.node_liveness import node_answers, node_dies
+from orchestrator.cluster.ray_calls import one_line
 from orchestrator.config import NODE_DEATH_SECONDS
 from orchestrator.decoding.targets import TargetWaiting
 from orchestrator.transport.chain import PassLate, PipelineError

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import time
 
-from orchestrator.cluster.connect import ClusterError, alive_nodes, answers, kept_group
+from orchestrator.cluster.connect import ClusterError, kept_group
+from orchestrator.cluster.node_liveness import alive_nodes, answers
 from orchestrator.cluster.placement import PlacementError, plan_placement, replacement_node
 from orchestrator.config import NODE_DEATH_SECONDS, PLACEMENT_SECONDS, ROOM_WAIT_SECONDS, STAGE_ANSWER_SECONDS
 

@@ -275,7 +275,7 @@ def probe_nodes(reservation, stage_count: int, devices: bool = False) -> list[No
     (stages.backend: asking loads llama.cpp in the probe)."""
     import ray
 
-    from orchestrator.cluster.connect import ray_get
+    from orchestrator.cluster.ray_calls import ray_get
 
     @ray.remote(num_cpus=0, max_retries=0)
     def node_memory() -> NodeMemory:
@@ -303,7 +303,7 @@ def ship_stage(image: StageImage, entry: CacheEntry, node: NodeMemory, schedulin
     from zero, once. loopback: the node is this machine."""
     import ray
 
-    from orchestrator.cluster.connect import one_line
+    from orchestrator.cluster.ray_calls import one_line
 
     started = time.monotonic()
     where = entry.on_node(node)
@@ -454,7 +454,7 @@ def fetch_vocabulary(stage_path: str, scheduling_strategy) -> str:
     read there and kept in this machine's cache under its digest."""
     import ray
 
-    from orchestrator.cluster.connect import ray_get
+    from orchestrator.cluster.ray_calls import ray_get
 
     @ray.remote(num_cpus=0, max_retries=0)
     def vocabulary_on_node(path: str) -> bytes:

@@ -12,14 +12,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from orchestrator.cluster.reservation import Reservation
-from orchestrator.cluster.connect import (
-    actor_name,
-    one_line,
-    peak_rss_mb,
-    pipeline_tag,
-    ray_get,
-    readable_class_name,
-)
+from orchestrator.cluster.connect import actor_name, peak_rss_mb, pipeline_tag, readable_class_name
+from orchestrator.cluster.ray_calls import one_line, ray_get
 from orchestrator.config import ACTOR_START_SECONDS, STAGE_ANSWER_SECONDS
 from orchestrator.transport.chain import PipelineError
 from orchestrator.workers.stage_server import StageDescription, StageServer
