@@ -38,7 +38,6 @@ from orchestrator.config import (
 from orchestrator.decoding.drafting import exact_trees
 from orchestrator.decoding.prefix_cache import PREFIX_BLOCK
 from stages.errors import SpecpipeError
-from stages.settings import StageSettings
 
 if TYPE_CHECKING:
     from orchestrator.cluster.kept_stages import KeptStages
@@ -85,10 +84,6 @@ class ServeSettings:
     def with_pipeline(self, **changes) -> ServeSettings:
         """The same with these fields of the pipeline's settings changed."""
         return replace(self, pipeline=replace(self.pipeline, **changes))
-
-    @property
-    def stage(self) -> StageSettings:
-        return self.pipeline.stage
 
 
 def default_max_sequences(kv_bytes: int, available_bytes: int) -> int:
@@ -145,12 +140,12 @@ class Coordinator:
             self.service = Service(
                 self.pipeline, tokenizer.is_end,
                 ServiceSettings(
-                    max_sequences=settings.stage.sequences, queue_limit=settings.queue_limit,
-                    context=settings.stage.n_ctx, speculator=self._speculator(), drafters=drafters,
+                    max_sequences=settings.pipeline.stage.sequences, queue_limit=settings.queue_limit,
+                    context=settings.pipeline.stage.n_ctx, speculator=self._speculator(), drafters=drafters,
                     draft_prices=draft_prices, draft_max=speculation.draft_max,
                     schedule=speculation.schedule, stage_count=len(settings.pipeline.stage_paths),
                     tree_leaves=speculation.tree_leaves, batch_step=batch_step, pass_curve=pass_curve,
-                    prefix_sequences=settings.stage.prefix_sequences,
+                    prefix_sequences=settings.pipeline.stage.prefix_sequences,
                     prefix_tokens=settings.prefix_cache_tokens or 0,
                     coupled=speculation.draft_sampling == "coupled",
                 ),
@@ -160,7 +155,7 @@ class Coordinator:
             stop_drafters(self.drafters)
             self.pipeline.close()
             raise
-        self.backend = Backend(self.service, tokenizer, settings.model_name, settings.stage.n_ctx, speculation.draft_room,
+        self.backend = Backend(self.service, tokenizer, settings.model_name, settings.pipeline.stage.n_ctx, speculation.draft_room,
                                stage_load=self.stage_load, api_key=settings.api_key, drafters=self.drafter_health)
         self._closed = False
 
@@ -185,11 +180,11 @@ class Coordinator:
         settings, speculation = self.settings, self.settings.pipeline.speculation
         if speculation.speculator != "model":
             return None, DraftPrices()
-        make = speculator_factory(speculation, tokenizer, settings.stage, sequences=settings.stage.sequences,
+        make = speculator_factory(speculation, tokenizer, settings.pipeline.stage, sequences=settings.pipeline.stage.sequences,
                                   spare_context=speculation.draft_max)
         drafter_set = start_drafter_set(
-            self.pipeline, "model", make, drafter_settings(speculation, settings.stage, settings.pipeline.max_restarts,
-                                                           sequences=settings.stage.sequences),
+            self.pipeline, "model", make, drafter_settings(speculation, settings.pipeline.stage, settings.pipeline.max_restarts,
+                                                           sequences=settings.pipeline.stage.sequences),
             on_restart=lambda index: restart_metrics.record("drafter", index))
         self.drafters = clients = drafter_set.drafters
         prices = drafter_set.measure_prices(self.pipeline, tokenizer.chat_prompt("Hello."), pass_seconds)
@@ -250,7 +245,7 @@ def _deployment(settings: ServeSettings):
         name=APPLICATION,
         num_replicas=1,
         # the service queues and refuses (429) by itself: Serve must let every request through to it
-        max_ongoing_requests=settings.stage.sequences + settings.queue_limit + 64,
+        max_ongoing_requests=settings.pipeline.stage.sequences + settings.queue_limit + 64,
         ray_actor_options={"num_cpus": 0, "resources": here},  # the stages hold the CPUs; the coordinator mostly waits
         graceful_shutdown_timeout_s=settings.drain_seconds + 10,
         health_check_period_s=5,
@@ -294,7 +289,7 @@ def pipeline_stages(settings: ServeSettings):
         return settings.pipeline.stage_paths
     whole, starts = settings.pipeline.whole_model, settings.shipped.starts
     return ModelToShip(whole.model(), len(starts), lambda nodes: starts, whole.vocabulary_path,
-                       offloaded=settings.stage.n_gpu_layers == ALL_LAYERS)
+                       offloaded=settings.pipeline.stage.n_gpu_layers == ALL_LAYERS)
 
 
 def needs_placing(settings: ServeSettings) -> bool:
@@ -369,18 +364,18 @@ def prepare(settings: ServeSettings) -> ServeSettings:
         if pipeline.address is None:  # a local service's drafters use this build: a GPU it lacks is refused
             draft_gpu_layers(speculation.draft_device)
     if speculation.tree_leaves > 1:  # a stage holds a tree's branches beside one sequence only (stages.engine)
-        if settings.stage.sequences > 1:
+        if settings.pipeline.stage.sequences > 1:
             raise ServeError("token trees (--tree-leaves) need --max-sequences 1")
-        settings = settings.with_pipeline(stage=replace(settings.stage, sequences=1,
+        settings = settings.with_pipeline(stage=replace(settings.pipeline.stage, sequences=1,
                                                         tree_sequences=speculation.tree_leaves - 1))
-    if settings.stage.sequences < 1:  # not given: what fits in memory (the default prefix cache as much again)
+    if settings.pipeline.stage.sequences < 1:  # not given: what fits in memory (the default prefix cache as much again)
         from orchestrator.cluster.model_files import kv_bytes_per_sequence
 
-        kv_bytes = kv_bytes_per_sequence(vocabulary_path, settings.stage.n_ctx)
+        kv_bytes = kv_bytes_per_sequence(vocabulary_path, settings.pipeline.stage.n_ctx)
         streams = 2 if settings.prefix_cache_tokens is None and speculation.tree_leaves == 1 else 1
         draft_bytes = 0 if speculation.speculator != "model" else \
-            kv_bytes_per_sequence(speculation.draft_path, settings.stage.n_ctx + speculation.draft_max)
-        settings = settings.with_pipeline(stage=replace(settings.stage, sequences=default_max_sequences(
+            kv_bytes_per_sequence(speculation.draft_path, settings.pipeline.stage.n_ctx + speculation.draft_max)
+        settings = settings.with_pipeline(stage=replace(settings.pipeline.stage, sequences=default_max_sequences(
             kv_bytes * streams + draft_bytes, available_memory_bytes())))  # a drafter holds a sequence per request
     return with_prefix_cache(settings)
 
@@ -389,7 +384,7 @@ def with_prefix_cache(settings: ServeSettings) -> ServeSettings:
     """The prefix cache's budget in tokens and its KV sequences (one per
     n_ctx tokens of the budget); none with token trees (a tree's stage holds
     one sequence, stages.engine)."""
-    stage = settings.stage
+    stage = settings.pipeline.stage
     tokens = stage.sequences * stage.n_ctx if settings.prefix_cache_tokens is None else settings.prefix_cache_tokens
     if stage.tree_sequences or tokens < PREFIX_BLOCK:
         tokens = 0
@@ -434,14 +429,14 @@ def _run_application(settings: ServeSettings, on_status: Callable[[str], None], 
 
     from ray import serve
 
-    from orchestrator.cluster.connect import one_line
+    from orchestrator.cluster.ray_calls import one_line
 
     # Serve logs every step at INFO on the console; this command prints its own
     # (Serve's own logs stay in /tmp/ray/session_latest/logs/serve/).
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
 
     on_status(f"starting {len(settings.pipeline.stage_paths)} stages and the service "
-              f"({settings.stage.sequences} sequences of {settings.stage.n_ctx} tokens, a prefix cache of "
+              f"({settings.pipeline.stage.sequences} sequences of {settings.pipeline.stage.n_ctx} tokens, a prefix cache of "
               f"{settings.prefix_cache_tokens} tokens)...")
     try:
         serve.start(http_options={"host": settings.host, "port": settings.port})
