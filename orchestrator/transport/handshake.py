@@ -138,7 +138,7 @@ def accept_peer(listener: socket.socket, secret: bytes, role: str, deadline_seco
             except TimeoutError:
                 continue
             acceptance.check(connection)
-        return wire.tune(acceptance.peer)
+        return wire.tune(acceptance.take())
     finally:
         acceptance.close()
 
@@ -150,6 +150,7 @@ class _Acceptance:
         self.secret, self.role, self.certificate = secret, role, certificate
         self.lock = threading.Lock()
         self.peer: socket.socket | None = None
+        self.taken = False
         self.checking = 0
         self.closed = False
 
@@ -176,10 +177,19 @@ class _Acceptance:
         if connection is not None:
             connection.close()  # proved itself after another did, or after accept_peer gave up
 
+    def take(self) -> socket.socket:
+        with self.lock:
+            self.taken = True
+            return self.peer
+
     def close(self) -> None:
-        """accept_peer returns or gives up: a connection that proves itself later is closed."""
+        """accept_peer returns or gives up: a connection that proves itself
+        later is closed, as is one that proved itself as it gave up."""
         with self.lock:
             self.closed = True
+            left = None if self.taken else self.peer
+        if left is not None:
+            left.close()
 
 
 def connect_peer(host: str, port: int, secret: bytes, role: str, timeout: float,
