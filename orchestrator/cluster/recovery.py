@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from orchestrator.cluster.node_liveness import node_answers, node_dies
-from orchestrator.cluster.ray_calls import one_line
+from orchestrator.cluster.ray_calls import one_line, worker_log
 from orchestrator.config import NODE_DEATH_SECONDS
 from orchestrator.decoding.targets import TargetWaiting
 from orchestrator.transport.chain import PassLate, PipelineError
@@ -125,7 +125,7 @@ def dead_stages(pipeline: Pipeline, late: PassLate, restarting: list[tuple[int, 
                                     "(hung or stopped)") from None
             reason = f"its node {stage.node_id[:8]} stopped answering and Ray reports it dead"
         except ray.exceptions.RayError as error:
-            reason = one_line(error)
+            reason = f"{one_line(error)}; {worker_log(stage.node_id, stage.process_id)}"
         used = sum(restart.stage_index == stage.stage_index for restart in pipeline.restarts) + sum(
             index == stage.stage_index for index, _, _ in restarting)
         if used >= pipeline.max_restarts:

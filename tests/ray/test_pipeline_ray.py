@@ -6,6 +6,7 @@ import re
 import signal
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -486,3 +487,25 @@ def test_orchestrate_run_survives_a_killed_stage_and_reports_the_restart(ray_clu
     died = re.search(r"\[stage (\d) died \(.*\); restarted and replayed in [\d.]+ s\]", errors)
     assert died, errors
     assert f"; stage {died.group(1)} restarted after it died" in errors.splitlines()[-1], errors
+
+
+def test_a_stage_that_crashes_natively_is_restarted_and_its_log_named(ray_cluster, splits, reference):
+    """A segmentation fault in stage 1 (SIGSEGV, as a crash in llama.cpp
+    would end it): restarted and replayed, the tokens unchanged, and the
+    reason the user sees names the worker log that holds the crash."""
+    tokens = reference.tokenize(PROMPTS[2])
+    with Pipeline(splits[2], SETTINGS) as pipeline:
+        crashed = pipeline.stages[1].process_id
+        produced = []
+
+        def crash(token):
+            produced.append(token)
+            if len(produced) == 6:
+                os.kill(crashed, signal.SIGSEGV)
+
+        result = generate(pipeline, tokens, 16, SamplingSettings(), Tokenizer(splits[2][0]).is_end, on_token=crash)
+        assert result.tokens == reference.greedy(tokens, 16).tokens
+        [restart] = pipeline.restarts
+        log = re.search(rf"its log: (\S+-{crashed}\.err) \(Fatal Python error: Segmentation fault\)", restart.reason)
+        assert log, restart.reason
+        assert "Segmentation fault" in Path(log.group(1)).read_text(errors="replace")
