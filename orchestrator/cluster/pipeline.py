@@ -224,7 +224,8 @@ class Pipeline:
         with keep 0 clears (a generation's first)."""
         return self.pass_costs(batch, repetitions, sequence)[1]
 
-    def pass_costs(self, batch: int = DRAFT_STEP_TOKENS, repetitions: int = 3, sequence: int = 0) -> tuple[float, float]:
+    def pass_costs(self, batch: int = DRAFT_STEP_TOKENS, repetitions: int = 3,
+                   sequence: int = 0) -> tuple[float, float]:
         """(the median one-token pass in seconds, draft_step's step), from the same passes."""
         curve = self.pass_curve((1, batch), repetitions, sequence)
         return curve.at(1), curve_step(curve, batch)

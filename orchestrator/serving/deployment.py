@@ -155,8 +155,9 @@ class Coordinator:
             stop_drafters(self.drafters)
             self.pipeline.close()
             raise
-        self.backend = Backend(self.service, tokenizer, settings.model_name, settings.pipeline.stage.n_ctx, speculation.draft_room,
-                               stage_load=self.stage_load, api_key=settings.api_key, drafters=self.drafter_health)
+        self.backend = Backend(self.service, tokenizer, settings.model_name, settings.pipeline.stage.n_ctx,
+                               speculation.draft_room, stage_load=self.stage_load, api_key=settings.api_key,
+                               drafters=self.drafter_health)
         self._closed = False
 
     def _speculator(self):
@@ -177,14 +178,15 @@ class Coordinator:
         from orchestrator.cluster.drafters import drafter_settings, speculator_factory
         from speculators.draft_length import DraftPrices
 
-        settings, speculation = self.settings, self.settings.pipeline.speculation
+        pipeline_settings, speculation = self.settings.pipeline, self.settings.pipeline.speculation
         if speculation.speculator != "model":
             return None, DraftPrices()
-        make = speculator_factory(speculation, tokenizer, settings.pipeline.stage, sequences=settings.pipeline.stage.sequences,
+        stage = pipeline_settings.stage
+        make = speculator_factory(speculation, tokenizer, stage, sequences=stage.sequences,
                                   spare_context=speculation.draft_max)
         drafter_set = start_drafter_set(
-            self.pipeline, "model", make, drafter_settings(speculation, settings.pipeline.stage, settings.pipeline.max_restarts,
-                                                           sequences=settings.pipeline.stage.sequences),
+            self.pipeline, "model", make, drafter_settings(speculation, stage, pipeline_settings.max_restarts,
+                                                           sequences=stage.sequences),
             on_restart=lambda index: restart_metrics.record("drafter", index))
         self.drafters = clients = drafter_set.drafters
         prices = drafter_set.measure_prices(self.pipeline, tokenizer.chat_prompt("Hello."), pass_seconds)
@@ -435,8 +437,9 @@ def _run_application(settings: ServeSettings, on_status: Callable[[str], None], 
     # (Serve's own logs stay in /tmp/ray/session_latest/logs/serve/).
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
 
+    stage = settings.pipeline.stage
     on_status(f"starting {len(settings.pipeline.stage_paths)} stages and the service "
-              f"({settings.pipeline.stage.sequences} sequences of {settings.pipeline.stage.n_ctx} tokens, a prefix cache of "
+              f"({stage.sequences} sequences of {stage.n_ctx} tokens, a prefix cache of "
               f"{settings.prefix_cache_tokens} tokens)...")
     try:
         serve.start(http_options={"host": settings.host, "port": settings.port})
