@@ -161,27 +161,43 @@ class SessionRay:
         return self._ports
 
     def _started(self):
+        """The cluster, started if it is not. A node that does not register
+        within Ray's 30 s (a metrics port another process took after
+        free_port chose it, or this machine overloaded: one make test run saw
+        it, 2026-12-07) fails the start once; the second try takes new ports."""
         if self._cluster is None:
             import ray
-            from ray.cluster_utils import Cluster
 
             from orchestrator.cluster.connect import ray_environment
 
             ray_environment()
-            ports = [free_port() for _ in range(3)]
-            cluster = Cluster(
-                initialize_head=True,
-                head_node_args={
-                    "num_cpus": 2, "object_store_memory": 100 * 1024**2, "include_dashboard": False,
-                    "metrics_export_port": ports[0], "_system_config": {"metrics_report_interval_ms": 1000},
-                },
-            )
-            for port in ports[1:]:
-                cluster.add_node(num_cpus=2, object_store_memory=100 * 1024**2, metrics_export_port=port)
-            cluster.wait_for_nodes()
+            for attempt in range(2):
+                ports = [free_port() for _ in range(3)]
+                try:
+                    cluster = self._start(ports)
+                    break
+                except Exception:  # noqa: BLE001 - Ray raises a bare Exception for a node that never registered
+                    if attempt:
+                        raise
             ray.init(address=cluster.address, log_to_driver=False)
             self._cluster, self._ports = cluster, ports
         return self._cluster
+
+    @staticmethod
+    def _start(ports: list[int]):
+        from ray.cluster_utils import Cluster
+
+        cluster = Cluster()
+        try:
+            cluster.add_node(num_cpus=2, object_store_memory=100 * 1024**2, include_dashboard=False,
+                             metrics_export_port=ports[0], _system_config={"metrics_report_interval_ms": 1000})
+            for port in ports[1:]:
+                cluster.add_node(num_cpus=2, object_store_memory=100 * 1024**2, metrics_export_port=port)
+            cluster.wait_for_nodes()
+        except BaseException:
+            cluster.shutdown()
+            raise
+        return cluster
 
     def stop(self) -> None:
         if self._cluster is not None:
