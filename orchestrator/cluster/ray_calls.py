@@ -32,7 +32,7 @@ def ray_get(refs, seconds: float, error: type[SpecpipeError], late: str, failed:
 
 
 def worker_log(node_id: str, process_id: int) -> str:
-    """Where to read why a Ray worker process died (a stage or drafter that
+    """Where to read why a Ray worker process died (a stage that
     crashed natively: Ray's workers write a Python backtrace of a fatal
     signal to their stderr log): the file where this machine holds it
     (Ray's session logs, shared by the nodes of one machine), with the fatal
