@@ -38,6 +38,18 @@ WINDOWS_DRAFTED_AHEAD = 2
 # 2 x draft_max corrections. Measured 2026-12-06: emulated @40 0.005, @160 0.001, 4 stages at 20 ms
 # 0.042 (the stages sleep, the drafter has the cores); this 2-core CPU 0.154 (drafter and stages share them).
 CORRECTIONS_RELAYED_MOST = 0.05
+# Branch windows (orchestrator.decoding.branches), in one-token passes: an async sequence keeps up to a
+# window per stage in flight, each verifying again the rows of those before it, where each extra token
+# of a pass costs at most this share of a one-token pass (the draft policy's measured step: about 0.05
+# on the emulated 405B curve, 0.6 on this CPU, where the rows verified again would slow every pass).
+BRANCHES_AHEAD_STEP = 0.25
+# ... and where the drafter beside stage 0 drafts a token in at most this share of a one-token pass
+# (DraftPrices.awaited, measured before a run): each branch window needs new drafts within a stage's
+# share of a pass. The planner's simulation of their first rules, 2-4 stages, acceptance 0.69-0.85,
+# chains (2026-12-07): a draft token at 0.025-0.06 of a pass, 1.02-1.15x the async schedule before;
+# at 0.125 0.97-1.07x; at 0.25 (this CPU's draft under the emulated @40 curve) 0.90-1.02x, and the
+# probe across-rejections measured 0.93x there (the drafter, not the pipeline, limits the tokens).
+BRANCHES_DRAFT_PRICE = 0.07
 
 # Scheduler.drafting_during (orchestrator.decoding.scheduler), in passes: while several sequences
 # share passes, drafting pauses after this many shared passes in a row took no drafts, and drafts again

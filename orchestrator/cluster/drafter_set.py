@@ -42,7 +42,8 @@ class DrafterSet:
         return self.prices
 
     def drafting(self, schedule: Schedule, draft_max: int, *, step: float = PRIOR_STEP, tree_leaves: int = 1,
-                 pass_curve: BatchCurve | None = None, coupled: bool = True, corrections: bool = True) -> Drafting:
+                 pass_curve: BatchCurve | None = None, coupled: bool = True, corrections: bool = True,
+                 branches: bool = False) -> Drafting:
         """The Drafting of one generation: prompt lookup is asked before a
         window in this process (no round trip; the actors beside the stages
         still draft while async passes run), a draft model beside stage 0.
@@ -54,15 +55,18 @@ class DrafterSet:
         draft model's drafter also drafts corrections while a pass runs
         (Drafting.corrects), where drafting then costs the passes little
         (config.CORRECTIONS_RELAYED_MOST) and its price was measured; False:
-        the chain alone, the bench's comparison."""
+        the chain alone, the bench's comparison. branches: branch windows
+        where passes are flat and the draft fast (Drafting.branches; off
+        unless asked: the probe across-rejections measured them slower)."""
         if self.kind == "ngram":
             return Drafting(self.drafters, schedule, draft_max, first=InstantDrafter(self.make_speculator(), draft_max),
-                            call_cost=ask_cost(self.kind), step=step, tree_leaves=tree_leaves, pass_curve=pass_curve)
+                            call_cost=ask_cost(self.kind), step=step, tree_leaves=tree_leaves, pass_curve=pass_curve,
+                            branches=branches)
         return Drafting(self.drafters, schedule, draft_max, call_cost=ask_cost(self.kind), step=step,
                         tree_leaves=tree_leaves, draft_prices=self.prices, pass_curve=pass_curve, coupled=coupled,
                         corrects=(corrections and schedule.asynchronous
                                   and self.prices.awaited > 0  # measured (unmeasured: not known to be cheap)
-                                  and self.prices.relayed <= CORRECTIONS_RELAYED_MOST))
+                                  and self.prices.relayed <= CORRECTIONS_RELAYED_MOST), branches=branches)
 
     def stop(self) -> None:
         """Stop every drafter (their actors killed)."""

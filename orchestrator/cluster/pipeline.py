@@ -298,6 +298,11 @@ class Pipeline:
         ``length`` positions (a shared prefix), in order with the passes around it."""
         self._send(PassRecord.copy(source, destination, length))
 
+    def result_within(self, seconds: float) -> bool:
+        """Whether the oldest pass's result is in within ``seconds`` (a broken
+        or silent chain says True: receive finds out and recovers)."""
+        return self.chain.result_within(seconds)
+
     def receive(self) -> PassResult | Cancelled | PassReplies:
         """The result of the oldest pass in flight (or its ``Cancelled``; for a
         batched pass, every window's, as PassReplies). Past the chain's

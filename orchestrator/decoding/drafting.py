@@ -128,6 +128,11 @@ class Drafting:
     corrects: while an async pass runs, its drafter also drafts corrections at
     the drafts being verified (speculators.corrections; a draft model's
     drafter actors, whose speculate takes forks and who have corrections()).
+    branches: branch windows where passes are flat and the draft fast
+    (SequenceState.branching; orchestrator.decoding.branches): asked for
+    only by the probe across-rejections and the simulation's Mode, since
+    they measured slower than the schedule before them (docs/measurements.md,
+    "Branch windows").
     """
 
     drafters: Sequence[Drafter]
@@ -142,6 +147,7 @@ class Drafting:
     pass_curve: BatchCurve | None = None
     coupled: bool = True
     corrects: bool = False
+    branches: bool = False
 
     @property
     def drafter_first(self) -> Drafter:

@@ -68,7 +68,7 @@ def sequence_state(sequence: int, prompt_tokens: list[int], max_tokens: int, sam
         sequence, list(prompt_tokens), prompt_length, max_tokens, drafting.schedule, drafting.draft_max,
         draft_call_cost=drafting.call_cost, draft_step=drafting.step, tree_leaves=drafting.tree_leaves,
         side_row_step=drafting.side_row_step, draft_prices=drafting.draft_prices, pass_curve=drafting.pass_curve,
-        coupled=drafting.coupled,
+        coupled=drafting.coupled, branches=drafting.branches, stages=target.stage_count,
         **prefill,
     )
 
@@ -119,13 +119,19 @@ class DecodingLoop:
     different sequences at once; batching: windows of several sequences share
     passes where it pays (schedule.Batching). choose: how a result's window becomes tokens (the
     real targets': ``committed_tokens``; the simulation knows its text).
+    clock: seconds, to tell when stage 0 is done with the passes submitted
+    (the simulation's is virtual).
     """
 
     def __init__(self, target: Target, is_end: Callable[[int], bool], *, window_per_pass: bool = False,
-                 batching: Batching | None = None, choose: TokensOf = committed_tokens):
+                 batching: Batching | None = None, choose: TokensOf = committed_tokens,
+                 clock: Callable[[], float] = time.perf_counter):
         self.target = target
         self.is_end = is_end
         self.choose = choose
+        self.clock = clock
+        self._stage_zero = 0.0  # what stage 0 took for the last pass that came back (seconds; 0: not known)
+        self._submitted = 0.0  # when the last pass was submitted (clock)
         self.scheduler = Scheduler(window_per_pass=window_per_pass, batching=batching)
         self.decodings: dict[int, Decoding] = {}
         self._early: dict[int, TreeAsk | None] = {}  # sequences whose drafter 0 drafts already (_draft_early)
@@ -154,11 +160,13 @@ class DecodingLoop:
         """One turn; False if nothing was in flight (every sequence idle or finished)."""
         self._draft_first()
         for target_pass in self.scheduler.next_passes():
-            self.target.submit(target_pass)
+            self._submit(target_pass)
         if not self.scheduler.in_flight:
             return False
         reply = self._receive_drafting()
         for state, window, rows in self.scheduler.received():
+            if rows is not None and not window.prompt and reply.stage_seconds:
+                self._stage_zero = reply.stage_seconds[0]  # a decoding pass's, computed whole
             decoding = self.decodings[state.sequence]
             decoding.listener.pass_returned(PassTimes(tuple(reply.stage_seconds), tuple(reply.stage_started),
                                                       rows is None))
@@ -174,6 +182,10 @@ class DecodingLoop:
         self.cancel_invalid()
         self._draft_early()
         return True
+
+    def _submit(self, target_pass) -> None:
+        self.target.submit(target_pass)
+        self._submitted = self.clock()
 
     def cancel_invalid(self) -> None:
         """Stop computing the passes whose every window a rejection or a cancel made invalid."""
@@ -229,13 +241,40 @@ class DecodingLoop:
                 drafter.speculate(state.text, room, sampling=state.draft_sampling, forks=state.forks)
             elif room > 0:
                 drafter.speculate(state.text, room, sampling=state.draft_sampling)
+        corrects = [way.corrects for way in ways]  # type: ignore[union-attr]
+        if len(drafting) == 1 and not crowded and self._branch_while_waiting(drafting[0], chosen[0], corrects[0]):
+            corrects[0] = False  # it drafts the chain alone now: the corrections it brought stay
         reply = self.target.receive()
         for drafter in chosen:
             drafter.ask()
-        for state, way, drafter in zip(drafting, ways, chosen):
+        for state, correcting, drafter in zip(drafting, corrects, chosen):
             tokens = drafter.collect()
-            state.drafted(tokens, drafter.corrections() if way.corrects else None)  # type: ignore[union-attr]
+            state.drafted(tokens, drafter.corrections() if correcting else None)  # type: ignore[attr-defined]
         return reply
+
+    def _branch_while_waiting(self, state: SequenceState, drafter, corrects: bool) -> bool:
+        """A branching sequence's branch windows while its oldest pass runs: each
+        time stage 0 is done with the passes submitted (by the last pass's
+        seconds there) before the oldest result is in, what the drafter
+        drafted by then (chain and corrections) makes the next window
+        (SequenceState.branch_window), submitted at once, and the drafter goes
+        on with the chain. Returns whether it went on so."""
+        went_on = False
+        while state.branching and 0 < len(state.in_flight) < state.stages and self._stage_zero > 0:
+            if self.target.result_within(max(0.0, self._submitted + self._stage_zero - self.clock())):
+                break
+            drafter.ask()
+            tokens = drafter.collect()
+            state.drafted(tokens, drafter.corrections() if corrects and not went_on else None)
+            window = state.branch_window()
+            if window is not None:
+                self._submit(self.scheduler.submit_alone(window))
+            if (room := state.speculation_room) > 0:
+                drafter.speculate(state.text, room, sampling=state.draft_sampling)
+            went_on = True
+            if window is None:
+                break
+        return went_on
 
 
 # -- orchestrate run: a fixed set of sequences, each with its Generation ------

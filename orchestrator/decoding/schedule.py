@@ -1,81 +1,45 @@
 """The decoding schedule: which windows the target runs, as pure decisions
 (one sequence's here, SequenceState; many in flight: orchestrator.decoding.scheduler).
 
-The real decoding loop (orchestrator.decoding.loop) and the planner's simulation
-(orchestrator.planning.simulation) both follow these rules; they differ only
-in what a pass and a draft cost (real I/O, or virtual time). No I/O here: no
-Ray, no sockets, no llama.cpp.
+The real decoding loop (orchestrator.decoding.loop) and the planner's
+simulation (orchestrator.planning.simulation) both follow these rules; they
+differ only in what a pass and a draft cost. No I/O here. Terms (README,
+"Glossary"): a sequence's *text* is its committed tokens and then its
+*speculation* (drafts not yet verified); a *window* is the part of one
+sequence a pass feeds; a *pass* carries the windows of one or more sequences.
+docs/architecture.md ("Speculation") tells each rule at length:
 
-Terms (README, "Glossary"; docs/architecture.md): a sequence's *text* is its committed tokens
-followed by its *speculation* (draft tokens not yet verified). A *window* is
-the part of one sequence a target pass feeds: the last committed token (or,
-for a window started ahead, a speculated one) and the drafts after it. A
-*pass* carries the windows of one or more sequences, one after the other.
-
-The rules:
-
-* Which window a pass feeds (``SequenceState.first_window``): the last
-  committed token, then the first ``draft_limit`` tokens of the speculation
-  (no more than the tokens still wanted allow).
-* When the drafter beside stage 0 drafts before a pass and the loop waits for
-  it (``SequenceState.drafts_first``): every pass in ``sync``; in ``async``
-  only when no speculation is pending (at the start, or after a rejection),
-  since stage 0 is idle until the pass starts and a pass without drafts
-  wastes the target.
-* Who drafts while an ``async`` pass runs (``Scheduler.drafter_of``): one
-  drafter for the whole pass, collected with its result: a lone sequence's
-  is the drafter beside stage 0, which drafted the window and keeps it in its
-  cache; sequences sharing passes spread over the machines. A sequence whose
-  draft policy takes no drafts does not draft meanwhile. A draft model's
-  drafter (Drafting.corrects) also drafts *corrections* at the head window's
-  drafts meanwhile (``SequenceState.forks``; speculators.corrections): its
-  runners-up there and what it drafts after each. After a rejection whose
-  target token is such a runner-up, that correction's continuation is the
-  speculation at once (``SequenceState.verified``), so the next window need
-  not wait for the drafter.
-* When a window is started ahead (``SequenceState.window_ahead``, ``async``
-  only, PipeInfer's idea): while one window of the sequence is in flight,
-  the next window of the speculation, assuming the one in flight commits
-  its whole window, submitted at a turn's start with the window it follows,
-  so stage 0 computes it while the later stages compute the one before;
-  only after a window that accepted all its drafts (``accepted_whole``), since
-  after a rejection the speculation is gone.
-* When a window in flight is invalid (``SequenceState.verified``): when it
-  does not start at the last committed token (the window before it did not
-  commit all it carried, or its own token differs), or the sequence is
-  finished. Its result is discarded when it arrives, and the sequence submits
-  nothing new until then (the next pass's rollback drops its cache entries);
-  but where its next window waits for drafts from the committed text, the
-  drafter beside stage 0 starts them at once (``SequenceState.drafts_early``).
-* When a pass in flight is cancelled (``Scheduler.invalid_passes``,
-  PipeInfer's early cancellation): as soon as every window it carries is
-  invalid. Stages that have not started it drop it, and the one running it
-  stops; its result, whatever comes back, is discarded as above.
-* How many drafts a window carries (``draft_limit``, none included: then
-  the drafter is not even asked): ``speculators.draft_length.DraftPolicy``,
-  from the acceptance by draft position and the cost of a longer pass. With
-  continuous batching, chains ready at once carry one number of drafts, so
-  that they share passes: the one, up to the most any of them has, that
-  commits the most tokens per cost of their passes on the measured curve,
-  a chain short of drafts padded with filler (``Scheduler.shared_drafts``);
-  while two or more sequences decode, no window is started ahead (it would
-  go in a pass of its own), nobody waits for drafts, each drafts on one
-  machine for its whole pass, and drafting pauses while shared passes take
-  no drafts (``Scheduler.drafting_during``).
-* When a window is a token tree (``SequenceState.drafted_tree``, a sequence
-  with ``tree_leaves`` > 1 whose drafter proposes one): the draft policy's
-  chain is its main chain, and ``speculators.tree.choose_rows`` adds the side
-  rows that pay for themselves (acceptance by candidate rank, the pass's
-  cost). Windows started ahead stay chains: they extend the main chain. A
-  window whose accepted path left the main chain commits it, but the stages
-  keep only the main chain's cells; the next window feeds the rest again
-  (``SequenceState.refeed``).
-* How a prompt is prefilled (``prompt_chunk``, ``SequenceState.windows_ahead``):
-  in chunks that flow through the stages back to back, up to one chunk in
-  flight per stage, so stage 0 computes chunk 2 while stage 1 computes
-  chunk 1. With S stages and k chunks the pipeline idles (S - 1) / (k + S - 1)
-  of the prefill; chunks of a quarter of a stage's share keep that under a
-  fifth, down to PREFILL_LEAST_CHUNK tokens.
+* A first window (``first_window``) feeds the last committed token and the
+  first ``draft_limit`` tokens of the speculation (the draft policy's
+  choice, speculators.draft_length; with batching, one number of drafts for
+  the chains that share a pass: Scheduler.shared_drafts).
+* The loop waits for the drafter beside stage 0 before a pass
+  (``drafts_first``) in sync always, in async only with nothing speculated.
+  In async one drafter drafts while a pass runs (Scheduler.drafter_of), a
+  draft model's also *corrections* at the head window's drafts (``forks``;
+  speculators.corrections): after a rejection whose target token is one of
+  them, its continuation is the speculation at once.
+* A window started ahead (``window_ahead``, async, PipeInfer's idea) goes
+  with the window it follows after a window that accepted all its drafts,
+  assuming the one in flight commits them all. Where passes are flat and
+  the draft fast (``branching``), *branch windows* replace it
+  (orchestrator.decoding.branches: rooted at the committed text, up to one
+  a stage in flight, kept across the rejections their rows cover).
+* A window in flight is invalid when the committed text has left it, or the
+  sequence finished (``verified``); its pass is cancelled once all its
+  windows are (Scheduler.invalid_passes, PipeInfer's early cancellation).
+  Without branch windows the sequence then waits for its result, its
+  drafter beside stage 0 drafting meanwhile (``drafts_early``).
+* A token tree (``drafted_tree``, ``tree_leaves`` > 1) has the policy's
+  chain as its main chain and the side rows that pay (speculators.tree.
+  choose_rows); the stages keep only the main chain's cells, so a window
+  after a side branch was taken feeds it again (``refeed``; branch windows:
+  from where the stages' cells leave the committed text, ``fed``).
+* A prompt is prefilled in chunks that flow through the stages back to back
+  (``prompt_chunk``, ``windows_ahead``), up to one in flight a stage: with S
+  stages and k chunks the pipeline idles (S - 1) / (k + S - 1) of the
+  prefill; chunks of a quarter of a stage's share keep that under a fifth,
+  down to PREFILL_LEAST_CHUNK tokens.
 """
 
 from __future__ import annotations
@@ -85,9 +49,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from orchestrator.config import PREFILL_CHUNKS_PER_STAGE, PREFILL_LEAST_CHUNK, WINDOWS_DRAFTED_AHEAD
+from orchestrator.config import (BRANCHES_AHEAD_STEP, BRANCHES_DRAFT_PRICE, PREFILL_CHUNKS_PER_STAGE,
+                                 PREFILL_LEAST_CHUNK, WINDOWS_DRAFTED_AHEAD)
+from orchestrator.decoding.branches import branch_tree, fed_agreement, follow, reaches
 from speculators.corrections import Corrections, Forks
-from speculators.draft_length import DRAFTER_CALL_COST, PRIOR_STEP, DraftPolicy, DraftPrices
+from speculators.draft_length import DRAFT_STEP_TOKENS, DRAFTER_CALL_COST, PRIOR_STEP, DraftPolicy, DraftPrices
 from speculators.sampling import SamplingSettings
 from speculators.tree import (DraftTree, PassCost, TreeAsk, accepted_rows, choose_rows, curve_cost,
                               linear_cost, offered_rows, MAX_TREE_ROWS)
@@ -175,6 +141,8 @@ class SequenceState:
     side_row_step: float | None = None  # what the tree rule prices a side row at (None: the curve, or draft_step)
     pass_curve: BatchCurve | None = None  # a pass's seconds by width, measured (the tree rule reads it at every width)
     coupled: bool = True  # when sampling, the drafters sample with the target's seeded uniforms (draft_sampling)
+    branches: bool = False  # async: windows kept across rejections where passes are flat (branching)
+    stages: int = 1  # the target's stages: a branching sequence keeps up to this many windows in flight
     refeed: int = 0  # committed tokens before the last whose cells the stages dropped: fed again next
     finished: bool = False
     stopped_by: str = "length"
@@ -191,6 +159,19 @@ class SequenceState:
         if not self.draft_limit:
             self._choose_limits()
         self.awaited_limit = self.awaited_limit or self.draft_limit
+        # what the stages' cells hold after the windows submitted so far (branches.fed_agreement)
+        self.fed: list[int] = list(self.committed[:self.cached if self.prompt_from is not None else -1])
+
+    @property
+    def branching(self) -> bool:
+        """Its windows are branch windows (orchestrator.decoding.branches):
+        async, where a pass's extra token costs at most BRANCHES_AHEAD_STEP of
+        a one-token pass (the rows of the windows in flight verified again cost
+        little) and a draft token at most BRANCHES_DRAFT_PRICE (the drafter,
+        not the pipeline, limits a slower draft's tokens), without logprobs
+        (they are given for a window's own tokens)."""
+        return (self.branches and self.schedule.asynchronous and self.logprobs is None
+                and self.policy.step <= BRANCHES_AHEAD_STEP and self.draft_prices.awaited <= BRANCHES_DRAFT_PRICE)
 
     def _choose_limits(self) -> None:
         """The policy's draft lengths for the next window: sync waits for
@@ -244,7 +225,7 @@ class SequenceState:
     @property
     def ready(self) -> bool:
         """Nothing of it in flight or awaited: its next window may be submitted."""
-        return not self.finished and not self.in_flight and not self.discards_pending
+        return not self.finished and not self.in_flight and (not self.discards_pending or self.branching)
 
     @property
     def drafts_first(self) -> bool:
@@ -258,7 +239,7 @@ class SequenceState:
         and will then wait for drafts from the committed text (drafts_first):
         the committed text is known, so that drafting may start now, while
         the discarded passes come back."""
-        return (not self.finished and not self.in_flight and self.discards_pending > 0
+        return (not self.finished and not self.in_flight and self.discards_pending > 0 and not self.branching
                 and self._drafts_from_committed)
 
     @property
@@ -292,10 +273,17 @@ class SequenceState:
         the draft's price is not measured); None unless the head window is a
         chain of drafts starting at the last committed token."""
         head = self.in_flight[0] if self.in_flight else None
-        if (head is None or head.prompt or head.parents is not None or head.refed
+        if head is not None and not head.prompt and self.branching:  # the speculation's tokens the head verifies
+            drafts = len(follow(head, self.text[head.first + head.refed + 1:])) - (len(self.committed) - 1
+                                                                                 - head.first - head.refed)
+        elif (head is None or head.prompt or head.parents is not None or head.refed
                 or head.first != len(self.committed) - 1 or not head.main_drafts):
             return None
-        drafts, price = len(head.main_drafts), self.draft_prices.awaited
+        else:
+            drafts = len(head.main_drafts)
+        if drafts < 1:
+            return None
+        price = self.draft_prices.awaited
         rounds = self.policy.cost(drafts, awaited=False) / price if price > 0 else 0.0
         return Forks(len(self.committed), drafts, rounds)
 
@@ -319,6 +307,9 @@ class SequenceState:
             shared = shared if self.tree_leaves == 1 else None  # a tree goes in a pass of its own
             limit = self.drafts_wanted if self.schedule.speculative else 0
             limit = limit if shared is None else min(shared, max(self.room, 0))
+            if self.branching:
+                self.refeed = len(self.committed) - 1 - min(fed_agreement(self.fed, self.committed),
+                                                            len(self.committed) - 1)
             first = len(self.committed) - 1 - self.refeed
             drafts = self.speculation.tokens[:limit]
             filler = 0 if shared is None else limit - len(drafts)
@@ -331,8 +322,25 @@ class SequenceState:
                             logprobs=self.logprobs, refed=self.refeed, **self._constrained(len(self.committed)),
                             parents=None if tree.is_chain else tuple(tree.parents),
                             ranks=None if tree.is_chain else tuple(tree.ranks), filler=filler)
-        self.in_flight.append(window)
+        self._submit(window)
         return window
+
+    def _submit(self, window: Window) -> None:
+        """A window goes in flight: it drops the sequence's cells from its first position, leaves its main chain's."""
+        self.in_flight.append(window)
+        self.fed[window.first:] = window.inputs[:window.main_rows]
+
+    @property
+    def _flat_rows(self) -> int:
+        """The widest pass known to cost about a one-token one: on the measured
+        curve, the widest within BRANCHES_AHEAD_STEP of it a row; without one,
+        the width the step was measured at (a curve flat that far may grow beyond)."""
+        if self.pass_curve is None:
+            return DRAFT_STEP_TOKENS + 1
+        one = self.pass_curve.at(1)
+        flat = [rows for rows in range(2, MAX_TREE_ROWS + 1)
+                if self.pass_curve.at(rows) <= one * (1 + BRANCHES_AHEAD_STEP * (rows - 1))]
+        return max([DRAFT_STEP_TOKENS + 1, *flat])
 
     def _row_cost(self) -> PassCost:
         """What the tree rule prices a pass of n rows at: side_row_step if
@@ -387,7 +395,7 @@ class SequenceState:
         while self.prompt_from is not None and self.in_flight and len(self.in_flight) < self.prompt_depth \
                 and not self.finished:
             chunks.append(self._prompt_window())
-            self.in_flight.append(chunks[-1])
+            self._submit(chunks[-1])
         return chunks
 
     def window_ahead(self) -> Window | None:
@@ -395,7 +403,10 @@ class SequenceState:
         or None. Only after a window that accepted all its drafts (accepted_whole):
         the window in flight is then the only one, valid, and drafted on by
         the drafter during the last pass; after a rejection the speculation
-        is gone and its next window waits for the drafter."""
+        is gone and its next window waits for the drafter. A branching
+        sequence's is a branch window instead (branch_window)."""
+        if self.branching:
+            return self.branch_window()
         if not (self.schedule.asynchronous and self.accepted_whole and len(self.in_flight) == 1
                 and not self.finished):
             return None
@@ -408,7 +419,45 @@ class SequenceState:
             return None
         window = Window(self.sequence, first, tuple(text[first : first + 1 + limit]), sampling=self.sampling,
                         logprobs=self.logprobs, **self._constrained(first + 1))
-        self.in_flight.append(window)
+        self._submit(window)
+        return window
+
+    def branch_window(self) -> Window | None:
+        """A branch window (orchestrator.decoding.branches) while fewer than
+        ``stages`` windows are in flight: rooted at the last committed token,
+        its main chain the speculation up to the policy's draft_limit beyond
+        what the windows in flight feed, no wider than a pass known to cost
+        about a one-token one (_flat_rows, with the rows fed again), and,
+        where the stages hold token trees (tree_leaves > 1), the corrections
+        at its drafts as side branches that pay on the curve
+        (speculators.tree.choose_rows). None
+        while the speculation reaches no further than the windows in flight,
+        and for a chain unless the last window accepted all its drafts (a
+        chain is right only if the windows before it accept all theirs, and
+        a wrong one costs the next window its cells: it feeds them again)."""
+        if (self.finished or self.prompt_from is not None or not self.in_flight or len(self.in_flight) >= self.stages
+                or any(window.prompt for window in self.in_flight)):
+            return None
+        covered = max(window.first + window.main_rows for window in self.in_flight)  # positions fed, and speculated
+        first = min(fed_agreement(self.fed, self.committed), len(self.committed) - 1)
+        refeed = len(self.committed) - 1 - first
+        drafts = min(covered - len(self.committed) + self.draft_limit, len(self.speculation.tokens), self.room,
+                     self._flat_rows - 1 - refeed)
+        if len(self.committed) + drafts <= covered:
+            return None
+        self.refeed = refeed
+        chain = self.speculation.tokens[:drafts]
+        tree = DraftTree.chain(self.committed[-1], chain)
+        if self.tree_leaves > 1 and self.speculation.corrections:
+            tree = choose_rows(branch_tree(self.committed[-1], chain, self.speculation.corrections,
+                                           len(self.committed), self.tree_leaves - 1),
+                               self.policy.acceptances(), self.speculation.ranks, self._row_cost(), forced=drafts)
+        if tree.is_chain and not self.accepted_whole:  # a chain stays valid only if the windows before accept all
+            return None
+        window = Window(self.sequence, first, (*self.committed[first:-1], *tree.tokens), sampling=self.sampling,
+                        refed=self.refeed, parents=None if tree.is_chain else tuple(tree.parents),
+                        ranks=None if tree.is_chain else tuple(tree.ranks), **self._constrained(len(self.committed)))
+        self._submit(window)
         return window
 
     def _constrained(self, through: int) -> dict:
@@ -442,33 +491,31 @@ class SequenceState:
 
     def verified(self, window: Window, new_tokens: list[int], is_end: Callable[[int], bool]) -> list[int]:
         """The head window's verification gave new_tokens (accepted drafts, then
-        the target's own token). Commits them up to an end token or max_tokens,
-        keeps the speculation that still extends the committed text, and drops
-        the windows in flight that became invalid. Returns the tokens committed."""
+        the target's own token; a branch window's from its root, so first those
+        already committed, which must match). Commits the rest up to an end
+        token or max_tokens, keeps the speculation that still extends the
+        committed text, and drops the windows in flight that became invalid.
+        Returns the tokens committed."""
         self.in_flight.popleft()
         if window.prompt:
             self.cached = window.first + len(window.inputs)
         if not self.gives_token(window):  # a prompt chunk before the last: it only filled the cache
             return []
-        kept = None  # positions the stages keep after a decoding window: up to its main chain's accepted end
+        kept, known = None, 0  # kept: positions the stages keep after a decoding window (main chain's accepted end)
         if not window.prompt:
-            # the policy and the chain counts see the main chain; a tree's side rows are counted apart
-            drafts = window.main_drafts  # filler left out: the stats and the policy see the drafter's drafts
-            path = accepted_rows(window.inputs[window.refed:], window.parents, new_tokens)
-            kept = window.first + window.refed + 1 + sum(row < len(drafts) + window.filler + 1 for row in path)
-            accepted = sum(row < len(drafts) + 1 for row in path)
-            self.passes += 1
-            tree = window.parents is not None
-            self.stats.verified(len(drafts), accepted, len(new_tokens), len(window.inputs), window.refed,
-                                len(window.drafts) - len(drafts) if tree else None, len(path) - accepted)
-            if tree:
-                self.speculation.ranks.observe(DraftTree(list(window.inputs[window.refed:]), list(window.parents),
-                                                         list(window.ranks)), new_tokens)
-            self.accepted_whole = bool(drafts) and accepted == len(drafts) == len(path)
-            if self.schedule.speculative:
-                self.policy.observe_window(len(drafts), accepted)
-                self._choose_limits()
-        committed = self._commit(new_tokens, is_end)
+            known = len(self.committed) - 1 - window.first - window.refed  # committed after its root (a branch window)
+            if new_tokens[:known] != self.committed[len(self.committed) - known:]:
+                self.stats.mismatched_windows += 1  # its rows computed otherwise than the ones that committed
+                self.passes += 1
+                self.stats.discarded_passes += 1
+                self._drop_invalid_branches(stale=window.first)
+                return []
+            kept = self._observe(window, new_tokens, known)
+        committed = self._commit(new_tokens[known:], is_end)
+        if self.branching and not window.prompt:
+            self._drop_invalid_branches()
+            self.cached = min([fed_agreement(self.fed, self.committed), *(held.first for held in self.in_flight)])
+            return committed
         if kept is not None:
             self.cached = min(kept, len(self.committed))
         self.refeed = 0 if kept is None else max(0, len(self.committed) - 1 - kept)
@@ -478,6 +525,49 @@ class SequenceState:
             self.in_flight.popleft()  # computed on a speculation that failed
             self.discards_pending += 1
         return committed
+
+    def _observe(self, window: Window, tokens: list[int], known: int) -> int:
+        """A decoding window's verification told to the stats, the rank
+        acceptance and the draft policy; returns the positions the stages keep
+        (its main chain's accepted end). The policy and the chain counts see
+        the main chain beyond the ``known`` tokens already committed (none
+        where those left it); a tree's side rows are counted apart."""
+        drafts = window.main_drafts  # filler left out: the stats and the policy see the drafter's drafts
+        path = accepted_rows(window.inputs[window.refed:], window.parents, tokens)
+        kept = window.first + window.refed + 1 + sum(row < len(drafts) + window.filler + 1 for row in path)
+        accepted = sum(row < len(drafts) + 1 for row in path)
+        on_main = path[:known] == list(range(1, known + 1))
+        chain, taken = (max(0, len(drafts) - known), max(0, accepted - known)) if on_main else (0, 0)
+        self.passes += 1
+        tree = window.parents is not None
+        self.stats.verified(chain, taken, len(tokens) - known, len(window.inputs), window.refed,
+                            len(window.drafts) - len(drafts) if tree else None, len(path) - accepted)
+        if tree:
+            self.speculation.ranks.observe(DraftTree(list(window.inputs[window.refed:]), list(window.parents),
+                                                     list(window.ranks)), tokens)
+        self.accepted_whole = bool(chain) and taken == chain and accepted == len(path)
+        if self.schedule.speculative and (chain or not known):
+            self.policy.observe_window(chain, taken)
+            self._choose_limits()
+        return kept
+
+    def _drop_invalid_branches(self, stale: int | None = None) -> None:
+        """A branching sequence's windows in flight that can no longer give a
+        token (branches.reaches; all once it finished) become discards, and so
+        does every one after them that fed from a later position (it trusted
+        their cells); the stages' cells from an invalid window's first position
+        on are then unknown (``fed``). stale: such a position already known."""
+        if stale is not None:
+            del self.fed[stale:]
+        held: deque[Window] = deque()
+        for window in self.in_flight:
+            if self.finished or (stale is not None and window.first > stale) or not reaches(window, self.committed):
+                self.discards_pending += 1
+                stale = window.first if stale is None else min(stale, window.first)
+                del self.fed[window.first:]
+            else:
+                held.append(window)
+        self.in_flight = held
 
     def discarded(self) -> None:
         """The result of a window found invalid in flight has arrived."""

@@ -177,7 +177,10 @@ class Scheduler:
         self._count_unused(most)
         firsts = tuple(state.first_window(most) for state in ready)
         crowded = self.crowded
-        aheads = [state.windows_ahead(speculative=not crowded) for state in self.sequences.values()]
+        # a branch window waits until stage 0 is done with a first window made now (the loop's _branch_while_waiting)
+        fresh = {state.sequence for state in ready}
+        aheads = [state.windows_ahead(speculative=not crowded and not (state.branching and state.sequence in fresh))
+                  for state in self.sequences.values()]
         # the k-th window started ahead of each sequence in the k-th pass: a pass holds one window of a sequence
         rounds = [tuple(windows[k] for windows in aheads if len(windows) > k)
                   for k in range(max(map(len, aheads), default=0))]
@@ -191,6 +194,11 @@ class Scheduler:
                 passes.append(TargetPass(windows))
         self.in_flight.extend(passes)
         return passes
+
+    def submit_alone(self, window: Window) -> TargetPass:
+        """A window made between turns (a branch window: SequenceState.branch_window) in a pass of its own."""
+        self.in_flight.append(TargetPass((window,)))
+        return self.in_flight[-1]
 
     def shared_drafts(self, ready: list[SequenceState]) -> int | None:
         """With batching, how many drafts every decoding chain ready now

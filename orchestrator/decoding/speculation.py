@@ -39,9 +39,11 @@ class Speculation:
 
     def extend(self, tokens: list[int], corrections: Corrections | None) -> None:
         """Tokens a drafter added to its end while a pass ran, and the
-        corrections it drafted at the head window's positions (these replace the last)."""
+        corrections it drafted at the head window's positions (these replace the
+        last; None: it drafted none this time, the last stay)."""
         self.tokens.extend(tokens)
-        self.corrections = dict(corrections or {})
+        if corrections is not None:
+            self.corrections = dict(corrections)
 
     def take_candidates(self) -> DraftTree | None:
         """The tree's candidates for the window being made (they serve it only)."""

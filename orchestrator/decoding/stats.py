@@ -30,7 +30,9 @@ class SpeculationStats:
     before draft_max.
     corrected_windows: rejections after which a correction drafted during the
     pass (speculators.corrections) held the target's token, so its drafts
-    went at once."""
+    went at once.
+    mismatched_windows: branch windows whose tokens for positions already
+    committed differed from them (orchestrator.decoding.branches): discarded."""
 
     drafted_tokens: int = 0
     accepted_tokens: int = 0
@@ -48,6 +50,7 @@ class SpeculationStats:
     side_accepted: int = 0
     refed_tokens: int = 0
     corrected_windows: int = 0
+    mismatched_windows: int = 0
     accepted_lengths: Counter = field(default_factory=Counter)
     input_lengths: Counter = field(default_factory=Counter)
 

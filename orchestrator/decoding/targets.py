@@ -45,6 +45,11 @@ class Target(Protocol):
         """A pass in flight is no longer wanted (Scheduler.invalid_passes): the
         target may stop computing it. Its receive() still comes, in order."""
 
+    def result_within(self, seconds: float) -> bool:
+        """Whether the oldest pass's result is in within ``seconds`` (waiting
+        that long at most); a target that computes a pass when it is submitted
+        says True at once."""
+
     def receive(self) -> PassResult | Cancelled:
         """The oldest pass's result: the tokens its window commits, chosen
         beside the target's last stage (a window with ``sampling``), or its
@@ -183,6 +188,9 @@ class InstantTarget:
 
     def cancel(self, target_pass: TargetPass) -> None:
         """Nothing to stop: every pass was answered when submitted."""
+
+    def result_within(self, seconds: float) -> bool:
+        return True
 
     def receive(self) -> PassResult:
         return PassResult(0, self.pending.popleft(), (0.0,) * self.stage_count)

@@ -13,27 +13,21 @@ Resources and their timelines:
   its machine (stages sharing a machine with fewer cores wait for one);
 * hop 0 carries a pass to stage 0, hop i from stage i - 1 to stage i, hop n
   the result back; the coordinator then does its own work;
-* a cancelled pass (``Scheduler.invalid_passes``) reaches every stage at
-  once: a stage that has not started it skips it, the one running it stops,
-  and the cancellation travels on at the hops' one-token cost. Only the
-  pass last submitted is cancelled so; one with passes after it runs in full;
-* one drafter per machine drafts from ``speculate`` until collected, one
-  token per ``draft_seconds``, stopping by itself (with probability
-  ``1 - availability`` before its first token from the committed text,
-  ``1 - continuation`` after each) and after ``chain_reach(draft_max)``.
+* a cancelled pass reaches every stage at once: one that has not started
+  it skips it, the one running it stops, and the cancellation travels on at
+  the hops' one-token cost; only the pass last submitted is cancelled so;
+* one drafter per machine drafts from ``speculate`` until collected, a
+  token per ``draft_seconds``, stopping by itself (``availability``,
+  ``continuation``) and after ``chain_reach(draft_max)``.
 
-Which drafts are right comes from the workload: rates (``DraftBehaviour``:
-each draft token right with probability ``acceptance`` while every token
-before it is, the first from the committed text with ``first_acceptance``),
+Which drafts are right comes from the workload: rates (``DraftBehaviour``),
 or a real output replayed (``DraftTrace``; tests/pure/test_planning.py
-checks it makes the same passes, drafts and discards as generate()). Pure
-Python, no Ray, no llama.cpp.
-
-Token trees (``Mode.tree_leaves`` > 1) come from a trace that records prompt
-lookup's other candidates at each position (``DraftTrace.forks``), built
-with speculators.tree.lookup_tree. Approximation: where the right token is
-among the other candidates, those ranked after it are not counted; off the
-true text, no fork is offered.
+checks it makes the same passes, drafts and discards as generate()). Token
+trees (``Mode.tree_leaves`` > 1) come from a trace's record of prompt
+lookup's other candidates (``DraftTrace.forks``; where the right token is
+among them, those ranked after it are not counted; off the true text, no
+fork is offered). Branch windows (``Mode.branches``) are chains: corrections
+are not simulated. Pure Python, no Ray, no llama.cpp.
 """
 
 from __future__ import annotations
@@ -221,6 +215,7 @@ class Mode:
     tree_leaves: int = 1  # above 1: prompt lookup's token trees (from a trace's forks)
     side_row_step: float | None = None  # the tree rule's price of a side row (None: the step)
     draft_prices: DraftPrices | None = None  # a draft token's (None: awaited from the costs, ``wait_cost``; relayed 0)
+    branches: bool = False  # async windows kept across rejections where passes are flat (Drafting.branches)
 
     def __post_init__(self):
         object.__setattr__(self, "schedule", Schedule(self.schedule))
@@ -281,8 +276,9 @@ class _Stages:
         for stage in range(self.costs.stage_count):
             compute = self.costs.stage_seconds(stage, tokens)
             cores = self.cores_free_at[self.costs.host(stage)]
-            core = min(range(len(cores)), key=cores.__getitem__)
-            start = max(arrival, self.free_at[stage], cores[core])
+            ready = max(arrival, self.free_at[stage])  # the core it starts on soonest, of those the one free latest
+            core = min(range(len(cores)), key=lambda core: (max(ready, cores[core]), -cores[core]))
+            start = max(ready, cores[core])
             end = start + compute
             timeline.before.append((self.free_at[stage], cores[core]))
             timeline.starts.append(start)
@@ -382,11 +378,11 @@ class _TraceLookup:
         return [main, *(_TRUE + position if rank == right else _WRONG + rank for rank in range(1, count + 1))]
 
 
+@dataclass
 class _Clock:
-    """The simulation's virtual time, shared by its target and its drafters."""
+    """The simulation's virtual time, shared by its target, its drafters and the loop."""
 
-    def __init__(self):
-        self.now = 0.0
+    now: float = 0.0
 
 
 class _SimulatedDrafter:
@@ -450,7 +446,7 @@ class _SimulatedDrafter:
 
 @dataclass(frozen=True)
 class _Result:
-    """A simulated pass's result: its tokens come from the text (_target_tokens), its stages' seconds are not kept."""
+    """A simulated pass's result: each stage's seconds on it (its tokens come from the text: _target_tokens)."""
 
     stage_seconds: tuple[float, ...] = ()
     stage_started: tuple[float, ...] = ()
@@ -474,10 +470,17 @@ class _SimulatedTarget:
         index = next(index for index, (flying, _) in enumerate(self.timings) if flying is target_pass)
         self.timings[index] = (target_pass, self.stages.cancel(self.timings[index][1], self.clock.now))
 
+    def result_within(self, seconds: float) -> bool:
+        """Whether the oldest result comes within ``seconds``; if not, those seconds pass."""
+        if self.timings[0][1].result <= self.clock.now + seconds:
+            return True
+        self.clock.now += seconds
+        return False
+
     def receive(self) -> _Result:
         _, timeline = self.timings.popleft()
         self.clock.now = max(self.clock.now, timeline.result)
-        return _Result()
+        return _Result(tuple(end - start for end, start in zip(timeline.boundaries, timeline.starts)))
 
     def release(self, sequence: int) -> None:
         """Nothing to free."""
@@ -507,14 +510,12 @@ def _pass_seconds(costs: PipelineCosts, tokens: int) -> float:
 
 
 def pass_step(costs: PipelineCosts, batch: int = 8) -> float:
-    """What each extra token costs a pass of the pipeline, in one-token passes,
-    as Pipeline.draft_step measures it: a pass of ``batch`` tokens against one of a single token."""
+    """What each extra token costs a pass, in one-token passes, as Pipeline.draft_step measures it."""
     return step_from_timings([_pass_seconds(costs, 1)], [_pass_seconds(costs, batch)], batch)
 
 
 def wait_cost(costs: PipelineCosts) -> float:
-    """What waiting for one draft token of the drafter beside stage 0 costs,
-    in one-token passes of the pipeline, as a run prices it (orchestrator.cluster.drafters.draft_prices' awaited)."""
+    """A draft token of the drafter beside stage 0, in one-token passes, as a run prices it awaited (draft_prices)."""
     return costs.draft_seconds(0) / _pass_seconds(costs, 1)
 
 
@@ -556,14 +557,16 @@ def simulate_many(costs: PipelineCosts, mode: Mode, workloads: list[DraftOutcome
     step = pass_step(costs) if mode.step is None else mode.step
     prices = DraftPrices(awaited=wait_cost(costs)) if mode.draft_prices is None else mode.draft_prices
     ends = [workload.end for workload in workloads]
-    loop = DecodingLoop(target, lambda token: token == _END, choose=lambda reply, window, rows: _target_tokens(window, ends[window.sequence]))
+    loop = DecodingLoop(target, lambda token: token == _END, clock=lambda: clock.now,
+                        choose=lambda reply, window, rows: _target_tokens(window, ends[window.sequence]))
     keepers = []
     for index, workload in enumerate(workloads):
         tree_leaves = mode.tree_leaves if mode.tree_leaves > 1 and getattr(workload, "forks", ()) else 1
         drafters = [_SimulatedDrafter(clock, costs.draft_seconds(machine), costs.draft_call_seconds(), mode.draft_max,
                                       workload, rng) for machine in range(costs.stage_count)]
         drafting = Drafting(drafters, mode.schedule, mode.draft_max, call_cost=mode.call_cost, step=step,
-                            tree_leaves=tree_leaves, side_row_step=mode.side_row_step, draft_prices=prices)
+                            tree_leaves=tree_leaves, side_row_step=mode.side_row_step, draft_prices=prices,
+                            branches=mode.branches)
         state = sequence_state(index, [_TRUE], max_tokens, None, drafting, target, begun=True)
         for drafter in drafters:
             drafter.state = state
@@ -586,8 +589,7 @@ def predict(costs: PipelineCosts, mode: Mode, behaviour: DraftOutcomes, max_toke
     results = [simulate(costs, mode, behaviour, max_tokens, seed) for seed in range(runs)]
     drafted = sum(result.drafted_tokens for result in results)
     return Prediction(
-        mode=mode,
-        tokens_per_second=statistics.median(result.tokens_per_second for result in results),
+        mode=mode, tokens_per_second=statistics.median(result.tokens_per_second for result in results),
         passes_per_token=sum(result.passes for result in results) / sum(result.tokens for result in results),
         acceptance_rate=sum(result.accepted_tokens for result in results) / drafted if drafted else 0.0,
         discarded_passes_per_run=sum(result.discarded_passes for result in results) / runs,

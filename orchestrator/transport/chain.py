@@ -251,6 +251,15 @@ class SocketChain:
             except OSError:
                 pass
 
+    def result_within(self, seconds: float) -> bool:
+        """Whether the last stage has sent something within ``seconds`` (the
+        oldest pass's result, as a rule); True where a stage is silent or the
+        chain broke, for receive to find out."""
+        try:
+            return self._liveness.wait(self._from_last, seconds)
+        except (StageSilent, OSError, ValueError):
+            return True
+
     def receive(self) -> PassResult | Cancelled:
         """The result of the oldest pass in flight (releases before it are
         passed over); for a cancelled pass, its result or a ``Cancelled`` with

@@ -2,6 +2,8 @@
 another in this process (orchestrator.in_process.InProcessPipeline), drafters called in place.
 Every schedule gives the whole model's tokens, greedy and sampled alike."""
 
+import dataclasses
+
 import pytest
 
 from orchestrator.in_process import InProcessPipeline
@@ -9,6 +11,7 @@ from orchestrator.decoding.targets import InstantDrafter
 from orchestrator.decoding.drafting import Drafting
 from orchestrator.decoding.loop import generate
 from orchestrator.decoding.schedule import Schedule
+from orchestrator.transport.messages import Cancelled
 from speculators.prompt_lookup import PromptLookupSpeculator
 from speculators.sampling import SamplingSettings
 from stages.settings import StageSettings
@@ -152,3 +155,91 @@ def test_seeded_sampling_is_the_same_with_token_trees(tree_chain, reference):
             tree = generate(tree_chain, tokens, 32, sampling, lambda token: False, drafting=_tree_drafting(schedule))
             assert tree.tokens == plain, (prompt, schedule)
             assert tree.speculation.tree_passes > 0
+
+
+class _NeverReady:
+    """The chain as a pipeline whose results are never in before the loop
+    asks (a pass's stage 0 takes a millisecond): a branching sequence makes a
+    branch window at every chance, up to one per stage in flight. A pass runs
+    when its result is asked for, and a cancelled one not at all, as when
+    every stage dropped it before starting it."""
+
+    def __init__(self, chain):
+        self.chain = chain
+        self.waiting: list[list] = []  # [pass, cancelled] in submission order
+
+    def __getattr__(self, name):
+        return getattr(self.chain, name)
+
+    def submit(self, target_pass) -> None:
+        self.waiting.append([target_pass, False])
+
+    def cancel(self, target_pass) -> None:
+        next(entry for entry in self.waiting if entry[0] is target_pass)[1] = True
+
+    def result_within(self, seconds: float) -> bool:
+        return False
+
+    def receive(self):
+        target_pass, cancelled = self.waiting.pop(0)
+        seconds = (0.001,) * self.chain.stage_count
+        if cancelled:
+            return Cancelled(0, 0, seconds)
+        self.chain.submit(target_pass)
+        return dataclasses.replace(self.chain.receive(), stage_seconds=seconds)
+
+
+class _KnowingDrafter(InstantDrafter):
+    """Prompt lookup's chain, and corrections that hold the expected text's
+    next tokens where that chain leaves it at an even position (as a draft
+    model whose runner-up is right half the time: speculators.corrections):
+    branch windows then carry side branches that the target takes, and
+    rejections they do not cover discard them."""
+
+    def __init__(self, text: list[int]):
+        super().__init__(PromptLookupSpeculator(), 4)
+        self.text, self.forks, self.seen = text, None, []
+
+    def speculate(self, context, most=None, sampling=None, tree=None, forks=None):
+        super().speculate(context, most, sampling, tree)
+        self.forks, self.seen = forks, list(context)
+
+    def corrections(self):
+        if self.forks is None:
+            return {}
+        text, seen, found = self.text, self.seen, {}
+        for position in range(self.forks.first, min(self.forks.first + self.forks.count, len(seen), len(text))):
+            if position % 2 == 0 and seen[:position] == text[:position] and seen[position] != text[position]:
+                found[position, text[position]] = text[position:position + 4]
+        return found
+
+
+@pytest.mark.parametrize("stage_count", [2, 3, 4])
+def test_branch_windows_give_the_whole_models_tokens(splits, reference, is_end, stage_count):
+    """Branch windows (orchestrator.decoding.branches) through 2, 3 and 4
+    stages that hold token trees, passes priced flat: up to a window per
+    stage in flight, each rooted at the committed text, kept across the
+    rejections its side branches cover, its rows for positions already
+    committed verified again. Greedy and seeded tokens are the whole model's,
+    and no window's tokens for committed positions differed."""
+    chain = InProcessPipeline(splits[stage_count], StageSettings(n_ctx=1024, tree_sequences=3))
+    sampling = SamplingSettings(temperature=0.8, top_p=0.95, seed=6)
+    try:
+        side_accepted = discarded = 0
+        for prompt, chosen in [(COPY, SamplingSettings()), *((prompt, SamplingSettings()) for prompt in FORKING),
+                               (COPY, sampling)]:
+            tokens = reference.tokenize(prompt)
+            expected = generate(chain, tokens, 40, chosen, is_end).tokens
+            drafters = [_KnowingDrafter(tokens + expected) for _ in range(stage_count)]
+            drafting = Drafting(drafters, Schedule.ASYNC, 4, call_cost=0.0, step=0.0, tree_leaves=3, corrects=True,
+                                branches=True)
+            result = generate(_NeverReady(chain), tokens, 40, chosen, is_end, drafting=drafting)
+            assert result.tokens == expected, prompt
+            stats = result.speculation
+            assert stats.mismatched_windows == 0, prompt
+            side_accepted, discarded = side_accepted + stats.side_accepted, discarded + stats.discarded_passes
+        assert side_accepted > 0 and discarded > 0  # side branches of corrections were taken, and some windows failed
+        if chosen is sampling:
+            assert expected != reference.greedy(tokens, 40).tokens  # the draw really differed
+    finally:
+        chain.close()
