@@ -9,7 +9,11 @@ phase, its ratio to the plain pipeline and to sync, the tokens a verified
 pass committed (C), and each stage's compute over the wall time (the least
 of the stages) with the share of it on discarded passes. ``async`` drafts
 corrections while a pass runs (speculators.corrections), ``async-chain``
-only the chain; "corrected" is the share of rejections a correction covered.
+only the chain; ``async-branches`` is ``async`` with branch windows
+(orchestrator.decoding.branches: up to a window a stage in flight, each
+rooted at the committed text, kept across the rejections its rows cover),
+where passes are flat and the draft fast; "corrected" is the share of
+rejections a correction covered.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import click
 from benchmarks.probe.harness import Report, probe, table
 from benchmarks.side_by_side import Outcome, Samples, draft_steps, side_by_side
 
-MODES = ["plain", "sync", "async-chain", "async"]
+MODES = ["plain", "sync", "async-chain", "async", "async-branches"]
 FIGURES = ("tokens/s", "x plain", "x sync", "C", "least stage busy", "discarded share", "corrected")
 
 
@@ -31,7 +35,10 @@ FIGURES = ("tokens/s", "x plain", "x sync", "C", "least stage busy", "discarded 
 @click.option("--cost-curve", "curve", default=None, help="An emulated curve (SETUP.toml@MS or a curve file); "
               "none: this machine's own passes.")
 @click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(8, 512))
-def across_rejections(repetitions: int, stages: int, curve: str | None, max_tokens: int) -> Report:
+@click.option("--tree-leaves", default=1, show_default=True, type=click.IntRange(1, 8),
+              help="Above 1: the stages verify token trees of that many leaves (the draft's awaited trees, and "
+              "branch windows' corrections as side branches).")
+def across_rejections(repetitions: int, stages: int, curve: str | None, max_tokens: int, tree_leaves: int) -> Report:
     """Async speculation across rejections beside sync and the plain pipeline."""
     from benchmarks.drafts import realistic_draft
     from benchmarks.scenarios import SCENARIO_DIR, load_scenario, prompts_of
@@ -56,9 +63,10 @@ def across_rejections(repetitions: int, stages: int, curve: str | None, max_toke
         draft = realistic_draft(model, Path(folder))
         tokenizer = Tokenizer(paths[0])
         prompts = prompts_of(tokenizer, load_scenario(SCENARIO_DIR.parent / "scenarios-draft" / "chat.toml"))
-        settings = StageSettings(n_ctx=BENCH_CONTEXT, threads=1, cost_curve=load_cost_curve(curve) if curve else None)
+        settings = StageSettings(n_ctx=BENCH_CONTEXT, threads=1, cost_curve=load_cost_curve(curve) if curve else None,
+                                 tree_sequences=tree_leaves - 1)
         with ray_session(None), PipelineSettings(paths, settings).start() as pipeline:
-            make = speculator_factory(SpeculationSettings("model", draft), tokenizer, settings)
+            make = speculator_factory(SpeculationSettings("model", draft, tree_leaves=tree_leaves), tokenizer, settings)
             drafter_set = start_kinds(pipeline, {"model": make})["model"]
             try:
                 steps = draft_steps(pipeline)
@@ -69,7 +77,8 @@ def across_rejections(repetitions: int, stages: int, curve: str | None, max_toke
                 def run(mode: str, repetition: int) -> Outcome:
                     schedule = {"plain": None, "sync": Schedule.SYNC}.get(mode, Schedule.ASYNC)
                     drafting = None if schedule is None else drafter_set.drafting(
-                        schedule, DRAFT_MAX, step=steps[schedule is Schedule.ASYNC], corrections=mode == "async")
+                        schedule, DRAFT_MAX, step=steps[schedule is Schedule.ASYNC], corrections=mode != "async-chain",
+                        branches=mode == "async-branches", tree_leaves=tree_leaves)
                     pipeline.pin_stages(overlapping=schedule is Schedule.ASYNC)
                     results = [generate(pipeline, prompt, max_tokens, SamplingSettings(), tokenizer.is_end,
                                         drafting=drafting) for prompt in prompts]
@@ -99,7 +108,9 @@ def across_rejections(repetitions: int, stages: int, curve: str | None, max_toke
                                "x sync": rates[mode, repetition] / rates["sync", repetition]})
     lines = table(["figure", *MODES], [[name, *(samples.spread(mode, name) for mode in MODES)] for name in FIGURES])
     lines.append("")
-    lines.append(f"{stages} stages {'under ' + curve if curve else 'on this machine, no curve'}; chat-draft's two prompts, {max_tokens} tokens each, greedy, "
+    trees = f", token trees of {tree_leaves} leaves" if tree_leaves > 1 else ""
+    where = f"under {curve}" if curve else "on this machine, no curve"
+    lines.append(f"{stages} stages {where}{trees}; chat-draft's two prompts, {max_tokens} tokens each, greedy, "
                  "every mode's tokens identical; the draft's prices (awaited, while a pass runs) "
                  f"{prices.awaited:.3f}, {prices.relayed:.3f} of a one-token pass.")
     return Report(f"Async speculation across rejections ({'emulated' if curve else 'this machine'})", lines,
