@@ -262,6 +262,11 @@ class DrafterClient:
         reply = self._reply(wait, sequence)
         return [] if reply is None else reply.tokens.tolist()
 
+    def peek(self, sequence: int = 0) -> list[int]:
+        """As collect, but the drafter drafts on (its collect then returns these and more)."""
+        reply = self._reply(False, sequence, keep=True)
+        return [] if reply is None else reply.tokens.tolist()
+
     def corrections(self, sequence: int = 0) -> Corrections:
         """The corrections of the last reply of ``sequence`` (asked with forks):
         (position, a runner-up of the draft there) -> that token and its continuation."""
@@ -285,18 +290,20 @@ class DrafterClient:
             return root
         return tree
 
-    def _reply(self, wait: bool, sequence: int, rows: int | None = None) -> DraftReply | None:
+    def _reply(self, wait: bool, sequence: int, rows: int | None = None, keep: bool = False) -> DraftReply | None:
         """The drafter's checked reply to a collect of ``sequence`` (None: none, or lost);
-        rows: the most draft rows it may carry (None: a chain, at most chain_reach(draft_max))."""
-        asked = sequence in self._asked
+        rows: the most draft rows it may carry (None: a chain, at most chain_reach(draft_max));
+        keep: it drafts on (peek)."""
+        asked = sequence in self._asked and not keep
         if self._sock is None or not (asked or sequence in self._speculating):
             return None
-        self._speculating.discard(sequence)
-        self._asked.discard(sequence)
+        if not keep:
+            self._speculating.discard(sequence)
+            self._asked.discard(sequence)
         epoch = self._epochs[sequence]
         try:
             if not asked:
-                wire.send_message(self._sock, CollectDraft(epoch, wait, sequence))
+                wire.send_message(self._sock, CollectDraft(epoch, wait, sequence, keep))
             self._sock.settimeout(DRAFTER_REPLY_SECONDS)
             reply = wire.receive_message(self._sock)
             self._sock.settimeout(None)
@@ -390,6 +397,9 @@ class SequenceDrafter:
 
     def collect(self, wait: bool = False) -> list[int]:
         return self.client.collect(wait, self.sequence)
+
+    def peek(self) -> list[int]:
+        return self.client.peek(self.sequence)
 
 
 def start_drafters(pipeline, make_speculator: Callable[..., Speculator], settings: DrafterSettings,

@@ -241,40 +241,36 @@ class DecodingLoop:
                 drafter.speculate(state.text, room, sampling=state.draft_sampling, forks=state.forks)
             elif room > 0:
                 drafter.speculate(state.text, room, sampling=state.draft_sampling)
-        corrects = [way.corrects for way in ways]  # type: ignore[union-attr]
-        if len(drafting) == 1 and not crowded and self._branch_while_waiting(drafting[0], chosen[0], corrects[0]):
-            corrects[0] = False  # it drafts the chain alone now: the corrections it brought stay
+        peeked = [0] * len(drafting)  # tokens each drafter handed to branch windows already
+        if len(drafting) == 1 and not crowded:
+            peeked[0] = self._branch_while_waiting(drafting[0], chosen[0], ways[0].corrects)  # type: ignore[union-attr]
         reply = self.target.receive()
         for drafter in chosen:
             drafter.ask()
-        for state, correcting, drafter in zip(drafting, corrects, chosen):
-            tokens = drafter.collect()
-            state.drafted(tokens, drafter.corrections() if correcting else None)  # type: ignore[attr-defined]
+        for state, way, drafter, handed in zip(drafting, ways, chosen, peeked):
+            tokens = drafter.collect()[handed:]
+            state.drafted(tokens, drafter.corrections() if way.corrects else None)  # type: ignore[union-attr]
         return reply
 
-    def _branch_while_waiting(self, state: SequenceState, drafter, corrects: bool) -> bool:
+    def _branch_while_waiting(self, state: SequenceState, drafter, corrects: bool) -> int:
         """A branching sequence's branch windows while its oldest pass runs: each
         time stage 0 is done with the passes submitted (by the last pass's
-        seconds there) before the oldest result is in, what the drafter
-        drafted by then (chain and corrections) makes the next window
-        (SequenceState.branch_window), submitted at once, and the drafter goes
-        on with the chain. Returns whether it went on so."""
-        went_on = False
+        seconds there) before the oldest result is in, what the drafter has
+        drafted by then (chain and corrections; Drafter.peek: it drafts on)
+        makes the next window (SequenceState.branch_window), submitted at
+        once. Returns how many of the drafter's tokens it took."""
+        peeked = 0
         while state.branching and 0 < len(state.in_flight) < state.stages and self._stage_zero > 0:
             if self.target.result_within(max(0.0, self._submitted + self._stage_zero - self.clock())):
                 break
-            drafter.ask()
-            tokens = drafter.collect()
-            state.drafted(tokens, drafter.corrections() if corrects and not went_on else None)
+            tokens = drafter.peek()
+            state.drafted(tokens[peeked:], drafter.corrections() if corrects else None)
+            peeked = max(peeked, len(tokens))
             window = state.branch_window()
-            if window is not None:
-                self._submit(self.scheduler.submit_alone(window))
-            if (room := state.speculation_room) > 0:
-                drafter.speculate(state.text, room, sampling=state.draft_sampling)
-            went_on = True
             if window is None:
                 break
-        return went_on
+            self._submit(self.scheduler.submit_alone(window))
+        return peeked
 
 
 # -- orchestrate run: a fixed set of sequences, each with its Generation ------

@@ -158,6 +158,11 @@ class Drafter(Protocol):
         collect only reads the answer, so asking several drafters costs one
         round trip, not one each. Nothing for a drafter in this process."""
 
+    def peek(self) -> list[int]:
+        """What a collect() would return now, the drafting going on: the next
+        collect returns these tokens and those drafted after them (a branch
+        window takes what the drafter has when stage 0 is done)."""
+
 
 class InstantTarget:
     """A target that answers every pass at once: timing the loop against it
@@ -225,11 +230,14 @@ class InPlaceDrafter:
         pass
 
     def collect(self, wait: bool = False) -> list[int]:
+        drafted = self.peek()
+        self.context = None
+        return drafted
+
+    def peek(self) -> list[int]:
         if self.context is None:
             return []
-        context, self.context = self.context, None
-        reach = chain_reach(self.draft_max)
-        return self.draft(context, min(reach, self.most or self.draft_max))
+        return self.draft(self.context, min(chain_reach(self.draft_max), self.most or self.draft_max))
 
     def draft(self, context: list[int], limit: int) -> list[int]:
         """At most ``limit`` tokens extending ``context``."""

@@ -1,9 +1,8 @@
 """A discrete-event simulation of the coordinator's decoding loop.
 
-It turns the real decoding loop (orchestrator.decoding.loop, whose decisions
-are orchestrator.decoding.schedule's) against simulated stages and drafters:
-the same windows, drafting, windows started ahead, discards, cancels and
-draft policy; only time is virtual, from a cost model (``PipelineCosts``).
+It turns the real decoding loop (orchestrator.decoding.loop) against
+simulated stages and drafters: the same windows, drafting, discards, cancels
+and draft policy; only time is virtual, from a cost model (``PipelineCosts``).
 No formula for tokens/s is assumed: throughput is what the simulated clock
 shows. Several sequences may share passes (``simulate_many``).
 
@@ -421,20 +420,21 @@ class _SimulatedDrafter:
     def ask(self) -> None:
         pass  # its collect's round trip is priced at the collect
 
+    def peek(self, everything: bool = False) -> list[int]:
+        """The tokens drafted by now (everything: all it will), drafting on; a round trip."""
+        step = self.seconds_per_token
+        count = len(self.tokens) if everything or step <= 0 else int(max(0.0, self.clock.now - self.started) / step)
+        self.clock.now += self.call_seconds
+        return list(self.tokens[:count])
+
     def collect(self, wait: bool = False) -> list[int]:
         """The tokens drafted by now (with ``wait``: all, once drafted); the
         speculation ends here, as a drafter stops at a collect: another
         collect without a speculate in between gets nothing."""
         if wait:
             self.clock.now = max(self.clock.now, self.started + len(self.tokens) * self.seconds_per_token)
-            drafted = self.tokens
-        elif self.seconds_per_token <= 0:
-            drafted = self.tokens
-        else:
-            drafted = self.tokens[:int(max(0.0, self.clock.now - self.started) / self.seconds_per_token)]
-        self.clock.now += self.call_seconds
-        self.tokens = []
-        return list(drafted)
+        drafted, self.tokens = self.peek(everything=wait), []
+        return drafted
 
     def collect_tree(self, leaves: int) -> DraftTree:
         """A token tree from the committed text, as InstantDrafter.collect_tree drafts it."""

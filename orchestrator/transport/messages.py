@@ -481,9 +481,8 @@ def _sequence(header: WireHeader) -> int:
 @dataclass(frozen=True)
 class CollectDraft:
     """Coordinator -> drafter: reply with what you have drafted for ``epoch``
-    of KV sequence ``sequence``.
-
-    wait: first let the drafting finish by itself (synchronous schedule).
+    of KV sequence ``sequence``. wait: first let the drafting finish by itself
+    (synchronous schedule); keep: draft on after the reply (a branch window's).
     """
 
     KIND: ClassVar[str] = "collect"
@@ -491,13 +490,16 @@ class CollectDraft:
     epoch: int
     wait: bool
     sequence: int = 0
+    keep: bool = False
 
     def to_wire(self) -> tuple[WireHeader, np.ndarray | None]:
-        return {"epoch": self.epoch, "wait": self.wait, **_sequence_field(self.sequence)}, None
+        keep = {"keep": True} if self.keep else {}
+        return {"epoch": self.epoch, "wait": self.wait, **keep, **_sequence_field(self.sequence)}, None
 
     @classmethod
     def from_wire(cls, header: WireHeader, array: np.ndarray | None) -> CollectDraft:
-        return cls(epoch=integer(header, "epoch"), wait=flag(header, "wait"), sequence=_sequence(header))
+        return cls(epoch=integer(header, "epoch"), wait=flag(header, "wait"), sequence=_sequence(header),
+                   keep="keep" in header and flag(header, "keep"))
 
 
 @dataclass(frozen=True)

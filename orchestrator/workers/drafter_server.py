@@ -194,7 +194,7 @@ class DrafterServer:
         with self._lock:
             current = message.epoch == request.epoch
             tokens = list(request.extension) if current else []
-            if current and not self.overlap:
+            if current and not self.overlap and not message.keep:
                 request.drafting = False
             tree = request.tree if current and request.tree_ask is not None else None
             if tree is not None and not tree.is_chain:

@@ -115,6 +115,22 @@ def test_with_overlap_drafting_goes_on_after_collect():
     client.close()
 
 
+def test_a_peek_hands_over_what_is_drafted_and_drafting_goes_on():
+    """A branch window takes what the drafter has (DrafterClient.peek); the
+    collect after it returns those tokens and the ones drafted since."""
+    speculator = GatedSpeculator()
+    server, client = serve(lambda: speculator, draft_max=40)
+    client.speculate(TRUTH[:5])
+    speculator.permits.release(2)
+    wait_until(lambda: len(speculator.contexts) == 3, "two tokens drafted, the third begun")
+    assert client.peek() == TRUTH[5:7]
+    speculator.permits.release(2)
+    wait_until(lambda: len(speculator.contexts) == 5, "drafting went on after the peek")
+    assert client.collect() == TRUTH[5:9]
+    assert client.peek() == [] and client.alive  # collected: nothing more to peek at
+    client.close()
+
+
 def test_a_hanging_speculator_still_gets_an_answer_and_is_not_waited_for_twice():
     make = functools.partial(fakes.HangingSpeculator, TRUTH, good_calls=2)
     server, client = serve(make, draft_max=8, wait_seconds=0.3)  # how long a wait may last, not a speed

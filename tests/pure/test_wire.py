@@ -85,6 +85,7 @@ EXAMPLES = [
     CollectDraft(epoch=7, wait=True),
     CollectDraft(epoch=8, wait=False),
     CollectDraft(epoch=8, wait=False, sequence=5),
+    CollectDraft(epoch=8, wait=False, keep=True),
     SpeculateFrom(epoch=9, context=np.array([1, 2], np.int32), most=3, sequence=7),
     DraftReply(epoch=9, tokens=np.array([3], np.int32), busy_seconds=0.5, sequence=7),
     DraftReply(epoch=7, tokens=np.array([4, 5, 6], np.int32), busy_seconds=0.03125),
