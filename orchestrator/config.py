@@ -50,6 +50,9 @@ BRANCHES_AHEAD_STEP = 0.25
 # at 0.125 0.97-1.07x; at 0.25 (this CPU's draft under the emulated @40 curve) 0.90-1.02x, and the
 # probe across-rejections measured 0.93x there (the drafter, not the pipeline, limits the tokens).
 BRANCHES_DRAFT_PRICE = 0.07
+# Where the drafter has drafted too little for a branch window when stage 0 is done, the loop looks
+# again after this share of a stage's time, this many times (each look a round trip to the drafter)
+BRANCH_LOOKS_PER_STAGE = 4
 
 # Scheduler.drafting_during (orchestrator.decoding.scheduler), in passes: while several sequences
 # share passes, drafting pauses after this many shared passes in a row took no drafts, and drafts again

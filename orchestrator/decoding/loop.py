@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from orchestrator.config import BRANCH_LOOKS_PER_STAGE
 from orchestrator.decoding.schedule import SequenceState, prompt_chunk
 from orchestrator.decoding.scheduler import Batching, Scheduler
 from orchestrator.decoding.stats import SpeculationStats
@@ -258,18 +259,25 @@ class DecodingLoop:
         seconds there) before the oldest result is in, what the drafter has
         drafted by then (chain and corrections; Drafter.peek: it drafts on)
         makes the next window (SequenceState.branch_window), submitted at
-        once. Returns how many of the drafter's tokens it took."""
-        peeked = 0
-        while state.branching and 0 < len(state.in_flight) < state.stages and self._stage_zero > 0:
-            if self.target.result_within(max(0.0, self._submitted + self._stage_zero - self.clock())):
+        once; where it makes none yet, the drafter is looked at again
+        BRANCH_LOOKS_PER_STAGE times a stage's time, up to that many times.
+        Returns how many of the drafter's tokens it took."""
+        peeked, looks = 0, 0
+        deadline = self._submitted + self._stage_zero
+        while (state.branching and 0 < len(state.in_flight) < state.stages and self._stage_zero > 0
+               and looks < BRANCH_LOOKS_PER_STAGE):
+            if self.target.result_within(max(0.0, deadline - self.clock())):
                 break
             tokens = drafter.peek()
             state.drafted(tokens[peeked:], drafter.corrections() if corrects else None)
             peeked = max(peeked, len(tokens))
             window = state.branch_window()
             if window is None:
-                break
-            self._submit(self.scheduler.submit_alone(window))
+                looks += 1
+                deadline = self.clock() + self._stage_zero / BRANCH_LOOKS_PER_STAGE
+            else:
+                self._submit(self.scheduler.submit_alone(window))
+                looks, deadline = 0, self._submitted + self._stage_zero
         return peeked
 
 
