@@ -307,9 +307,10 @@ class SequenceState:
             shared = shared if self.tree_leaves == 1 else None  # a tree goes in a pass of its own
             limit = self.drafts_wanted if self.schedule.speculative else 0
             limit = limit if shared is None else min(shared, max(self.room, 0))
-            if self.branching:
+            if self.branching:  # fed again from where the cells leave the text, no wider than a flat pass
                 self.refeed = len(self.committed) - 1 - min(fed_agreement(self.fed, self.committed),
                                                             len(self.committed) - 1)
+                limit = max(0, min(limit, self._flat_rows - 1 - self.refeed))
             first = len(self.committed) - 1 - self.refeed
             drafts = self.speculation.tokens[:limit]
             filler = 0 if shared is None else limit - len(drafts)
@@ -449,9 +450,14 @@ class SequenceState:
         chain = self.speculation.tokens[:drafts]
         tree = DraftTree.chain(self.committed[-1], chain)
         if self.tree_leaves > 1 and self.speculation.corrections:
+            cost, room = self._row_cost(), self._flat_rows - 1 - refeed  # side rows too within the flat pass
+
+            def flat_cost(rows: int) -> float:
+                return cost(rows) if rows <= room else float("inf")
+
             tree = choose_rows(branch_tree(self.committed[-1], chain, self.speculation.corrections,
                                            len(self.committed), self.tree_leaves - 1),
-                               self.policy.acceptances(), self.speculation.ranks, self._row_cost(), forced=drafts)
+                               self.policy.acceptances(), self.speculation.ranks, flat_cost, forced=drafts)
         if tree.is_chain and not self.accepted_whole:  # a chain stays valid only if the windows before accept all
             return None
         window = Window(self.sequence, first, (*self.committed[first:-1], *tree.tokens), sampling=self.sampling,

@@ -113,24 +113,33 @@ def test_without_branches_a_window_ahead_still_waits_for_a_window_that_accepted_
 
 def test_a_branch_window_feeds_again_what_the_cells_of_the_windows_before_it_left_out():
     """Three stages. The head 3 | 4 5 6 and two branch windows from 3, the
-    second with a longer correction 50 51 52 99 at position 4. The head
-    commits 4 50, the first branch window 51 52 99 through its side branch;
-    the second still holds that path, so it stays, but the stages' cells are
-    its main chain (4 5 6 ...): the next window feeds 50 51 52 again."""
+    second with a longer correction 50 51 99 at position 4. The head commits
+    4 50, the first branch window 51 99 through its side branch; the second
+    still holds that path, so it stays, but the stages' cells are its main
+    chain (4 5 6 ...): the next window feeds 50 51 again."""
     state = branching(stages=3)
     head = state.first_window()
-    state.drafted([7, 8], {(4, 50): [50, 51, 52]})
+    state.drafted([7], {(4, 50): [50, 51]})
     first_branch = state.branch_window()
-    state.drafted([9, 10], {(4, 50): [50, 51, 52, 99, 100]})
+    state.drafted([8], {(4, 50): [50, 51, 99]})
     second_branch = state.branch_window()
-    assert second_branch.first == 2 and second_branch.inputs[:8] == (3, 4, 5, 6, 7, 8, 9, 10)
+    assert second_branch.first == 2 and second_branch.inputs == (3, 4, 5, 6, 7, 8, 50, 51, 99)
     state.verified(head, [4, 50], never_ends)
-    assert state.verified(first_branch, [4, 50, 51, 52, 99], never_ends) == [51, 52, 99]
+    assert state.verified(first_branch, [4, 50, 51, 99], never_ends) == [51, 99]
     assert list(state.in_flight) == [second_branch]
-    state.drafted([101, 102, 103], {(9, 77): [77]})
+    state.drafted([101, 102, 103], {(8, 77): [77]})
     window = state.branch_window()
-    assert (window.first, window.refed) == (4, 3)
-    assert window.inputs == (50, 51, 52, 99, 100, 101, 102, 103, 77)
+    assert (window.first, window.refed) == (4, 2)
+    assert window.inputs == (50, 51, 99, 101, 102, 103, 77)
+
+
+def test_a_branch_window_with_its_corrections_is_no_wider_than_a_flat_pass():
+    state = branching(speculation=range(4, 12))
+    state.accepted_whole = True  # so that a chain may go
+    state.first_window()
+    state.drafted([], {(4, 50): [50, 51, 52, 53]})
+    window = state.branch_window()  # the chain's 8 drafts fill the 9 rows: no room for the correction
+    assert window.inputs == (3, *range(4, 12)) and window.parents is None
 
 
 def test_a_chain_branch_window_waits_for_a_window_that_accepted_all_its_drafts():
