@@ -86,12 +86,18 @@ def draft_loop_is_idle(server: DrafterServer) -> bool:
     return False
 
 
-def test_drafting_stops_at_collect():
+def two_drafted(**settings):
+    """A gated drafter after TRUTH[:5] that drafted two tokens and began a third."""
     speculator = GatedSpeculator()
-    server, client = serve(lambda: speculator, draft_max=40)
+    server, client = serve(lambda: speculator, draft_max=40, **settings)
     client.speculate(TRUTH[:5])
     speculator.permits.release(2)
     wait_until(lambda: len(speculator.contexts) == 3, "two tokens drafted, the third begun")
+    return speculator, server, client
+
+
+def test_drafting_stops_at_collect():
+    speculator, server, client = two_drafted()
     assert client.collect() == TRUTH[5:7]
     speculator.permits.release(1)  # the token in progress ends, and is not wanted any more
     wait_until(lambda: draft_loop_is_idle(server) or len(speculator.contexts) > 3, "the drafting thread settled")
@@ -103,11 +109,7 @@ def test_drafting_stops_at_collect():
 
 
 def test_with_overlap_drafting_goes_on_after_collect():
-    speculator = GatedSpeculator()
-    server, client = serve(lambda: speculator, draft_max=40, overlap=True)
-    client.speculate(TRUTH[:5])
-    speculator.permits.release(2)
-    wait_until(lambda: len(speculator.contexts) == 3, "two tokens drafted, the third begun")
+    speculator, server, client = two_drafted(overlap=True)
     assert client.collect() == TRUTH[5:7]
     speculator.permits.release(3)
     wait_until(lambda: len(speculator.contexts) == 6, "drafting went on after the collect")
@@ -118,11 +120,7 @@ def test_with_overlap_drafting_goes_on_after_collect():
 def test_a_peek_hands_over_what_is_drafted_and_drafting_goes_on():
     """A branch window takes what the drafter has (DrafterClient.peek); the
     collect after it returns those tokens and the ones drafted since."""
-    speculator = GatedSpeculator()
-    server, client = serve(lambda: speculator, draft_max=40)
-    client.speculate(TRUTH[:5])
-    speculator.permits.release(2)
-    wait_until(lambda: len(speculator.contexts) == 3, "two tokens drafted, the third begun")
+    speculator, server, client = two_drafted()
     assert client.peek() == TRUTH[5:7]
     speculator.permits.release(2)
     wait_until(lambda: len(speculator.contexts) == 5, "drafting went on after the peek")
