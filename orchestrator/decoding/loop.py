@@ -10,7 +10,8 @@ stages in virtual time) and where its sequences come from. One turn
 
     drafters beside stage 0 draft for the sequences that wait for them
     -> submit the passes the schedule makes (first windows, windows ahead)
-    -> wait for the oldest pass while async sequences draft on
+    -> wait for the oldest pass while async sequences draft on (a branching
+       one also submits a branch window each time stage 0 is done)
     -> verify each window it carried and commit its tokens
     -> cancel the passes a rejection made worthless, and start the drafter
        beside stage 0 for a sequence that waits only for such passes
