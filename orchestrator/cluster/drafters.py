@@ -35,6 +35,7 @@ from orchestrator.config import (
     chain_reach,
 )
 from orchestrator.planning.cluster_split import NodeMemory
+from orchestrator.cluster.sequence_drafter import SequenceDrafter
 from orchestrator.workers.drafter_server import DrafterServer
 from speculators import Speculator
 from speculators.draft_length import DraftPrices
@@ -372,34 +373,6 @@ class DrafterClient:
                 pass
             self._sock.close()
             self._sock = None
-
-
-class SequenceDrafter:
-    """One request's view of a drafter shared by a service's requests: its
-    speculate and collect name the request's KV sequence (the loop's Drafter)."""
-
-    def __init__(self, client: DrafterClient, sequence: int):
-        self.client = client
-        self.sequence = sequence
-
-    def speculate(self, context: list[int], most: int | None = None, sampling: SamplingSettings | None = None,
-                  tree: TreeAsk | None = None, forks: Forks | None = None) -> None:
-        self.client.speculate(context, most, self.sequence, sampling=sampling, tree=tree, forks=forks)
-
-    def corrections(self) -> Corrections:
-        return self.client.corrections(self.sequence)
-
-    def collect_tree(self, leaves: int) -> DraftTree:
-        return self.client.collect_tree(leaves, self.sequence)
-
-    def ask(self) -> None:
-        self.client.ask(self.sequence)
-
-    def collect(self, wait: bool = False) -> list[int]:
-        return self.client.collect(wait, self.sequence)
-
-    def peek(self) -> list[int]:
-        return self.client.peek(self.sequence)
 
 
 def start_drafters(pipeline, make_speculator: Callable[..., Speculator], settings: DrafterSettings,
