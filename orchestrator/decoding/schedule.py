@@ -45,6 +45,7 @@ docs/architecture.md ("Speculation") tells each rule at length:
 from __future__ import annotations
 
 import enum
+import functools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -331,11 +332,12 @@ class SequenceState:
         self.in_flight.append(window)
         self.fed[window.first:] = window.inputs[:window.main_rows]
 
-    @property
+    @functools.cached_property
     def _flat_rows(self) -> int:
         """The widest pass known to cost about a one-token one: on the measured
         curve, the widest within BRANCHES_AHEAD_STEP of it a row; without one,
-        the width the step was measured at (a curve flat that far may grow beyond)."""
+        the width the step was measured at (a curve flat that far may grow
+        beyond). Read once: the curve is measured before the run."""
         if self.pass_curve is None:
             return DRAFT_STEP_TOKENS + 1
         one = self.pass_curve.at(1)
