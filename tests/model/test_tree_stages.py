@@ -7,6 +7,7 @@ import pytest
 
 from stages.engine import StageEngine, StageError
 from stages.settings import StageSettings
+from stages.tree_check import side_rows_exact
 from stages.tree_shape import depths, main_chain_length
 
 
@@ -23,19 +24,20 @@ def _avx512() -> bool:
 
 
 # A side row's ancestors' cells lie apart in the cache (the main chain's
-# rows between them). On the hosts this was built on, with AVX-512,
-# attention over cells apart rounded as over cells together; on an AMD EPYC
-# host with AVX2 and no AVX-512 (2026-12-04) it did not: a side row's logits
-# were off by up to 0.3 from its path's (README's limits). Observed, not
-# explained: llama.cpp's CPU kernels differ by the vector width.
-GAPS_ROUND_ALIKE = _avx512()
+# rows between them). On the AVX-512 hosts this was built on, attention over
+# cells apart rounded as over cells together; on one AMD EPYC host with AVX2
+# and no AVX-512 (2026-12-04) it did not: a side row's logits were off by up
+# to 0.3 from its path's (README's limits); on another (2026-12-07) it did.
+# Observed, not explained, so the stages check it on their own machine
+# (stages.tree_check.side_rows_exact) and these tests hold that check to it.
+AVX512 = _avx512()
 
 
-def _assert_row_logits(tree_row, path_row, *, side: bool, row: int) -> None:
+def _assert_row_logits(tree_row, path_row, *, side: bool, exact: bool, row: int) -> None:
     """A main-chain row's logits are its path's bit for bit on every CPU; a
-    side row's too where cells apart round alike, else within 1.0 and with
-    the same argmax (what a near-tie could still flip)."""
-    if not side or GAPS_ROUND_ALIKE:
+    side row's too where the stages' own check found them exact, else within
+    1.0 and with the same argmax (what a near-tie could still flip)."""
+    if not side or exact:
         assert np.array_equal(tree_row, path_row), f"row {row}"
     else:
         assert np.abs(tree_row - path_row).max() < 1.0, f"row {row}"
@@ -74,6 +76,8 @@ def test_tree_rows_equal_their_paths_and_the_cache_keeps_the_main_chain(smollm2,
     trees = [StageEngine(path, StageSettings(n_ctx=512, tree_sequences=4)) for path in paths]
     chains = [StageEngine(path, StageSettings(n_ctx=512)) for path in paths]
     try:
+        exact = all(side_rows_exact(engine) for engine in trees)  # what run and serve would be told
+        assert exact or not AVX512  # exact on every AVX-512 host seen
         prompt = reference.tokenize("The capital of France is Paris. The capital of Germany is")
         tokens = [prompt[-1], *TOKENS[1:]]
         first = len(prompt) - 1
@@ -82,7 +86,8 @@ def test_tree_rows_equal_their_paths_and_the_cache_keeps_the_main_chain(smollm2,
         tree_logits = _through(trees, (first + depths(PARENTS)).astype(np.int32), tokens, PARENTS)
         for row in range(len(PARENTS)):
             path_logits = _chain(chains, first, [tokens[step] for step in _path(row)])
-            _assert_row_logits(tree_logits[row], path_logits[-1], side=row >= main_chain_length(PARENTS), row=row)
+            _assert_row_logits(tree_logits[row], path_logits[-1], side=row >= main_chain_length(PARENTS), exact=exact,
+                              row=row)
         # keep the main chain up to b (the next pass's keep drops every side branch)
         for engines in (trees, chains):
             for engine in engines:
@@ -94,7 +99,7 @@ def test_tree_rows_equal_their_paths_and_the_cache_keeps_the_main_chain(smollm2,
         later = [int(np.argmax(tree_logits[2])), 7, 8]
         assert np.array_equal(_chain(trees, first + 3, later), _chain(chains, first + 3, later))
         again = _through(trees, (first + 6 + depths([-1, 0, 0])).astype(np.int32), [9, 10, 12], [-1, 0, 0])
-        _assert_row_logits(again[2], _chain(chains, first + 6, [9, 12])[-1], side=True, row=2)
+        _assert_row_logits(again[2], _chain(chains, first + 6, [9, 12])[-1], side=True, exact=exact, row=2)
     finally:
         for engine in trees + chains:
             engine.close()
@@ -125,15 +130,14 @@ def test_tree_batches_are_checked(smollm2):
 
 @pytest.mark.parametrize("tree_sequences", [1, 4])
 def test_each_stage_tells_whether_its_side_rows_are_exact_on_this_machine(splits, tree_sequences):
-    """stages.tree_check.side_rows_exact: on each stage of a split, what the
-    row-by-row comparison above finds on this CPU; the cache is left empty.
-    A side row's output one ulp off is seen (a planted difference)."""
-    from stages.tree_check import side_rows_exact
-
+    """stages.tree_check.side_rows_exact on each stage of a split: exact on
+    an AVX-512 host (elsewhere the row-by-row test above holds the answer
+    to its rows); the cache is left empty. A side row's output one ulp off
+    is seen (a planted difference)."""
     for path in splits[2]:
         engine = StageEngine(path, StageSettings(n_ctx=64, tree_sequences=tree_sequences))
         try:
-            assert side_rows_exact(engine) is GAPS_ROUND_ALIKE
+            assert side_rows_exact(engine) in ((True,) if AVX512 else (True, False))
             assert engine.cached_positions() == 0
             decode = engine.decode
 

@@ -25,7 +25,9 @@ def test_draft_model_trees_through_the_pipeline_keep_the_greedy_and_the_seeded_t
     plain_seeded = orchestrate_on_cluster(*common, *seeded)  # a curve changes no token: left out here
     tree_seeded = orchestrate_on_cluster(*common, *trees, *seeded)
     assert all(result.returncode == 0 for result in (greedy, plain_seeded, tree_seeded)), tree_seeded.stderr
+    # where this CPU's side rows are inexact (stages.tree_check), the run drafts chains and says so
+    said_off = "[token trees off: a side row's output differs from its path's on the machine of stage" in greedy.stderr
     greedy, plain_seeded, tree_seeded = (json.loads(result.stdout) for result in (greedy, plain_seeded, tree_seeded))
     assert greedy["tokens"] == reference.greedy(reference.tokenize(PROMPTS[1]), 16).tokens
     assert tree_seeded["tokens"] == plain_seeded["tokens"]
-    assert greedy["tree_passes"] > 0
+    assert (greedy["tree_passes"] == 0) if said_off else (greedy["tree_passes"] > 0)
