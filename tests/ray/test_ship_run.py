@@ -1,8 +1,8 @@
 """`orchestrate run --model WHOLE.gguf`: the stages cut on the driver and
 shipped into the node's stage cache (a local Ray: the one node is every
-stage's), the tokens the whole model's; a second run ships nothing; a
-transfer left half done is resumed, not started again (the stage image it
-streams: tests/model/test_ship_run_stage_image.py)."""
+stage's), the tokens the whole model's; a second run ships nothing of a
+stage already there and resumes a transfer left half done, not started
+again (the stage image it streams: tests/model/test_ship_run_stage_image.py)."""
 
 from __future__ import annotations
 
@@ -39,17 +39,14 @@ def test_run_from_the_whole_model_ships_each_stage_once_and_resumes_a_partial(sm
         assert Path(item["path"]).read_bytes() == Path(split_file).read_bytes()
     assert not list(cache.rglob("*.partial"))
 
-    again = shipped_run(smollm2, cache, "--stages", "2")
-    assert again["tokens"] == expected
-    assert [item["bytes_sent"] for item in again["shipped"]] == [0, 0]
-
-    # what an interrupted transfer of stage 1 leaves: the first part of its file, as .partial
+    # then a run after stage 1's transfer was interrupted: what it leaves is the first part of its file,
+    # as .partial. Stage 0 is shipped nothing (its file is there), stage 1 resumed where it stopped.
     stage_file = Path(shipped[1]["path"])
     kept = 20_000_001
     partial = stage_file.with_name(stage_file.name + ".partial")
     partial.write_bytes(stage_file.read_bytes()[:kept])
     stage_file.unlink()
-    resumed = shipped_run(smollm2, cache, "--boundaries", "15")
+    resumed = shipped_run(smollm2, cache, "--boundaries", "15")  # the same split, asked for by its boundary
     assert resumed["tokens"] == expected
     assert [(item["resumed_from"], item["bytes_sent"]) for item in resumed["shipped"]] == \
         [(shipped[0]["bytes"], 0), (kept, shipped[1]["bytes"] - kept)]
