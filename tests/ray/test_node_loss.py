@@ -218,16 +218,25 @@ def test_a_lost_drafter_only_node_changes_no_token_and_is_named(three_workers, s
             drafters.stop()
 
 
-def test_serve_moves_a_lost_stage_to_the_spare_under_load(three_workers, smollm2, reference, tmp_path):
+def test_serve_moves_a_lost_stage_to_the_spare_then_without_one_answers_503_and_resumes_when_a_node_joins(
+        three_workers, smollm2, reference, tmp_path):
     """`orchestrate serve --model` on the cluster, four streamed greedy
     requests in flight, the node of a stage (not the coordinator's) removed:
     every request finishes with the whole model's text, and the stage runs on
     the spare. Before, serve pinned each stage to its first node and every
-    request failed ('could not read the stage files on their node')."""
+    request failed ('could not read the stage files on their node').
+
+    Then, the same server with no spare left: another stage's node removed
+    under a request. The request and the next ones get 503 with Retry-After
+    naming the lost node, /health says degraded; a node joins and, without
+    restarting serve, a request gets the whole model's text. (One server for
+    both: a serve start is about 20 s of this file.)"""
     import asyncio
 
     import httpx
     import openai
+
+    from benchmarks.serve_bench import replica_node
 
     cluster = three_workers
     with serving(cluster, smollm2, tmp_path, max_sequences=4) as (base, index, lost, log):
@@ -273,18 +282,9 @@ def test_serve_moves_a_lost_stage_to_the_spare_under_load(three_workers, smollm2
         health = httpx.get(base + "/health", timeout=30).json()
         assert health["stages"][index]["restarts"] == 2 and health["stages"][index]["node"] == moved
 
-
-def test_serve_without_room_answers_503_naming_the_node_and_resumes_when_a_node_joins(cluster, smollm2, reference,
-                                                                                       tmp_path):
-    """No spare: the stage's node removed under a request. The request and
-    the next ones get 503 with Retry-After naming the lost node, /health says
-    degraded; a node joins and, without restarting serve, a request gets the
-    whole model's text."""
-    import asyncio
-
-    import httpx
-
-    with serving(with_workers(cluster, 2), smollm2, tmp_path, max_sequences=2) as (base, _, lost, log):
+        # no spare now: the node of a stage not beside the coordinator removed under a request
+        coordinator = replica_node(cluster)
+        lost = next(stage["node"] for stage in health["stages"] if stage["node"] != coordinator.node_id)
         model = httpx.get(base + "/v1/models", timeout=30).json()["data"][0]["id"]
         body = {"model": model, "prompt": PROMPTS[1], "max_tokens": 60, "temperature": 0}
 
