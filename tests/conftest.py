@@ -5,6 +5,7 @@ Test doubles are in tests/fakes.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -121,12 +122,33 @@ def profile_path(tmp_path_factory, worker_id):
     return once_per_run(tmp_path_factory, worker_id, "profile", measure) / "profile.json"
 
 
+class OnceEachPrompt:
+    """The reference (benchmarks.reference.WholeModel) with each prompt's
+    greedy tokens computed once a worker: a shorter ask is a prefix of the
+    longest asked so far (greedy decoding is deterministic: the same passes
+    up to that token). Tests use its tokens, not its timings."""
+
+    def __init__(self, whole):
+        self.whole, self.llama = whole, whole.llama
+        self._runs: dict[tuple[int, ...], tuple[int, object]] = {}  # prompt: (max_tokens asked, its run)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.whole.tokenize(text)
+
+    def greedy(self, prompt_tokens: list[int], max_tokens: int):
+        asked, run = self._runs.get(tuple(prompt_tokens), (-1, None))
+        if max_tokens > asked:
+            asked, run = max_tokens, self.whole.greedy(prompt_tokens, max_tokens)
+            self._runs[tuple(prompt_tokens)] = asked, run
+        return dataclasses.replace(run, tokens=run.tokens[:max_tokens])
+
+
 @pytest.fixture(scope="session")
 def reference(smollm2):
     """llama-cpp-python's own Llama on the whole model: what outputs must equal."""
     from benchmarks.reference import WholeModel
 
-    return WholeModel(smollm2)
+    return OnceEachPrompt(WholeModel(smollm2))
 
 
 def free_port() -> int:
