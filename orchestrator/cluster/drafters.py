@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -119,8 +120,10 @@ def _drafter_actor_class():
 
             return os.getpid()
 
-        def address(self) -> tuple[str, int, str]:
-            return self.host, self.server.port, ray.get_runtime_context().get_node_id()
+        def address(self) -> tuple[str, int, str, int]:
+            import os
+
+            return self.host, self.server.port, ray.get_runtime_context().get_node_id(), os.getpid()
 
         def __repr__(self) -> str:  # the name shown on the Ray dashboard
             return f"drafter-{self.index}" if hasattr(self, "index") else "drafter (not started)"
@@ -128,14 +131,22 @@ def _drafter_actor_class():
     return DrafterActor
 
 
-Launch = Callable[[], tuple[object, socket.socket, str]]
-"""Starts a drafter actor and connects to it: (actor, proved socket, node id); raises if it cannot."""
+class Launched(NamedTuple):
+    """A drafter actor started and connected to."""
+
+    actor: object
+    sock: socket.socket  # proved (connect_peer)
+    node_id: str
+    process_id: int  # its worker process: the log that tells why it died is named by it
+
+
+Launch = Callable[[], Launched]  # starts a drafter actor and connects to it; raises if it cannot
 
 
 class DrafterClient:
     """The coordinator's handle on one drafter; never raises."""
 
-    def __init__(self, index: int, sock: socket.socket | None, node_id: str = "", actor=None, *,
+    def __init__(self, index: int, sock: socket.socket | None, node_id: str = "", actor=None, process_id: int = 0, *,
                  n_vocab: int | None = None, draft_max: int | None = None, relaunch: Launch | None = None,
                  max_restarts: int = 0, on_restart: Callable[[int], None] | None = None):
         """n_vocab, draft_max: what a reply's tokens must stay within (None: unchecked).
@@ -144,6 +155,7 @@ class DrafterClient:
         self.index = index
         self.node_id = node_id
         self.actor = actor
+        self.process_id = process_id
         self.n_vocab = n_vocab
         self.draft_max = draft_max
         self._sock = sock
@@ -164,7 +176,7 @@ class DrafterClient:
         self.restarts = 0  # replacements that rejoined
         self.draft_shipment = None  # a draft model's file on its node (shipping.Shipment), set by start_drafters
         self._lock = threading.Lock()
-        self._replacement: tuple[object, socket.socket, str] | None = None
+        self._replacement: Launched | None = None
         self._closed = False
         # set while a restarted drafter waits to rejoin (tests wait on it, not on the clock)
         self.replacement_ready = threading.Event()
@@ -175,7 +187,13 @@ class DrafterClient:
     def alive(self) -> bool:
         return self._sock is not None
 
-    def _lose(self, reason: str) -> None:
+    def _lose(self, reason: str, *, connection: bool = False) -> None:
+        """Lost for ``reason``; where the connection itself failed (``connection``), the
+        process may have died: the reason names its log (a native crash's backtrace is there)."""
+        if connection and self.process_id:
+            from orchestrator.cluster.ray_calls import worker_log
+
+            reason = f"{reason}; {worker_log(self.node_id, self.process_id)}"
         self.lost_reason = reason
         if self._sock is not None:
             self._sock.close()
@@ -205,8 +223,8 @@ class DrafterClient:
             return
         with self._lock:
             if self._closed:  # stopped meanwhile: the replacement must not outlive the run
-                launched[1].close()
-                ray.kill(launched[0])
+                launched.sock.close()
+                ray.kill(launched.actor)
                 return
             self._replacement = launched
         self.replacement_ready.set()
@@ -216,7 +234,7 @@ class DrafterClient:
         if self._replacement is None:
             return
         with self._lock:
-            (self.actor, self._sock, self.node_id), self._replacement = self._replacement, None
+            (self.actor, self._sock, self.node_id, self.process_id), self._replacement = self._replacement, None
         self.replacement_ready.clear()
         self._busy_earlier = self.busy_seconds
         self.restarts += 1
@@ -245,7 +263,7 @@ class DrafterClient:
                                                         tree, sampling, forks))
             self._speculating.add(sequence)
         except OSError as error:
-            self._lose(f"send failed: {error}")
+            self._lose(f"send failed: {error}", connection=True)
 
     def ask(self, sequence: int = 0) -> None:
         """Send the collect of ``sequence`` now; its collect() (without wait) then reads the reply."""
@@ -256,7 +274,7 @@ class DrafterClient:
             wire.send_message(self._sock, CollectDraft(self._epochs[sequence], False, sequence))
             self._asked.add(sequence)
         except OSError as error:
-            self._lose(f"send failed: {error}")
+            self._lose(f"send failed: {error}", connection=True)
 
     def collect(self, wait: bool = False, sequence: int = 0) -> list[int]:
         """The tokens drafted since the last speculate of ``sequence`` (best effort); [] if none or lost."""
@@ -309,7 +327,7 @@ class DrafterClient:
             reply = wire.receive_message(self._sock)
             self._sock.settimeout(None)
         except (OSError, wire.ConnectionClosed, wire.ProtocolError) as error:
-            self._lose(f"no reply: {error or type(error).__name__}")
+            self._lose(f"no reply: {error or type(error).__name__}", connection=True)
             return None
         if not isinstance(reply, DraftReply) or reply.epoch != epoch or reply.sequence != sequence:
             self._lose(f"unexpected reply {reply!r:.100}")
@@ -365,7 +383,7 @@ class DrafterClient:
             self._closed = True
             replacement, self._replacement = self._replacement, None
         if replacement is not None:
-            self.actor, self._sock = replacement[0], replacement[1]
+            self.actor, self._sock = replacement.actor, replacement.sock
         if self._sock is not None:
             try:
                 wire.send_message(self._sock, Shutdown())
@@ -415,12 +433,12 @@ def start_drafters(pipeline, make_speculator: Callable[..., Speculator], setting
         return actor_class.options(**placed[index].options, name=name).remote(
             index, makers[index], settings, pipeline.secret, placed[index].loopback, pipeline.certificate)
 
-    def connect(index: int, actor) -> tuple[object, socket.socket, str]:
+    def connect(index: int, actor) -> Launched:
         try:
-            host, port, node_id = ray.get(actor.address.remote(), timeout=ACTOR_START_SECONDS)
+            host, port, node_id, process_id = ray.get(actor.address.remote(), timeout=ACTOR_START_SECONDS)
             sock = connect_peer(host, port, pipeline.secret, drafter_role(index), CONNECT_SECONDS,
                                 pipeline.certificate)
-            return actor, sock, node_id
+            return Launched(actor, sock, node_id, process_id)
         except BaseException:
             ray.kill(actor)
             raise
@@ -431,8 +449,8 @@ def start_drafters(pipeline, make_speculator: Callable[..., Speculator], setting
         checks = dict(n_vocab=pipeline.n_vocab, draft_max=settings.draft_max, max_restarts=settings.max_restarts,
                       relaunch=lambda index=index: connect(index, start(index)), on_restart=on_restart)
         try:
-            _, sock, node_id = connect(index, actor)
-            client = DrafterClient(index, sock, node_id, actor, **checks)
+            launched = connect(index, actor)
+            client = DrafterClient(index, launched.sock, launched.node_id, actor, launched.process_id, **checks)
         except (ray.exceptions.RayError, OSError, HandshakeError) as error:
             client = DrafterClient(index, None, **checks)
             client.lost_reason = f"did not start: {one_line(error)}"

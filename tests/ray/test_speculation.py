@@ -8,6 +8,7 @@ purpose (tests/fakes.py)."""
 
 import functools
 import os
+import re
 import signal
 import threading
 
@@ -164,11 +165,11 @@ def test_a_failing_drafter_changes_nothing(pipelines, tokenizer, double, schedul
 
 @pytest.mark.parametrize("schedule", ["sync", "async"])
 def test_a_drafter_killed_mid_generation_is_restarted_rejoins_and_changes_nothing(pipelines, tokenizer, schedule):
-    """SIGKILL the first drafter's process (by pid; it drafts in both schedules)
-    mid-generation under prompt lookup: it is restarted in the background and
-    rejoins; the output is the plain run's throughout."""
-    import ray
-
+    """The first drafter's process (it drafts in both schedules) killed
+    mid-generation under prompt lookup: SIGKILL in sync, SIGSEGV in async
+    (as a crash in llama.cpp would end it). It is restarted in the background
+    and rejoins; the output is the plain run's throughout; the reason it was
+    lost names its worker log, and the segmentation fault found there."""
     from speculators.prompt_lookup import PromptLookupSpeculator
 
     pipeline = pipelines[2]
@@ -180,13 +181,15 @@ def test_a_drafter_killed_mid_generation_is_restarted_rejoins_and_changes_nothin
     def kill_after_some_tokens(token):
         produced.append(token)
         if len(produced) == 8:
-            os.kill(ray.get(drafters[0].actor.process_id.remote()), signal.SIGKILL)
+            crashed.append(drafters[0].process_id)
+            os.kill(crashed[0], signal.SIGKILL if schedule == "sync" else signal.SIGSEGV)
             killed.set()
         elif killed.is_set() and not drafters[0].alive and drafters[0].restarts == 0:
             # the loss shows at the drafter's next request; wait for its restart (on the state, not the clock)
             assert drafters[0].replacement_ready.wait(120), drafters[0].lost_reason
 
     produced: list[int] = []
+    crashed: list[int] = []
     try:
         # asking costs the policy nothing here, so it keeps asking after the loss (the empty
         # replies of a dead drafter would otherwise stop it asking, and the rejoin comes at an ask)
@@ -202,5 +205,7 @@ def test_a_drafter_killed_mid_generation_is_restarted_rejoins_and_changes_nothin
     assert result.tokens == plain
     assert [drafter.restarts for drafter in drafters] == [1, 0]
     assert drafters[0].lost_reason and back  # the loss is reported, and the drafter is back
+    fatal = "" if schedule == "sync" else r" \(Fatal Python error: Segmentation fault\)"
+    assert re.search(rf"its log: \S+-{crashed[0]}\.err{fatal}", drafters[0].lost_reason), drafters[0].lost_reason
     assert result.speculation.accepted_tokens > 0
 
