@@ -12,14 +12,15 @@ model's. Main-chain rows are exact either way.
 tree after each committed prefix of 1 to ``PREFIXES`` cells, each side row
 compared bit for bit with its path decoded as a chain; the cache is left
 empty. Where the rounding differs, it differs only after some prefixes (on
-one AVX2 host, 2026-12-07: after 4, 14 and 30 of the first 32, and not
-after the 3 this check used to try), so one shape proves nothing: the sweep
-finds such a machine at its first differing prefix, and a machine whose
-sweep is exact has had every lane offset of its vector width tried. It is a
-probe, not a proof. A stage that answers False makes the coordinator draft
-chains instead of trees (the text stays the whole model's). Inputs are made
-up (token ids, or random hidden states for a later stage): exactness of the
-arithmetic does not depend on them.
+one AVX2 host, 2026-12-07: after 12-22 % of the prefixes of 1 to 40 cells,
+first after 4 to 16 of them, never after the 3 this check used to try), so
+one shape proves nothing: the sweep finds such a machine at its first
+differing prefix, and a machine whose sweep is exact has had every lane
+offset of its vector width tried. It is a probe, not a proof. A stage that
+answers False makes the coordinator draft chains instead of trees (the text
+stays the whole model's). Inputs are made up (token ids, or random hidden
+states for a later stage): exactness of the arithmetic does not depend on
+them.
 """
 
 from __future__ import annotations

@@ -69,7 +69,8 @@ class StageDescription:
     compute: its llama.cpp backend, devices and offloaded layers.
     source_fingerprint: the whole model's its file was cut from ("" for a whole model).
     side_rows_exact: a stage set up for token trees computes a side row as its
-    path on this machine (stages.tree_check); True where it holds no trees.
+    path on this machine (stages.tree_check); True where it holds no trees, and
+    unchecked (True) on a GPU build, whose batches are not promised invariant.
     """
 
     stage_index: int
@@ -138,8 +139,12 @@ class StageServer:
             cpus=process_cpus(),
             compute=self.engine.compute,
             source_fingerprint=self.engine.source_fingerprint,
-            side_rows_exact=side_rows_exact(self.engine) if settings.tree_sequences else True,
+            side_rows_exact=side_rows_exact(self.engine) if self._checks_trees(settings) else True,
         )
+
+    def _checks_trees(self, settings: StageSettings) -> bool:
+        """Whether to check this machine's tree rows (stages.tree_check): set up for trees, on the CPU build."""
+        return settings.tree_sequences > 0 and self.engine.compute.backend == "cpu"
 
     def pin(self, cpus: tuple[int, ...] | None) -> None:
         """Run every thread of this process (llama.cpp's, the serving thread,

@@ -27,7 +27,8 @@ def _avx512() -> bool:
 # rows between them). On the AVX-512 hosts this was built on, attention over
 # cells apart rounded as over cells together; on one AMD EPYC host with AVX2
 # and no AVX-512 (2026-12-04) it did not: a side row's logits were off by up
-# to 0.3 from its path's (README's limits); on another (2026-12-07) it did.
+# to 0.3 from its path's (README's limits); on another (2026-12-07) too, after
+# some prefixes only.
 # Observed, not explained, so the stages check it on their own machine
 # (stages.tree_check.side_rows_exact) and these tests hold that check to it.
 AVX512 = _avx512()
@@ -137,7 +138,7 @@ def test_each_stage_tells_whether_its_side_rows_are_exact_on_this_machine(splits
     for path in splits[2]:
         engine = StageEngine(path, StageSettings(n_ctx=64, tree_sequences=tree_sequences))
         try:
-            assert side_rows_exact(engine) in ((True,) if AVX512 else (True, False))
+            assert side_rows_exact(engine) or not AVX512  # elsewhere the test above holds its answer to its rows
             assert engine.cached_positions() == 0
             decode = engine.decode
 
@@ -150,5 +151,6 @@ def test_each_stage_tells_whether_its_side_rows_are_exact_on_this_machine(splits
 
             engine.decode = off_by_an_ulp
             assert side_rows_exact(engine) is False
+            assert engine.cached_positions() == 0  # emptied after the first difference too
         finally:
             engine.close()
