@@ -242,7 +242,8 @@ def drafter_process(rng: random.Random) -> tuple[int, str]:
     if not names:
         raise SystemExit("chaos: no drafter to hit (run with --speculator model)")
     name, namespace = names[rng.randrange(len(names))]
-    return ray.get(ray.get_actor(name, namespace=namespace).process_id.remote(), timeout=10), name
+    *_, process_id = ray.get(ray.get_actor(name, namespace=namespace).address.remote(), timeout=10)
+    return process_id, name
 
 
 def inject_faults(cluster, base: str, model: str, pause: float, soak: Soak, seed: int, kinds: tuple[str, ...]) -> None:

@@ -115,11 +115,6 @@ def _drafter_actor_class():
         def compute(self) -> dict | None:
             return self.server.compute()
 
-        def process_id(self) -> int:
-            import os
-
-            return os.getpid()
-
         def address(self) -> tuple[str, int, str, int]:
             import os
 

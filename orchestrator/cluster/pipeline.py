@@ -387,13 +387,12 @@ class Pipeline:
 
     # -- reporting and shutdown ------------------------------------------
     def inexact_tree_stages(self) -> list[int]:
-        """The stages of the CPU build (whose output is promised to equal
-        one-token decoding: batch invariance) whose token-tree side rows differ
-        from their paths on their machines (stages.tree_check): trees there
-        could change the text. A GPU build promises no such thing (its batches
-        are not invariant either): its trees stay, verified losslessly."""
-        return [stage.stage_index for stage in self.stages if not stage.side_rows_exact
-                and (stage.compute is None or stage.compute.backend == "cpu")]
+        """The stages whose token-tree side rows differ from their paths on
+        their machines (stages.tree_check): trees there could change the text.
+        Only the CPU build checks (its output is promised to equal one-token
+        decoding: batch invariance); a GPU build promises no such thing (its
+        batches are not invariant either), so its trees stay, verified losslessly."""
+        return [stage.stage_index for stage in self.stages if not stage.side_rows_exact]
 
     def reports(self) -> list[StageReport]:
         return [StageReport(stage.stage_index, stage.first_block, stage.end_block, stage.node_id, stage.host, *counts,
