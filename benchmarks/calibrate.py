@@ -9,6 +9,7 @@ mode is predicted), as a markdown table.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import click
@@ -50,8 +51,6 @@ def markdown(rows: list[ModePrediction], command: str) -> str:
               help="results.json written by orchestrate bench.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), help="Also write the table here.")
 def main(profile_path: str, bench_path: str, out_path: Path | None) -> None:
-    import sys
-
     profile = read_profile(profile_path)
     rows = [row for scenario in json.loads(Path(bench_path).read_text())["scenarios"]
             for row in predict_scenario(profile, scenario)]

@@ -56,6 +56,9 @@ from pathlib import Path
 
 import httpx
 
+from orchestrator.cluster.connect import free_port, ray_environment
+from orchestrator.config import default_model_path
+
 FAULTS = ("stage", "replica", "node", "stall", "stranger")
 DRAFTER_FAULTS = ("drafter", "drafter-stall")  # with a draft model (--speculator model)
 PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea,",
@@ -335,7 +338,6 @@ def start_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    from orchestrator.cluster.connect import ray_environment
 
     ray_environment()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": 80 * 1024**2,
@@ -395,8 +397,6 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.drafts import realistic_draft
     from benchmarks.serve_bench import start_specpipe_server
     from benchmarks.serve_load import stop_server
-    from orchestrator.cluster.connect import free_port
-    from orchestrator.config import default_model_path
 
     arguments.out.mkdir(parents=True, exist_ok=True)
     drafts = tempfile.TemporaryDirectory()  # the draft is made for the soak, not kept

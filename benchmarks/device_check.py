@@ -44,6 +44,16 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.random_model import SHAPES, ModelShape, write_random_model
+from orchestrator.decoding.drafting import Drafting
+from orchestrator.decoding.loop import generate
+from orchestrator.decoding.schedule import Schedule
+from orchestrator.decoding.service import Service, ServiceRequest, ServiceSettings
+from orchestrator.decoding.targets import InstantDrafter
+from speculators.prompt_lookup import PromptLookupSpeculator
+from speculators.sampling import SamplingSettings
+from stages.backend import StageCompute, detect
+from stages.settings import StageSettings
+from stages.split import split_model
 
 REWRITE_SCENARIO = Path(__file__).parent / "scenarios" / "rewrite.toml"
 PASS_SIZES = tuple(range(1, 65))
@@ -64,8 +74,6 @@ class CheckSettings:
     n_gpu_layers: int = -1
 
     def stage_settings(self, **more):
-        from stages.settings import StageSettings
-
         return StageSettings(n_ctx=2048, n_gpu_layers=self.n_gpu_layers, **more)
 
 
@@ -79,8 +87,6 @@ def spread(values: list[float]) -> dict:
 
 def make_model(settings: CheckSettings) -> tuple[str, list[str]]:
     """The random model and its 2 stage files under settings.work (kept: a rerun reuses them)."""
-    from stages.split import split_model
-
     settings.work.mkdir(parents=True, exist_ok=True)
     name = f"random-{settings.shape.blocks}x{settings.shape.width}"
     whole = settings.work / f"{name}.gguf"
@@ -95,8 +101,6 @@ def make_model(settings: CheckSettings) -> tuple[str, list[str]]:
 
 
 def backend_section(whole_path: str, settings: CheckSettings) -> dict:
-    from stages.backend import StageCompute, detect
-
     backend = detect()
     compute = StageCompute.of(backend, settings.n_gpu_layers, settings.shape.blocks)
     free, total = backend.offload_memory()
@@ -137,8 +141,6 @@ def rewrite_prompts(tokenizer) -> list[list[int]]:
 
 def timed_generation(chain, prompt: list[int], settings: CheckSettings, drafting_for=None):
     """(tokens, tokens/s, acceptance) of one greedy generation; drafting_for() makes its drafting."""
-    from orchestrator.decoding.loop import generate
-    from speculators.sampling import SamplingSettings
 
     drafting = drafting_for() if drafting_for else None
     result = generate(chain, prompt, settings.tokens, SamplingSettings(), lambda token: False, drafting=drafting)
@@ -147,9 +149,6 @@ def timed_generation(chain, prompt: list[int], settings: CheckSettings, drafting
 
 
 def lookup_drafting(schedule, stage_count: int):
-    from orchestrator.decoding.drafting import Drafting
-    from orchestrator.decoding.targets import InstantDrafter
-    from speculators.prompt_lookup import PromptLookupSpeculator
 
     def drafting():
         speculator = PromptLookupSpeculator()
@@ -177,7 +176,6 @@ def compare_modes(chains: dict, prompts: list[list[int]], settings: CheckSetting
 
 def generation_sections(whole_path: str, stage_paths: list[str], settings: CheckSettings) -> dict:
     """Whole against split, and prompt lookup plain / sync / async, with the agreement of every output."""
-    from orchestrator.decoding.schedule import Schedule
     from orchestrator.exactness import agreement
     from orchestrator.in_process import InProcessPipeline
     from stages.tokenizer import Tokenizer
@@ -207,13 +205,8 @@ def generation_sections(whole_path: str, stage_paths: list[str], settings: Check
 
 def exactness_section(whole_path: str, stage_paths: list[str], settings: CheckSettings) -> dict:
     """One recorded run (async prompt lookup, trees of up to 4 leaves) and the three properties on it."""
-    from orchestrator.decoding.drafting import Drafting
-    from orchestrator.decoding.schedule import Schedule
-    from orchestrator.decoding.targets import InstantDrafter
     from orchestrator.exactness import (RecordingChain, first_batch_difference, first_lossless_violation,
                                         first_split_difference, record_run, replay)
-    from speculators.prompt_lookup import PromptLookupSpeculator
-    from speculators.sampling import SamplingSettings
     from stages.engine import StageEngine
     from stages.tokenizer import Tokenizer
 
@@ -241,9 +234,7 @@ def exactness_section(whole_path: str, stage_paths: list[str], settings: CheckSe
 
 def serve_section(stage_paths: list[str], settings: CheckSettings) -> dict:
     """orchestrate serve's request loop over the stages: c requests at once, for c in CONCURRENCY."""
-    from orchestrator.decoding.service import Service, ServiceRequest, ServiceSettings
     from orchestrator.in_process import InProcessPipeline
-    from speculators.sampling import SamplingSettings
 
     rng = np.random.default_rng(2)
     chain = InProcessPipeline(stage_paths, settings.stage_settings(sequences=max(CONCURRENCY)))

@@ -17,14 +17,15 @@ from pathlib import Path
 
 import numpy as np
 
+from stages.requantize import requantize
+from stages.settings import StageSettings
+
 DRAFT_TYPE = "Q4_0"
 PREFIX = "requantized:"  # a scenario's draft = "requantized:Q4_0"
 
 
 def realistic_draft(model: str, folder: Path, type_name: str = DRAFT_TYPE) -> str:
     """The target requantized to ``type_name`` in ``folder`` (made once, then reused)."""
-    from stages.requantize import requantize
-
     path = Path(folder) / f"{Path(model).stem}.requantized-{type_name}.gguf"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -38,7 +39,6 @@ def agreement(draft: str, texts: list[tuple[list[int], list[int]]], n_ctx: int =
     output) pairs, the chance that a greedy draft token is accepted once the
     drafts before it were (the planner's acceptance, draft i given 1..i-1)."""
     from stages.engine import StageEngine
-    from stages.settings import StageSettings
 
     engine = StageEngine(draft, StageSettings(n_ctx=n_ctx))
     try:

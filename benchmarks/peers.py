@@ -46,10 +46,13 @@ from pathlib import Path
 
 import click
 
-from benchmarks.side_by_side import draft_steps
+from benchmarks.reference import WholeModel
 from benchmarks.scenarios import SCENARIO_DIR, load_scenario, prompts_of
-from orchestrator.config import DRAFT_MAX
-from orchestrator.cluster.connect import free_port
+from benchmarks.side_by_side import draft_steps
+from orchestrator.cluster.connect import free_port, ray_session
+from orchestrator.config import BENCH_CONTEXT, DRAFT_MAX, default_model_path, default_stage_paths
+from stages.gguf_file import stage_info_of
+from stages.settings import StageSettings
 
 LLAMA_VERSION = "0.3.36"
 PEERS = Path(os.environ.get("SPECPIPE_PEERS", Path.home() / ".cache" / "specpipe" / "peers"
@@ -178,19 +181,14 @@ def lookup_completion(model: str, prompt_text: str, max_tokens: int, workdir: Pa
 @click.command()
 @click.option("--repetitions", default=3, show_default=True, type=click.IntRange(1))
 def main(repetitions: int) -> None:
-    from benchmarks.reference import WholeModel
-    from orchestrator.cluster.connect import ray_session
-    from orchestrator.config import BENCH_CONTEXT, default_model_path, default_stage_paths
     from orchestrator.cluster.drafter_set import start_drafter_set
     from orchestrator.cluster.drafters import DrafterSettings
-    from orchestrator.decoding.loop import generate
     from orchestrator.cluster.pipeline_settings import PipelineSettings
+    from orchestrator.decoding.loop import generate
     from orchestrator.decoding.schedule import Schedule
-    from stages.tokenizer import Tokenizer
     from speculators.prompt_lookup import PromptLookupSpeculator
     from speculators.sampling import SamplingSettings
-    from stages.gguf_file import stage_info_of
-    from stages.settings import StageSettings
+    from stages.tokenizer import Tokenizer
 
     for name in TOOLS:
         tool(name)

@@ -8,12 +8,13 @@ projection, so it is varied; everything else comes from the setup file.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 
 import click
 
-from orchestrator.planning.search import recommend
 from orchestrator.planning.loaders import load_setup
+from orchestrator.planning.search import recommend
 from orchestrator.planning.simulation import DraftBehaviour
 
 
@@ -21,8 +22,6 @@ from orchestrator.planning.simulation import DraftBehaviour
 @click.argument("setup_file", type=click.Path(exists=True, dir_okay=False))
 @click.option("--acceptance", "rates", multiple=True, type=float, default=(0.5, 0.6, 0.7, 0.8, 0.9), show_default=True)
 def main(setup_file: str, rates: tuple[float, ...]) -> None:
-    import sys
-
     setup = load_setup(setup_file)
     drafts = setup.behaviour or DraftBehaviour(1.0)
     click.echo(f"Produced by `python -m benchmarks.projection {' '.join(sys.argv[1:])}`.\n")

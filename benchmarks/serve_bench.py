@@ -38,16 +38,28 @@ llama-cpp-server at the same concurrency.
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks.serve_load import DEFAULT_PROMPTS, LoadResult, run_load, start_llama_cpp_server, stop_server
+from benchmarks.drafts import realistic_draft
+from benchmarks.peers import built, start, tool
+from benchmarks.serve_load import (DEFAULT_PROMPTS, LoadResult, RequestOutcome, run_load, start_llama_cpp_server,
+                                   stop_server)
+from orchestrator.cluster.connect import free_port, ray_session
+from orchestrator.decoding.service import Progress, Service, ServiceRequest, ServiceSettings
+from orchestrator.output import write_whole
+from orchestrator.planning.curves import load_cost_curve
+from speculators.draft_length import curve_step
+from speculators.sampling import SamplingSettings
 from stages.errors import SpecpipeError
-from orchestrator.cluster.connect import free_port
+from stages.settings import StageSettings
 
 SERVERS = ("specpipe-2-stages", "specpipe-whole", "llama-cpp-server")
 IN_PROCESS = "specpipe-2-stages-no-http"
@@ -94,8 +106,6 @@ def replica_node(cluster):
 
 
 def _model_name(port: int) -> str:
-    import json
-    import urllib.request
 
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as reply:
         return json.load(reply)["data"][0]["id"]
@@ -107,23 +117,17 @@ PEER_SLOTS = 8
 
 def servers_here() -> tuple[str, ...]:
     """The servers this machine runs: llama.cpp's llama-server joins where it is built."""
-    from benchmarks.peers import built
-
     return SERVERS + ((PEER,) if built() else ())
 
 
 def _start(server: str, stage_paths: list[str], whole_path: str, threads: int, port: int, workdir: Path,
            more: list[str]):
     if server == PEER:
-        from benchmarks.peers import start, tool
-
         return start([tool("llama-server"), "-m", whole_path, "-t", str(threads), "-tb", str(threads),
                       "-c", str(CONTEXT * PEER_SLOTS), "--parallel", str(PEER_SLOTS), "-fa", "off",
                       "--host", "127.0.0.1", "--port", str(port)], port, workdir / f"{server}.log")
     if server in ("specpipe-2-stages", DRAFTED):
         if server == DRAFTED:
-            from benchmarks.drafts import realistic_draft
-
             more = [*more, "--speculator", "model", "--draft", realistic_draft(whole_path, workdir)]
         return start_specpipe_server(["--model-split", *stage_paths, "--threads", str(max(1, threads // 2)),
                                       "--n-ctx", str(CONTEXT), "--max-sequences", "8", *more], port,
@@ -200,20 +204,11 @@ def _in_process(stage_paths: list[str], prompts: list[str], concurrencies: tuple
     """The service loop over the 2-stage pipeline in this process (a local Ray):
     at most ``level`` requests submitted at a time, as the HTTP load generator
     does; its passes priced as orchestrate serve prices them (measured at start)."""
-    import threading
-
-    from benchmarks.serve_load import RequestOutcome
-    from orchestrator.cluster.connect import ray_session
     from orchestrator.cluster.pipeline_settings import PipelineSettings
-    from orchestrator.decoding.service import Progress, Service, ServiceRequest, ServiceSettings
-    from speculators.draft_length import curve_step
     from stages.tokenizer import Tokenizer
-    from speculators.sampling import SamplingSettings
-    from stages.settings import StageSettings
 
     tokenizer = Tokenizer(stage_paths[0])
     runs: dict[int, list[LoadResult]] = {level: [] for level in concurrencies}
-    from orchestrator.planning.curves import load_cost_curve
 
     settings = StageSettings(n_ctx=CONTEXT, sequences=max(concurrencies),
                              cost_curve=load_cost_curve(cost_curve) if cost_curve else None)
@@ -302,9 +297,6 @@ def _results(runs: dict[str, dict[int, list[LoadResult]]], concurrencies: tuple[
 
 def write_serve_results(results: dict, out_dir: Path) -> list[Path]:
     """serve.json, serve.md (the table) and serve.png (tokens/s by concurrency), each written whole."""
-    import json
-
-    from orchestrator.output import write_whole
 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / "serve.json", out_dir / "serve.md", out_dir / "serve.png"]

@@ -55,13 +55,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks import timeline
+from benchmarks.drafts import PREFIX, agreement, realistic_draft
 from benchmarks.peers import built, lookup_completion, server_completion, servers
+from benchmarks.reference import WholeModel
 from benchmarks.scenarios import Scenario, prompts_of
-from orchestrator.config import BENCH_CONTEXT, DRAFT_MAX
-from speculators.sampling import SamplingSettings
-from orchestrator.planning.against_bench import parse_mode
+from benchmarks.side_by_side import draft_steps
+from orchestrator.cluster.drafter_set import start_drafter_set
+from orchestrator.cluster.drafters import DrafterSettings, speculator_factory
+from orchestrator.config import BENCH_CONTEXT, DRAFT_MAX, default_model_path
+from orchestrator.decoding.drafting import SpeculationSettings
+from orchestrator.decoding.loop import generate
 from orchestrator.decoding.schedule import Schedule
 from orchestrator.decoding.stats import SpeculationStats
+from orchestrator.planning.against_bench import parse_mode
+from orchestrator.planning.simulation import DraftTrace
+from speculators.prompt_lookup import PromptLookupSpeculator
+from speculators.sampling import SamplingSettings
+from stages.gguf_file import stage_info_of
+from stages.settings import StageSettings
+from stages.split import split_model
 
 
 def peer_modes(scenario: Scenario) -> list[str]:
@@ -104,8 +116,6 @@ class Run:
 
 
 def _stage_paths(scenario: Scenario, workdir: Path) -> tuple[str, list[str]]:
-    from orchestrator.config import default_model_path
-    from stages.split import split_model
 
     model = str(default_model_path()) if scenario.model == "default" else scenario.model
     folder = workdir / f"{scenario.name}-stages"
@@ -121,8 +131,6 @@ def draft_of(scenario: Scenario, model: str, workdir: Path) -> str:
     the machinery: it agrees on every token), "requantized:TYPE" the model
     requantized (benchmarks.drafts: a draft of realistic agreement, made in
     ``workdir``), else a path."""
-    from benchmarks.drafts import PREFIX, realistic_draft
-
     if scenario.draft == "default":
         return model
     if scenario.draft.startswith(PREFIX):
@@ -136,15 +144,8 @@ def run_scenario(
     """Run every mode of a scenario; return its figures (see summarise).
     cost_curve: a stages.cost_curve.CostCurve every stage pass and draft-model
     step is held to (emulated figures), or None."""
-    from benchmarks.reference import WholeModel
-    from benchmarks.side_by_side import draft_steps
-    from orchestrator.decoding.loop import generate
     from orchestrator.cluster.pipeline_settings import PipelineSettings
-    from orchestrator.decoding.drafting import SpeculationSettings
-    from orchestrator.cluster.drafters import speculator_factory
     from stages.tokenizer import Tokenizer
-    from stages.settings import StageSettings
-    from stages.gguf_file import stage_info_of
 
     model, stage_paths = _stage_paths(scenario, workdir)
     modes = (["pipeline"] if scenario.sampled else ["whole", "whole-lookup", "pipeline"]) \
@@ -266,7 +267,6 @@ def run_scenario(
     summary["draft_prices"] = {kind: {"awaited": price.awaited, "relayed": price.relayed} for kind, price in prices.items()}
     summary["draft_traces"] = draft_traces(scenario, prompts, runs)
     if "model" in scenario.speculators:  # the draft's per-token acceptance along the reference's text
-        from benchmarks.drafts import agreement
 
         outputs = {run.prompt_index: run.tokens for run in runs
                    if run.mode == reference_mode(scenario) and run.repetition == 0}
@@ -277,8 +277,6 @@ def run_scenario(
 
 def start_kinds(pipeline, speculators: dict, draft_max: int = DRAFT_MAX) -> dict:
     """A DrafterSet beside the stages for each speculator kind, named apart by kind."""
-    from orchestrator.cluster.drafter_set import start_drafter_set
-    from orchestrator.cluster.drafters import DrafterSettings
 
     return {kind: start_drafter_set(pipeline, kind, make, DrafterSettings(draft_max=draft_max), named=True)
             for kind, make in speculators.items()}
@@ -295,8 +293,6 @@ def draft_traces(scenario: Scenario, prompts: list[list[int]], runs: list[Run]) 
     whole model's output given the true text before it (simulation.DraftTrace,
     as text, with its other candidates for the trees). The planner replays
     these to predict the speculative modes."""
-    from orchestrator.planning.simulation import DraftTrace
-    from speculators.prompt_lookup import PromptLookupSpeculator
 
     if "ngram" not in scenario.speculators:
         return {}

@@ -14,10 +14,11 @@ from collections import deque
 
 import numpy as np
 
-from orchestrator.decoding.windows import TargetPass, Window
 from orchestrator.decoding.targets import PassReplies, choice_of
-from orchestrator.workers.token_chooser import TokenChooser
+from orchestrator.decoding.windows import TargetPass, Window
 from orchestrator.transport.messages import PassResult
+from orchestrator.workers.token_chooser import TokenChooser
+from stages.engine import StageEngine
 from stages.tree_shape import depths
 
 
@@ -37,8 +38,6 @@ class InProcessPipeline:
     chooses them (orchestrator.workers.token_chooser)."""
 
     def __init__(self, paths: list[str], settings):
-        from stages.engine import StageEngine
-
         self.engines = []
         try:
             for path in paths:

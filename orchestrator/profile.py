@@ -20,17 +20,34 @@ The profile is one JSON file; orchestrator.planning.loaders reads it.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import platform
 import socket
 import statistics
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from orchestrator.config import PROFILE_CONTEXT, PROFILE_REPETITIONS
+from orchestrator.cluster.connect import ray_session
+from orchestrator.config import CONNECT_SECONDS, DRAFT_MAX, PROFILE_CONTEXT, PROFILE_REPETITIONS
+from orchestrator.decoding.loop import generate
+from orchestrator.decoding.targets import InstantTarget
+from orchestrator.planning.costs import split_costs
+from orchestrator.planning.loaders import PROFILE_KIND, PROFILE_VERSION, model_shape_of_gguf
+from orchestrator.transport import wire
+from orchestrator.transport.chain import PipelineError
+from orchestrator.transport.handshake import connect_peer, drafter_role, new_secret
+from orchestrator.transport.messages import CollectDraft, PassResult, Shutdown, SpeculateFrom
+from orchestrator.workers.drafter_server import DrafterServer
+from speculators.model import ModelSpeculator
+from speculators.prompt_lookup import PromptLookupSpeculator
+from speculators.sampling import SamplingSettings
+from speculators.verify import verify
+from stages.settings import StageSettings
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -59,7 +76,6 @@ def measure_whole(settings: ProfileSettings, progress: Callable[[int, int], None
     """Median seconds per batch size for the whole model in this process (as
     bench's whole mode runs it), after a context of settings.context positions."""
     from stages.engine import StageEngine
-    from stages.settings import StageSettings
 
     whole = StageEngine(settings.whole_path, StageSettings(n_ctx=_context_size(settings), threads=settings.threads))
     rng = np.random.default_rng(0)
@@ -93,9 +109,7 @@ def measure_pipeline(settings: ProfileSettings, progress: Callable[[int, int], N
     (as they do in a run, beside the coordinator and each other), and the
     pipeline takes wall time minus compute as transport. The hop time comes
     from the one-token passes. Every pass is rolled back (keep = context)."""
-    from orchestrator.cluster.connect import ray_session
     from orchestrator.cluster.pipeline_settings import PipelineSettings
-    from stages.settings import StageSettings
 
     rng = np.random.default_rng(0)
     stage_settings = StageSettings(n_ctx=_context_size(settings), threads=settings.threads)
@@ -126,15 +140,11 @@ def measure_pipeline(settings: ProfileSettings, progress: Callable[[int, int], N
 
 def measure_drafters(settings: ProfileSettings) -> dict:
     """Seconds per draft token: prompt lookup, and the draft model if given."""
-    from speculators.prompt_lookup import PromptLookupSpeculator
-
     rng = np.random.default_rng(1)
     context = rng.integers(100, 10000, settings.context + 64).tolist()
     lookup = PromptLookupSpeculator()
     result = {"ngram": _median_seconds(lambda: lookup.extend(context), 50)}
     if settings.draft_path:
-        from speculators.model import ModelSpeculator
-
         draft = ModelSpeculator(settings.draft_path, n_ctx=len(context) + 64, threads=settings.threads)
         draft.extend(context)
         growing = list(context)
@@ -150,8 +160,6 @@ def measure_drafters(settings: ProfileSettings) -> dict:
 
 def measure_socket_bandwidth(payload_bytes: int = 8 * 1024 * 1024, repetitions: int = 5) -> float:
     """Bytes per second of one large frame over a local TCP socket (orchestrator.transport.wire)."""
-    from orchestrator.transport import wire
-    from orchestrator.transport.messages import PassResult
 
     listener = wire.listen("127.0.0.1")
     received = threading.Event()
@@ -185,8 +193,6 @@ def measure_socket_bandwidth(payload_bytes: int = 8 * 1024 * 1024, repetitions: 
 
 def measure_verification(vocab: int) -> float:
     """Seconds to verify one logits row (greedy)."""
-    from speculators.sampling import SamplingSettings
-    from speculators.verify import verify
 
     logits = np.random.default_rng(2).standard_normal((9, vocab)).astype(np.float32)
     drafts = [int(np.argmax(row)) for row in logits[:-1]]
@@ -195,9 +201,6 @@ def measure_verification(vocab: int) -> float:
 
 def _serve_prompt_lookup(connection, secret: bytes) -> None:
     """In a child process: a prompt-lookup drafter server until told to stop."""
-    from orchestrator.config import DRAFT_MAX
-    from orchestrator.workers.drafter_server import DrafterServer
-    from speculators.prompt_lookup import PromptLookupSpeculator
 
     server = DrafterServer(PromptLookupSpeculator, "127.0.0.1", draft_max=DRAFT_MAX, secret=secret)
     connection.send(server.port)
@@ -208,14 +211,7 @@ def measure_drafter_call(context_length: int, calls: int = 200) -> float:
     """Seconds the coordinator spends on one drafting request to a drafter in
     another process (speculate, then collect), on a context where prompt lookup
     finds nothing: the messaging cost alone."""
-    import multiprocessing
 
-    from orchestrator.transport import wire
-    from orchestrator.transport.chain import PipelineError
-    from orchestrator.transport.messages import CollectDraft, Shutdown, SpeculateFrom
-
-    from orchestrator.config import CONNECT_SECONDS
-    from orchestrator.transport.handshake import connect_peer, drafter_role, new_secret
 
     secret = new_secret()
     spawn = multiprocessing.get_context("spawn")
@@ -252,9 +248,6 @@ def measure_drafter_call(context_length: int, calls: int = 200) -> float:
 def measure_coordinator(vocab: int, tokens: int = 400) -> float:
     """Seconds of the decoding loop's own work per plain pass (verification of
     one row, bookkeeping), with a target that takes no time."""
-    from orchestrator.decoding.loop import generate
-    from orchestrator.decoding.targets import InstantTarget
-    from speculators.sampling import SamplingSettings
 
     target = InstantTarget(vocab)
     generate(target, [1, 2, 3], 20, SamplingSettings(), lambda token: False)  # warm-up
@@ -265,12 +258,7 @@ def measure_coordinator(vocab: int, tokens: int = 400) -> float:
 
 def profile_machine(settings: ProfileSettings, progress: Callable[[int, int], None] = lambda done, total: None,
                     status: Callable[[str], None] = lambda line: None) -> dict:
-    import platform
 
-    from dataclasses import asdict
-
-    from orchestrator.planning.costs import split_costs
-    from orchestrator.planning.loaders import PROFILE_KIND, PROFILE_VERSION, model_shape_of_gguf
 
     status("timing the whole model, then the stages through a pipeline on a local Ray")
     whole = measure_whole(settings, progress)

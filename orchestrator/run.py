@@ -9,18 +9,19 @@ from dataclasses import dataclass
 from orchestrator.cluster.connect import ray_session
 from orchestrator.cluster.drafter_set import start_drafter_set
 from orchestrator.cluster.drafters import drafter_compute, drafter_nodes, drafter_settings, speculator_factory
-from orchestrator.decoding.drafting import exact_trees
-from orchestrator.decoding.loop import Generation, generate
 from orchestrator.cluster.metrics import GenerationMetrics, RestartMetrics
+from orchestrator.cluster.model_files import (RunError, check_same_model, local_vocabulary_file, transfer_progress,
+                                              whole_model_stages)
 from orchestrator.cluster.pipeline import ChainRelink, Pipeline, StageReport, StageRestart
 from orchestrator.cluster.pipeline_settings import PipelineSettings
 from orchestrator.cluster.shipping import Shipment
-from stages.tokenizer import Tokenizer
-from orchestrator.cluster.model_files import (RunError, check_same_model, local_vocabulary_file, transfer_progress,
-                                              whole_model_stages)
+from orchestrator.decoding.drafting import exact_trees
+from orchestrator.decoding.loop import Generation, generate
+from speculators.model import draft_gpu_layers
 from speculators.sampling import SamplingSettings
 from stages.settings import StageSettings
 from stages.stage_files import check_stage_files
+from stages.tokenizer import Tokenizer
 
 MIB = 1024**2
 
@@ -301,7 +302,5 @@ def _prepare(settings: RunSettings, tokenizer: Tokenizer):
             f"{pipeline.stage.n_ctx} tokens; raise --n-ctx or lower --max-tokens"
         )
     if speculation.speculator == "model" and pipeline.address is None:
-        from speculators.model import draft_gpu_layers
-
         draft_gpu_layers(speculation.draft_device)  # a local run's drafters use this build: no GPU, no gpu
     return tokenizer, tokens, speculator_factory(speculation, tokenizer, pipeline.stage)

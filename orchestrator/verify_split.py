@@ -14,6 +14,7 @@ from stages.engine import StageEngine
 from stages.gguf_file import ModelFileError
 from stages.settings import StageSettings
 from stages.stage_files import check_stage_files
+from stages.tokenizer import Tokenizer
 
 PROBE_TEXT = (
     "The quick brown fox jumps over the lazy dog. In 1969, astronauts first walked on the Moon, "
@@ -46,8 +47,6 @@ def _through(engines: list[StageEngine], positions: np.ndarray, tokens: np.ndarr
 
 def compare_split(model_path: str, stage_paths: list[str], *, threads: int = 1) -> SplitComparison:
     """Logits of every probe position, then GREEDY_STEPS greedy tokens, both ways."""
-    from stages.tokenizer import Tokenizer
-
     check_stage_files(stage_paths)
     infos = check_stage_files([model_path])
     if infos[0] is not None:

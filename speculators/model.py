@@ -13,6 +13,8 @@ from speculators.corrections import CORRECTION_RANKS
 from speculators.model_tree import TreeGrowth, children_of
 from speculators.sampling import SamplingSettings, choose_token
 from speculators.tree import DraftTree
+from stages.backend import detect
+from stages.settings import ALL_LAYERS, StageSettings
 
 
 def common_prefix_length(first: Sequence[int], second: Sequence[int]) -> int:
@@ -32,9 +34,7 @@ def draft_gpu_layers(device: str) -> int:
     process's llama.cpp build: cpu none (the seed's setup: the target on the
     GPU, its draft on the CPU cores beside it); gpu all, refused on a build
     without a GPU; auto: all where the build has a GPU, else none."""
-    from stages.backend import detect
     from stages.engine import StageError
-    from stages.settings import ALL_LAYERS
 
     if device not in DRAFT_DEVICES:
         raise StageError(f"unknown draft device {device!r} (choose {', '.join(DRAFT_DEVICES)})")
@@ -50,7 +50,6 @@ def load_draft_engine(path: str, *, n_ctx: int = 4096, threads: int = 1, sequenc
     ``sequences`` KV sequences (one per request it drafts for), or one and
     ``tree_branches`` KV ids to grow token trees in (speculators.model_tree)."""
     from stages.engine import StageEngine, StageError
-    from stages.settings import StageSettings
 
     engine = StageEngine(path, StageSettings(n_ctx=n_ctx, threads=threads, sequences=sequences,
                                              n_gpu_layers=draft_gpu_layers(device), tree_sequences=tree_branches))

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import codecs
 import ctypes
+import hashlib
 
-from stages.llama import llama_cpp
+from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from stages.engine import StageError, ensure_backend, meta_string, quiet_logs
+from stages.llama import llama_cpp
 
 
 class Tokenizer:
@@ -53,8 +55,6 @@ class Tokenizer:
 
     def chat_text(self, messages: list[dict[str, str]]) -> str:
         """The text of chat_tokens (its control tokens written out)."""
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
         if not self.chat_template:
             raise StageError("this model has no chat template (tokenizer.chat_template); drop --chat")
         formatter = Jinja2ChatFormatter(
@@ -65,8 +65,6 @@ class Tokenizer:
 
     def vocabulary_digest(self) -> str:
         """SHA-256 of every token's text: equal digests mean interchangeable token ids."""
-        import hashlib
-
         digest = hashlib.sha256()
         for token in range(llama_cpp.llama_vocab_n_tokens(self._vocab)):
             buffer = ctypes.create_string_buffer(256)

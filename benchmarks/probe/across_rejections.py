@@ -24,7 +24,11 @@ from pathlib import Path
 import click
 
 from benchmarks.probe.harness import Report, probe, table
+from benchmarks.scenarios import SCENARIO_DIR, load_scenario, prompts_of
 from benchmarks.side_by_side import Outcome, Samples, draft_steps, side_by_side
+from orchestrator.cluster.connect import ray_session
+from orchestrator.config import BENCH_CONTEXT, DRAFT_MAX, default_model_path
+from stages.settings import StageSettings
 
 MODES = ["plain", "sync", "async-chain", "async", "async-branches"]
 FIGURES = ("tokens/s", "x plain", "x sync", "C", "least stage busy", "discarded share", "corrected")
@@ -41,18 +45,14 @@ FIGURES = ("tokens/s", "x plain", "x sync", "C", "least stage busy", "discarded 
 def across_rejections(repetitions: int, stages: int, curve: str | None, max_tokens: int, tree_leaves: int) -> Report:
     """Async speculation across rejections beside sync and the plain pipeline."""
     from benchmarks.drafts import realistic_draft
-    from benchmarks.scenarios import SCENARIO_DIR, load_scenario, prompts_of
     from benchmarks.suite import start_kinds
-    from orchestrator.cluster.connect import ray_session
     from orchestrator.cluster.drafters import speculator_factory
     from orchestrator.cluster.pipeline_settings import PipelineSettings
-    from orchestrator.config import BENCH_CONTEXT, DRAFT_MAX, default_model_path
     from orchestrator.decoding.drafting import SpeculationSettings
     from orchestrator.decoding.loop import generate
     from orchestrator.decoding.schedule import Schedule
     from orchestrator.planning.curves import load_cost_curve
     from speculators.sampling import SamplingSettings
-    from stages.settings import StageSettings
     from stages.split import split_model
     from stages.tokenizer import Tokenizer
 

@@ -20,11 +20,20 @@ the figures are shares of tokens.
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import click
 import numpy as np
 
+from benchmarks.drafts import realistic_draft
 from benchmarks.probe.harness import Report, probe, table
+from benchmarks.scenarios import SCENARIO_DIR, load_scenario, prompts_of
 from benchmarks.side_by_side import Outcome, Samples, side_by_side
+from orchestrator.config import default_model_path
+from speculators.model_tree import TOP_K, children_of
+from speculators.sampling import SamplingSettings, choose_token, token_probabilities
+from stages.settings import StageSettings
 
 FIGURES = ("top", "cumulative", "gumbel", "best coupling", "tree: coupled + top", "tree: top only")
 TEMPERATURES = (0.6, 1.0)
@@ -53,8 +62,6 @@ def _rows(target, draft, prompts, max_tokens: int):
 
 
 def _shares(rows, temperature: float, seed: int) -> dict[str, float]:
-    from speculators.model_tree import TOP_K, children_of
-    from speculators.sampling import SamplingSettings, choose_token, token_probabilities
 
     sampling = SamplingSettings(temperature=temperature, seed=seed)
     hits = dict.fromkeys(FIGURES, 0.0)
@@ -77,14 +84,8 @@ def _shares(rows, temperature: float, seed: int) -> dict[str, float]:
 def draft_coupling(repetitions: int, max_tokens: int) -> Report:
     """How often the draft's draw is the target's: top choice, a uniform through the cumulative sum,
     the shared Gumbel noise (coupled drafting), and a tree's children."""
-    import tempfile
-    from pathlib import Path
 
-    from benchmarks.drafts import realistic_draft
-    from benchmarks.scenarios import SCENARIO_DIR, load_scenario, prompts_of
-    from orchestrator.config import default_model_path
     from stages.engine import StageEngine
-    from stages.settings import StageSettings
     from stages.tokenizer import Tokenizer
 
     model = str(default_model_path())

@@ -29,7 +29,10 @@ from pathlib import Path
 import click
 
 from benchmarks.probe.harness import Report, probe, table
+from benchmarks.reference import WholeModel
 from benchmarks.side_by_side import Outcome, side_by_side
+from orchestrator.config import default_model_path
+from tests.support import network_hosts
 
 PROMPT = "Once upon a time, in a small village by the sea,"
 LINK_GBIT = 1.0  # network_hosts.LINK_RATE
@@ -60,7 +63,6 @@ def _network_hosts():
     """The tests' namespace hosts (tests/support), imported from this checkout."""
     if str(REPOSITORY) not in sys.path:
         sys.path.insert(0, str(REPOSITORY))
-    from tests.support import network_hosts
 
     return network_hosts
 
@@ -74,8 +76,6 @@ def delayed_link(repetitions: int, delay_ms: float, max_tokens: int, profile_pat
     """A plain pipeline across two namespace hosts joined by a link with delay,
     against `orchestrate plan`'s prediction for that link (root; the tests'
     namespace hosts)."""
-    from benchmarks.reference import WholeModel
-    from orchestrator.config import default_model_path
     from stages.split import split_model
 
     network_hosts = _network_hosts()

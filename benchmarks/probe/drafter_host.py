@@ -33,7 +33,9 @@ import click
 
 from benchmarks.probe.delayed_link import _network_hosts
 from benchmarks.probe.harness import Report, probe, table
+from benchmarks.reference import WholeModel
 from benchmarks.side_by_side import Outcome, side_by_side, spread
+from orchestrator.config import default_model_path
 
 PROMPT = "Explain in a few sentences why the sky is blue."
 CURVE = "benchmarks/setups/llama-405b-two-machines.toml@40"
@@ -47,8 +49,6 @@ def drafter_host(repetitions: int, max_tokens: int, curve: str) -> Report:
     """A draft model on a host without a stage, beside the stages, and none,
     side by side (root; the tests' namespace hosts)."""
     from benchmarks.drafts import realistic_draft
-    from benchmarks.reference import WholeModel
-    from orchestrator.config import default_model_path
     from stages.split import split_model
     from stages.tokenizer import Tokenizer
 

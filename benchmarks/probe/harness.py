@@ -18,7 +18,9 @@ from pathlib import Path
 
 import click
 
+import benchmarks.probe as package
 from benchmarks.side_by_side import Samples
+from orchestrator.output import write_whole
 
 
 @dataclass
@@ -46,8 +48,6 @@ def environment() -> dict:
 
 def _package_help() -> tuple[str, dict[str, str]]:
     """The package's docstring without its list of modes, and that list: mode -> one line."""
-    import benchmarks.probe as package
-
     text, summaries = [], {}
     for line in package.__doc__.strip().splitlines():
         name, _, summary = line.strip().partition("  ")
@@ -95,8 +95,6 @@ def emit(name: str, report: Report, repetitions: int, started: str, before: dict
                f"median (min-max) over them. `{command}`, {started}; {before['cpus']} CPUs, "
                f"load {before['load_average_1min']:.2f} -> {after:.2f}.")
     if json_path is not None:
-        from orchestrator.output import write_whole
-
         document = {"probe": name, "command": command, "started": started, "repetitions": repetitions,
                     "environment": before, "load_average_1min_after": after, "title": report.title,
                     "text": "\n".join(report.lines),

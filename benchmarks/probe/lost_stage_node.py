@@ -26,6 +26,9 @@ from pathlib import Path
 import click
 
 from benchmarks.probe.harness import Report, probe, table
+from benchmarks.reference import WholeModel
+from orchestrator.cluster.connect import free_port, ray_environment
+from orchestrator.config import default_model_path
 
 QUESTIONS = ("Why is the sky blue?", "Name three rivers.", "What is a prime number?", "Say hello in French.",
              "What is 2 + 2?", "Who wrote Hamlet?")
@@ -67,8 +70,6 @@ def _one_repetition(head_cpus: int, worker_cpus: int) -> tuple[int, bool, list[s
     from ray.cluster_utils import Cluster
 
     from benchmarks.serve_bench import replica_node, start_specpipe_server, stop_server
-    from orchestrator.cluster.connect import free_port, ray_environment
-    from orchestrator.config import default_model_path
 
     ray_environment()
     os.environ["SPECPIPE_STAGE_CACHE"] = tempfile.mkdtemp(prefix="specpipe-lost-node-")  # the nodes share it
@@ -111,8 +112,6 @@ def _one_repetition(head_cpus: int, worker_cpus: int) -> tuple[int, bool, list[s
 def lost_stage_node(repetitions: int, head_cpus: int, worker_cpus: int) -> Report:
     """serve loses a stage's machine under four requests, on a cluster with
     a CPU'd head and several-CPU workers: how many of six answers are exact."""
-    from benchmarks.reference import WholeModel
-    from orchestrator.config import default_model_path
     from stages.tokenizer import Tokenizer
 
     model = str(default_model_path())

@@ -7,11 +7,19 @@ pinned a core each (their passes overlap); every mode's first token must agree."
 
 from __future__ import annotations
 
+import time
+
 import click
 import numpy as np
 
 from benchmarks.probe.harness import Report, probe, table
+from benchmarks.reference import WholeModel
 from benchmarks.side_by_side import Outcome, side_by_side
+from orchestrator.cluster.connect import ray_session
+from orchestrator.config import default_model_path, default_stage_paths
+from orchestrator.decoding.loop import generate
+from speculators.sampling import SamplingSettings
+from stages.settings import StageSettings
 
 MODES = ("whole", "stages-pipelined", "stages-one-chunk-at-a-time")
 
@@ -35,15 +43,7 @@ class _OneChunkAtATime:
 def prefill(repetitions: int, prompt_tokens: int) -> Report:
     """Time to the first token of a long prompt (the default model in 2 stages
     on a local Ray, and whole with one thread)."""
-    import time
-
-    from benchmarks.reference import WholeModel
-    from orchestrator.cluster.connect import ray_session
     from orchestrator.cluster.pipeline_settings import PipelineSettings
-    from orchestrator.config import default_model_path, default_stage_paths
-    from orchestrator.decoding.loop import generate
-    from speculators.sampling import SamplingSettings
-    from stages.settings import StageSettings
 
     context = prompt_tokens + 64
     prompt = (np.arange(prompt_tokens) * 7919 % 40000 + 100).astype(int).tolist()

@@ -17,12 +17,19 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import click
 import numpy as np
 
 from benchmarks.probe.harness import Report, probe, table
 from benchmarks.side_by_side import Outcome, side_by_side
+from orchestrator.cluster.connect import ray_session
+from orchestrator.config import default_stage_paths
+from orchestrator.decoding.service import Progress, Service, ServiceRequest, ServiceSettings
+from orchestrator.planning.curves import load_cost_curve
+from speculators.sampling import SamplingSettings
+from stages.settings import StageSettings
 
 EMULATED = "benchmarks/setups/llama-405b-two-machines.toml@40"
 
@@ -43,8 +50,6 @@ class _Timed:
 
     def run(self, requests) -> float:
         """Submit every request at once; the seconds until all have ended."""
-        from orchestrator.decoding.service import Progress
-
         started = time.perf_counter()
         for index, request in enumerate(requests):
             def sink(progress: Progress, index=index) -> None:
@@ -60,8 +65,6 @@ class _Timed:
 
 
 def _service(pipeline, cache: bool, **settings):
-    from orchestrator.decoding.service import Service, ServiceSettings
-
     stage = pipeline.settings
     return Service(pipeline, lambda token: False, ServiceSettings(
         max_sequences=stage.sequences, queue_limit=16, context=stage.n_ctx,
@@ -70,8 +73,6 @@ def _service(pipeline, cache: bool, **settings):
 
 
 def _chat_turn(pipeline, cache: bool, repetition: int, first_turn: int) -> Outcome:
-    from orchestrator.decoding.service import ServiceRequest
-    from speculators.sampling import SamplingSettings
 
     service = _service(pipeline, cache)
     try:
@@ -88,8 +89,6 @@ def _chat_turn(pipeline, cache: bool, repetition: int, first_turn: int) -> Outco
 
 
 def _shared_system_prompt(pipeline, cache: bool, repetition: int, system: int) -> Outcome:
-    from orchestrator.decoding.service import ServiceRequest
-    from speculators.sampling import SamplingSettings
 
     shared = _text(system, 20_000 + repetition)
     requests = [ServiceRequest(shared + _text(20, 30_000 + 8 * repetition + index), 4, SamplingSettings())
@@ -104,8 +103,6 @@ def _shared_system_prompt(pipeline, cache: bool, repetition: int, system: int) -
 
 
 def _choices(pipeline, choices: int, repetition: int, step: float) -> Outcome:
-    from orchestrator.decoding.service import ServiceRequest
-    from speculators.sampling import SamplingSettings
 
     request = ServiceRequest(_text(200, 40_000 + repetition), 32, SamplingSettings(temperature=1.0, seed=repetition),
                              choices=choices)
@@ -127,13 +124,7 @@ def _choices(pipeline, choices: int, repetition: int, step: float) -> Outcome:
 def prefix_reuse(repetitions: int, first_turn: int, system_prompt: int, curve_spec: str) -> Report:
     """A prefix prefilled once: a chat's second turn, 8 requests sharing a
     system prompt (cache on and off), and n = 4 against n = 1 under an emulated curve."""
-    from dataclasses import replace
-
-    from orchestrator.cluster.connect import ray_session
     from orchestrator.cluster.pipeline_settings import PipelineSettings
-    from orchestrator.config import default_stage_paths
-    from orchestrator.planning.curves import load_cost_curve
-    from stages.settings import StageSettings
 
     settings = StageSettings(n_ctx=2048, sequences=8, prefix_sequences=4)
     samples, lines = {}, []

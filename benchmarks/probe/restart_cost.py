@@ -24,6 +24,9 @@ import numpy as np
 
 from benchmarks.probe.harness import Report, probe, table
 from benchmarks.side_by_side import Outcome, side_by_side
+from orchestrator.cluster.connect import ray_session
+from orchestrator.config import default_stage_paths
+from stages.settings import StageSettings
 
 
 def _prefill(pipeline, tokens: np.ndarray) -> None:
@@ -57,10 +60,7 @@ def restart_cost(repetitions: int, lengths: list[int]) -> Report:
     """The pause a killed stage costs (restart, rewire, replay), by the context
     held, beside that context's prefill and an ordinary pass (the default
     model, two stages, Ray)."""
-    from orchestrator.cluster.connect import ray_session
     from orchestrator.cluster.pipeline_settings import PipelineSettings
-    from orchestrator.config import default_stage_paths
-    from stages.settings import StageSettings
 
     with ray_session(None):
         with PipelineSettings(default_stage_paths(), StageSettings(n_ctx=max(lengths) + 16),

@@ -38,6 +38,7 @@ serve minus plain per event; plus the median round-trip of a non-streaming
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import multiprocessing
@@ -61,8 +62,6 @@ JSON_HEADERS = {"Content-Type": "application/json"}
 
 def build_app():
     """The one FastAPI app both modes serve."""
-    import asyncio
-
     from fastapi import FastAPI
     from fastapi.responses import StreamingResponse
 

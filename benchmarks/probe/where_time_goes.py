@@ -38,6 +38,11 @@ import numpy as np
 
 from benchmarks.probe.harness import Report, probe, table
 from benchmarks.side_by_side import Outcome, side_by_side
+from orchestrator.cluster.connect import ray_session
+from orchestrator.cluster.drafters import DrafterSettings, start_drafters, stop_drafters
+from orchestrator.config import default_model_path, default_stage_paths
+from speculators.prompt_lookup import PromptLookupSpeculator
+from stages.settings import StageSettings
 
 PROMPT = "Explain in three sentences why the sky is blue."
 MODES = ["whole", "in process", "pipeline, unpinned", "pipeline, pinned"]
@@ -107,8 +112,6 @@ def _time_pipeline(pipeline, prompt: np.ndarray, count: int, figures, label: str
 
 
 def _time_asks(pipeline, prompt: np.ndarray, count: int) -> list[float]:
-    from orchestrator.cluster.drafters import DrafterSettings, start_drafters, stop_drafters
-    from speculators.prompt_lookup import PromptLookupSpeculator
 
     drafters = start_drafters(pipeline, PromptLookupSpeculator, DrafterSettings(draft_max=8))
     try:
@@ -131,11 +134,8 @@ def where_time_goes(repetitions: int, tokens: int) -> Report:
     """A plain pipeline's per-token time cut into stage compute, hops and the
     coordinator, beside the whole model and the stages in one process; pinned
     and unpinned; and a drafter actor's ask (the default model, Ray)."""
-    from orchestrator.cluster.connect import ray_session
     from orchestrator.cluster.pipeline_settings import PipelineSettings
-    from orchestrator.config import default_model_path, default_stage_paths
     from stages.engine import StageEngine
-    from stages.settings import StageSettings
     from stages.tokenizer import Tokenizer
 
     paths, settings = default_stage_paths(), StageSettings(n_ctx=512)

@@ -6,9 +6,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import resource
+import secrets
+import socket
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 from stages.errors import SpecpipeError
+
 
 def ray_environment() -> None:
     """Ray's settings for a Ray this process starts (called before ray.init;
@@ -104,8 +110,6 @@ def token_auth_enabled() -> bool:
 
 def ray_command() -> str:
     """Ray's command beside this Python (.venv/bin/ray), which need not be on PATH; else plain ``ray``."""
-    import sys
-    from pathlib import Path
 
     beside = Path(sys.executable).with_name("ray")
     return str(beside) if beside.exists() else "ray"
@@ -136,8 +140,6 @@ def pipeline_tag() -> str:
     with: pipelines side by side (a test's, `orchestrate serve`'s replicas)
     name their actors apart. Random, not counted: a count would start again in
     each process, and the processes of one job (Serve's replicas) share its namespace."""
-    import secrets
-
     import ray
 
     while True:
@@ -164,8 +166,6 @@ def kept_group(name: str):
 def free_port() -> int:
     """A TCP port free on every interface of this machine now (the OS's pick).
     The one helper for it: Ray's metrics port, the bench's and the tests' servers."""
-    import socket
-
     with socket.socket() as probe:
         probe.bind(("", 0))
         return probe.getsockname()[1]
@@ -173,8 +173,6 @@ def free_port() -> int:
 
 def peak_rss_mb() -> float:
     """Peak resident memory of this process, in MiB (getrusage counts KiB on Linux, bytes on macOS)."""
-    import resource
-    import sys
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 1024**2 if sys.platform == "darwin" else peak / 1024

@@ -14,6 +14,7 @@ only ever change the speed, never the output.
 from __future__ import annotations
 
 import functools
+import os
 import socket
 import threading
 import time
@@ -23,26 +24,25 @@ from typing import NamedTuple
 
 import numpy as np
 
+from orchestrator.cluster.connect import actor_name, peak_rss_mb, readable_class_name
+from orchestrator.cluster.node_liveness import alive_nodes
+from orchestrator.cluster.placement import PlacementError, find_node
+from orchestrator.cluster.ray_calls import one_line, worker_log
+from orchestrator.cluster.sequence_drafter import SequenceDrafter
+from orchestrator.cluster.shipping import LOOPBACK, ship_draft
+from orchestrator.config import (ACTOR_START_SECONDS, CONNECT_SECONDS, DRAFT_MAX, DRAFT_TREE_BRANCHES,
+                                 DRAFTER_REPLY_SECONDS, DRAFTER_WAIT_SECONDS, MAX_RESTARTS, chain_reach)
+from orchestrator.planning.cluster_split import NodeMemory
 from orchestrator.transport import wire
 from orchestrator.transport.handshake import HandshakeError, connect_peer, drafter_role
-from orchestrator.config import (
-    ACTOR_START_SECONDS,
-    CONNECT_SECONDS,
-    DRAFT_MAX,
-    DRAFT_TREE_BRANCHES,
-    DRAFTER_REPLY_SECONDS,
-    DRAFTER_WAIT_SECONDS,
-    MAX_RESTARTS,
-    chain_reach,
-)
-from orchestrator.planning.cluster_split import NodeMemory
-from orchestrator.cluster.sequence_drafter import SequenceDrafter
+from orchestrator.transport.messages import CollectDraft, DraftReply, Shutdown, SpeculateFrom
 from orchestrator.workers.drafter_server import DrafterServer
 from speculators import Speculator
-from speculators.draft_length import DraftPrices
-from orchestrator.transport.messages import CollectDraft, DraftReply, Shutdown, SpeculateFrom
-from speculators.sampling import SamplingSettings
 from speculators.corrections import CORRECTION_RANKS, Corrections, Forks
+from speculators.draft_length import DraftPrices
+from speculators.model import ModelSpeculator
+from speculators.prompt_lookup import PromptLookupSpeculator
+from speculators.sampling import SamplingSettings
 from speculators.tree import MAX_TREE_ROWS, DraftTree, TreeAsk
 from stages.tree_shape import depths
 
@@ -85,7 +85,6 @@ def drafter_settings(speculation, stage, max_restarts: int, sequences: int = 1) 
 def _drafter_actor_class():
     import ray
 
-    from orchestrator.cluster.connect import readable_class_name
 
     @ray.remote(num_cpus=0)
     @readable_class_name  # the dashboard shows "DrafterActor", not "_drafter_actor_class.<locals>.DrafterActor"
@@ -108,16 +107,12 @@ def _drafter_actor_class():
             )
 
         def peak_rss_mb(self) -> float:
-            from orchestrator.cluster.connect import peak_rss_mb
-
             return peak_rss_mb()
 
         def compute(self) -> dict | None:
             return self.server.compute()
 
         def address(self) -> tuple[str, int, str, int]:
-            import os
-
             return self.host, self.server.port, ray.get_runtime_context().get_node_id(), os.getpid()
 
         def __repr__(self) -> str:  # the name shown on the Ray dashboard
@@ -186,8 +181,6 @@ class DrafterClient:
         """Lost for ``reason``; where the connection itself failed (``connection``), the
         process may have died: the reason names its log (a native crash's backtrace is there)."""
         if connection and self.process_id:
-            from orchestrator.cluster.ray_calls import worker_log
-
             reason = f"{reason}; {worker_log(self.node_id, self.process_id)}"
         self.lost_reason = reason
         if self._sock is not None:
@@ -212,7 +205,6 @@ class DrafterClient:
         try:
             launched = self._relaunch()  # type: ignore[misc]
         except Exception as error:  # noqa: BLE001 - any failure to start leaves the drafter lost, never the run
-            from orchestrator.cluster.ray_calls import one_line
 
             self.lost_reason = f"{self.lost_reason}; the restart failed: {one_line(error)}"
             return
@@ -408,9 +400,6 @@ def start_drafters(pipeline, make_speculator: Callable[..., Speculator], setting
     """
     import ray
 
-    from orchestrator.cluster.connect import actor_name
-    from orchestrator.cluster.ray_calls import one_line
-    from orchestrator.cluster.shipping import ship_draft
 
     actor_class = _drafter_actor_class()
     launches = [0] * len(pipeline.stages)  # per drafter: its actors started so far
@@ -458,8 +447,6 @@ def drafter_nodes(nodes: tuple[str, ...], stage_count: int | None = None) -> lis
     """The alive Ray nodes (placement.NodeInfo) that ``nodes`` (addresses or
     ids, --drafter-node) name; PlacementError, one line, for a node not alive
     or more nodes than the ``stage_count`` stages (None: not known yet)."""
-    from orchestrator.cluster.node_liveness import alive_nodes
-    from orchestrator.cluster.placement import PlacementError, find_node
 
     if stage_count is not None and len(nodes) > stage_count:
         raise PlacementError(f"--drafter-node given {len(nodes)} times, but the pipeline has {stage_count} "
@@ -483,7 +470,6 @@ def drafter_placement(pipeline, nodes: tuple[str, ...]) -> list[DrafterPlace]:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from orchestrator.cluster.shipping import LOOPBACK
 
     here = ray.util.get_node_ip_address()
     placed = [DrafterPlace({"max_restarts": 0, "num_cpus": 0,
@@ -531,8 +517,6 @@ def speculator_factory(settings, tokenizer, stage, sequences: int = 1, spare_con
 
     Checks a draft model before anything runs: it must exist and share the
     target's vocabulary token for token."""
-    from speculators.model import ModelSpeculator
-    from speculators.prompt_lookup import PromptLookupSpeculator
     from orchestrator.cluster.model_files import check_draft_model
 
     if settings.speculator == "ngram":

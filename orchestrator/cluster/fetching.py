@@ -35,12 +35,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.cluster.stage_cache import CacheEntry, CachedStageFile, ShippingError, ShipProgress, stage_cache_root
+from orchestrator.cluster.ray_calls import one_line
+from orchestrator.cluster.stage_cache import CachedStageFile, CacheEntry, ShippingError, ShipProgress, stage_cache_root
 from orchestrator.config import ACTOR_START_SECONDS, FETCH_IDLE_SECONDS, FETCH_POLL_SECONDS
 from orchestrator.sources.remote_file import SourceUnreachable
 from stages.errors import SpecpipeError
 from stages.stage_image import StageImage
-
 
 
 @dataclass(frozen=True)
@@ -177,7 +177,6 @@ def fetch_stages(jobs: list[FetchJob], progress: ShipProgress) -> tuple[dict[int
     ShippingError naming the stage and node for any other failure."""
     import ray
 
-    from orchestrator.cluster.ray_calls import one_line
 
     actors = {job.entry.stage_index: _fetcher_actor_class().options(
         scheduling_strategy=job.scheduling_strategy).remote(job.entry, job.image) for job in jobs}

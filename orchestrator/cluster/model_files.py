@@ -6,16 +6,27 @@ model's KV cache and a draft model take in memory."""
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from orchestrator.cluster.shipping import ModelToShip
-from stages.errors import SpecpipeError
+from orchestrator.cluster.fetching import StageFetcher
+from orchestrator.cluster.node_liveness import alive_nodes
+from orchestrator.cluster.shipping import ModelToShip, write_vocabulary_file
+from orchestrator.cluster.stage_cache import draft_entry, stage_cache_root
+from orchestrator.planning.cluster_split import choose_cluster_split
+from orchestrator.planning.loaders import kv_bytes_per_token, model_shape_of_gguf
+from orchestrator.planning.search import MEMORY_HEADROOM
+from orchestrator.sources.hub import read_model_source
+from orchestrator.sources.hub_reference import is_hub_source
 from stages.engine import StageError
+from stages.errors import SpecpipeError
 from stages.gguf_file import ModelFile, ModelFileError, StageFileInfo, read_model, stage_info, stage_info_of
-from stages.settings import StageSettings
+from stages.layer_rules import layer_rules
+from stages.settings import ALL_LAYERS, StageSettings
 from stages.stage_files import check_stage_files
+from stages.stage_image import SourceRange, StageImage, vocabulary_image
 from stages.tokenizer import Tokenizer
 
 MIB = 1024**2
@@ -54,10 +65,6 @@ class WholeModelSettings:
 def with_source(settings: WholeModelSettings) -> WholeModelSettings:
     """An ``hf:`` source resolved and its header read, on the driver, before
     anything is placed (one-line errors: orchestrator.sources.hub); a local path as it is."""
-    from orchestrator.cluster.shipping import write_vocabulary_file
-    from orchestrator.sources.hub import read_model_source
-    from orchestrator.sources.hub_reference import is_hub_source
-    from stages.stage_image import vocabulary_image
 
     if not is_hub_source(settings.path):
         return settings
@@ -73,13 +80,6 @@ def local_draft(text: str | None, on_status: Callable[[str], None] | None = None
     the draft's fingerprint: a second run fetches nothing), from where it is
     checked and shipped to the drafters' nodes as any draft. One-line errors
     (orchestrator.sources.hub) before anything starts."""
-    import threading
-
-    from orchestrator.cluster.fetching import StageFetcher
-    from orchestrator.cluster.stage_cache import draft_entry, stage_cache_root
-    from orchestrator.sources.hub import read_model_source
-    from orchestrator.sources.hub_reference import is_hub_source
-    from stages.stage_image import SourceRange, StageImage
 
     if text is None or not is_hub_source(text):
         return text
@@ -140,8 +140,6 @@ def kv_bytes_per_sequence(path: str, context: int) -> int:
     """KV cache bytes one sequence of ``context`` positions takes in the
     model file at path (a stage file, a whole model, or a vocabulary file:
     its metadata is enough)."""
-    from orchestrator.planning.loaders import kv_bytes_per_token
-
     model = read_model(path)
     return model.block_count * kv_bytes_per_token(model.metadata, model.architecture) * context
 
@@ -157,7 +155,6 @@ def check_memory_available(needed: int, what: str, where: str) -> None:
     MEMORY_HEADROOM of the memory this machine (``where``, for the message) has available now."""
     import psutil
 
-    from orchestrator.planning.search import MEMORY_HEADROOM
 
     available = psutil.virtual_memory().available
     if needed > MEMORY_HEADROOM * available:
@@ -168,11 +165,6 @@ def check_memory_available(needed: int, what: str, where: str) -> None:
 def whole_model_stages(settings: WholeModelSettings, stage: StageSettings, draft_path: str | None,
                        on_status: Callable[[str], None] | None) -> ModelToShip | None:
     """What Pipeline needs to cut ``settings.path`` and ship its stages: how many, and where to cut for the nodes."""
-    from orchestrator.cluster.node_liveness import alive_nodes
-    from orchestrator.planning.cluster_split import choose_cluster_split
-    from orchestrator.planning.loaders import model_shape_of_gguf
-    from stages.layer_rules import layer_rules
-    from stages.settings import ALL_LAYERS
 
     model = settings.model()
     if stage_info(model) is not None:

@@ -4,6 +4,8 @@ deadline (``ray_get``), every Ray error as the one line that names its cause
 
 from __future__ import annotations
 
+import glob
+
 from stages.errors import SpecpipeError
 
 
@@ -37,8 +39,6 @@ def worker_log(node_id: str, process_id: int) -> str:
     signal to their stderr log): the file where this machine holds it
     (Ray's session logs, shared by the nodes of one machine), with the fatal
     error it names, if any; else the file's name on its node."""
-    import glob
-
     import ray
 
     name = f"worker-*-{process_id}.err"

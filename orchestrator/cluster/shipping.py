@@ -51,15 +51,19 @@ from typing import TYPE_CHECKING
 import msgpack
 
 from orchestrator.cluster.fetching import FetchJob, fetch_stages
-from orchestrator.cluster.stage_cache import (CacheEntry, CachedStageFile, ShippingError, ShipProgress, draft_entry,
+from orchestrator.cluster.ray_calls import one_line, ray_get
+from orchestrator.cluster.stage_cache import (CachedStageFile, CacheEntry, ShippingError, ShipProgress, draft_entry,
                                               stage_cache_root)
 from orchestrator.config import (ACTOR_START_SECONDS, CONNECT_SECONDS, SLOWEST_PREFIX_READ, TRANSFER_IDLE_SECONDS,
                                  TRANSFER_RESULT_MARGIN_SECONDS, cache_dir)
 from orchestrator.planning.cluster_split import NodeMemory
+from orchestrator.transport import wire
 from orchestrator.transport.handshake import accept_peer, connect_peer
+from stages.backend import detect
 from stages.errors import SpecpipeError
-from stages.gguf_file import ModelFile
-from stages.stage_image import CHUNK_BYTES, StageImage, write_atomically
+from stages.gguf_file import ModelFile, read_model
+from stages.split import plan_split, stage_file_image
+from stages.stage_image import CHUNK_BYTES, SourceRange, StageImage, vocabulary_image, write_atomically
 
 if TYPE_CHECKING:
     from orchestrator.transport.tls import ChainCertificate
@@ -239,8 +243,6 @@ def _receiver_actor_class():
 
         def open(self) -> tuple[str, str, int, int]:
             """(path, listening host, its port, bytes held): port 0 when the file is here whole."""
-            from orchestrator.transport import wire
-
             if self.receiver.complete():
                 return str(self.receiver.path), "", 0, self.receiver.size
             listener = wire.listen(LOOPBACK if self.loopback else ray.util.get_node_ip_address())
@@ -275,7 +277,6 @@ def probe_nodes(reservation, stage_count: int, devices: bool = False) -> list[No
     (stages.backend: asking loads llama.cpp in the probe)."""
     import ray
 
-    from orchestrator.cluster.ray_calls import ray_get
 
     @ray.remote(num_cpus=0, max_retries=0)
     def node_memory() -> NodeMemory:
@@ -283,8 +284,6 @@ def probe_nodes(reservation, stage_count: int, devices: bool = False) -> list[No
 
         offload_free = 0
         if devices:
-            from stages.backend import detect
-
             offload_free = detect().offload_memory()[0]
         return NodeMemory(ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id(),
                           psutil.virtual_memory().available, offload_free)
@@ -303,7 +302,6 @@ def ship_stage(image: StageImage, entry: CacheEntry, node: NodeMemory, schedulin
     from zero, once. loopback: the node is this machine."""
     import ray
 
-    from orchestrator.cluster.ray_calls import one_line
 
     started = time.monotonic()
     where = entry.on_node(node)
@@ -349,8 +347,6 @@ def ship_draft(path: str, nodes: list[NodeMemory], secret: bytes, certificate: C
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from stages.gguf_file import read_model
-    from stages.stage_image import SourceRange
 
     model = read_model(path)
     size = os.path.getsize(path)
@@ -400,7 +396,6 @@ def ship_whole_model(model: ModelToShip, reservation, indices, secret: bytes, ce
     Shipment per index, in order)."""
     import ray
 
-    from stages.split import plan_split, stage_file_image
 
     nodes = probe_nodes(reservation, model.stage_count, devices=model.offloaded and split is None)
     if split is None:
@@ -454,12 +449,9 @@ def fetch_vocabulary(stage_path: str, scheduling_strategy) -> str:
     read there and kept in this machine's cache under its digest."""
     import ray
 
-    from orchestrator.cluster.ray_calls import ray_get
 
     @ray.remote(num_cpus=0, max_retries=0)
     def vocabulary_on_node(path: str) -> bytes:
-        from stages.gguf_file import read_model
-        from stages.stage_image import vocabulary_image
 
         return vocabulary_image(read_model(path)).header
 

@@ -8,12 +8,14 @@ the chain's sockets (orchestrator.transport.chain)."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from orchestrator.cluster.reservation import Reservation
 from orchestrator.cluster.connect import actor_name, peak_rss_mb, pipeline_tag, readable_class_name
+from orchestrator.cluster.metrics import StageMetrics
 from orchestrator.cluster.ray_calls import one_line, ray_get
+from orchestrator.cluster.reservation import Reservation
 from orchestrator.config import ACTOR_START_SECONDS, STAGE_ANSWER_SECONDS
 from orchestrator.transport.chain import PipelineError
 from orchestrator.workers.stage_server import StageDescription, StageServer
@@ -84,8 +86,6 @@ def stage_actor_class():
                      certificate):
             """loopback: every peer is on this machine; listen on 127.0.0.1 only.
             certificate: the pipeline's tls.ChainCertificate with --tls, else None."""
-            from orchestrator.cluster.metrics import StageMetrics
-
             context = ray.get_runtime_context()
             host = LOOPBACK if loopback else ray.util.get_node_ip_address()
             self.server = StageServer(path, settings, host, context.get_node_id(), wire_dtype, secret=secret,
@@ -227,7 +227,6 @@ class StageActors:
         chain to the first; every stage's cancels reach the chain too."""
         import ray
 
-        from concurrent.futures import ThreadPoolExecutor
 
         try:
             # Every connection is proved by a handshake, so each acceptor must be

@@ -57,6 +57,7 @@ from pathlib import Path
 from orchestrator.planning.costs import BatchCurve, Link, Machine, MeasuredMachine, ModelShape, Software
 from orchestrator.planning.inputs import PlanError, Setup
 from orchestrator.planning.simulation import DraftBehaviour
+from stages.gguf_file import ModelFile, read_model
 
 PROFILE_KIND = "specpipe-profile"
 PROFILE_VERSION = 1
@@ -113,8 +114,6 @@ def measured_software(profile: dict) -> Software:
 def model_shape_of_gguf(path) -> ModelShape:
     """A model's shape from its GGUF header (a path, or the header read:
     a ModelFile); tensor data is not read."""
-    from stages.gguf_file import ModelFile, read_model
-
     model = path if isinstance(path, ModelFile) else read_model(path)
     fields = model.metadata
     architecture = model.architecture

@@ -24,10 +24,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from orchestrator.config import RESUME_SECONDS, RETRY_AFTER_SECONDS
-from orchestrator.serving.protocol import FINISH_REASONS, ApiError, Reply, TextAssembler, decode_body, parse_request, sse
 from orchestrator.decoding.service import (Progress, QueueFull, RequestTooLong, Service, ServiceError, ServiceRequest,
                                            ShuttingDown, Unavailable)
-
+from orchestrator.serving.protocol import (FINISH_REASONS, ApiError, Reply, TextAssembler, decode_body, parse_request,
+                                           sse)
+from speculators.grammar import MAX_GRAMMAR_TOKENS
+from stages.errors import GrammarError
 
 
 class TokenizerLike(Protocol):
@@ -152,8 +154,6 @@ def request_for(backend: Backend, parsed) -> ServiceRequest:
     """What the service is asked for a checked request: its prompt's tokens,
     its token limit within the context, its grammar (a 400 naming the part of
     a response_format that cannot be one)."""
-    from speculators.grammar import MAX_GRAMMAR_TOKENS
-    from stages.errors import GrammarError
     from stages.grammar import grammar_of
 
     tokens = prompt_tokens(backend, parsed)

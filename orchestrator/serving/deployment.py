@@ -22,6 +22,8 @@ importing Ray Serve takes seconds and ``orchestrate --help`` must not.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import signal
 import threading
 from collections.abc import Callable
@@ -29,15 +31,26 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from orchestrator.config import (
-    MAX_CONTEXT,
-    SERVE_DRAIN_SECONDS,
-    SERVE_KV_MEMORY_SHARE,
-    SERVE_MAX_SEQUENCES,
-)
+from orchestrator.cluster.connect import ray_session
+from orchestrator.cluster.drafter_set import start_drafter_set
+from orchestrator.cluster.drafters import drafter_nodes, drafter_settings, speculator_factory, stop_drafters
+from orchestrator.cluster.metrics import RestartMetrics, ServiceMetrics
+from orchestrator.cluster.ray_calls import one_line
+from orchestrator.cluster.reservation import Reservation
+from orchestrator.cluster.shipping import ModelToShip, fetch_vocabulary, probe_nodes, ship_whole_model
+from orchestrator.config import MAX_CONTEXT, SERVE_DRAIN_SECONDS, SERVE_KV_MEMORY_SHARE, SERVE_MAX_SEQUENCES
 from orchestrator.decoding.drafting import exact_trees
 from orchestrator.decoding.prefix_cache import PREFIX_BLOCK
+from orchestrator.decoding.service import Service, ServiceSettings
+from orchestrator.transport.handshake import new_secret
+from orchestrator.transport.tls import new_chain_certificate
+from speculators.draft_length import DraftPrices, curve_step
+from speculators.model import draft_gpu_layers
+from speculators.prompt_lookup import PromptLookupSpeculator
 from stages.errors import SpecpipeError
+from stages.gguf_file import stage_info_of
+from stages.settings import ALL_LAYERS
+from stages.stage_files import check_stage_files
 
 if TYPE_CHECKING:
     from orchestrator.cluster.kept_stages import KeptStages
@@ -101,8 +114,6 @@ def available_memory_bytes() -> int:
 
 def model_name_of(path: str) -> str:
     """The name the API serves the model under: the unsplit file's name without .gguf."""
-    from stages.gguf_file import stage_info_of
-
     info = stage_info_of(path)
     name = info.source_name if info is not None else path
     return Path(name).name.removesuffix(".gguf")
@@ -112,18 +123,13 @@ class Coordinator:
     """What the Serve replica holds: tokenizer, pipeline, service, and the app over them."""
 
     def __init__(self, settings: ServeSettings):
-        from orchestrator.cluster.drafters import stop_drafters
-        from orchestrator.cluster.metrics import ServiceMetrics
-        from orchestrator.serving.app import Backend
-        from orchestrator.decoding.service import Service, ServiceSettings
         from orchestrator.cluster.model_files import check_same_model
-        from speculators.draft_length import curve_step
+        from orchestrator.serving.app import Backend
         from stages.tokenizer import Tokenizer
 
         self.settings = settings
         tokenizer = Tokenizer(vocabulary_of(settings))
         self.drafters: list = []
-        from orchestrator.cluster.metrics import RestartMetrics
 
         restart_metrics = RestartMetrics()
         speculation = settings.pipeline.speculation
@@ -164,8 +170,6 @@ class Coordinator:
         """Prompt lookup's speculator of a request, from its KV sequence id,
         asked here (microseconds a token; an actor's round trip would cost
         more than it drafts), or None."""
-        from speculators.prompt_lookup import PromptLookupSpeculator
-
         if self.settings.pipeline.speculation.speculator == "ngram":
             return lambda sequence: PromptLookupSpeculator()
         return None
@@ -174,9 +178,6 @@ class Coordinator:
         """A draft model's drafter actors, one beside every stage, each with a
         KV sequence per request (run's actors, driven by the same loop), and
         what drafting a token costs (measured: draft_prices); (None, nothing) without a draft model."""
-        from orchestrator.cluster.drafter_set import start_drafter_set
-        from orchestrator.cluster.drafters import drafter_settings, speculator_factory
-        from speculators.draft_length import DraftPrices
 
         pipeline_settings, speculation = self.settings.pipeline, self.settings.pipeline.speculation
         if speculation.speculator != "model":
@@ -195,8 +196,6 @@ class Coordinator:
     async def stage_load(self):
         """Each stage's StageLoad (KV cells, sequences, resident MiB, process,
         restarts, compute, node), or None for a stage that does not answer (lost, or being restarted)."""
-        import asyncio
-
         loads = await asyncio.gather(*self.pipeline.load_calls(), return_exceptions=True)
         restarted = [restart.stage_index for restart in self.pipeline.restarts]
         return [None if isinstance(load, BaseException) else
@@ -228,7 +227,6 @@ class Coordinator:
         if self._closed:
             return
         self._closed = True
-        from orchestrator.cluster.drafters import stop_drafters
 
         self.service.close(self.settings.drain_seconds)
         stop_drafters(self.drafters)
@@ -284,8 +282,6 @@ def pipeline_stages(settings: ServeSettings):
     """What the replica's Pipeline starts from: the stage files, or a whole
     model shipped before (ShippedStages), cut where it was cut, so that a
     stage lost with its node can be shipped to another."""
-    from orchestrator.cluster.shipping import ModelToShip
-    from stages.settings import ALL_LAYERS
 
     if settings.shipped is None:
         return settings.pipeline.stage_paths
@@ -312,11 +308,7 @@ def place_stages(settings: ServeSettings, on_status: Callable[[str], None]) -> S
     from stage 0's node (the stages are then pinned to those nodes,
     ``place``: their files are there), so that the replica's pipeline finds
     each file where it was put."""
-    from orchestrator.cluster.reservation import Reservation
-    from orchestrator.transport.handshake import new_secret
     from orchestrator.cluster.model_files import whole_model_stages
-    from orchestrator.cluster.shipping import fetch_vocabulary, probe_nodes, ship_whole_model
-    from orchestrator.transport.tls import new_chain_certificate
 
     pipeline = settings.pipeline
     whole = pipeline.whole_model
@@ -348,8 +340,6 @@ def prepare(settings: ServeSettings) -> ServeSettings:
     """Check the request before anything starts (files), and fill in the defaults
     that depend on the model: its name, and how many sequences fit in memory.
     Runs before Ray starts, unless needs_placing (then after place_stages)."""
-    from stages.stage_files import check_stage_files
-
     pipeline = settings.pipeline
     if pipeline.address is None and pipeline.whole_model is None and settings.vocabulary_path is None:
         check_stage_files(pipeline.stage_paths)  # a local run: bad files fail before Ray starts
@@ -359,7 +349,6 @@ def prepare(settings: ServeSettings) -> ServeSettings:
     speculation = pipeline.speculation
     if speculation.speculator == "model":  # checked here: a bad draft fails before Ray starts
         from orchestrator.cluster.model_files import check_draft_model
-        from speculators.model import draft_gpu_layers
         from stages.tokenizer import Tokenizer
 
         check_draft_model(speculation.draft_path, Tokenizer(vocabulary_path))
@@ -400,8 +389,6 @@ def with_prefix_cache(settings: ServeSettings) -> ServeSettings:
 def serve_until_stopped(settings: ServeSettings, on_status: Callable[[str], None]) -> None:
     """Start Ray (or join --address), run the deployment, serve until SIGINT or
     SIGTERM, then delete it (in-flight requests drain) and stop Serve."""
-    from orchestrator.cluster.connect import ray_session
-    from orchestrator.cluster.drafters import drafter_nodes
     from orchestrator.cluster.kept_stages import SERVE_NAMESPACE, KeptStages
 
     settings = replace(settings, pipeline=settings.pipeline.with_local_draft(on_status))  # before Ray starts
@@ -427,11 +414,7 @@ def serve_until_stopped(settings: ServeSettings, on_status: Callable[[str], None
 
 
 def _run_application(settings: ServeSettings, on_status: Callable[[str], None], stop: threading.Event) -> None:
-    import logging
-
     from ray import serve
-
-    from orchestrator.cluster.ray_calls import one_line
 
     # Serve logs every step at INFO on the console; this command prints its own
     # (Serve's own logs stay in /tmp/ray/session_latest/logs/serve/).

@@ -13,6 +13,7 @@ functions build the replies.
 
 from __future__ import annotations
 
+import codecs
 import itertools
 import json
 import math
@@ -274,8 +275,6 @@ class TextAssembler:
     is given out once complete (invalid UTF-8 becomes U+FFFD)."""
 
     def __init__(self, piece: Callable[[int], bytes], stop: tuple[str, ...]):
-        import codecs
-
         self.piece = piece
         self.stop = stop
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")

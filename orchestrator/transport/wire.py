@@ -28,7 +28,8 @@ import struct
 import msgpack
 import numpy as np
 
-from orchestrator.config import MAX_ARRAY_BYTES, MAX_HEADER_BYTES
+from orchestrator.config import (KEEPALIVE_IDLE_SECONDS, KEEPALIVE_INTERVAL_SECONDS, KEEPALIVE_PROBES, MAX_ARRAY_BYTES,
+                                 MAX_HEADER_BYTES)
 from orchestrator.transport.fields import ProtocolError
 from orchestrator.transport.messages import MESSAGE_TYPES, Message
 
@@ -153,8 +154,6 @@ def tune(sock: socket.socket) -> socket.socket:
     whether the socket is idle (TCP keepalive probes) or holds data the peer
     never acknowledged (TCP_USER_TIMEOUT: without it Linux retransmits for
     about 15 minutes)."""
-    from orchestrator.config import KEEPALIVE_IDLE_SECONDS, KEEPALIVE_INTERVAL_SECONDS, KEEPALIVE_PROBES
-
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     if hasattr(socket, "TCP_KEEPIDLE"):  # Linux
@@ -168,8 +167,6 @@ def tune(sock: socket.socket) -> socket.socket:
 def silent_peer_milliseconds() -> int:
     """How long a chain socket waits on a silent peer before it breaks: the
     keepalive probes' whole span, which TCP_USER_TIMEOUT holds for unacknowledged data too."""
-    from orchestrator.config import KEEPALIVE_IDLE_SECONDS, KEEPALIVE_INTERVAL_SECONDS, KEEPALIVE_PROBES
-
     return 1000 * (KEEPALIVE_IDLE_SECONDS + KEEPALIVE_INTERVAL_SECONDS * KEEPALIVE_PROBES)
 
 
