@@ -159,6 +159,16 @@ MAX_CONTEXT = 1 << 24  # KV cells of one stage (16 Mi positions)
 MAX_THREADS = 1024
 
 # -- orchestrate serve ----------------------------------------------------------
+# Tokens hashed together in the prefix cache, also the least prefix worth a copy (a copy moves a
+# whole KV stream between sequences: a shorter prefix is quicker computed again).
+PREFIX_BLOCK = 16
+# Bounds of a request (the API's 400 beyond them): choices (n, each a KV sequence of its own),
+# /v1/completions' logprobs and stop strings as OpenAI's; a completion's max_tokens when not
+# given, OpenAI's default (a chat's is the rest of the context).
+MAX_CHOICES = 8
+MAX_COMPLETION_LOGPROBS = 5
+MAX_STOP_STRINGS = 4
+COMPLETION_DEFAULT_MAX_TOKENS = 16
 # Requests decoded at once when --max-sequences is not given: as many KV
 # sequences as fit in this share of the memory available on the coordinator's
 # machine (each stage holds its blocks' share of every sequence's cache), at
@@ -208,6 +218,14 @@ TLS_CLOCK_SKEW = datetime.timedelta(minutes=5)
 TLS_CLIENT_HANDSHAKE_SECONDS = 30.0
 
 # -- model files from their source, shipped and fetched --------------------------
+# Bytes: an `hf:` file's header is read in ranges that double from the first up to the most
+# (a header of a few MiB then takes a few requests); its tensors in chunks of SOURCE_CHUNK_BYTES.
+SOURCE_FIRST_HEADER_BYTES = 512 * 1024
+SOURCE_MOST_HEADER_BYTES = 16 * 1024 * 1024
+SOURCE_CHUNK_BYTES = 4 * 1024 * 1024
+# Bytes: the longest control frame (a request for a stage file, a digest) a shipping peer accepts
+# before its stream: anything longer is refused, not read.
+SHIPPING_MAX_FRAME_BYTES = 1024
 # A remote model file (orchestrator.sources.remote_file, --model hf:...):
 # seconds to connect, the longest one read of a response may wait, tries after
 # the first for a read that broke, and connections refused before the server
@@ -240,6 +258,34 @@ FETCH_IDLE_SECONDS = (SOURCE_RETRIES + 1) * 2 * (SOURCE_CONNECT_SECONDS + SOURCE
 # (their median is kept: a 2-core VM swings by 20 %).
 PROFILE_CONTEXT = 128
 PROFILE_REPETITIONS = 7
+# Tokens in a pass, the widths profile times (the planner interpolates between them): one token,
+# the draft windows of speculation (up to DRAFT_MAX + 1) and the batched passes of serve.
+PROFILE_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+# -- orchestrate plan -------------------------------------------------------------
+# Share of each machine's memory (available now for `run`'s check, told for `plan`) that a stage,
+# its KV cache and its draft may take: the rest is the OS's, Ray's and llama.cpp's own buffers.
+MEMORY_HEADROOM = 0.9
+# Simulated generations per candidate split while searching, then for the chosen one (more: a
+# steadier figure; the simulation is seeded, so the same inputs always give the same plan).
+PLAN_SEARCH_RUNS = 8
+PLAN_FINAL_RUNS = 48
+# Splits within this share of the fastest's tokens/s tie; the tie goes to the one that leaves
+# the fullest machine least full (a simulation's figure is no finer than this).
+PLAN_TIE = 0.01
+# Boundaries tried per stage: every split up to PLAN_EVERY_SPLIT_LIMIT candidates, else a grid of
+# at most PLAN_GRID_SPLITS steps (a 126-block 405B on two machines: 125 splits, all tried).
+PLAN_GRID_SPLITS = 40
+PLAN_EVERY_SPLIT_LIMIT = 5000
+# The draft lengths (draft_max) the planner tries for each split and mode.
+PLAN_DRAFT_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16)
+# Simulated generations per prompt when `plan --against-bench` predicts a bench scenario's modes.
+PLAN_CHECK_RUNS = 64
+
+# -- orchestrate verify-split ----------------------------------------------------
+# Tokens the split and the whole model each choose greedily after the probe text (one differing
+# token fails the check; 16 cover a short sentence's worth of positions).
+VERIFY_SPLIT_STEPS = 16
 
 # -- benchmarks ---------------------------------------------------------------
 # Tokens of context for every bench mode and for the reference decoder in

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from orchestrator.cluster.connect import ray_session
-from orchestrator.config import CONNECT_SECONDS, DRAFT_MAX, PROFILE_CONTEXT, PROFILE_REPETITIONS
+from orchestrator.config import CONNECT_SECONDS, DRAFT_MAX, PROFILE_BATCH_SIZES, PROFILE_CONTEXT, PROFILE_REPETITIONS
 from orchestrator.decoding.loop import generate
 from orchestrator.decoding.targets import InstantTarget
 from orchestrator.planning.costs import split_costs
@@ -49,15 +49,13 @@ from speculators.sampling import SamplingSettings
 from speculators.verify import verify
 from stages.settings import StageSettings
 
-BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
-
 
 @dataclass(frozen=True)
 class ProfileSettings:
     stage_paths: list[str]
     whole_path: str
     draft_path: str | None = None
-    batch_sizes: tuple[int, ...] = BATCH_SIZES
+    batch_sizes: tuple[int, ...] = PROFILE_BATCH_SIZES
     repetitions: int = PROFILE_REPETITIONS
     context: int = PROFILE_CONTEXT
     threads: int = 1

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from orchestrator.config import VERIFY_SPLIT_STEPS
 from stages.engine import StageEngine
 from stages.gguf_file import ModelFileError
 from stages.settings import StageSettings
@@ -20,7 +21,6 @@ PROBE_TEXT = (
     "The quick brown fox jumps over the lazy dog. In 1969, astronauts first walked on the Moon, "
     "and the number 42 is said to answer everything."
 )
-GREEDY_STEPS = 16
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ def _through(engines: list[StageEngine], positions: np.ndarray, tokens: np.ndarr
 
 
 def compare_split(model_path: str, stage_paths: list[str], *, threads: int = 1) -> SplitComparison:
-    """Logits of every probe position, then GREEDY_STEPS greedy tokens, both ways."""
+    """Logits of every probe position, then VERIFY_SPLIT_STEPS greedy tokens, both ways."""
     check_stage_files(stage_paths)
     infos = check_stage_files([model_path])
     if infos[0] is not None:
@@ -65,12 +65,12 @@ def compare_split(model_path: str, stage_paths: list[str], *, threads: int = 1) 
         for engines, produced, logits in ((whole, whole_tokens, expected), (stages, stage_tokens, actual)):
             position = len(probe)
             token = int(np.argmax(logits[-1]))
-            for _ in range(GREEDY_STEPS):
+            for _ in range(VERIFY_SPLIT_STEPS):
                 produced.append(token)
                 step = _through(engines, np.array([position], np.int32), np.array([token], np.int32), np.array([0], np.int32))
                 token = int(np.argmax(step[-1]))
                 position += 1
-        return SplitComparison(len(probe), GREEDY_STEPS, difference, whole_tokens == stage_tokens)
+        return SplitComparison(len(probe), VERIFY_SPLIT_STEPS, difference, whole_tokens == stage_tokens)
     finally:
         for engine in whole + stages:
             engine.close()

@@ -15,9 +15,9 @@ from orchestrator.cluster.fetching import StageFetcher
 from orchestrator.cluster.node_liveness import alive_nodes
 from orchestrator.cluster.shipping import ModelToShip, write_vocabulary_file
 from orchestrator.cluster.stage_cache import draft_entry, stage_cache_root
+from orchestrator.config import MEMORY_HEADROOM
 from orchestrator.planning.cluster_split import choose_cluster_split
 from orchestrator.planning.loaders import kv_bytes_per_token, model_shape_of_gguf
-from orchestrator.planning.search import MEMORY_HEADROOM
 from orchestrator.sources.hub import read_model_source
 from orchestrator.sources.hub_reference import is_hub_source
 from stages.engine import StageError

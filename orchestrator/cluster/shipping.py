@@ -54,8 +54,8 @@ from orchestrator.cluster.fetching import FetchJob, fetch_stages
 from orchestrator.cluster.ray_calls import one_line, ray_get
 from orchestrator.cluster.stage_cache import (CachedStageFile, CacheEntry, ShippingError, ShipProgress, draft_entry,
                                               stage_cache_root)
-from orchestrator.config import (ACTOR_START_SECONDS, CONNECT_SECONDS, SLOWEST_PREFIX_READ, TRANSFER_IDLE_SECONDS,
-                                 TRANSFER_RESULT_MARGIN_SECONDS, cache_dir)
+from orchestrator.config import (ACTOR_START_SECONDS, CONNECT_SECONDS, SHIPPING_MAX_FRAME_BYTES, SLOWEST_PREFIX_READ,
+                                 TRANSFER_IDLE_SECONDS, TRANSFER_RESULT_MARGIN_SECONDS, cache_dir)
 from orchestrator.planning.cluster_split import NodeMemory
 from orchestrator.transport import wire
 from orchestrator.transport.handshake import accept_peer, connect_peer
@@ -70,7 +70,6 @@ if TYPE_CHECKING:
 
 LOOPBACK = "127.0.0.1"
 DIGEST_REFUSED = "its SHA-256 differs from the sender's"
-MAX_FRAME_BYTES = 1024
 _LENGTH = struct.Struct("!I")
 
 class DigestRefused(ShippingError):
@@ -104,8 +103,8 @@ def _receive_exactly(sock: socket.socket, count: int) -> bytes:
 def _receive_frame(sock: socket.socket, key: str, kind: type) -> object:
     """The next frame, which must be a map of exactly ``{key: a kind}``."""
     (length,) = _LENGTH.unpack(_receive_exactly(sock, _LENGTH.size))
-    if length > MAX_FRAME_BYTES:
-        raise ShippingError(f"a frame of {length} bytes (at most {MAX_FRAME_BYTES})")
+    if length > SHIPPING_MAX_FRAME_BYTES:
+        raise ShippingError(f"a frame of {length} bytes (at most {SHIPPING_MAX_FRAME_BYTES})")
     try:
         frame = msgpack.unpackb(_receive_exactly(sock, length), raw=False, strict_map_key=True)
     except Exception as error:  # msgpack raises several types for malformed input

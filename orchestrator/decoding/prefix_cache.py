@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-PREFIX_BLOCK = 16  # tokens hashed together; also the least prefix worth a copy (a copy moves a whole KV stream)
+from orchestrator.config import PREFIX_BLOCK
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ import math
 import statistics
 from dataclasses import dataclass, replace
 
-from orchestrator.config import BENCH_TREE_LEAVES
+from orchestrator.config import BENCH_TREE_LEAVES, PLAN_CHECK_RUNS
 from orchestrator.planning.costs import Software
 from orchestrator.planning.curves import under_curve
 from orchestrator.planning.inputs import PlanError
@@ -42,7 +42,6 @@ from orchestrator.planning.simulation import DraftBehaviour, DraftTrace, Mode, p
 from speculators.draft_length import DraftPrices, ask_cost
 from stages.cost_curve import CostCurve
 
-RUNS = 64
 IN_PROCESS = Software(hop_seconds=0.0, coordinator_pass_seconds=0.0, coordinator_row_seconds=0.0,
                       local_bytes_per_second=math.inf)
 
@@ -97,7 +96,7 @@ def measured_behaviour(scenario: dict, kind: str) -> DraftBehaviour | None:
     return None
 
 
-def predict_scenario(profile: dict, scenario: dict, runs: int = RUNS, curve: CostCurve | None = None
+def predict_scenario(profile: dict, scenario: dict, runs: int = PLAN_CHECK_RUNS, curve: CostCurve | None = None
                      ) -> list[ModePrediction]:
     """curve: the cost curve the bench held its stages to (--cost-curve), which
     then prices the pipelined modes' stages (and a draft model's step); the

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from orchestrator.config import MEMORY_HEADROOM
 from orchestrator.planning.costs import ModelShape
-from orchestrator.planning.search import MEMORY_HEADROOM
 from orchestrator.planning.inputs import PlanError
 from orchestrator.planning.loaders import measured_machine
 from stages.plan import balanced_starts

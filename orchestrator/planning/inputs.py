@@ -6,11 +6,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from orchestrator.config import PLAN_DRAFT_LENGTHS
 from orchestrator.planning.costs import Link, Machine, MeasuredMachine, ModelShape, Software, StageCosts
 from orchestrator.planning.simulation import DraftBehaviour
 from stages.errors import SpecpipeError
-
-DRAFT_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16)  # draft_max values the planner tries
 
 
 class PlanError(SpecpipeError):
@@ -37,7 +36,7 @@ class Setup:
     context: int = 4096
     max_tokens: int = 256
     starts: tuple[int, ...] | None = None
-    draft_lengths: tuple[int, ...] = DRAFT_LENGTHS
+    draft_lengths: tuple[int, ...] = PLAN_DRAFT_LENGTHS
     one_host_parallel_stages: int | None = None  # all stages on one machine computing this many at once
 
     def costs(self, starts: tuple[int, ...]) -> StageCosts:

@@ -13,16 +13,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from orchestrator.config import (MEMORY_HEADROOM, PLAN_EVERY_SPLIT_LIMIT, PLAN_FINAL_RUNS, PLAN_GRID_SPLITS,
+                                 PLAN_SEARCH_RUNS, PLAN_TIE)
+from orchestrator.decoding.schedule import Schedule
 from orchestrator.planning.inputs import PlanError, Setup
 from orchestrator.planning.simulation import DraftBehaviour, Mode, Prediction, predict
-from orchestrator.decoding.schedule import Schedule
-
-MEMORY_HEADROOM = 0.9  # of each machine's memory, the share the model, its KV cache and the draft may use
-SEARCH_RUNS = 8
-FINAL_RUNS = 48
-TIE = 0.01
-GRID_SPLITS = 40
-EVERY_SPLIT_LIMIT = 5000
 
 
 @dataclass(frozen=True)
@@ -110,12 +105,12 @@ def choose_split(setup: Setup) -> tuple[int, ...]:
         return setup.starts
     if blocks < count:
         raise PlanError(f"{blocks} blocks cannot be split over {count} machines")
-    step = 1  # boundaries on multiples of step: a grid of at most GRID_SPLITS splits
-    while math.comb((blocks - 1) // step, count - 1) > GRID_SPLITS:
+    step = 1  # boundaries on multiples of step: a grid of at most PLAN_GRID_SPLITS splits
+    while math.comb((blocks - 1) // step, count - 1) > PLAN_GRID_SPLITS:
         step += 1
     grid = [starts for starts in [*candidate_splits(blocks, count, step), memory_proportional(setup)]
             if fits(setup, starts)]
-    if not grid and math.comb(blocks - 1, count - 1) <= EVERY_SPLIT_LIMIT:
+    if not grid and math.comb(blocks - 1, count - 1) <= PLAN_EVERY_SPLIT_LIMIT:
         grid = [starts for starts in candidate_splits(blocks, count, 1) if fits(setup, starts)][:200]
     if not grid:
         largest = max(machine.memory_bytes for machine in setup.machines)
@@ -125,7 +120,7 @@ def choose_split(setup: Setup) -> tuple[int, ...]:
             f"{MEMORY_HEADROOM:.0%} of its memory (largest machine {largest / 1e9:.0f} GB; about "
             f"{total / 1e9:.0f} GB needed in all with KV cache and drafts)"
         )
-    scored = {starts: _score(setup, starts, SEARCH_RUNS) for starts in grid}
+    scored = {starts: _score(setup, starts, PLAN_SEARCH_RUNS) for starts in grid}
     # Then move one boundary at a time within a grid step of the best, while that helps.
     for _ in range(3):
         best = max(scored, key=scored.get)
@@ -134,19 +129,19 @@ def choose_split(setup: Setup) -> tuple[int, ...]:
                 starts = best[:boundary] + (start,) + best[boundary + 1:]
                 if starts not in scored and list(starts) == sorted(set(starts)) and 0 < start < blocks \
                         and fits(setup, starts):
-                    scored[starts] = _score(setup, starts, SEARCH_RUNS)
+                    scored[starts] = _score(setup, starts, PLAN_SEARCH_RUNS)
         if max(scored, key=scored.get) == best:
             break
-    # Splits within TIE of the fastest are equal within the simulation's noise
+    # Splits within PLAN_TIE of the fastest are equal within the simulation's noise
     # (a one-pass-at-a-time pipeline costs the sum of its stages wherever the
     # cut is): take the one that leaves the most memory free on its fullest machine.
     fastest = max(scored.values())
-    close = [starts for starts, score in scored.items() if score >= fastest * (1 - TIE)]
+    close = [starts for starts, score in scored.items() if score >= fastest * (1 - PLAN_TIE)]
     return min(close, key=lambda starts: max(
         need / machine.memory_bytes for need, machine in zip(memory_needed(setup, starts), setup.machines)))
 
 
-def predict_modes(setup: Setup, starts: tuple[int, ...], runs: int = FINAL_RUNS) -> dict[str, Prediction]:
+def predict_modes(setup: Setup, starts: tuple[int, ...], runs: int = PLAN_FINAL_RUNS) -> dict[str, Prediction]:
     """Plain pipeline, and each speculative schedule at its best draft length."""
     costs = setup.costs(starts)
     behaviour = setup.behaviour or DraftBehaviour(0.0)

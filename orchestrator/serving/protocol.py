@@ -23,13 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from orchestrator.config import COMPLETION_DEFAULT_MAX_TOKENS, MAX_CHOICES, MAX_COMPLETION_LOGPROBS, MAX_STOP_STRINGS
 from speculators.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
 from speculators.sampling import SamplingSettings
 
-COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
-MAX_CHOICES = 8  # n: choices of one request, each a KV sequence of its own
-MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' logprobs, as OpenAI
-MAX_STOP_STRINGS = 4  # as OpenAI
 ROLES = ("system", "user", "assistant", "developer")
 
 # Fields that change what is generated and are not supported: refused with a 400.

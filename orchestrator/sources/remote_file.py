@@ -22,12 +22,10 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from orchestrator.config import SOURCE_CONNECT_SECONDS, SOURCE_CONNECT_TRIES, SOURCE_READ_SECONDS, SOURCE_RETRIES
+from orchestrator.config import (SOURCE_CHUNK_BYTES, SOURCE_CONNECT_SECONDS, SOURCE_CONNECT_TRIES,
+                                 SOURCE_FIRST_HEADER_BYTES, SOURCE_MOST_HEADER_BYTES, SOURCE_READ_SECONDS,
+                                 SOURCE_RETRIES)
 from stages.errors import SpecpipeError
-
-FIRST_HEADER_WINDOW = 512 * 1024  # the header is read in windows that double from this
-MAX_HEADER_WINDOW = 16 * 1024 * 1024
-CHUNK_BYTES = 4 * 1024 * 1024
 
 
 class SourceError(SpecpipeError):
@@ -86,7 +84,7 @@ class RangeReader:
         self.remote = remote
         self.fetched = 0
 
-    def read(self, offset: int, length: int, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+    def read(self, offset: int, length: int, chunk_bytes: int = SOURCE_CHUNK_BYTES) -> Iterator[bytes]:
         """Bytes [offset, offset + length) of the file, in chunks of at most chunk_bytes."""
         import httpx2
 
@@ -150,20 +148,20 @@ class RangeReader:
 class HeaderReader:
     """A read-only file object over the start of a RemoteFile: what has been
     read is kept, and reading past it fetches the next window (twice the last,
-    from FIRST_HEADER_WINDOW), so a header of h bytes costs about 2h fetched."""
+    from SOURCE_FIRST_HEADER_BYTES), so a header of h bytes costs about 2h fetched."""
 
     def __init__(self, ranges: RangeReader):
         self.ranges = ranges
         self.remote = ranges.remote
         self.buffer = bytearray()
         self.position = 0
-        self.window = FIRST_HEADER_WINDOW
+        self.window = SOURCE_FIRST_HEADER_BYTES
 
     def _fill(self, end: int) -> None:
         end = min(end, self.remote.size)
         while len(self.buffer) < end:
             want = min(max(end - len(self.buffer), self.window), self.remote.size - len(self.buffer))
-            self.window = min(self.window * 2, MAX_HEADER_WINDOW)
+            self.window = min(self.window * 2, SOURCE_MOST_HEADER_BYTES)
             for chunk in self.ranges.read(len(self.buffer), want):
                 self.buffer += chunk
 

@@ -11,8 +11,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import orchestrate
+from support.gguf_reading import write_shards
+from support.hub_server import HubServer
+
 from orchestrator.cluster.fetching import StageFetcher
 from orchestrator.cluster.stage_cache import CacheEntry
 from orchestrator.sources import remote_file
@@ -22,8 +24,6 @@ from orchestrator.sources.remote_file import SourceError
 from stages.gguf_file import ModelFileError, read_model
 from stages.split import plan_split, stage_file_image
 from stages.stage_image import SourceRange
-from support.gguf_reading import write_shards
-from support.hub_server import HubServer
 
 TOKEN = "hf_test_token_of_the_private_repo"
 
@@ -82,7 +82,7 @@ def test_the_header_is_read_by_range_and_names_the_same_model(hub, smollm2):
     assert [(t.name, t.offset, t.n_bytes) for t in remote.tensors] == [(t.name, t.offset, t.n_bytes)
                                                                        for t in local.tensors]
     header = min(tensor.offset for tensor in local.tensors)
-    assert header < served_bytes(hub, before) <= 2 * header + remote_file.FIRST_HEADER_WINDOW
+    assert header < served_bytes(hub, before) <= 2 * header + remote_file.SOURCE_FIRST_HEADER_BYTES
     assert served_bytes(hub, before) < Path(smollm2).stat().st_size / 20
     assert str(remote.paths[0]).startswith("hf:org/smol/") and "@" in str(remote.paths[0])
 
@@ -258,8 +258,7 @@ def test_offline_the_copy_in_huggingface_hubs_cache_is_used(hub, smollm2, tmp_pa
 
 def test_the_drivers_vocabulary_file_is_enough_for_the_tokenizer_and_the_kv_budget(hub, smollm2):
     """`serve --model hf:` sizes its sequences and tokenizes from the header alone (no tensor on the driver)."""
-    from orchestrator.cluster.model_files import WholeModelSettings, with_source
-    from orchestrator.cluster.model_files import kv_bytes_per_sequence
+    from orchestrator.cluster.model_files import WholeModelSettings, kv_bytes_per_sequence, with_source
     from stages.tokenizer import Tokenizer
 
     settings = with_source(WholeModelSettings(f"hf:org/smol/{Path(smollm2).name}"))

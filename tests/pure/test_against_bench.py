@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.planning.against_bench import IN_PROCESS, RUNS, ModePrediction, measured_behaviour, predict_scenario
+from orchestrator.planning.against_bench import (IN_PROCESS, PLAN_CHECK_RUNS, ModePrediction, measured_behaviour,
+                                                 predict_scenario)
 from orchestrator.planning.costs import BatchCurve, MeasuredMachine, ModelShape, Software, StageCosts
 from orchestrator.planning.inputs import PlanError
 from orchestrator.planning.simulation import DraftBehaviour, DraftTrace, Mode, predict
@@ -173,7 +174,7 @@ def test_each_committed_scenario_is_predicted_as_worked_out_independently(name):
 
 
 def test_predict_scenario_runs_64_simulations_by_default():
-    assert RUNS == 64
+    assert PLAN_CHECK_RUNS == 64
     scenario = {**scenarios()["chat"]}
     scenario["modes"] = [row for row in scenario["modes"] if row["mode"] == "spec-sync-ngram"]
     [default] = predict_scenario(profile(), scenario)

@@ -9,7 +9,7 @@ in parallel) against separate machines (stage i on host i, no limit).
 from __future__ import annotations
 
 from orchestrator.planning.costs import Link, Machine, ModelShape, Software
-from orchestrator.planning.inputs import DRAFT_LENGTHS, Setup
+from orchestrator.planning.inputs import PLAN_DRAFT_LENGTHS, Setup
 from orchestrator.planning.simulation import DraftBehaviour
 
 MODEL = ModelShape("toy", 6, 8, 16, (10,) * 6, 5, 5, 100, 50, 2)
@@ -50,4 +50,4 @@ def test_the_costs_carry_the_setup_and_the_split():
     assert costs.starts == (0, 1, 3) and costs.stage_count == 3
     assert costs.model is MODEL and costs.software is SOFTWARE
     assert [costs.stage_range(stage) for stage in range(3)] == [(0, 1), (1, 3), (3, 6)]
-    assert make_setup().draft_lengths == DRAFT_LENGTHS == (1, 2, 3, 4, 6, 8, 12, 16)
+    assert make_setup().draft_lengths == PLAN_DRAFT_LENGTHS == (1, 2, 3, 4, 6, 8, 12, 16)

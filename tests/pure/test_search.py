@@ -9,27 +9,17 @@ is fastest, which fit, which the memory tie-break prefers and which the
 coarse grid and its single-boundary moves can reach follow from the setup.
 Guards: the memory test at exactly the headroom, a fixed split, the exact
 refusals, the grid step and the fallback to every split, the local moves,
-the tie within TIE of the fastest, and the predictions' wiring.
+the tie within PLAN_TIE of the fastest, and the predictions' wiring.
 """
 
 from __future__ import annotations
 
-
 import pytest
 
 from orchestrator.planning.costs import Machine, ModelShape, Software
-from orchestrator.planning.search import (
-    SEARCH_RUNS,
-    TIE,
-    candidate_splits,
-    choose_split,
-    fits,
-    memory_needed,
-    memory_proportional,
-    predict_modes,
-    recommend,
-)
 from orchestrator.planning.inputs import PlanError, Setup
+from orchestrator.planning.search import (PLAN_SEARCH_RUNS, PLAN_TIE, candidate_splits, choose_split, fits,
+                                          memory_needed, memory_proportional, predict_modes, recommend)
 from orchestrator.planning.simulation import DraftBehaviour, Mode, predict, simulate
 
 GB = 10**9
@@ -161,7 +151,7 @@ def test_a_model_too_big_for_one_machine_is_refused_with_the_memory_it_needs():
 
 
 # -- the search: grid, single-boundary moves, memory tie-break ------------------------
-# 42 blocks over two machines: 41 boundaries, more than GRID_SPLITS, so the grid steps by 2
+# 42 blocks over two machines: 41 boundaries, more than PLAN_GRID_SPLITS, so the grid steps by 2
 # (20 boundaries) and the moves go one block either way of the best; 41 blocks still step by 1.
 
 def test_the_moves_find_the_fastest_split_off_the_grid():
@@ -235,10 +225,10 @@ def test_with_42_blocks_the_moves_reach_one_block_either_side_of_the_grid():
 
 def test_a_split_exactly_tie_slower_than_the_fastest_still_ties():
     # a reads 2^52 bytes a second, b 2^51. [0, 2] takes exactly 1 s a token; [0, 1] moves block 1
-    # (b1 bytes) to b, which takes b1 / 2^52 s more: 1 / (1 - TIE) s, rounded to a double, so that its
-    # tokens/s is exactly (1 - TIE) times the fastest. It leaves a less full, so it wins the tie.
-    slower = 1 / (1 - TIE)
-    assert 1 / slower == 1.0 * (1 - TIE)
+    # (b1 bytes) to b, which takes b1 / 2^52 s more: 1 / (1 - PLAN_TIE) s, rounded to a double, so that its
+    # tokens/s is exactly (1 - PLAN_TIE) times the fastest. It leaves a less full, so it wins the tie.
+    slower = 1 / (1 - PLAN_TIE)
+    assert 1 / slower == 1.0 * (1 - PLAN_TIE)
     b1 = int((slower - 1) * 2**52)
     b2 = 10**15
     b0 = 2**52 - b1 - 2 * b2
@@ -246,7 +236,7 @@ def test_a_split_exactly_tie_slower_than_the_fastest_still_ties():
     machines = [Machine("a", 1e16, 2.0**52, 1e30), Machine("b", 1e16, 2.0**51, 1e30)]
     setup = make_setup(model, machines, max_tokens=2)
     assert predict_modes(setup, (0, 2), runs=1)["plain"].tokens_per_second == 1.0
-    assert predict_modes(setup, (0, 1), runs=1)["plain"].tokens_per_second == 1.0 * (1 - TIE)
+    assert predict_modes(setup, (0, 1), runs=1)["plain"].tokens_per_second == 1.0 * (1 - PLAN_TIE)
     assert choose_split(setup) == (0, 1)
 
 
@@ -261,13 +251,13 @@ def _narrow(blocks: int, most_on_a: int, most_on_b: int) -> Setup:
 
 
 def test_a_split_off_the_grid_is_found_by_trying_every_split_up_to_the_limit():
-    # 5001 blocks: 5000 splits, EVERY_SPLIT_LIMIT; the grid is on multiples of 125 and the
+    # 5001 blocks: 5000 splits, PLAN_EVERY_SPLIT_LIMIT; the grid is on multiples of 125 and the
     # memory-proportional split gives a 2917 blocks; only 2501 on a fits
     assert choose_split(_narrow(5001, 2501, 2500)) == (0, 2501)
 
 
 def test_past_the_limit_a_split_off_the_grid_is_not_tried():
-    # 5002 blocks: 5001 splits, one past EVERY_SPLIT_LIMIT; [0, 2501] would fit but is not tried
+    # 5002 blocks: 5001 splits, one past PLAN_EVERY_SPLIT_LIMIT; [0, 2501] would fit but is not tried
     with pytest.raises(PlanError, match=(
             r"^toy does not fit: no split of 5002 blocks over 2 machines leaves each within 90% of its memory "
             r"\(largest machine 4 GB; about 6 GB needed in all with KV cache and drafts\)$")):
@@ -275,7 +265,7 @@ def test_past_the_limit_a_split_off_the_grid_is_not_tried():
 
 
 def test_every_split_tried_means_the_first_200_that_fit():
-    # 101 blocks on three machines: 4950 splits, within EVERY_SPLIT_LIMIT. a (11.5 GB) holds at most
+    # 101 blocks on three machines: 4950 splits, within PLAN_EVERY_SPLIT_LIMIT. a (11.5 GB) holds at most
     # 10 blocks, so no grid split (boundaries on multiples of 11) fits; b (49 GB) at most 44; c (194 GB,
     # a 100 GB head) at most 74. With k blocks on a, the second boundary runs from 27 to k + 44: k + 18
     # splits, 180 for k <= 8, so [0, 9, 47] is the 201st. It leaves the fullest machine least full (c at
@@ -326,9 +316,9 @@ def test_the_search_uses_the_setups_drafts_as_they_are_right():
 
 def test_the_search_scores_each_split_over_search_runs_runs():
     # Random drafts; [0, 1] puts 2 of 3 blocks on b, [0, 2] 1. As b gets slower, [0, 1] drops out of
-    # the tie with [0, 2] at one slowness by the median of SEARCH_RUNS runs and at another by that
+    # the tie with [0, 2] at one slowness by the median of PLAN_SEARCH_RUNS runs and at another by that
     # of 32 (predict's default). Halfway between, the two counts disagree, and the search must follow
-    # SEARCH_RUNS: [0, 1] if it ties by them (it leaves b, 300 GB, less full), else [0, 2].
+    # PLAN_SEARCH_RUNS: [0, 1] if it ties by them (it leaves b, 300 GB, less full), else [0, 2].
     def setup(slower: float) -> Setup:
         machines = [reader("a", 100 * GB, 0.001), reader("b", 300 * GB, 0.001 * slower)]
         return make_setup(shape(3), machines, DraftBehaviour(0.8), draft_seconds=[0.0002] * 2,
@@ -339,7 +329,7 @@ def test_the_search_scores_each_split_over_search_runs_runs():
         score = {starts: max(predict(candidate.costs(starts), Mode(schedule, 3), candidate.behaviour, 16,
                                      runs).tokens_per_second for schedule in ("plain", "sync", "async"))
                  for starts in ((0, 1), (0, 2))}
-        return score[(0, 1)] >= score[(0, 2)] * (1 - TIE)
+        return score[(0, 1)] >= score[(0, 2)] * (1 - PLAN_TIE)
 
     def last_tie(runs: int) -> float:
         low, high = 1.0, 2.0  # b as fast as a: a tie; twice as slow: none
@@ -349,8 +339,8 @@ def test_the_search_scores_each_split_over_search_runs_runs():
             low, high = (middle, high) if ties(middle, runs) else (low, middle)
         return low
 
-    slower = (last_tie(SEARCH_RUNS) + last_tie(32)) / 2
-    by_search_runs = ties(slower, SEARCH_RUNS)
+    slower = (last_tie(PLAN_SEARCH_RUNS) + last_tie(32)) / 2
+    by_search_runs = ties(slower, PLAN_SEARCH_RUNS)
     assert by_search_runs != ties(slower, 32)
     assert choose_split(setup(slower)) == ((0, 1) if by_search_runs else (0, 2))
 
