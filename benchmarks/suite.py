@@ -267,7 +267,6 @@ def run_scenario(
     summary["draft_prices"] = {kind: {"awaited": price.awaited, "relayed": price.relayed} for kind, price in prices.items()}
     summary["draft_traces"] = draft_traces(scenario, prompts, runs)
     if "model" in scenario.speculators:  # the draft's per-token acceptance along the reference's text
-
         outputs = {run.prompt_index: run.tokens for run in runs
                    if run.mode == reference_mode(scenario) and run.repetition == 0}
         summary["draft"] = {"path": draft, "agreement": agreement(draft, [(prompt, outputs[index])

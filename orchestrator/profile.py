@@ -256,8 +256,6 @@ def measure_coordinator(vocab: int, tokens: int = 400) -> float:
 
 def profile_machine(settings: ProfileSettings, progress: Callable[[int, int], None] = lambda done, total: None,
                     status: Callable[[str], None] = lambda line: None) -> dict:
-
-
     status("timing the whole model, then the stages through a pipeline on a local Ray")
     whole = measure_whole(settings, progress)
     stages, hop_seconds = measure_pipeline(settings, progress)

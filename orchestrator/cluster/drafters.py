@@ -205,7 +205,6 @@ class DrafterClient:
         try:
             launched = self._relaunch()  # type: ignore[misc]
         except Exception as error:  # noqa: BLE001 - any failure to start leaves the drafter lost, never the run
-
             self.lost_reason = f"{self.lost_reason}; the restart failed: {one_line(error)}"
             return
         with self._lock:
@@ -218,10 +217,11 @@ class DrafterClient:
 
     def _rejoin(self) -> None:
         """Adopt a restarted drafter once it is up (in the loop's thread, between requests)."""
-        if self._replacement is None:
+        with self._lock:  # close() may take it meanwhile, from another thread
+            launched, self._replacement = self._replacement, None
+        if launched is None:
             return
-        with self._lock:
-            (self.actor, self._sock, self.node_id, self.process_id), self._replacement = self._replacement, None
+        self.actor, self._sock, self.node_id, self.process_id = launched
         self.replacement_ready.clear()
         self._busy_earlier = self.busy_seconds
         self.restarts += 1

@@ -451,7 +451,6 @@ def fetch_vocabulary(stage_path: str, scheduling_strategy) -> str:
 
     @ray.remote(num_cpus=0, max_retries=0)
     def vocabulary_on_node(path: str) -> bytes:
-
         return vocabulary_image(read_model(path)).header
 
     header = ray_get(vocabulary_on_node.options(scheduling_strategy=scheduling_strategy).remote(stage_path),
