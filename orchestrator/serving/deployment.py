@@ -16,7 +16,7 @@ answers 503 until a node joins and then resumes (decoding.service,
 Pipeline.resume). The replica's health check fails only once the pipeline
 has failed for good, so Serve replaces it (a fresh pipeline).
 
-The deployment class is built inside a function (``_deployment``) because
+The deployment class is built inside a function (``replica_deployment``) because
 importing Ray Serve takes seconds and ``orchestrate --help`` must not.
 """
 
@@ -233,20 +233,21 @@ class Coordinator:
         self.pipeline.close()
 
 
-def _deployment(settings: ServeSettings):
+def replica_deployment(settings: ServeSettings):
     import ray
     from ray import serve
 
     # The replica runs on this node: it reads the vocabulary from a file here
-    # (vocabulary_of), which another node may not hold.
-    here = {f"node:{ray.util.get_node_ip_address()}": 0.001}
+    # (vocabulary_of), which another node may not hold. Pinned by the node's id,
+    # not its address: nodes may share one (a ray.cluster_utils.Cluster's do).
+    here = {"ray.io/node-id": ray.get_runtime_context().get_node_id()}
 
     @serve.deployment(
         name=APPLICATION,
         num_replicas=1,
         # the service queues and refuses (429) by itself: Serve must let every request through to it
         max_ongoing_requests=settings.pipeline.stage.sequences + settings.queue_limit + 64,
-        ray_actor_options={"num_cpus": 0, "resources": here},  # the stages hold the CPUs; the coordinator mostly waits
+        ray_actor_options={"num_cpus": 0, "label_selector": here},  # the stages hold the CPUs; the coordinator waits
         graceful_shutdown_timeout_s=settings.drain_seconds + 10,
         health_check_period_s=5,
     )
@@ -427,7 +428,7 @@ def _run_application(settings: ServeSettings, on_status: Callable[[str], None], 
     try:
         serve.start(http_options={"host": settings.host, "port": settings.port})
         # returns once the replica has started (the stages loaded) or failed
-        serve.run(_deployment(settings).bind(settings), name=APPLICATION, route_prefix="/", blocking=False)
+        serve.run(replica_deployment(settings).bind(settings), name=APPLICATION, route_prefix="/", blocking=False)
     except Exception as error:  # Serve reports a replica that failed to start as a RuntimeError with its traceback
         _shutdown_serve(settings)
         raise ServeError(f"the service did not start: {one_line(error)}") from None

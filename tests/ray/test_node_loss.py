@@ -95,6 +95,7 @@ def serving(cluster, model: str, tmp_path, max_sequences: int):
         base = f"http://127.0.0.1:{port}"
         stages = httpx.get(base + "/health", timeout=30).json()["stages"]
         coordinator = replica_node(cluster)
+        assert coordinator.node_id == cluster.head_node.node_id  # where serve's driver runs, however nodes share addresses
         index = next(index for index, stage in enumerate(stages) if stage["node"] != coordinator.node_id)
         yield base, index, stages[index]["node"], log
         assert server.poll() is None  # the same serve process throughout
