@@ -223,8 +223,8 @@ TLS_CLIENT_HANDSHAKE_SECONDS = 30.0
 SOURCE_FIRST_HEADER_BYTES = 512 * 1024
 SOURCE_MOST_HEADER_BYTES = 16 * 1024 * 1024
 SOURCE_CHUNK_BYTES = 4 * 1024 * 1024
-# Bytes: the longest control frame (a request for a stage file, a digest) a shipping peer accepts
-# before its stream: anything longer is refused, not read.
+# Bytes: the longest control frame (an offset to resume from, a digest, a problem named) a shipping
+# peer accepts beside a file's bytes: anything longer is refused, not read.
 SHIPPING_MAX_FRAME_BYTES = 1024
 # A remote model file (orchestrator.sources.remote_file, --model hf:...):
 # seconds to connect, the longest one read of a response may wait, tries after
@@ -273,8 +273,9 @@ PLAN_FINAL_RUNS = 48
 # Splits within this share of the fastest's tokens/s tie; the tie goes to the one that leaves
 # the fullest machine least full (a simulation's figure is no finer than this).
 PLAN_TIE = 0.01
-# Boundaries tried per stage: every split up to PLAN_EVERY_SPLIT_LIMIT candidates, else a grid of
-# at most PLAN_GRID_SPLITS steps (a 126-block 405B on two machines: 125 splits, all tried).
+# Splits tried (planning.search.choose_split): a grid of boundaries on multiples of a step, at most
+# PLAN_GRID_SPLITS splits, then single-boundary moves around the best; every split (the first 200 that
+# fit) only where no grid split fits and there are at most PLAN_EVERY_SPLIT_LIMIT of them.
 PLAN_GRID_SPLITS = 40
 PLAN_EVERY_SPLIT_LIMIT = 5000
 # The draft lengths (draft_max) the planner tries for each split and mode.
