@@ -304,6 +304,16 @@ def pytest_collection_modifyitems(config, items):
                                  Path(item.path) not in CLUSTER_FILES))
 
 
+def pytest_configure(config):
+    """Under pytest-xdist the files run in the order pytest_collection_modifyitems
+    gives them: by default (``--loadscope-reorder``) its scheduler sorts them by
+    their number of tests instead, which put pure files between the cluster
+    files and so stopped and started the session's Ray cluster about ten times
+    a run (each start about 16 s) instead of once a worker."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_xdist_node_collection_finished(node, ids):
     """Under ``--dist loadgroup`` (make test) every test's id must carry its group,
     which pytest-xdist appends: where it does not, the groups are ignored and a
