@@ -121,20 +121,21 @@ def servers_here() -> tuple[str, ...]:
 
 
 def _start(server: str, stage_paths: list[str], whole_path: str, threads: int, port: int, workdir: Path,
-           more: list[str]):
+           more: list[str], address: str | None = None):
     if server == PEER:
         return start([tool("llama-server"), "-m", whole_path, "-t", str(threads), "-tb", str(threads),
                       "-c", str(CONTEXT * PEER_SLOTS), "--parallel", str(PEER_SLOTS), "-fa", "off",
                       "--host", "127.0.0.1", "--port", str(port)], port, workdir / f"{server}.log")
+    joining = ["--address", address] if address else []  # this project's servers join it: no Ray of their own
     if server in ("specpipe-2-stages", DRAFTED):
         if server == DRAFTED:
             more = [*more, "--speculator", "model", "--draft", realistic_draft(whole_path, workdir)]
         return start_specpipe_server(["--model-split", *stage_paths, "--threads", str(max(1, threads // 2)),
-                                      "--n-ctx", str(CONTEXT), "--max-sequences", "8", *more], port,
+                                      "--n-ctx", str(CONTEXT), "--max-sequences", "8", *more, *joining], port,
                                      workdir / f"{server}.log")
     if server == "specpipe-whole":
         return start_specpipe_server(["--model-split", whole_path, "--threads", str(threads), "--n-ctx", str(CONTEXT),
-                                      "--max-sequences", "8"], port, workdir / f"{server}.log")
+                                      "--max-sequences", "8", *joining], port, workdir / f"{server}.log")
     try:
         return start_llama_cpp_server(whole_path, port, threads, n_ctx=CONTEXT * 8,
                                       extra_args=["--interrupt_requests", "False"], deadline_s=START_SECONDS)
@@ -161,12 +162,14 @@ def _summary(runs: list[LoadResult]) -> dict:
 def run_serve_bench(stage_paths: list[str], whole_path: str, *, threads: int = 2,
                     concurrencies: tuple[int, ...] = (1, 2, 4, 8), repetitions: int = 3, max_tokens: int = 64,
                     prompts: list[str] | None = None, workdir: Path,
-                    progress: Callable[[int, int], None] | None = None, cost_curve: str | None = None) -> dict:
+                    progress: Callable[[int, int], None] | None = None, cost_curve: str | None = None,
+                    address: str | None = None) -> dict:
     """Every server under every concurrency level; see the module docstring.
     cost_curve: a --cost-curve CURVE every stage is held to (emulated figures):
     then only this project's 2-stage servers run, with and without a draft
     model (no curve holds the peers, and the 2-stage curve does not fit the
-    whole model as one stage)."""
+    whole model as one stage). address: a Ray cluster this project's servers
+    and the in-process run join (default: each starts a local Ray of its own)."""
     prompts = list(prompts or DEFAULT_PROMPTS)
     servers = servers_here() if cost_curve is None else ("specpipe-2-stages", DRAFTED)
     total = (len(servers) + 1) * repetitions * len(concurrencies)
@@ -179,11 +182,12 @@ def run_serve_bench(stage_paths: list[str], whole_path: str, *, threads: int = 2
         if progress is not None:
             progress(done, total)
 
-    runs[IN_PROCESS] = _in_process(stage_paths, prompts, concurrencies, repetitions, max_tokens, step, cost_curve)
+    runs[IN_PROCESS] = _in_process(stage_paths, prompts, concurrencies, repetitions, max_tokens, step, cost_curve,
+                                   address)
     for server in servers:
         port = free_port()
         process = _start(server, stage_paths, whole_path, threads, port, workdir,
-                         ["--cost-curve", cost_curve] if cost_curve else [])
+                         ["--cost-curve", cost_curve] if cost_curve else [], address)
         try:
             base_url, model = f"http://127.0.0.1:{port}/v1", _model_name(port)
             # llama_cpp.server penalises repeats by default (1.1): greedy without it is the whole model's output
@@ -200,8 +204,9 @@ def run_serve_bench(stage_paths: list[str], whole_path: str, *, threads: int = 2
 
 
 def _in_process(stage_paths: list[str], prompts: list[str], concurrencies: tuple[int, ...], repetitions: int,
-                max_tokens: int, step: Callable[[], None], cost_curve: str | None) -> dict[int, list[LoadResult]]:
-    """The service loop over the 2-stage pipeline in this process (a local Ray):
+                max_tokens: int, step: Callable[[], None], cost_curve: str | None,
+                address: str | None) -> dict[int, list[LoadResult]]:
+    """The service loop over the 2-stage pipeline in this process (a local Ray, or the cluster at ``address``):
     at most ``level`` requests submitted at a time, as the HTTP load generator
     does; its passes priced as orchestrate serve prices them (measured at start)."""
     from orchestrator.cluster.pipeline_settings import PipelineSettings
@@ -212,7 +217,7 @@ def _in_process(stage_paths: list[str], prompts: list[str], concurrencies: tuple
 
     settings = StageSettings(n_ctx=CONTEXT, sequences=max(concurrencies),
                              cost_curve=load_cost_curve(cost_curve) if cost_curve else None)
-    with ray_session(None), PipelineSettings(stage_paths, settings).start(overlapping=True) as pipeline:
+    with ray_session(address), PipelineSettings(stage_paths, settings).start(overlapping=True) as pipeline:
         pass_curve = pipeline.pass_curve()
         batch_step = curve_step(pass_curve)
         for _ in range(repetitions):

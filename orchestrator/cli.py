@@ -200,7 +200,8 @@ def serve(pipeline: PipelineOptions, speculation, host, port, api_key, model_nam
 @click.option("--scenario", "names", multiple=True, help="Run only this scenario (repeatable).")
 @click.option("--scenarios", "folder", type=click.Path(file_okay=False, exists=True, path_type=Path),
               help="Folder of scenario files (default: benchmarks/scenarios).")
-@click.option("--address", help="Ray cluster to use; default: start a local Ray.")
+@click.option("--address", help="Ray cluster to use (with --serve: this project's servers join it); default: start a "
+                                "local Ray.")
 @click.option("--serve", "serving", is_flag=True,
               help="Instead: servers under concurrent load (this server with 2 stages and whole, and "
                    "llama-cpp-python's server; under --cost-curve the 2-stage server with and without a draft "
@@ -224,7 +225,7 @@ def bench(out_dir: Path, quick: bool, names: tuple[str, ...], folder: Path | Non
     if concurrencies and not serving:
         raise click.UsageError("--concurrency goes with --serve")
     if serving:
-        _bench_serve(out_dir, quick, cost_curve, curve, tuple(sorted(set(concurrencies))))
+        _bench_serve(out_dir, quick, cost_curve, curve, tuple(sorted(set(concurrencies))), address)
         return
 
     scenarios = load_scenarios(folder or SCENARIO_DIR, quick=quick, only=list(names) or None)
@@ -251,7 +252,8 @@ def bench(out_dir: Path, quick: bool, names: tuple[str, ...], folder: Path | Non
         sys.exit(1)
 
 
-def _bench_serve(out_dir: Path, quick: bool, cost_curve: str | None, curve, concurrencies: tuple[int, ...]) -> None:
+def _bench_serve(out_dir: Path, quick: bool, cost_curve: str | None, curve, concurrencies: tuple[int, ...],
+                 address: str | None) -> None:
     """orchestrate bench --serve (benchmarks.serve_bench) on the default model."""
     import tempfile
 
@@ -264,7 +266,8 @@ def _bench_serve(out_dir: Path, quick: bool, cost_curve: str | None, curve, conc
         shape["concurrencies"] = concurrencies
     with tempfile.TemporaryDirectory() as workdir:
         results = run_serve_bench(stage_paths, str(default_model_path()), workdir=Path(workdir),
-                                  progress=progress_bar("serve bench"), cost_curve=cost_curve, **shape)
+                                  progress=progress_bar("serve bench"), cost_curve=cost_curve, address=address,
+                                  **shape)
     results["command"] = "orchestrate bench " + " ".join(sys.argv[2:])
     results["cost_curve"] = {"spec": cost_curve, "name": curve.name} if curve else None
     for path in write_serve_results(results, out_dir):

@@ -4,15 +4,26 @@ check against it (tests/ray/test_bench.py)."""
 
 import json
 
-from conftest import orchestrate
+
+def drivers_of(command: str) -> int:
+    """How many drivers `orchestrate COMMAND` has had on this worker's cluster (Ray's job table: the
+    state API would need the dashboard, which the session's cluster leaves off)."""
+    from ray._private.state import jobs
+
+    return sum(f"orchestrator.cli {command} " in job["Entrypoint"] for job in jobs())
 
 
-def test_quick_serve_bench_compares_the_servers_under_load(tmp_path):
-    """`orchestrate bench --serve --quick`: every server at concurrency 1 and 2,
-    outputs equal to each server's solo run and to llama-cpp-python's server."""
+def test_quick_serve_bench_compares_the_servers_under_load(tmp_path, orchestrate_on_cluster):
+    """`orchestrate bench --serve --quick` on the session's cluster (this
+    project's servers join it, as they would a user's): every server at
+    concurrency 1 and 2, outputs equal to each server's solo run and to
+    llama-cpp-python's server."""
     out = tmp_path / "serve-bench"
-    result = orchestrate("bench", "--serve", "--quick", "--out", out, timeout=900)
+    served, benched = drivers_of("serve"), drivers_of("bench")
+    result = orchestrate_on_cluster("bench", "--serve", "--quick", "--out", out, timeout=900)
     assert result.returncode == 0, result.stderr
+    # both of this project's servers and the in-process run joined the cluster: no Ray of their own
+    assert (drivers_of("serve") - served, drivers_of("bench") - benched) == (2, 1)
     results = json.loads((out / "serve.json").read_text())
     from benchmarks.peers import built
 
