@@ -43,12 +43,11 @@ def test_split_then_run_json_equals_llama(smollm2, reference, tmp_path, orchestr
 def test_temperature_and_seed_change_the_text_and_the_same_seed_reproduces_it(smollm2, splits, reference,
                                                                               orchestrate_on_cluster):
     """At temperature 1.5 sixteen tokens drawn with seed 5 are the same from
-    the whole model as one stage (a local run) and through two stages (on the
-    cluster), and differ from seed 6's and from greedy decoding's:
+    the whole model as one stage and through two stages, and differ from seed 6's and from greedy decoding's:
     --temperature and --seed both reach the sampler (greedy with them ignored
     would give the same text every time)."""
     common = ["--raw", "--prompt", PROMPTS[2], "--max-tokens", "16", "--json", "--temperature", "1.5"]
-    whole = orchestrate("run", "--model-split", smollm2, *common, "--seed", "5")
+    whole = orchestrate_on_cluster("run", "--model-split", smollm2, *common, "--seed", "5")
     runs = [whole] + [orchestrate_on_cluster("run", "--model-split", *splits[2], *common, "--seed", seed)
                       for seed in ("5", "6")]
     assert all(result.returncode == 0 for result in runs), [result.stderr for result in runs]
