@@ -1,20 +1,11 @@
 """What `orchestrate run --model WHOLE.gguf` ships, before any transfer: the stage image it streams is byte
-for byte the file `orchestrate split` writes, the vocabulary image reads as the model; and a model that fits
-no node is refused with the numbers."""
+for byte the file `orchestrate split` writes, the vocabulary image reads as the model (a model that fits no node:
+tests/ray/test_cli_runs.py)."""
 
 import os
 from pathlib import Path
 
-from conftest import PROMPTS, orchestrate
-
-
-def test_a_model_that_fits_no_node_is_refused_with_the_numbers(smollm2):
-    """A context whose KV cache cannot fit this machine's memory, split or not."""
-    result = orchestrate("run", "--model", smollm2, "--stages", "2", "--n-ctx", str(1 << 24), "--max-tokens", "1")
-    assert result.returncode == 1, result.stderr
-    line = result.stderr.strip().splitlines()[-1]
-    assert line.startswith("error: ") and "fits no split over 2 node(s)" in line
-    assert "MiB in all" in line and "Traceback" not in result.stderr
+from conftest import PROMPTS
 
 
 def test_the_stage_image_is_the_split_file_and_the_vocabulary_image_reads_as_the_model(smollm2, splits, tmp_path):

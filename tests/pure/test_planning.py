@@ -370,7 +370,8 @@ def test_bench_draft_statistics_count_first_and_later_tokens_apart():
 
 
 @pytest.mark.parametrize("arguments", [["--help"], ["plan", "--help"],
-                                       ["plan", "benchmarks/setups/llama-405b-two-machines.toml", "--draft-max", "4"]])
+                                       ["plan", "benchmarks/setups/llama-405b-two-machines.toml", "--draft-max", "4",
+                                        "--max-tokens", "16"]])
 def test_orchestrate_plan_and_help_load_neither_ray_nor_llama_cpp(arguments):
     """The command line imports what each command uses: planning needs neither."""
     import subprocess

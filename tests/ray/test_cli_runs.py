@@ -156,3 +156,13 @@ def test_a_run_under_an_emulated_cost_curve_keeps_its_tokens_and_lasts_the_curve
                                    f"{SETUPS / 'llama-405b-two-machines.toml'}@40")
     assert three.returncode == 1 and three.stderr.strip().splitlines() == [
         "error: the cost curve 'llama-405b-two-machines at 40 ms' has 2 stages, the pipeline 3"]
+
+
+def test_a_model_that_fits_no_node_is_refused_with_the_numbers(smollm2, orchestrate_on_cluster):
+    """A context whose KV cache cannot fit this machine's memory, split or not."""
+    result = orchestrate_on_cluster("run", "--model", smollm2, "--stages", "2", "--n-ctx", str(1 << 24),
+                                    "--max-tokens", "1")
+    assert result.returncode == 1, result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: ") and "fits no split over " in line and " node(s)" in line
+    assert "MiB in all" in line and "Traceback" not in result.stderr
