@@ -43,11 +43,13 @@ def test_split_then_run_json_equals_llama(smollm2, reference, tmp_path, orchestr
 def test_temperature_and_seed_change_the_text_and_the_same_seed_reproduces_it(smollm2, splits, reference,
                                                                               orchestrate_on_cluster):
     """At temperature 1.5 sixteen tokens drawn with seed 5 are the same from
-    the whole model as one stage and through two stages, and differ from seed 6's and from greedy decoding's:
+    the whole model as one stage (a local run: on the cluster's three nodes
+    one --model-split file is cut in three) and through two stages (on the
+    cluster), and differ from seed 6's and from greedy decoding's:
     --temperature and --seed both reach the sampler (greedy with them ignored
     would give the same text every time)."""
     common = ["--raw", "--prompt", PROMPTS[2], "--max-tokens", "16", "--json", "--temperature", "1.5"]
-    whole = orchestrate_on_cluster("run", "--model-split", smollm2, *common, "--seed", "5")
+    whole = orchestrate("run", "--model-split", smollm2, *common, "--seed", "5")
     runs = [whole] + [orchestrate_on_cluster("run", "--model-split", *splits[2], *common, "--seed", seed)
                       for seed in ("5", "6")]
     assert all(result.returncode == 0 for result in runs), [result.stderr for result in runs]
@@ -89,19 +91,31 @@ def test_a_question_is_answered_in_the_chat_template_by_default_and_a_run_withou
                                                    "text (drop --raw to use its chat template)")
 
 
-def test_run_with_speculation_reports_its_figures(splits, orchestrate_on_cluster, tmp_path):
-    """Under a flat emulated curve, where drafts pay on any CPU (on an AVX2
-    host slower than usual, 2026-12-04, this CPU's own cost had the policy
-    draft nothing, and the passes were the plain run's)."""
+def test_run_with_speculation_under_an_emulated_curve_reports_its_figures_and_lasts_the_curve(
+        splits, reference, orchestrate_on_cluster, tmp_path):
+    """Under a flat emulated curve (--cost-curve, a curve file: 40 ms a pass
+    whatever its width), where drafts pay on any CPU (on an AVX2 host slower
+    than usual, 2026-12-04, this CPU's own cost had the policy draft nothing,
+    and the passes were the plain run's): prompt lookup in async through 2
+    stages gives the whole model's tokens, the report names the curve, and
+    every pass each stage ran lasted it."""
+    from stages.tokenizer import Tokenizer
+
     curve = tmp_path / "flat.json"
-    curve.write_text(json.dumps({"name": "flat 30 ms", "stages": [{"tokens": [1, 64], "ms": [30, 30]}]}))
-    common = ["run", "--model-split", *splits[2], "--prompt", "Repeat exactly: one two three four five six seven eight.",
-              "--chat", "--max-tokens", "24", "--json", "--cost-curve", str(curve)]
+    curve.write_text(json.dumps({"name": "flat 40 ms", "stages": [{"tokens": [1], "ms": [40]}]}))
+    prompt = "Repeat exactly: one two three four five six seven eight."
+    common = ["run", "--model-split", *splits[2], "--prompt", prompt, "--chat", "--max-tokens", "24", "--json",
+              "--cost-curve", str(curve)]
     plain = orchestrate_on_cluster(*common)
     speculative = orchestrate_on_cluster(*common, "--speculator", "ngram", "--schedule", "async", "--draft-max", "6")
     assert plain.returncode == 0 and speculative.returncode == 0, speculative.stderr
     plain, speculative = json.loads(plain.stdout), json.loads(speculative.stdout)
-    assert speculative["tokens"] == plain["tokens"]
+    chat_tokens = Tokenizer(splits[2][0]).chat_tokens([{"role": "user", "content": prompt}])
+    assert speculative["tokens"] == plain["tokens"] == reference.greedy(chat_tokens, 24).tokens
+    assert speculative["cost_curve"] == "flat 40 ms"
+    for stage in speculative["stages"]:  # passes dropped unread never ran; stopped ones were cut short
+        completed = speculative["target_passes"] - stage["passes_dropped"] - stage["passes_stopped"]
+        assert stage["busy_seconds"] >= 0.040 * completed
     assert speculative["target_passes"] < plain["target_passes"]
     assert speculative["accepted_tokens"] > 0 and 0 < speculative["acceptance_rate"] <= 1
     histogram = speculative["accepted_length_histogram"]
@@ -134,24 +148,7 @@ def test_a_draft_model_on_the_cpu_with_its_own_threads_beside_every_stage_keeps_
     assert all(compute["threads"] == 1 and compute["offloaded_layers"] == 0 for compute in computes), computes
 
 
-def test_a_run_under_an_emulated_cost_curve_keeps_its_tokens_and_lasts_the_curve(splits, reference, tmp_path,
-                                                                                   orchestrate_on_cluster):
-    """--cost-curve (a curve file, 40 ms a pass whatever its width): prompt
-    lookup in async through 2 stages still gives the whole model's tokens,
-    the report names the curve, and every pass each stage ran lasted it."""
-    curve = tmp_path / "flat.json"
-    curve.write_text(json.dumps({"name": "flat 40 ms", "stages": [{"tokens": [1], "ms": [40]}]}))
-    prompt = "Repeat exactly: one two three four five six seven eight."
-    result = orchestrate_on_cluster("run", "--model-split", *splits[2], "--raw", "--prompt", prompt, "--max-tokens", "16",
-                                    "--json", "--cost-curve", str(curve), "--speculator", "ngram", "--schedule",
-                                    "async")
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout)
-    assert report["tokens"] == reference.greedy(reference.tokenize(prompt), 16).tokens
-    assert report["cost_curve"] == "flat 40 ms"
-    for stage in report["stages"]:  # passes dropped unread never ran; stopped ones were cut short
-        completed = report["target_passes"] - stage["passes_dropped"] - stage["passes_stopped"]
-        assert stage["busy_seconds"] >= 0.040 * completed
+def test_a_cost_curve_of_another_number_of_stages_is_refused(splits, orchestrate_on_cluster):
     three = orchestrate_on_cluster("run", "--model-split", *splits[3], "--max-tokens", "2", "--cost-curve",
                                    f"{SETUPS / 'llama-405b-two-machines.toml'}@40")
     assert three.returncode == 1 and three.stderr.strip().splitlines() == [
