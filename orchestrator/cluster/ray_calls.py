@@ -5,6 +5,7 @@ deadline (``ray_get``), every Ray error as the one line that names its cause
 from __future__ import annotations
 
 import glob
+import os
 
 from stages.errors import SpecpipeError
 
@@ -41,11 +42,36 @@ def worker_log(node_id: str, process_id: int) -> str:
     error it names, if any; else the file's name on its node."""
     import ray
 
-    name = f"worker-*-{process_id}.err"
     node = getattr(ray._private.worker.global_worker, "node", None)  # this driver's Ray node (no public API)
-    found = sorted(glob.glob(f"{node.get_logs_dir_path()}/{name}")) if node is not None else []
-    if not found:
-        return f"its log: {name} in Ray's session logs on node {node_id[:8]}"
-    with open(found[-1], errors="replace") as log:
-        fatal = [line.strip() for line in log if line.startswith("Fatal Python error")]
-    return f"its log: {found[-1]}" + (f" ({fatal[-1]})" if fatal else "")
+    held = held_log(node.get_logs_dir_path(), process_id) if node is not None else None
+    return held or f"its log: worker-*-{process_id}.err in Ray's session logs on node {node_id[:8]}"
+
+
+def held_log(logs: str, process_id: int) -> str | None:
+    """The words "its log: PATH (its fatal error)" for a worker's stderr log in the folder logs, or None.
+    Ray's log monitor moves a dead worker's logs to old/ beside them once it
+    holds many files open, and a long session reuses process ids: the newest
+    file of that process id, in either folder, is the one."""
+    name = f"worker-*-{process_id}.err"
+    newest = _newest(glob.glob(os.path.join(logs, name)) + glob.glob(os.path.join(logs, "old", name)))
+    if newest is None:
+        return None
+    for path in (newest, os.path.join(logs, "old", os.path.basename(newest))):  # moved since, perhaps
+        try:
+            with open(path, errors="replace") as log:
+                fatal = [line.strip() for line in log if line.startswith("Fatal Python error")]
+        except OSError:
+            continue
+        return f"its log: {path}" + (f" ({fatal[-1]})" if fatal else "")
+    return f"its log: {newest}"
+
+
+def _newest(paths: list[str]) -> str | None:
+    """The most recently written of these files that still exist (the log monitor may move one meanwhile)."""
+    written = []
+    for path in paths:
+        try:
+            written.append((os.path.getmtime(path), path))
+        except OSError:
+            continue
+    return max(written)[1] if written else None
