@@ -62,49 +62,66 @@ def decode(pipeline, tokenizer, prompt, sampling, drafters=None, schedule="sync"
     return generate(pipeline, tokens, MAX_TOKENS, sampling, tokenizer.is_end, drafting=drafting)
 
 
+@pytest.fixture(scope="module")
+def plain(pipelines, tokenizer):
+    """plain(prompt, sampling): the plain pipeline's tokens, decoded once a module. Two stages
+    give what three do (the stages compute the whole model's logits bit for bit, and a seeded
+    draw depends only on them and its position), so the 2-stage pipeline decodes them."""
+    made = {}
+
+    def tokens(prompt: str, sampling: SamplingSettings) -> list[int]:
+        if (prompt, sampling) not in made:
+            made[prompt, sampling] = decode(pipelines[2], tokenizer, prompt, sampling).tokens
+        return made[prompt, sampling]
+
+    return tokens
+
+
 def assert_unchanged(pipeline, tokenizer, make_speculator, prompts=(REWRITE, OPEN), schedules=("sync", "async"),
-                     corrects=False):
+                     corrects=False, plain=None):
     """Every schedule, greedy and sampled, gives the plain pipeline's tokens. Returns the stats.
-    corrects: async drafters draft corrections too (speculators.corrections)."""
+    corrects: async drafters draft corrections too (speculators.corrections). plain: the plain
+    tokens of (prompt, sampling) (default: decoded on this pipeline)."""
+    plain = plain or (lambda prompt, sampling: decode(pipeline, tokenizer, prompt, sampling).tokens)
     drafters = start_drafters(pipeline, make_speculator, DrafterSettings(draft_max=6))
     stats = []
     try:
         assert all(drafter.alive for drafter in drafters)
         for prompt in prompts:
             for sampling in (GREEDY, SAMPLING):
-                plain = decode(pipeline, tokenizer, prompt, sampling).tokens
+                expected = plain(prompt, sampling)
                 for schedule in schedules:
                     speculative = decode(pipeline, tokenizer, prompt, sampling, drafters, schedule, corrects=corrects)
-                    assert speculative.tokens == plain, (prompt, sampling, schedule)
+                    assert speculative.tokens == expected, (prompt, sampling, schedule)
                     stats.append(speculative.speculation)
     finally:
         stop_drafters(drafters)
     return stats
 
 
-def test_prompt_lookup_never_changes_the_output(pipelines, tokenizer):
+def test_prompt_lookup_never_changes_the_output(pipelines, tokenizer, plain):
     """Through three stages (two: the draft models' tests below; every stage's
     rollback, two and three: test_partial_acceptance_rolls_every_stage_back)."""
-    stats = assert_unchanged(pipelines[3], tokenizer, PromptLookupSpeculator)
+    stats = assert_unchanged(pipelines[3], tokenizer, PromptLookupSpeculator, plain=plain)
     assert sum(s.accepted_tokens for s in stats) > 20  # the rewrite prompt is copied
 
 
-def test_model_as_its_own_draft_is_accepted_and_exact(pipelines, tokenizer, smollm2):
+def test_model_as_its_own_draft_is_accepted_and_exact(pipelines, tokenizer, smollm2, plain):
     make = functools.partial(ModelSpeculator, smollm2, n_ctx=1024)
-    stats = assert_unchanged(pipelines[2], tokenizer, make, prompts=(OPEN,))
+    stats = assert_unchanged(pipelines[2], tokenizer, make, prompts=(OPEN,), plain=plain)
     greedy = stats[:2]  # greedy runs: a model drafting for itself agrees with itself
     assert all(s.drafted_tokens > 0 and s.acceptance_rate == 1.0 for s in greedy)
 
 
 @pytest.mark.parametrize("stage_count", [2, 3])
 @pytest.mark.parametrize("schedule", ["sync", "async"])
-def test_partial_acceptance_rolls_every_stage_back(pipelines, tokenizer, stage_count, schedule):
+def test_partial_acceptance_rolls_every_stage_back(pipelines, tokenizer, plain, stage_count, schedule):
     """Drafts right except at chosen positions: passes commit 2..5 tokens, and the
     rejected tail must be dropped from every stage's KV cache, or later tokens differ."""
     pipeline = pipelines[stage_count]
     prompt_tokens = tokenizer.chat_prompt(OPEN)
-    plain = decode(pipeline, tokenizer, OPEN, GREEDY).tokens
-    truth = prompt_tokens + plain
+    expected = plain(OPEN, GREEDY)
+    truth = prompt_tokens + expected
     wrong = {len(prompt_tokens) + offset for offset in (3, 7, 8, 15, 22, 30)}
     drafters = start_drafters(
         pipeline, functools.partial(fakes.ScriptedSpeculator, truth, wrong), DrafterSettings(draft_max=6)
@@ -114,7 +131,7 @@ def test_partial_acceptance_rolls_every_stage_back(pipelines, tokenizer, stage_c
         result = decode(pipeline, tokenizer, OPEN, GREEDY, drafters, schedule)
     finally:
         stop_drafters(drafters)
-    assert result.tokens == plain
+    assert result.tokens == expected
     lengths = result.speculation.accepted_lengths
     assert any(1 < length < 7 for length in lengths), lengths
     assert result.speculation.accepted_tokens < result.speculation.drafted_tokens
@@ -140,13 +157,13 @@ def cancelled_passes(pipeline) -> int:
     ids=["raises", "hangs"],
 )
 @pytest.mark.parametrize("schedule", ["sync", "async"])
-def test_a_failing_drafter_changes_nothing(pipelines, tokenizer, double, schedule):
+def test_a_failing_drafter_changes_nothing(pipelines, tokenizer, plain, double, schedule):
     import ray
 
     pipeline = pipelines[2]
     prompt_tokens = tokenizer.chat_prompt(OPEN)
-    plain = decode(pipeline, tokenizer, OPEN, GREEDY).tokens
-    drafters = start_drafters(pipeline, functools.partial(double, prompt_tokens + plain), DrafterSettings(draft_max=6, wait_seconds=0.5))
+    expected = plain(OPEN, GREEDY)
+    drafters = start_drafters(pipeline, functools.partial(double, prompt_tokens + expected), DrafterSettings(draft_max=6, wait_seconds=0.5))
     try:
         result = decode(pipeline, tokenizer, OPEN, GREEDY, drafters, schedule)
         # each drafter's speculator, in its own process: how often it was called
@@ -155,7 +172,7 @@ def test_a_failing_drafter_changes_nothing(pipelines, tokenizer, double, schedul
         alive = [drafter.alive for drafter in drafters]
     finally:
         stop_drafters(drafters)
-    assert result.tokens == plain
+    assert result.tokens == expected
     assert max(calls) > 5, calls  # a speculator was called past its 5 good calls: it failed
     assert result.speculation.drafted_tokens <= 5 * len(drafters)  # and nothing was drafted after
     assert all(alive), [drafter.lost_reason for drafter in drafters]  # a failing speculator does not lose its drafter
@@ -164,7 +181,8 @@ def test_a_failing_drafter_changes_nothing(pipelines, tokenizer, double, schedul
 
 
 @pytest.mark.parametrize("schedule", ["sync", "async"])
-def test_a_drafter_killed_mid_generation_is_restarted_rejoins_and_changes_nothing(pipelines, tokenizer, schedule):
+def test_a_drafter_killed_mid_generation_is_restarted_rejoins_and_changes_nothing(pipelines, tokenizer, plain,
+                                                                                   schedule):
     """The first drafter's process (it drafts in both schedules) killed
     mid-generation under prompt lookup: SIGKILL in sync, SIGSEGV in async
     (as a crash in llama.cpp would end it). It is restarted in the background
@@ -174,7 +192,7 @@ def test_a_drafter_killed_mid_generation_is_restarted_rejoins_and_changes_nothin
 
     pipeline = pipelines[2]
     prompt_tokens = tokenizer.chat_prompt(REWRITE)  # a copy task: prompt lookup drafts well
-    plain = generate(pipeline, prompt_tokens, MAX_TOKENS, GREEDY, tokenizer.is_end).tokens
+    expected = plain(REWRITE, GREEDY)
     drafters = start_drafters(pipeline, PromptLookupSpeculator, DrafterSettings(draft_max=4))
     killed = threading.Event()
 
@@ -202,7 +220,7 @@ def test_a_drafter_killed_mid_generation_is_restarted_rejoins_and_changes_nothin
     finally:
         stop_drafters(drafters)
     assert killed.is_set()
-    assert result.tokens == plain
+    assert result.tokens == expected
     assert [drafter.restarts for drafter in drafters] == [1, 0]
     assert drafters[0].lost_reason and back  # the loss is reported, and the drafter is back
     fatal = "" if schedule == "sync" else r" \(Fatal Python error: Segmentation fault\)"
