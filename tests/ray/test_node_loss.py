@@ -133,11 +133,19 @@ def removing_node(cluster, pipeline, stage_index: int, after_tokens: int, gracef
     return on_token
 
 
-def test_each_lost_node_s_stage_is_shipped_to_a_spare_and_no_token_changes(cluster, smollm2, reference):
+def test_each_lost_node_s_stage_is_shipped_to_a_spare_and_no_token_changes_then_without_room_the_run_ends(
+        cluster, smollm2, reference):
     """Four workers, two of them spares: stage 1's node removed after the 8th
     token, then stage 0's after the 16th (one generation for both losses,
     which used to be a run each): each stage comes back on a node that held
-    none, shipped there again, and every token equals an uninterrupted run's."""
+    none, shipped there again, and every token equals an uninterrupted run's.
+
+    Then, no spare left, stage 1's node again, in the next generation: the
+    stage has nowhere to go, and within ROOM_WAIT_SECONDS the run ends with
+    a StageWaiting that says so (the CLI prints it as one line, exit 1), not
+    after the 300 s it used to wait."""
+    from orchestrator.cluster.recovery import StageWaiting
+
     with_workers(cluster, 4)
     tokens = reference.tokenize(PROMPTS[2])
     model = whole_model_stages(WholeModelSettings(smollm2, stages=2), SETTINGS, None, None)
@@ -163,6 +171,14 @@ def test_each_lost_node_s_stage_is_shipped_to_a_spare_and_no_token_changes(clust
         # shipped again, to the spare (found there: the nodes share one disk here)
         assert [(shipment.stage_index, shipment.node_id) for shipment in pipeline.shipments[2:]] == [
             (restart.stage_index, restart.node_id) for restart in pipeline.restarts]
+
+        # drained: killed hard, the stage's process may outlive its raylet long enough to finish this
+        # short run (a full make test saw it, 2026-12-06); the no-room path is what this part is for
+        remove = removing_node(cluster, pipeline, 1, after_tokens=4, graceful=True)
+        started = time.monotonic()
+        with pytest.raises(StageWaiting, match="stage 1 lost its node and no other node has room for it"):
+            generate(pipeline, tokens, MAX_TOKENS, SamplingSettings(), Tokenizer(smollm2).is_end, on_token=remove)
+        assert remove.removed and time.monotonic() - started < 120
 
 
 def test_a_lost_drafter_only_node_changes_no_token_and_is_named(three_workers, smollm2, reference,
@@ -361,23 +377,3 @@ def test_a_frozen_machine_s_stage_is_lost_not_hung_once_ray_calls_its_node_dead(
         [restart] = pipeline.restarts
         assert restart.stage_index == 0 and "Ray reports it dead" in restart.reason
         assert pipeline.stages[0].node_id != lost
-
-
-def test_run_without_room_ends_with_one_line_naming_the_lost_stage(cluster, smollm2, reference):
-    """run's pipeline (a placement group) on two workers, no spare: the lost
-    node's stage has nowhere to go, and within ROOM_WAIT_SECONDS the run
-    ends with a StageWaiting that says so (the CLI prints it as one line,
-    exit 1), not after the 300 s it used to wait."""
-    from orchestrator.cluster.recovery import StageWaiting
-
-    with_workers(cluster, 2)
-    tokens = reference.tokenize(PROMPTS[2])
-    model = whole_model_stages(WholeModelSettings(smollm2, stages=2), SETTINGS, None, None)
-    with Pipeline(model, SETTINGS) as pipeline:
-        # drained: killed hard, the stage's process may outlive its raylet long enough to finish this
-        # short run (a full make test saw it, 2026-12-06); the no-room path is what this test is for
-        remove = removing_node(cluster, pipeline, 1, after_tokens=4, graceful=True)
-        started = time.monotonic()
-        with pytest.raises(StageWaiting, match="stage 1 lost its node and no other node has room for it"):
-            generate(pipeline, tokens, MAX_TOKENS, SamplingSettings(), Tokenizer(smollm2).is_end, on_token=remove)
-        assert remove.removed and time.monotonic() - started < 120
