@@ -1,6 +1,9 @@
 """`orchestrate run` across two namespace hosts whose link delays every packet
 5 ms one way (support.delay_line: this kernel has no netem) and caps it at
-1 Gbit/s (tbf): the tokens stay the whole model's, plain and speculative.
+1 Gbit/s (tbf): the tokens stay the whole model's, plain and speculative;
+the stages are placed by the resources their hosts advertise, or by
+--place, which wins over them (the runs across two hosts of
+tests/hosts/test_two_hosts.py, made here over the delayed link).
 
 The run's speed is set beside what `orchestrate plan` predicts for that link
 (this machine's profile on both machines, the link's latency and bandwidth):
@@ -39,10 +42,8 @@ def delayed_cluster():
 
 
 def delayed_run(cluster: RayAcrossHosts, stage_files: list[str], *options: str) -> dict:
-    hosts = cluster.hosts
     result = cluster.driver(
         ["-m", "orchestrator.cli", "run", "--model-split", *stage_files, "--address", cluster.address,
-         "--place", f"0={hosts.first.address},1={hosts.second.address}",
          "--raw", "--prompt", PROMPTS[2], "--max-tokens", str(MAX_TOKENS), "--json", *options],
         timeout=300,
     )
@@ -68,11 +69,19 @@ def test_a_delayed_link_keeps_the_tokens_and_the_planner_predicts_its_speed(dela
     for note in hosts.link_notes:
         print(f"delayed link: {note}")
     expected = reference.greedy(reference.tokenize(PROMPTS[2]), MAX_TOKENS).tokens
+    # placed by the resources alone: the worker advertises specpipe-stage-0 and the head specpipe-stage-1
     plain = delayed_run(delayed_cluster, splits[2])
     assert plain["tokens"] == expected
-    assert [stage["host"] for stage in plain["stages"]] == [hosts.first.address, hosts.second.address]
-    speculative = delayed_run(delayed_cluster, splits[2], "--speculator", "ngram")
+    assert [stage["host"] for stage in plain["stages"]] == [hosts.second.address, hosts.first.address]
+    # placed by --place, which wins over them; a drafter beside each stage
+    speculative = delayed_run(delayed_cluster, splits[2], "--speculator", "ngram",
+                              "--place", f"0={hosts.first.address},1={hosts.second.address}")
     assert speculative["tokens"] == expected
+    assert [stage["host"] for stage in speculative["stages"]] == [hosts.first.address, hosts.second.address]
+    for report in (plain, speculative):
+        assert report["stages"][0]["node"] != report["stages"][1]["node"]
+    assert {drafter["node"] for drafter in speculative["speculators"]} == {stage["node"]
+                                                                             for stage in speculative["stages"]}
 
     predicted = planned_tokens_per_second(smollm2, profile_path, tmp_path, DELAY_MS)
     measured = plain["tokens_per_second"]
