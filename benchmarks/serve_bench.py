@@ -74,8 +74,8 @@ class ServeBenchError(SpecpipeError):
 
 def start_specpipe_server(arguments: list[str], port: int, log_path: Path, *, api_key: str | None = None,
                           deadline_seconds: float = START_SECONDS) -> subprocess.Popen:
-    """``orchestrate serve ARGUMENTS`` on 127.0.0.1:port (its own local Ray, no
-    dashboard), once it says it is serving; its output goes to log_path."""
+    """``orchestrate serve ARGUMENTS`` on 127.0.0.1:port (its own local Ray unless
+    ARGUMENTS give --address, no dashboard), once it says it is serving; its output goes to log_path."""
     command = [sys.executable, "-m", "orchestrator.cli", "serve", *arguments, "--port", str(port), "--no-dashboard"]
     if api_key:
         command += ["--api-key", api_key]

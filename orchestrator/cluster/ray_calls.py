@@ -70,8 +70,10 @@ def _newest(paths: list[str]) -> str | None:
     """The most recently written of these files that still exist (the log monitor may move one meanwhile)."""
     written = []
     for path in paths:
-        try:
-            written.append((os.path.getmtime(path), path))
-        except OSError:
-            continue
+        for where in (path, os.path.join(os.path.dirname(path), "old", os.path.basename(path))):
+            try:
+                written.append((os.path.getmtime(where), where))
+                break
+            except OSError:  # moved to old/ since it was listed, or gone
+                continue
     return max(written)[1] if written else None

@@ -163,7 +163,8 @@ def test_a_failing_drafter_changes_nothing(pipelines, tokenizer, plain, double, 
     pipeline = pipelines[2]
     prompt_tokens = tokenizer.chat_prompt(OPEN)
     expected = plain(OPEN, GREEDY)
-    drafters = start_drafters(pipeline, functools.partial(double, prompt_tokens + expected), DrafterSettings(draft_max=6, wait_seconds=0.5))
+    drafters = start_drafters(pipeline, functools.partial(double, prompt_tokens + expected),
+                              DrafterSettings(draft_max=6, wait_seconds=0.5))
     try:
         result = decode(pipeline, tokenizer, OPEN, GREEDY, drafters, schedule)
         # each drafter's speculator, in its own process: how often it was called
