@@ -56,6 +56,7 @@ from orchestrator.cluster.connect import free_port, ray_session
 from orchestrator.decoding.service import Progress, Service, ServiceRequest, ServiceSettings
 from orchestrator.output import write_whole
 from orchestrator.planning.curves import load_cost_curve
+from orchestrator.serving.deployment import COORDINATOR_TITLE
 from speculators.draft_length import curve_step
 from speculators.sampling import SamplingSettings
 from stages.errors import SpecpipeError
@@ -100,7 +101,7 @@ def replica_node(cluster):
     raylets = {info.process.pid: node for node in cluster.list_all_nodes()
                for info in node.all_processes.get("raylet", [])}
     [node] = [raylets[process.ppid()] for process in psutil.process_iter(["cmdline"])
-              if any("ServeReplica:specpipe" in part for part in process.info["cmdline"] or [])
+              if any(COORDINATOR_TITLE in part for part in process.info["cmdline"] or [])
               and process.ppid() in raylets]
     return node
 

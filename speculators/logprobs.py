@@ -36,6 +36,10 @@ class TokenLogprobs:
         """The entries of the first ``count`` tokens (those the sequence committed)."""
         return TokenLogprobs(self.logprobs[:count], self.top_tokens[:count], self.top_logprobs[:count])
 
+    def after(self, count: int) -> TokenLogprobs:
+        """The entries of the tokens after the first ``count`` (those not yet sent)."""
+        return TokenLogprobs(self.logprobs[count:], self.top_tokens[count:], self.top_logprobs[count:])
+
     def check(self, tokens: int, top: int) -> str:
         """What is wrong with these entries for ``tokens`` tokens with ``top`` alternatives, or ""."""
         shapes = (self.logprobs.shape, self.top_tokens.shape, self.top_logprobs.shape)

@@ -1,15 +1,15 @@
-"""The OpenAI-compatible HTTP API over a ``Service``: a FastAPI app.
+"""The OpenAI-compatible HTTP API over the coordinator's service: a FastAPI app.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET
 /v1/models``, ``GET /health``. The requests are checked by the pure
 orchestrator.serving.protocol; this module only does HTTP: the API key, the
 event stream, the client going away. Ray Serve runs the app as the ingress of
-the deployment (orchestrator.serving.deployment), but nothing here needs Ray.
+the front deployment (orchestrator.serving.deployment), which reaches the
+coordinator's ``Service`` through serving.resuming; nothing here needs Ray.
 
-Each request's tokens come from the service's thread; its sink hands them to
-this event loop (``call_soon_threadsafe``), never blocking the service. A
-client that disconnects cancels its request (``finally``): the service frees
-its KV sequence within one pass.
+Each request's events come to its sink, which hands them to this event loop
+(``call_soon_threadsafe``). A client that disconnects cancels its request
+(``finally``): the service frees its KV sequence within one pass.
 """
 
 from __future__ import annotations
@@ -18,16 +18,17 @@ import asyncio
 import hmac
 import secrets
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from orchestrator.config import RESUME_SECONDS, RETRY_AFTER_SECONDS
-from orchestrator.decoding.service import (Progress, QueueFull, RequestTooLong, Service, ServiceError, ServiceRequest,
+from orchestrator.decoding.service import (Progress, QueueFull, RequestTooLong, ServiceError, ServiceRequest,
                                            ShuttingDown, Unavailable)
 from orchestrator.serving.protocol import (FINISH_REASONS, ApiError, Reply, TextAssembler, decode_body, parse_request,
                                            sse)
+from orchestrator.serving.resuming import CoordinatorLost
 from speculators.grammar import MAX_GRAMMAR_TOKENS
 from stages.errors import GrammarError
 
@@ -42,21 +43,29 @@ class TokenizerLike(Protocol):
     def piece(self, token: int) -> bytes: ...
 
 
+class ServiceLike(Protocol):
+    """The coordinator's service as the app asks it (serving.resuming.ResumingService)."""
+
+    async def submit(self, request: ServiceRequest, sink) -> int: ...
+
+    def cancel(self, number: int) -> None: ...
+
+    def cancel_choice(self, number: int, choice: int) -> None: ...
+
+    async def health(self) -> tuple[dict, int]: ...
+
+
 @dataclass
 class Backend:
     """What the app serves: the service, the tokenizer, the model's name, one
-    sequence's context, the drafts a window may add, and how to read each
-    stage's load (an async function returning a pipeline.StageLoad per stage, None for one that
-    does not answer), and the drafters beside the stages (a function returning a record each)."""
+    sequence's context, the drafts a window may add."""
 
-    service: Service
+    service: ServiceLike
     tokenizer: TokenizerLike
     model_name: str
     context: int
     draft_room: int
-    stage_load: Any = None
     api_key: str | None = None
-    drafters: Any = None
 
 
 class GenerationFailed(Exception):
@@ -83,26 +92,8 @@ def build_app(backend: Backend) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        active, queued = backend.service.counts()
-        stages = [] if backend.stage_load is None else await backend.stage_load()
-        service = backend.service
-        body = {  # degraded: a stage lost and no node with room yet; the service resumes by itself
-            "status": "failed" if service.failure else "degraded" if service.degraded else "ok",
-            "error": service.failure or service.degraded or None,
-            "requests_decoding": active,
-            "requests_queued": queued,
-            "stages": [{"answering": False} if stage is None else
-                       {"kv_cells": stage.kv_cells, "sequences": stage.sequences, "rss_mb": round(stage.rss_mb, 1),
-                        "process": stage.process_id, "node": stage.node_id, "restarts": stage.restarts,
-                        "prefix_cache_tokens": stage.prefix_cells,  # finished requests' prefixes kept
-                        # requests per pass so far (over 1: passes shared by requests, continuous batching)
-                        "sequences_per_pass": round(stage.windows / stage.passes, 2) if stage.passes else None,
-                        "busy_fraction": round(stage.busy_fraction, 3),  # computing, over the last BUSY_WINDOW_SECONDS
-                        **(stage.compute.record() if stage.compute else {})}
-                       for stage in stages],
-            "drafters": [] if backend.drafters is None else backend.drafters(),
-        }
-        return JSONResponse(body, status_code=503 if service.failure or service.degraded else 200)
+        body, status = await backend.service.health()
+        return JSONResponse(body, status_code=status)
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -127,8 +118,8 @@ def build_app(backend: Backend) -> FastAPI:
         service_request = request_for(backend, parsed)
         loop = asyncio.get_running_loop()
         progress: asyncio.Queue[Progress] = asyncio.Queue()
-        number = submit(backend.service, service_request,
-                        lambda event: loop.call_soon_threadsafe(progress.put_nowait, event))
+        number = await submit(backend.service, service_request,
+                              lambda event: loop.call_soon_threadsafe(progress.put_nowait, event))
         reply = Reply(("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), backend.model_name, chat,
                       len(service_request.prompt_tokens), parsed.choices,
                       piece=backend.tokenizer.piece if parsed.logprobs is not None else None)
@@ -176,10 +167,10 @@ def request_for(backend: Backend, parsed) -> ServiceRequest:
                           grammar=grammar)
 
 
-def submit(service: Service, request: ServiceRequest, sink) -> int:
+async def submit(service: ServiceLike, request: ServiceRequest, sink) -> int:
     """The request's number in the service, or the API error its refusal is."""
     try:
-        return service.submit(request, sink)
+        return await service.submit(request, sink)
     except QueueFull as error:
         raise ApiError(429, f"the server is busy: {error}", kind="rate_limit_error", code="queue_full",
                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
@@ -188,6 +179,9 @@ def submit(service: Service, request: ServiceRequest, sink) -> int:
                        headers={"Retry-After": str(round(RESUME_SECONDS))}) from None
     except ShuttingDown as error:
         raise ApiError(503, str(error), kind="server_error", code="unavailable") from None
+    except CoordinatorLost as error:
+        raise ApiError(503, f"the service is restarting: {error}", kind="server_error", code="unavailable",
+                       headers={"Retry-After": str(round(RESUME_SECONDS))}) from None
     except RequestTooLong as error:
         raise ApiError(400, str(error), param="max_tokens", code="context_length_exceeded") from None
     except ServiceError as error:
@@ -206,7 +200,7 @@ def prompt_tokens(backend: Backend, parsed) -> list[int]:
     return tokenizer.tokenize(parsed.prompt)
 
 
-async def follow(service: Service, number: int, progress: asyncio.Queue, assemblers: list[TextAssembler],
+async def follow(service: ServiceLike, number: int, progress: asyncio.Queue, assemblers: list[TextAssembler],
                  reply: Reply):
     """Each choice's text as it is committed, as (choice, text, its tokens'
     logprobs entries or None), until every choice has ended; sets reply's
@@ -242,7 +236,7 @@ async def follow(service: Service, number: int, progress: asyncio.Queue, assembl
             going.discard(index)
 
 
-async def stream(texts, reply: Reply, include_usage: bool, service: Service, number: int):
+async def stream(texts, reply: Reply, include_usage: bool, service: ServiceLike, number: int):
     """Server-sent events: chunks of each choice's text, each choice's end, usage if asked, [DONE]."""
     try:
         if reply.chat:

@@ -1,9 +1,13 @@
 """``orchestrate serve``: the split model as a long-lived OpenAI-compatible service on Ray Serve.
 
-The coordinator is one Ray Serve deployment (``specpipe``) whose ingress is the
-FastAPI app of orchestrator.serving.app; it appears on the Ray dashboard's
-Serve page, with Serve's request metrics, and ``serve status`` describes it.
-Its replica owns what ``orchestrate run`` starts for one prompt, started once:
+One Serve application (``specpipe``) of two deployments, both on the node
+``serve`` runs on: the front (``specpipe``), whose ingress is the FastAPI app
+of orchestrator.serving.app, and the coordinator (``coordinator``), which the
+front asks through a Serve handle (serving.coordinator_calls,
+serving.resuming: a request whose coordinator dies goes on through the one
+Serve starts next, its text unchanged). Both appear on the Ray dashboard's
+Serve page, with Serve's request metrics, and ``serve status`` describes them.
+The coordinator's replica owns what ``orchestrate run`` starts for one prompt, started once:
 the stage actors and their socket chain (``Pipeline``), and the ``Service``
 loop that keeps them busy with many requests. The replica's ``__del__`` (Serve
 calls it when the application is deleted) drains the service and closes the
@@ -16,8 +20,9 @@ answers 503 until a node joins and then resumes (decoding.service,
 Pipeline.resume). The replica's health check fails only once the pipeline
 has failed for good, so Serve replaces it (a fresh pipeline).
 
-The deployment class is built inside a function (``replica_deployment``) because
-importing Ray Serve takes seconds and ``orchestrate --help`` must not.
+The deployment classes are built inside functions (``coordinator_deployment``,
+``front_deployment``) because importing Ray Serve takes seconds and
+``orchestrate --help`` must not.
 """
 
 from __future__ import annotations
@@ -38,10 +43,13 @@ from orchestrator.cluster.metrics import RestartMetrics, ServiceMetrics
 from orchestrator.cluster.ray_calls import one_line
 from orchestrator.cluster.reservation import Reservation
 from orchestrator.cluster.shipping import ModelToShip, fetch_vocabulary, probe_nodes, ship_whole_model
-from orchestrator.config import MAX_CONTEXT, SERVE_DRAIN_SECONDS, SERVE_KV_MEMORY_SHARE, SERVE_MAX_SEQUENCES
+from orchestrator.config import (MAX_CONTEXT, REPLICA_BACK_SECONDS, SERVE_DRAIN_SECONDS, SERVE_KV_MEMORY_SHARE,
+                                 SERVE_MAX_SEQUENCES)
 from orchestrator.decoding.drafting import exact_trees
 from orchestrator.decoding.prefix_cache import PREFIX_BLOCK
-from orchestrator.decoding.service import Service, ServiceSettings
+from orchestrator.serving.coordinator_calls import CoordinatorCalls
+from orchestrator.serving.resuming import ResumingService
+from orchestrator.decoding.service import Progress, Service, ServiceRequest, ServiceSettings
 from orchestrator.transport.handshake import new_secret
 from orchestrator.transport.tls import new_chain_certificate
 from speculators.draft_length import DraftPrices, curve_step
@@ -56,7 +64,9 @@ if TYPE_CHECKING:
     from orchestrator.cluster.kept_stages import KeptStages
     from orchestrator.cluster.pipeline_settings import PipelineSettings
 
-APPLICATION = "specpipe"
+APPLICATION = "specpipe"  # Serve's application, and its front deployment's name
+COORDINATOR = "coordinator"  # the deployment that holds the pipeline
+COORDINATOR_TITLE = f"ServeReplica:{APPLICATION}:{COORDINATOR}"  # its replica process's title (tests, chaos)
 
 
 class ServeError(SpecpipeError):
@@ -124,7 +134,6 @@ class Coordinator:
 
     def __init__(self, settings: ServeSettings):
         from orchestrator.cluster.model_files import check_same_model
-        from orchestrator.serving.app import Backend
         from stages.tokenizer import Tokenizer
 
         self.settings = settings
@@ -161,9 +170,6 @@ class Coordinator:
             stop_drafters(self.drafters)
             self.pipeline.close()
             raise
-        self.backend = Backend(self.service, tokenizer, settings.model_name, settings.pipeline.stage.n_ctx,
-                               speculation.draft_room, stage_load=self.stage_load, api_key=settings.api_key,
-                               drafters=self.drafter_health)
         self._closed = False
 
     def _speculator(self):
@@ -210,10 +216,48 @@ class Coordinator:
                  "error": client.last_error, "restarts": client.restarts, "busy_seconds": round(client.busy_seconds, 3)}
                 for client in self.drafters]
 
-    def app(self):
-        from orchestrator.serving.app import build_app
+    async def generate(self, request: ServiceRequest):
+        """The request's number in the service, then its Progress events until
+        every choice ended; the service's refusal is raised. Closed early (the
+        front's client went away, or the front asked again elsewhere), the request is cancelled."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Progress] = asyncio.Queue()
+        number = self.service.submit(request, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+        try:
+            yield number
+            going = request.choices
+            while going:
+                event = await events.get()
+                going -= event.finished is not None
+                yield event
+        finally:
+            self.service.cancel(number)  # no-op once ended
 
-        return build_app(self.backend)
+    def cancel_choice(self, number: int, choice: int) -> None:
+        self.service.cancel_choice(number, choice)
+
+    async def health(self) -> tuple[dict, int]:
+        """/health's body and status: the service's state, each stage's load and each drafter's."""
+        service = self.service
+        active, queued = service.counts()
+        stages = await self.stage_load()
+        body = {  # degraded: a stage lost and no node with room yet; the service resumes by itself
+            "status": "failed" if service.failure else "degraded" if service.degraded else "ok",
+            "error": service.failure or service.degraded or None,
+            "requests_decoding": active,
+            "requests_queued": queued,
+            "stages": [{"answering": False} if stage is None else
+                       {"kv_cells": stage.kv_cells, "sequences": stage.sequences, "rss_mb": round(stage.rss_mb, 1),
+                        "process": stage.process_id, "node": stage.node_id, "restarts": stage.restarts,
+                        "prefix_cache_tokens": stage.prefix_cells,  # finished requests' prefixes kept
+                        # requests per pass so far (over 1: passes shared by requests, continuous batching)
+                        "sequences_per_pass": round(stage.windows / stage.passes, 2) if stage.passes else None,
+                        "busy_fraction": round(stage.busy_fraction, 3),  # computing, over the last BUSY_WINDOW_SECONDS
+                        **(stage.compute.record() if stage.compute else {})}
+                       for stage in stages],
+            "drafters": self.drafter_health(),
+        }
+        return body, 503 if service.failure or service.degraded else 200
 
     def check_health(self) -> None:
         """Raise once the pipeline failed for good, so that Serve replaces
@@ -233,31 +277,45 @@ class Coordinator:
         self.pipeline.close()
 
 
-def replica_deployment(settings: ServeSettings):
+def _pinned_here() -> dict:
+    """Serve's label selector for this node: the replicas read the vocabulary
+    from a file here (vocabulary_of), which another node may not hold. Pinned
+    by the node's id, not its address: nodes may share one (a ray.cluster_utils.Cluster's do)."""
     import ray
+
+    return {"ray.io/node-id": ray.get_runtime_context().get_node_id()}
+
+
+def _replica_options(settings: ServeSettings) -> dict:
+    return {
+        "num_replicas": 1,
+        # the service queues and refuses (429) by itself: Serve must let every request through to it
+        "max_ongoing_requests": settings.pipeline.stage.sequences + settings.queue_limit + 64,
+        "ray_actor_options": {"num_cpus": 0, "label_selector": _pinned_here()},  # the stages hold the CPUs
+        "graceful_shutdown_timeout_s": settings.drain_seconds + 10,
+    }
+
+
+def coordinator_deployment(settings: ServeSettings):
+    """The deployment whose replica holds the Coordinator (pipeline, drafters,
+    service); the front asks it through a handle. Its health check fails once
+    the pipeline failed for good, so that Serve replaces it."""
     from ray import serve
 
-    # The replica runs on this node: it reads the vocabulary from a file here
-    # (vocabulary_of), which another node may not hold. Pinned by the node's id,
-    # not its address: nodes may share one (a ray.cluster_utils.Cluster's do).
-    here = {"ray.io/node-id": ray.get_runtime_context().get_node_id()}
-
-    @serve.deployment(
-        name=APPLICATION,
-        num_replicas=1,
-        # the service queues and refuses (429) by itself: Serve must let every request through to it
-        max_ongoing_requests=settings.pipeline.stage.sequences + settings.queue_limit + 64,
-        ray_actor_options={"num_cpus": 0, "label_selector": here},  # the stages hold the CPUs; the coordinator waits
-        graceful_shutdown_timeout_s=settings.drain_seconds + 10,
-        health_check_period_s=5,
-    )
-    @serve.ingress()
-    class SpecpipeDeployment:
+    @serve.deployment(name=COORDINATOR, health_check_period_s=5, **_replica_options(settings))
+    class CoordinatorDeployment:
         def __init__(self, settings: ServeSettings):
             self.coordinator = Coordinator(settings)
 
-        def __serve_build_asgi_app__(self):
-            return self.coordinator.app()
+        async def generate(self, request: ServiceRequest):
+            async for item in self.coordinator.generate(request):
+                yield item
+
+        def cancel_choice(self, number: int, choice: int) -> None:
+            self.coordinator.cancel_choice(number, choice)
+
+        async def health(self) -> tuple[dict, int]:
+            return await self.coordinator.health()
 
         def check_health(self) -> None:
             self.coordinator.check_health()
@@ -266,7 +324,33 @@ def replica_deployment(settings: ServeSettings):
             if hasattr(self, "coordinator"):
                 self.coordinator.close()
 
-    return SpecpipeDeployment
+    return CoordinatorDeployment
+
+
+def front_deployment(settings: ServeSettings):
+    """The ingress deployment: the HTTP app (serving.app) over the
+    coordinator's service, reached through its handle (serving.resuming:
+    a request whose coordinator dies goes on through the next one)."""
+    from ray import serve
+
+    @serve.deployment(name=APPLICATION, **_replica_options(settings))
+    @serve.ingress()
+    class FrontDeployment:
+        def __init__(self, settings: ServeSettings, coordinator):
+            from orchestrator.serving.app import Backend
+            from stages.tokenizer import Tokenizer
+
+            service = ResumingService(CoordinatorCalls(coordinator), back_seconds=REPLICA_BACK_SECONDS)
+            self.backend = Backend(service, Tokenizer(vocabulary_of(settings)), settings.model_name,
+                                   settings.pipeline.stage.n_ctx, settings.pipeline.speculation.draft_room,
+                                   api_key=settings.api_key)
+
+        def __serve_build_asgi_app__(self):
+            from orchestrator.serving.app import build_app
+
+            return build_app(self.backend)
+
+    return FrontDeployment
 
 
 def vocabulary_of(settings: ServeSettings) -> str:
@@ -428,7 +512,9 @@ def _run_application(settings: ServeSettings, on_status: Callable[[str], None], 
     try:
         serve.start(http_options={"host": settings.host, "port": settings.port})
         # returns once the replica has started (the stages loaded) or failed
-        serve.run(replica_deployment(settings).bind(settings), name=APPLICATION, route_prefix="/", blocking=False)
+        coordinator = coordinator_deployment(settings).bind(settings)
+        serve.run(front_deployment(settings).bind(settings, coordinator), name=APPLICATION, route_prefix="/",
+                  blocking=False)
     except Exception as error:  # Serve reports a replica that failed to start as a RuntimeError with its traceback
         _shutdown_serve(settings)
         raise ServeError(f"the service did not start: {one_line(error)}") from None

@@ -79,20 +79,21 @@ def test_seeded_sampling_is_reproducible(ray_cluster, splits, reference):
     assert first != reference.greedy(tokens, 30).tokens  # the temperature reached the sampler
 
 
-def test_serve_s_replica_is_pinned_to_the_driver_s_node_by_its_id(ray_cluster):
-    """`orchestrate serve`'s replica reads the vocabulary from the driver's machine, so it runs on the
+def test_serve_s_replicas_are_pinned_to_the_driver_s_node_by_its_id(ray_cluster):
+    """`orchestrate serve`'s replicas read the vocabulary from the driver's machine, so they run on the
     driver's node: pinned by the node's id, since nodes may share an address (the session's three do).
     Pinned by the address, Ray could place it on any of them: with a head busy, on a worker whose loss
     then cut the requests in flight (docs/measurements.md, a stage's machine lost)."""
     import ray
 
     from orchestrator.cluster.pipeline_settings import PipelineSettings
-    from orchestrator.serving.deployment import ServeSettings, replica_deployment
+    from orchestrator.serving.deployment import ServeSettings, coordinator_deployment, front_deployment
 
     settings = ServeSettings(PipelineSettings(["stage-0.gguf"], StageSettings()), queue_limit=1)
-    options = replica_deployment(settings).ray_actor_options
-    assert options["label_selector"] == {"ray.io/node-id": ray.get_runtime_context().get_node_id()}
-    assert "resources" not in options and options["num_cpus"] == 0
+    for deployment in (coordinator_deployment, front_deployment):
+        options = deployment(settings).ray_actor_options
+        assert options["label_selector"] == {"ray.io/node-id": ray.get_runtime_context().get_node_id()}
+        assert "resources" not in options and options["num_cpus"] == 0
 
 
 def test_explicit_placement_and_its_errors(ray_cluster, splits):
