@@ -30,6 +30,7 @@ from orchestrator.cluster.placement import PlacementError, find_node
 from orchestrator.cluster.ray_calls import one_line, worker_log
 from orchestrator.cluster.sequence_drafter import SequenceDrafter
 from orchestrator.cluster.shipping import LOOPBACK, ship_draft
+from orchestrator.cluster.stage_cache import ShippingError
 from orchestrator.config import (ACTOR_START_SECONDS, CONNECT_SECONDS, DRAFT_MAX, DRAFT_TREE_BRANCHES,
                                  DRAFTER_REPLY_SECONDS, DRAFTER_WAIT_SECONDS, MAX_RESTARTS, chain_reach)
 from orchestrator.planning.cluster_split import NodeMemory
@@ -84,7 +85,6 @@ def drafter_settings(speculation, stage, max_restarts: int, sequences: int = 1) 
 
 def _drafter_actor_class():
     import ray
-
 
     @ray.remote(num_cpus=0)
     @readable_class_name  # the dashboard shows "DrafterActor", not "_drafter_actor_class.<locals>.DrafterActor"
@@ -400,7 +400,6 @@ def start_drafters(pipeline, make_speculator: Callable[..., Speculator], setting
     """
     import ray
 
-
     actor_class = _drafter_actor_class()
     launches = [0] * len(pipeline.stages)  # per drafter: its actors started so far
     placed = drafter_placement(pipeline, settings.nodes)
@@ -408,10 +407,13 @@ def start_drafters(pipeline, make_speculator: Callable[..., Speculator], setting
     if settings.draft_path is not None:
         shipped = ship_draft(settings.draft_path, [place.node for place in placed], pipeline.secret,
                              pipeline.certificate, progress or (lambda *_: None))
+    unshipped = {node_id: error for node_id, error in shipped.items() if isinstance(error, ShippingError)}
     makers = [functools.partial(make_speculator, path=shipped[place.node.node_id].path)
               if place.node.node_id in shipped else make_speculator for place in placed]
 
     def start(index: int):
+        if placed[index].node.node_id in unshipped:  # its node lost while the draft went there, say
+            raise unshipped[placed[index].node.node_id]
         name = actor_name(f"drafter-{kind}" if kind else "drafter", index, pipeline.actors.drafter_tag, launches[index])
         launches[index] += 1
         return actor_class.options(**placed[index].options, name=name).remote(
@@ -427,32 +429,44 @@ def start_drafters(pipeline, make_speculator: Callable[..., Speculator], setting
             ray.kill(actor)
             raise
 
-    actors = [start(index) for index in range(len(pipeline.stages))]  # they load at once, side by side
+    actors = [None if place.node.node_id in unshipped else start(index)  # they load at once, side by side
+              for index, place in enumerate(placed)]
     clients = []
     for index, actor in enumerate(actors):
         checks = dict(n_vocab=pipeline.n_vocab, draft_max=settings.draft_max, max_restarts=settings.max_restarts,
                       relaunch=lambda index=index: connect(index, start(index)), on_restart=on_restart)
         try:
-            launched = connect(index, actor)
+            launched = connect(index, actor or start(index))
             client = DrafterClient(index, launched.sock, launched.node_id, actor, launched.process_id, **checks)
-        except (ray.exceptions.RayError, OSError, HandshakeError) as error:
+        except (ray.exceptions.RayError, OSError, HandshakeError, ShippingError) as error:
             client = DrafterClient(index, None, **checks)
             client.lost_reason = f"did not start: {one_line(error)}"
-        client.draft_shipment = shipped.get(placed[index].node.node_id)
+        shipment = shipped.get(placed[index].node.node_id)
+        client.draft_shipment = None if isinstance(shipment, ShippingError) else shipment
         clients.append(client)
     return clients
 
 
-def drafter_nodes(nodes: tuple[str, ...], stage_count: int | None = None) -> list:
-    """The alive Ray nodes (placement.NodeInfo) that ``nodes`` (addresses or
-    ids, --drafter-node) name; PlacementError, one line, for a node not alive
-    or more nodes than the ``stage_count`` stages (None: not known yet)."""
+def drafter_nodes(nodes: tuple[str, ...], stage_count: int | None = None,
+                  lost: Callable[[str], None] | None = None) -> list:
+    """The alive Ray nodes (placement.NodeInfo) that ``nodes`` (addresses or ids, --drafter-node) name;
+    PlacementError, one line, for a node not alive or more nodes than the ``stage_count`` stages (None:
+    not known yet). With ``lost`` (a node may have died since the start's check), a node not alive is None."""
 
     if stage_count is not None and len(nodes) > stage_count:
         raise PlacementError(f"--drafter-node given {len(nodes)} times, but the pipeline has {stage_count} "
                              f"stage{'s' * (stage_count != 1)}: drafter i drafts in place of the one beside stage i")
     alive = alive_nodes() if nodes else []
-    return [find_node(alive, node) for node in nodes]
+    found = []
+    for node in nodes:
+        try:
+            found.append(find_node(alive, node))
+        except PlacementError as error:
+            if lost is None:
+                raise
+            lost(str(error))
+            found.append(None)
+    return found
 
 
 @dataclass(frozen=True)
@@ -466,17 +480,23 @@ class DrafterPlace:
 
 
 def drafter_placement(pipeline, nodes: tuple[str, ...]) -> list[DrafterPlace]:
-    """For each drafter, where it runs: on ``nodes[i]`` where given (drafter_nodes), else beside stage i."""
+    """For each drafter, where it runs: on ``nodes[i]`` where given (drafter_nodes), else beside stage i,
+    as also where ``nodes[i]`` was lost since the driver checked it (a serve coordinator started again)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-
     here = ray.util.get_node_ip_address()
-    placed = [DrafterPlace({"max_restarts": 0, "num_cpus": 0,
-                            "scheduling_strategy": NodeAffinitySchedulingStrategy(node.node_id, soft=False)},
-                           pipeline.loopback and node.address == here, NodeMemory(node.address, node.node_id, 0))
-              for node in drafter_nodes(nodes, len(pipeline.stages))]
-    for stage in pipeline.stages[len(placed):]:
+    named = drafter_nodes(nodes, len(pipeline.stages),
+                          lost=lambda why: print(f"a --drafter-node is lost: its drafter drafts beside its stage ({why})"))
+    placed = []
+    for stage in pipeline.stages:
+        node = named[stage.stage_index] if stage.stage_index < len(named) else None
+        if node is not None:
+            placed.append(DrafterPlace({"max_restarts": 0, "num_cpus": 0,
+                                        "scheduling_strategy": NodeAffinitySchedulingStrategy(node.node_id, soft=False)},
+                                       pipeline.loopback and node.address == here,
+                                       NodeMemory(node.address, node.node_id, 0)))
+            continue
         address = here if stage.host == LOOPBACK else stage.host
         placed.append(DrafterPlace(pipeline.actor_options(stage.stage_index, num_cpus=0), pipeline.loopback,
                                    NodeMemory(address, stage.node_id, 0)))

@@ -339,10 +339,11 @@ def _send_to(image: StageImage, host: str, port: int, entry: CacheEntry, secret:
 
 
 def ship_draft(path: str, nodes: list[NodeMemory], secret: bytes, certificate: ChainCertificate | None,
-               progress: ShipProgress) -> dict[str, Shipment]:
+               progress: ShipProgress) -> dict[str, Shipment | ShippingError]:
     """The draft model ``path`` (a file here) onto each of ``nodes`` but this
     one, whole, as a stage file goes (hashed, resumed, kept in the node's
-    cache: a second run sends nothing). Returns the other nodes' Shipments by node id."""
+    cache: a second run sends nothing). Returns the other nodes' Shipments by
+    node id, or why a node's failed (its drafter does not start; the others do)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -356,8 +357,12 @@ def ship_draft(path: str, nodes: list[NodeMemory], secret: bytes, certificate: C
     for node in nodes:
         if node.node_id in shipped or node.node_id == here:
             continue
-        shipment = ship_stage(image, entry, node, NodeAffinitySchedulingStrategy(node.node_id, soft=False),
-                              secret, False, certificate, progress)
+        try:
+            shipment = ship_stage(image, entry, node, NodeAffinitySchedulingStrategy(node.node_id, soft=False),
+                                  secret, False, certificate, progress)
+        except ShippingError as error:  # the node lost meanwhile, say
+            shipped[node.node_id] = error
+            continue
         shipped[node.node_id] = replace(shipment, what="draft")
     return shipped
 

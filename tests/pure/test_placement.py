@@ -154,6 +154,21 @@ def test_more_drafter_nodes_than_stages_is_refused_before_ray_is_asked():
         drafter_nodes(("10.0.0.2", "10.0.0.3"), 1)
 
 
+def test_a_drafter_node_lost_since_the_start_is_left_out_and_told_where_the_start_refuses_it(monkeypatch):
+    """A serve coordinator started again after its --drafter-node was lost
+    drafts beside the stage (None here) and says why; the driver's check
+    before the start still refuses a node not alive. Before, every later
+    coordinator failed to start (the chaos soak's drafter-node fault)."""
+    from orchestrator.cluster import drafters
+
+    monkeypatch.setattr(drafters, "alive_nodes", lambda: [NodeInfo("aaaa", "10.0.0.2", 2)])
+    told = []
+    assert drafters.drafter_nodes(("10.0.0.9", "10.0.0.2"), 2, lost=told.append) == [None, NodeInfo("aaaa", "10.0.0.2", 2)]
+    assert len(told) == 1 and "no alive node '10.0.0.9'" in told[0]
+    with pytest.raises(PlacementError, match="no alive node '10.0.0.9'"):
+        drafters.drafter_nodes(("10.0.0.9",), 2)
+
+
 def test_nodes_chosen_before_are_kept_but_movable_and_pins_win_over_them():
     nodes = [NodeInfo("aaaa", "10.0.0.1", 2), NodeInfo("bbbb", "10.0.0.2", 2), NodeInfo("cccc", "10.0.0.3", 2)]
     chosen = plan_placement(nodes, 2, "aaaa", prefer={0: "cccc", 1: "aaaa"})

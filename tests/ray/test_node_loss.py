@@ -186,8 +186,10 @@ def test_a_lost_drafter_only_node_changes_no_token_and_is_named(three_workers, s
     """A draft model's drafter 0 (the one async waits for after a rejection)
     on a node that holds no stage (--drafter-node), that node killed and
     removed mid-generation: the run goes on without it, every token the
-    whole model's, and the drafter says it was lost."""
+    whole model's, and the drafter says it was lost; drafters started again
+    (a serve coordinator restarted) put drafter 0 beside stage 0."""
     import psutil
+    import ray
 
     from orchestrator.cluster.drafter_set import start_drafter_set
     from orchestrator.cluster.drafters import DrafterSettings, speculator_factory
@@ -231,6 +233,16 @@ def test_a_lost_drafter_only_node_changes_no_token_and_is_named(three_workers, s
             assert drafted_before[0] > 0 and result.speculation.accepted_tokens > 0  # it drafted until lost
             assert not drafters.drafters[0].alive and drafters.drafters[0].lost_reason, drafters.drafters[0].lost_reason
             assert pipeline.restarts == []  # the stages never noticed
+            drafters.stop()
+            deadline = time.monotonic() + 60  # Ray calls the node dead once its heartbeats are missed
+            while any(known["NodeID"] == node.node_id and known["Alive"] for known in ray.nodes()):
+                assert time.monotonic() < deadline
+                time.sleep(0.5)
+            # as serve's next coordinator starts them, the node still named: drafter 0 goes beside stage 0
+            drafters = start_drafter_set(pipeline, "model", make, DrafterSettings(draft_max=4, nodes=(node.node_id,),
+                                                                                 draft_path=realistic_draft))
+            assert [client.node_id for client in drafters.drafters] == [stage.node_id for stage in pipeline.stages]
+            assert all(client.alive for client in drafters.drafters)
         finally:
             drafters.stop()
 
