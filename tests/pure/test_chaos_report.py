@@ -14,18 +14,19 @@ def soak(*outcomes: tuple[str, float], faults=(("stage", 1.0, 2.0), ("replica", 
 
 
 def test_each_request_not_equal_is_laid_to_the_last_fault_before_it_ended():
-    result = report(soak(("equal", 0.5), ("retryable", 1.5), ("cut", 6.0), ("cut", 7.0), ("equal", 8.0)),
+    result = report(soak(("equal", 0.5), ("retryable", 1.5), ("retryable", 6.0), ("retryable", 7.0), ("equal", 8.0)),
                     [0, 0], [], 10.0)
     assert result["requests"] == 5 and result["outcomes"]["equal"] == 2
     assert result["not_equal_by_fault"]["stage"] == {"retryable": 1}
-    assert result["not_equal_by_fault"]["replica"] == {"cut": 2}
+    assert result["not_equal_by_fault"]["replica"] == {"retryable": 2}
     assert result["faults"]["stage"] == 1 and result["recovery_seconds"]["replica"] == {"p50": 9.0, "p95": 9.0}
     assert passed(result)
 
 
-def test_a_wrong_token_a_cut_not_from_a_replica_a_held_cell_or_a_leak_fails_the_soak():
+def test_a_wrong_token_a_cut_stream_a_held_cell_or_a_leak_fails_the_soak():
     assert not passed(report(soak(("wrong", 0.5)), [0, 0], [], 1.0))
     assert not passed(report(soak(("cut", 1.5)), [0, 0], [], 1.0))  # during the stage fault: it must replay
+    assert not passed(report(soak(("cut", 6.0)), [0, 0], [], 1.0))  # the coordinator's: the front asks again
     assert not passed(report(soak(("equal", 1.5)), [0, 12], [], 1.0))
     assert not passed(report(soak(("equal", 1.5)), [0, 0], ["process 7: more descriptors"], 1.0))
 
