@@ -1,12 +1,15 @@
 """What Ray Serve's HTTP proxy and streaming cost per streamed token.
 
-One FastAPI app, with no model work at all, served two ways side by side:
+One FastAPI app, with no model work at all, served three ways side by side:
 
 * plain: uvicorn in a subprocess on 127.0.0.1 (the client runs alone in this
   process, as it would against a real server, so the two share no GIL);
 * serve: a Ray Serve deployment with the same app as ingress
   (``@serve.deployment`` + ``@serve.ingress``), behind Serve's HTTP proxy, on a
-  local ``ray.init(num_cpus=2)``.
+  local ``ray.init(num_cpus=2)``;
+* front: as ``orchestrate serve`` runs, an ingress deployment (at ``/front``)
+  whose app takes each event from a second deployment through a streaming
+  Serve handle (the front and the coordinator, orchestrator.serving.deployment).
 
 ``POST /stream`` sends N server-sent events (``data: {"i": k, "t": ...}``, then
 ``data: [DONE]``) from an async generator. ``t`` is the server's
@@ -52,16 +55,27 @@ from benchmarks.probe.harness import Report, probe, table
 from benchmarks.side_by_side import Outcome, Samples, side_by_side
 from orchestrator.cluster.connect import free_port
 
-MODES = ("plain", "serve")
+MODES = ("plain", "serve", "front")
+PREFIX = {"plain": "", "serve": "", "front": "/front"}  # the front's app, under Serve's proxy beside serve's
 STREAM_FIGURES = ("per_event", "first_event", "delivery")
 PINGS = 50
 IDLE_S = 3.0  # how long the server side's idle CPU use is measured
 APP_NAME = "serve_overhead"
 JSON_HEADERS = {"Content-Type": "application/json"}
+DIFFERENCES = (("serve", "plain"), ("front", "serve"))  # Serve's cost; the front's hop to the coordinator
 
 
-def build_app():
-    """The one FastAPI app both modes serve."""
+async def events(tokens: int, pace: float):
+    """The stream's events: each its number and the moment it is made."""
+    for k in range(tokens):
+        yield f'data: {{"i": {k}, "t": {time.perf_counter()!r}}}\n\n'
+        await asyncio.sleep(pace)
+    yield "data: [DONE]\n\n"
+
+
+def build_app(source=None):
+    """The FastAPI app every mode serves; its events from ``source`` (a
+    Serve handle to a deployment with ``events``), else made here."""
     from fastapi import FastAPI
     from fastapi.responses import StreamingResponse
 
@@ -69,20 +83,13 @@ def build_app():
 
     @app.post("/stream")
     async def stream(body: dict) -> StreamingResponse:
-        tokens = int(body.get("tokens", 200))
-        pace = float(body.get("pace_ms", 0.0)) / 1e3
-
-        async def events():
-            for k in range(tokens):
-                yield f'data: {{"i": {k}, "t": {time.perf_counter()!r}}}\n\n'
-                await asyncio.sleep(pace)
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
+        tokens, pace = int(body.get("tokens", 200)), float(body.get("pace_ms", 0.0)) / 1e3
+        made = events(tokens, pace) if source is None else source.options(stream=True).events.remote(tokens, pace)
+        return StreamingResponse(made, media_type="text/event-stream")
 
     @app.post("/ping")
     async def ping() -> dict:
-        return {"ok": True}
+        return {"ok": True} if source is None else await source.ping.remote()
 
     return app
 
@@ -142,11 +149,11 @@ def _cpu_seconds(pids: set[int]) -> float:
     return total / 1e9
 
 
-def read_stream(connection: http.client.HTTPConnection, tokens: int, pace_ms: float) -> dict:
+def read_stream(connection: http.client.HTTPConnection, tokens: int, pace_ms: float, prefix: str = "") -> dict:
     """Read one stream; its timings in seconds."""
     body = json.dumps({"tokens": tokens, "pace_ms": pace_ms}).encode()
     started = time.perf_counter()
-    connection.request("POST", "/stream", body=body, headers=JSON_HEADERS)
+    connection.request("POST", prefix + "/stream", body=body, headers=JSON_HEADERS)
     response = connection.getresponse()
     if response.status != 200:
         raise RuntimeError(f"/stream answered {response.status}: {response.read()[:200]!r}")
@@ -171,9 +178,9 @@ def read_stream(connection: http.client.HTTPConnection, tokens: int, pace_ms: fl
     }
 
 
-def ping_round_trip(connection: http.client.HTTPConnection) -> float:
+def ping_round_trip(connection: http.client.HTTPConnection, prefix: str = "") -> float:
     started = time.perf_counter()
-    connection.request("POST", "/ping", body=b"{}", headers=JSON_HEADERS)
+    connection.request("POST", prefix + "/ping", body=b"{}", headers=JSON_HEADERS)
     response = connection.getresponse()
     response.read()
     if response.status != 200:
@@ -203,8 +210,27 @@ def start_serve(port: int) -> float:
     class StreamIngress:
         pass
 
+    @serve.deployment(ray_actor_options={"num_cpus": 0})  # the first deployment holds one of Ray's two CPUs
+    class Events:
+        async def events(self, tokens: int, pace: float):
+            async for event in events(tokens, pace):
+                yield event
+
+        def ping(self) -> dict:
+            return {"ok": True}
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    @serve.ingress()
+    class Front:
+        def __init__(self, source):
+            self.source = source
+
+        def __serve_build_asgi_app__(self):
+            return build_app(self.source)
+
     started = time.perf_counter()
     serve.run(StreamIngress.bind(), name=APP_NAME, route_prefix="/")
+    serve.run(Front.bind(Events.bind()), name=APP_NAME + "_front", route_prefix="/front")
     return time.perf_counter() - started
 
 
@@ -223,9 +249,9 @@ def measure(ports: dict[str, int], server_pids: dict[str, set[int]], tokens: int
     """The summary (milliseconds) and the samples (seconds) of each pacing and of the pings."""
     connections = {mode: http.client.HTTPConnection("127.0.0.1", port, timeout=60) for mode, port in ports.items()}
     for mode in MODES:  # warm-up
-        read_stream(connections[mode], tokens, 0.0)
+        read_stream(connections[mode], tokens, 0.0, PREFIX[mode])
         for _ in range(5):
-            ping_round_trip(connections[mode])
+            ping_round_trip(connections[mode], PREFIX[mode])
     idle_before = {mode: _cpu_seconds(server_pids[mode]) for mode in MODES}
     time.sleep(IDLE_S)
     idle_cores = {mode: (_cpu_seconds(server_pids[mode]) - idle_before[mode]) / IDLE_S for mode in MODES}
@@ -234,7 +260,7 @@ def measure(ports: dict[str, int], server_pids: dict[str, set[int]], tokens: int
     for pacing, pace_ms in pacings.items():
         def run(mode: str, repetition: int, pace_ms: float = pace_ms) -> Outcome:
             cpu_before, wall_before = _cpu_seconds(server_pids[mode]), time.perf_counter()
-            stream = read_stream(connections[mode], tokens, pace_ms)
+            stream = read_stream(connections[mode], tokens, pace_ms, PREFIX[mode])
             wall = time.perf_counter() - wall_before
             busy = _cpu_seconds(server_pids[mode]) - cpu_before - idle_cores[mode] * wall
             return Outcome({**stream, "cpu": busy})
@@ -244,16 +270,17 @@ def measure(ports: dict[str, int], server_pids: dict[str, set[int]], tokens: int
         for mode in MODES:
             results[pacing][mode] = {key: _summary(runs.of(mode, key)) for key in STREAM_FIGURES}
             results[pacing][mode]["cpu_per_event_ms"] = sum(runs.of(mode, "cpu")) / (tokens * repetitions) * 1e3
-        results[pacing]["serve_minus_plain_ms"] = {
-            key: statistics.median(s - p for s, p in zip(runs.of("serve", key), runs.of("plain", key))) * 1e3
-            for key in STREAM_FIGURES
-        }
-        results[pacing]["serve_minus_plain_ms"]["cpu_per_event"] = (
-            results[pacing]["serve"]["cpu_per_event_ms"] - results[pacing]["plain"]["cpu_per_event_ms"])
+        for more, less in DIFFERENCES:
+            results[pacing][f"{more}_minus_{less}_ms"] = {
+                **{key: statistics.median(m - n for m, n in zip(runs.of(more, key), runs.of(less, key))) * 1e3
+                   for key in STREAM_FIGURES},
+                "cpu_per_event": results[pacing][more]["cpu_per_event_ms"] - results[pacing][less]["cpu_per_event_ms"]}
     pings = samples["ping"] = side_by_side(
-        list(MODES), PINGS, lambda mode, repetition: Outcome({"round_trip": ping_round_trip(connections[mode])}))
+        list(MODES), PINGS,
+        lambda mode, repetition: Outcome({"round_trip": ping_round_trip(connections[mode], PREFIX[mode])}))
     results["ping"] = {mode: _summary(pings.of(mode, "round_trip")) for mode in MODES}
-    results["ping"]["serve_minus_plain_ms"] = results["ping"]["serve"]["median_ms"] - results["ping"]["plain"]["median_ms"]
+    for more, less in DIFFERENCES:
+        results["ping"][f"{more}_minus_{less}_ms"] = results["ping"][more]["median_ms"] - results["ping"][less]["median_ms"]
     for connection in connections.values():
         connection.close()
     return results, samples
@@ -267,9 +294,10 @@ def report_lines(results: dict, samples: dict[str, Samples], pacings: dict[str, 
         for mode in MODES:
             rows.append([label, mode, *(runs.spread(mode, key, 1e3, 3) for key in STREAM_FIGURES),
                          f"{results[pacing][mode]['cpu_per_event_ms']:.3f}"])
-        d = results[pacing]["serve_minus_plain_ms"]
-        rows.append([label, "serve - plain", f"{d['per_event']:+.3f}", f"{d['first_event']:+.3f}",
-                     f"{d['delivery']:+.3f}", f"{d['cpu_per_event']:+.3f}"])
+        for more, less in DIFFERENCES:
+            d = results[pacing][f"{more}_minus_{less}_ms"]
+            rows.append([label, f"{more} - {less}", f"{d['per_event']:+.3f}", f"{d['first_event']:+.3f}",
+                         f"{d['delivery']:+.3f}", f"{d['cpu_per_event']:+.3f}"])
     idle = results["idle_cores"]
     pings = samples["ping"]
     return [
@@ -277,12 +305,12 @@ def report_lines(results: dict, samples: dict[str, Samples], pacings: dict[str, 
                 "server CPU ms per event"], rows, labels=2),
         "",
         f"Server CPU per event is net of idle use: plain {idle['plain'] * 100:.1f} % of a core, "
-        f"serve (all Ray processes) {idle['serve'] * 100:.1f} % of a core; serve - plain is the median of "
-        "the repetitions' differences (CPU: of the means).",
+        f"serve and front (all Ray processes) {idle['serve'] * 100:.1f} % of a core; a difference is the "
+        "median of the repetitions' differences (CPU: of the means).",
         "",
-        *table(["non-streaming POST /ping", "plain", "serve", "serve - plain"],
-               [["round-trip ms", pings.spread("plain", "round_trip", 1e3, 3), pings.spread("serve", "round_trip", 1e3, 3),
-                 f"{results['ping']['serve_minus_plain_ms']:+.3f}"]]),
+        *table(["non-streaming POST /ping", *MODES, *(f"{more} - {less}" for more, less in DIFFERENCES)],
+               [["round-trip ms", *(pings.spread(mode, "round_trip", 1e3, 3) for mode in MODES),
+                 *(f"{results['ping'][f'{more}_minus_{less}_ms']:+.3f}" for more, less in DIFFERENCES)]]),
         "", f"{PINGS} pings each, in turn.",
     ]
 
@@ -296,6 +324,7 @@ def serve_overhead(repetitions: int, tokens: int, pace_ms: float) -> Report:
     FastAPI app with no model behind plain uvicorn and behind Serve (Linux)."""
     pacings = {"fast": 0.0, "paced": pace_ms}
     ports = {"plain": free_port(), "serve": free_port()}
+    ports["front"] = ports["serve"]
     plain = multiprocessing.get_context("spawn").Process(target=_serve_plain, args=(ports["plain"],), daemon=True)
     plain.start()
     ray_started = False
@@ -305,7 +334,8 @@ def serve_overhead(repetitions: int, tokens: int, pace_ms: float) -> Report:
         serve_run_s = start_serve(ports["serve"])
         _wait_ready(ports["serve"], timeout=60)
         plain_pids = {plain.pid} | _descendants(plain.pid)
-        server_pids = {"plain": plain_pids, "serve": _descendants(os.getpid()) - plain_pids}
+        ray_pids = _descendants(os.getpid()) - plain_pids
+        server_pids = {"plain": plain_pids, "serve": ray_pids, "front": ray_pids}
         results, samples = measure(ports, server_pids, tokens, repetitions, pacings)
     finally:
         if ray_started:
