@@ -196,6 +196,10 @@ ROOM_WAIT_SECONDS = 15.0
 # notices and starts a replica, which takes the stages over and measures the
 # pass cost again. The bound docs/architecture.md states and a test holds.
 REPLICA_BACK_SECONDS = 60.0
+# How long serve's front waits for the coordinator's /health before it answers
+# 503 "restarting" itself: a live coordinator answers within a stage's answer
+# bound (its stages' loads are asked in parallel), a dead one not at all.
+FRONT_HEALTH_SECONDS = STAGE_ANSWER_SECONDS + 5.0
 # Seconds a client refused with 429 (the queue is full) is told to wait
 # (Retry-After): a sequence frees within a few passes.
 RETRY_AFTER_SECONDS = 1

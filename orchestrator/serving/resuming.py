@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from orchestrator.config import FRONT_HEALTH_SECONDS
 from orchestrator.decoding.service import Progress, ServiceError, ServiceRequest, Sink
 from stages.errors import SpecpipeError
 
@@ -104,7 +105,7 @@ class ResumingService:
 
     async def health(self) -> tuple[dict, int]:
         try:
-            return await asyncio.wait_for(self.coordinator.health(), self.back_seconds)
+            return await asyncio.wait_for(self.coordinator.health(), FRONT_HEALTH_SECONDS)
         except (CoordinatorLost, asyncio.TimeoutError) as error:
             reason = f"the coordinator does not answer (Serve starts another): {error or 'no answer'}"
             return {"status": "restarting", "error": reason}, 503
@@ -145,11 +146,17 @@ class ResumingService:
                     self.asked_again += 1
                     events = await self._ask(asked, time.monotonic() + self.back_seconds)
         except (CoordinatorLost, ServiceError, Diverged) as error:
-            for choice in sorted(set(range(asked.request.choices)) - asked.ended):
-                asked.sink(Progress(finished="error", error=f"the coordinator was lost: {error}", choice=choice))
+            self._end(asked, f"the coordinator was lost: {error}")
+        except Exception as error:  # noqa: BLE001 - whatever failed, the client gets an error, never a stream that hangs
+            self._end(asked, f"the coordinator failed: {type(error).__name__}: {error}")
         finally:
             await _close(events)
             self._asked.pop(number, None)
+
+    @staticmethod
+    def _end(asked: _Asked, error: str) -> None:
+        for choice in sorted(set(range(asked.request.choices)) - asked.ended):
+            asked.sink(Progress(finished="error", error=error, choice=choice))
 
     @staticmethod
     def _hand_on(asked: _Asked, event: Progress) -> None:

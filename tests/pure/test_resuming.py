@@ -137,6 +137,19 @@ def test_no_coordinator_back_within_the_bound_ends_the_request_saying_so():
     assert events[-1].finished == "error" and "within" in events[-1].error
 
 
+def test_a_coordinator_that_fails_otherwise_ends_the_request_with_an_error_not_a_hang():
+    class Failing(Coordinators):
+        async def generate(self, asked):
+            async for item in super().generate(asked):
+                yield item
+                if isinstance(item, Progress) and item.tokens:
+                    raise RuntimeError("a bug in the coordinator")
+
+    events, service = served(Failing([None]))
+    assert tokens_of(events) == TEXTS[0][:2] and service.asked_again == 0
+    assert events[-1].finished == "error" and "RuntimeError: a bug in the coordinator" in events[-1].error
+
+
 def test_a_refusal_is_raised_at_submission():
     async def main():
         service = ResumingService(Coordinators([None], refuse=QueueFull("all 4 sequences are busy")), 5.0)
