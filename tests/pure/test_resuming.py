@@ -163,3 +163,13 @@ def test_a_choice_stopped_by_the_front_is_stopped_in_the_next_coordinator_too():
     coordinators = Coordinators([3], chunk=1)
     served(coordinators, choices=2, on_first=lambda service, number: service.cancel_choice(number, 1))
     assert (0, 1) in coordinators.cancelled and (1, 1) in coordinators.cancelled
+
+
+def test_health_says_restarting_while_no_coordinator_answers():
+    class Dead(Coordinators):
+        async def health(self):
+            raise CoordinatorLost("the replica's actor died")
+
+    body, status = asyncio.run(ResumingService(Dead([None]), 5.0).health())
+    assert status == 503 and body["status"] == "restarting" and "actor died" in body["error"]
+    assert asyncio.run(ResumingService(Coordinators([None]), 5.0).health()) == ({"status": "ok"}, 200)
