@@ -56,7 +56,7 @@ def held_log(logs: str, process_id: int) -> str | None:
     newest = _newest(glob.glob(os.path.join(logs, name)) + glob.glob(os.path.join(logs, "old", name)))
     if newest is None:
         return None
-    for path in (newest, os.path.join(logs, "old", os.path.basename(newest))):  # moved since, perhaps
+    for path in _where_now(newest):
         try:
             with open(path, errors="replace") as log:
                 fatal = [line.strip() for line in log if line.startswith("Fatal Python error")]
@@ -70,10 +70,15 @@ def _newest(paths: list[str]) -> str | None:
     """The most recently written of these files that still exist (the log monitor may move one meanwhile)."""
     written = []
     for path in paths:
-        for where in (path, os.path.join(os.path.dirname(path), "old", os.path.basename(path))):
+        for where in _where_now(path):
             try:
                 written.append((os.path.getmtime(where), where))
                 break
-            except OSError:  # moved to old/ since it was listed, or gone
+            except OSError:  # gone
                 continue
     return max(written)[1] if written else None
+
+
+def _where_now(path: str) -> tuple[str, str]:
+    """Where a log listed at ``path`` may be now: there, or in old/ beside it (the log monitor moves it)."""
+    return path, os.path.join(os.path.dirname(path), "old", os.path.basename(path))
