@@ -196,6 +196,10 @@ ROOM_WAIT_SECONDS = 15.0
 # notices and starts a replica, which takes the stages over and measures the
 # pass cost again. The bound docs/architecture.md states and a test holds.
 REPLICA_BACK_SECONDS = 60.0
+# How often serve's front asks another coordinator for one request whose
+# coordinator was lost: a request that itself kills coordinators (a native
+# crash on its prompt, say) must not keep the service down while its client waits.
+FRONT_ASKS_AGAIN_MOST = 2
 # How long serve's front waits for the coordinator's /health before it answers
 # 503 "restarting" itself: a live coordinator answers within a stage's answer
 # bound (its stages' loads are asked in parallel), a dead one not at all.

@@ -409,7 +409,8 @@ def start_drafters(pipeline, make_speculator: Callable[..., Speculator], setting
                              pipeline.certificate, progress or (lambda *_: None))
     unshipped = {node_id: error for node_id, error in shipped.items() if isinstance(error, ShippingError)}
     makers = [functools.partial(make_speculator, path=shipped[place.node.node_id].path)
-              if place.node.node_id in shipped else make_speculator for place in placed]
+              if place.node.node_id in shipped and place.node.node_id not in unshipped else make_speculator
+              for place in placed]
 
     def start(index: int):
         if placed[index].node.node_id in unshipped:  # its node lost while the draft went there, say

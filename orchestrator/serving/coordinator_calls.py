@@ -31,10 +31,10 @@ class CoordinatorCalls:
         finally:
             events.cancel()
 
-    def cancel_choice(self, number: int, choice: int) -> None:
+    def cancel_choice(self, ticket, choice: int) -> None:
         async def call():
             try:
-                await self.handle.cancel_choice.remote(number, choice)
+                await self.handle.cancel_choice.remote(ticket, choice)
             except Exception:  # the coordinator is gone: the next one is told when the front asks again
                 pass
 
@@ -53,8 +53,9 @@ def _as_ours(error: BaseException) -> BaseException:
     """A replica's exception as it was raised there (Ray wraps it); a dead or
     unreachable replica as CoordinatorLost; anything else unchanged."""
     from ray.exceptions import RayActorError, RayTaskError
+    from ray.serve.exceptions import RayServeException
 
     cause = error.cause if isinstance(error, RayTaskError) and error.cause is not None else error
-    if isinstance(cause, RayActorError):
+    if isinstance(cause, (RayActorError, RayServeException)):  # a dead replica, or none to ask (deleted, crashed)
         return CoordinatorLost(one_line(cause))
     return cause

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import signal
 import threading
 from collections.abc import Callable
@@ -47,9 +48,9 @@ from orchestrator.config import (MAX_CONTEXT, REPLICA_BACK_SECONDS, SERVE_DRAIN_
                                  SERVE_MAX_SEQUENCES)
 from orchestrator.decoding.drafting import exact_trees
 from orchestrator.decoding.prefix_cache import PREFIX_BLOCK
+from orchestrator.decoding.service import Progress, Service, ServiceRequest, ServiceSettings
 from orchestrator.serving.coordinator_calls import CoordinatorCalls
 from orchestrator.serving.resuming import ResumingService
-from orchestrator.decoding.service import Progress, Service, ServiceRequest, ServiceSettings
 from orchestrator.transport.handshake import new_secret
 from orchestrator.transport.tls import new_chain_certificate
 from speculators.draft_length import DraftPrices, curve_step
@@ -137,6 +138,7 @@ class Coordinator:
         from stages.tokenizer import Tokenizer
 
         self.settings = settings
+        self.incarnation = secrets.token_hex(8)  # names this coordinator in its requests' tickets
         tokenizer = Tokenizer(vocabulary_of(settings))
         self.drafters: list = []
 
@@ -217,14 +219,14 @@ class Coordinator:
                 for client in self.drafters]
 
     async def generate(self, request: ServiceRequest):
-        """The request's number in the service, then its Progress events until
-        every choice ended; the service's refusal is raised. Closed early (the
-        front's client went away, or the front asked again elsewhere), the request is cancelled."""
+        """The request's ticket (this coordinator, its number in the service),
+        then its Progress events until every choice ended; the service's
+        refusal is raised. Closed early (the front's client went away), the request is cancelled."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Progress] = asyncio.Queue()
         number = self.service.submit(request, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
         try:
-            yield number
+            yield self.incarnation, number
             going = request.choices
             while going:
                 event = await events.get()
@@ -233,8 +235,12 @@ class Coordinator:
         finally:
             self.service.cancel(number)  # no-op once ended
 
-    def cancel_choice(self, number: int, choice: int) -> None:
-        self.service.cancel_choice(number, choice)
+    def cancel_choice(self, ticket: tuple[str, int], choice: int) -> None:
+        """Stop a choice of the request ``ticket`` names; a ticket of an earlier coordinator
+        (a cancel that reached this one late) is ignored: its numbers name other requests here."""
+        incarnation, number = ticket
+        if incarnation == self.incarnation:
+            self.service.cancel_choice(number, choice)
 
     async def health(self) -> tuple[dict, int]:
         """/health's body and status: the service's state, each stage's load and each drafter's."""
@@ -311,8 +317,8 @@ def coordinator_deployment(settings: ServeSettings):
             async for item in self.coordinator.generate(request):
                 yield item
 
-        def cancel_choice(self, number: int, choice: int) -> None:
-            self.coordinator.cancel_choice(number, choice)
+        def cancel_choice(self, ticket: tuple[str, int], choice: int) -> None:
+            self.coordinator.cancel_choice(ticket, choice)
 
         async def health(self) -> tuple[dict, int]:
             return await self.coordinator.health()

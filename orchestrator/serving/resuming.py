@@ -26,8 +26,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from orchestrator.config import FRONT_HEALTH_SECONDS
-from orchestrator.decoding.service import Progress, ServiceError, ServiceRequest, Sink
+from orchestrator.config import FRONT_ASKS_AGAIN_MOST, FRONT_HEALTH_SECONDS
+from orchestrator.decoding.service import Progress, QueueFull, ServiceError, ServiceRequest, Sink, Unavailable
 from stages.errors import SpecpipeError
 
 ASK_AGAIN_PAUSE_SECONDS = 0.5  # between asks of a coordinator that is not back yet
@@ -43,11 +43,12 @@ class Diverged(SpecpipeError):
 
 class Coordinator(Protocol):
     def generate(self, request: ServiceRequest) -> AsyncIterator:
-        """The request's number in the coordinator's service, then its Progress
+        """A ticket naming the request in this coordinator, then its Progress
         events until every choice ended; raises the service's refusal
         (QueueFull, Unavailable, ...) at once, CoordinatorLost when the coordinator dies."""
 
-    def cancel_choice(self, number: int, choice: int) -> None: ...
+    def cancel_choice(self, ticket, choice: int) -> None:
+        """Stop one choice of the request ``ticket`` names; a ticket of another coordinator is ignored."""
 
     async def health(self) -> tuple[dict, int]:
         """/health's body and status code."""
@@ -63,7 +64,9 @@ class _Asked:
     ended: set[int] = field(default_factory=set)  # choices whose end was sent
     stopped: set[int] = field(default_factory=set)  # choices the front cancelled (a stop string)
     seen: list[int] = field(default_factory=list)  # each choice's tokens the present ask has given
-    number: int | None = None  # its number in the present coordinator's service
+    ticket: object = None  # what the present coordinator named it (None while none holds it)
+    asked_again: int = 0
+    events: AsyncIterator | None = None  # the present coordinator's, until closed
     task: asyncio.Task | None = None
 
 
@@ -71,9 +74,10 @@ class ResumingService:
     """``submit``, ``cancel``, ``cancel_choice`` and ``health`` for the HTTP app,
     over a coordinator that may die and come back within ``back_seconds``."""
 
-    def __init__(self, coordinator: Coordinator, back_seconds: float):
+    def __init__(self, coordinator: Coordinator, back_seconds: float, asks_again_most: int = FRONT_ASKS_AGAIN_MOST):
         self.coordinator = coordinator
         self.back_seconds = back_seconds
+        self.asks_again_most = asks_again_most
         self.asked_again = 0  # requests asked of another coordinator after theirs was lost
         self._asked: dict[int, _Asked] = {}
         self._numbers = itertools.count()
@@ -82,10 +86,11 @@ class ResumingService:
         """The request's number here, once a coordinator took it; its refusal
         (a ServiceError) is raised, and CoordinatorLost where none came back in time."""
         asked = _Asked(request, sink, [[] for _ in range(request.choices)])
-        events = await self._ask(asked, time.monotonic() + self.back_seconds)
+        await self._ask(asked, time.monotonic() + self.back_seconds, again=False)
         number = next(self._numbers)
         self._asked[number] = asked
-        asked.task = asyncio.get_running_loop().create_task(self._follow(number, asked, events))
+        asked.task = asyncio.get_running_loop().create_task(self._follow(asked))
+        asked.task.add_done_callback(lambda _: self._forget(number))
         return number
 
     def cancel(self, number: int) -> None:
@@ -100,63 +105,90 @@ class ResumingService:
         if asked is None:
             return
         asked.stopped.add(choice)
-        if asked.number is not None:
-            self.coordinator.cancel_choice(asked.number, choice)
+        if asked.ticket is not None:
+            self.coordinator.cancel_choice(asked.ticket, choice)
 
     async def health(self) -> tuple[dict, int]:
         try:
             return await asyncio.wait_for(self.coordinator.health(), FRONT_HEALTH_SECONDS)
-        except (CoordinatorLost, asyncio.TimeoutError) as error:
+        except Exception as error:  # noqa: BLE001 - whatever the coordinator's state, /health answers
             reason = f"the coordinator does not answer (Serve starts another): {error or 'no answer'}"
-            return {"status": "restarting", "error": reason}, 503
+            return {"status": "restarting", "error": reason, "requests_decoding": None, "requests_queued": None,
+                    "stages": [], "drafters": []}, 503
 
-    async def _ask(self, asked: _Asked, deadline: float) -> AsyncIterator:
-        """Ask the coordinator for the request until one takes it (its events,
-        past its number) or refuses it (raised); CoordinatorLost after the deadline."""
+    async def _ask(self, asked: _Asked, deadline: float, again: bool) -> None:
+        """Ask the coordinator for the request until one takes it (asked.ticket,
+        asked.events) or refuses it (raised; asked again, a full queue or a
+        stage still moving is waited out too); CoordinatorLost after the deadline."""
+        waited_out = (CoordinatorLost, QueueFull, Unavailable) if again else (CoordinatorLost,)
         while True:
             events = aiter(self.coordinator.generate(asked.request))
             try:
-                asked.number = await asyncio.wait_for(anext(events), max(0.0, deadline - time.monotonic()))
+                asked.ticket = await asyncio.wait_for(anext(events), max(0.0, deadline - time.monotonic()))
                 break
             except asyncio.TimeoutError:
                 await _close(events)
                 raise CoordinatorLost(f"no coordinator took the request within {self.back_seconds:.0f} s") from None
-            except CoordinatorLost:
+            except waited_out:
                 await _close(events)
                 if time.monotonic() >= deadline:
                     raise
                 await asyncio.sleep(ASK_AGAIN_PAUSE_SECONDS)
+        asked.events = events
         asked.seen = [0] * asked.request.choices
         for choice in asked.ended | asked.stopped:  # not computed again
-            self.coordinator.cancel_choice(asked.number, choice)
-        return events
+            self.coordinator.cancel_choice(asked.ticket, choice)
 
-    async def _follow(self, number: int, asked: _Asked, events: AsyncIterator) -> None:
+    async def _follow(self, asked: _Asked) -> None:
         """Hand the request's new events to its sink until every choice ended;
-        ask again where the coordinator is lost; end the open choices with an
-        error where no coordinator comes back, or one refuses, or the tokens differ."""
+        ask again where the coordinator is lost (at most asks_again_most times);
+        end the open choices with an error where no coordinator comes back, or
+        one refuses, or the tokens differ, or anything else fails."""
         try:
             while True:
                 try:
-                    async for event in events:
+                    async for event in asked.events:
                         self._hand_on(asked, event)
+                    self._end(asked, "the coordinator ended the request's events early")  # none open: nothing
                     return
-                except CoordinatorLost:
-                    await _close(events)
+                except (CoordinatorLost, asyncio.CancelledError) as lost:
+                    if isinstance(lost, asyncio.CancelledError) and asyncio.current_task().cancelling():
+                        raise  # the front's own cancel (its client went away), not Ray's
+                    await self._let_go(asked)
+                    if asked.asked_again >= self.asks_again_most:
+                        raise CoordinatorLost(f"lost {asked.asked_again + 1} times while it held the request: "
+                                              f"{lost or 'its task was cancelled'}") from None
+                    asked.asked_again += 1
                     self.asked_again += 1
-                    events = await self._ask(asked, time.monotonic() + self.back_seconds)
-        except (CoordinatorLost, ServiceError, Diverged) as error:
+                    await self._ask(asked, time.monotonic() + self.back_seconds, again=True)
+        except CoordinatorLost as error:
             self._end(asked, f"the coordinator was lost: {error}")
+        except ServiceError as error:
+            self._end(asked, f"the next coordinator refused it: {error}")
+        except Diverged as error:
+            self._end(asked, f"asked again: {error}")
         except Exception as error:  # noqa: BLE001 - whatever failed, the client gets an error, never a stream that hangs
             self._end(asked, f"the coordinator failed: {type(error).__name__}: {error}")
         finally:
+            await self._let_go(asked)
+
+    async def _let_go(self, asked: _Asked) -> None:
+        """Close the present coordinator's events (cancelling the request there, if it runs on)."""
+        events, asked.events, asked.ticket = asked.events, None, None
+        if events is not None:
             await _close(events)
-            self._asked.pop(number, None)
+
+    def _forget(self, number: int) -> None:
+        """The request's task is done: forget it; close its events if the task was cancelled before it began."""
+        asked = self._asked.pop(number, None)
+        if asked is not None and asked.events is not None:
+            asyncio.get_running_loop().create_task(self._let_go(asked))
 
     @staticmethod
     def _end(asked: _Asked, error: str) -> None:
         for choice in sorted(set(range(asked.request.choices)) - asked.ended):
             asked.sink(Progress(finished="error", error=error, choice=choice))
+            asked.ended.add(choice)
 
     @staticmethod
     def _hand_on(asked: _Asked, event: Progress) -> None:

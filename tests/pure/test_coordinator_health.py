@@ -42,3 +42,15 @@ def test_a_healthy_replica_keeps_its_stages():
     healthy = coordinator("")
     healthy.check_health()
     assert healthy.pipeline.closed == 0
+
+
+def test_a_choice_cancel_sent_to_an_earlier_coordinator_is_ignored():
+    """A new coordinator numbers its requests from 1 again: a cancel that an
+    earlier one was sent, reaching this one late, would stop another request's choice."""
+    made = coordinator("")
+    made.incarnation = "this one"
+    cancelled = []
+    made.service.cancel_choice = lambda number, choice: cancelled.append((number, choice))
+    made.cancel_choice(("an earlier one", 1), 0)
+    made.cancel_choice(("this one", 1), 0)
+    assert cancelled == [(1, 0)]

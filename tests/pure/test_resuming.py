@@ -93,7 +93,7 @@ def tokens_of(events, choice=0):
     return [token for event in events if event.choice == choice for token in event.tokens]
 
 
-@pytest.mark.parametrize("lives", [[3], [1, 4], [0, 0, 5], [7]])
+@pytest.mark.parametrize("lives", [[3], [1, 4], [0, 5], [7]])
 def test_a_request_whose_coordinator_dies_gets_each_token_once_then_its_end(lives):
     events, service = served(Coordinators(lives, chunk=3 if len(lives) == 1 else 2), choices=2)
     assert tokens_of(events, 0) == TEXTS[0] and tokens_of(events, 1) == TEXTS[1]
@@ -148,6 +148,35 @@ def test_a_coordinator_that_fails_otherwise_ends_the_request_with_an_error_not_a
     events, service = served(Failing([None]))
     assert tokens_of(events) == TEXTS[0][:2] and service.asked_again == 0
     assert events[-1].finished == "error" and "RuntimeError: a bug in the coordinator" in events[-1].error
+
+
+def test_a_request_whose_coordinators_keep_dying_ends_with_an_error_after_the_last_ask():
+    events, service = served(Coordinators([1, 1, 1, 1]), back_seconds=5.0)
+    assert tokens_of(events) == TEXTS[0][:2] and service.asked_again == 2
+    assert events[-1].finished == "error" and "lost 3 times" in events[-1].error
+
+
+def test_a_full_queue_or_a_stage_moving_when_asked_again_is_waited_out():
+    class Busy(Coordinators):
+        async def generate(self, asked):
+            self.refuse = QueueFull("all 4 sequences are busy") if self.asked == 1 else None
+            async for item in super().generate(asked):
+                yield item
+
+    events, service = served(Busy([2, None, None]))
+    assert tokens_of(events) == TEXTS[0] and events[-1].finished == "length"
+
+
+def test_events_that_end_before_every_choice_did_end_the_request_with_an_error():
+    class Short(Coordinators):
+        async def generate(self, asked):
+            async for item in super().generate(asked):
+                if isinstance(item, Progress) and item.finished:
+                    return
+                yield item
+
+    events, _ = served(Short([None]))
+    assert tokens_of(events) == TEXTS[0] and events[-1].finished == "error" and "early" in events[-1].error
 
 
 def test_a_refusal_is_raised_at_submission():

