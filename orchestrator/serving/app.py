@@ -7,8 +7,8 @@ event stream, the client going away. Ray Serve runs the app as the ingress of
 the front deployment (orchestrator.serving.deployment), which reaches the
 coordinator's ``Service`` through serving.resuming; nothing here needs Ray.
 
-Each request's events come to its sink, which hands them to this event loop
-(``call_soon_threadsafe``). A client that disconnects cancels its request
+Each request's events come to its sink on this event loop (the front's task
+that follows the request puts them in its queue). A client that disconnects cancels its request
 (``finally``): the service frees its KV sequence within one pass.
 """
 
@@ -116,10 +116,8 @@ def build_app(backend: Backend) -> FastAPI:
             raise ApiError(404, f"model {parsed.model!r} is not served here; this server serves "
                            f"{backend.model_name!r}", param="model", code="model_not_found")
         service_request = request_for(backend, parsed)
-        loop = asyncio.get_running_loop()
         progress: asyncio.Queue[Progress] = asyncio.Queue()
-        number = await submit(backend.service, service_request,
-                              lambda event: loop.call_soon_threadsafe(progress.put_nowait, event))
+        number = await submit(backend.service, service_request, progress.put_nowait)
         reply = Reply(("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), backend.model_name, chat,
                       len(service_request.prompt_tokens), parsed.choices,
                       piece=backend.tokenizer.piece if parsed.logprobs is not None else None)
