@@ -112,6 +112,11 @@ class StageFileInfo:
     def end_block(self) -> int:
         return self.first_block + self.block_count
 
+    def same_slice(self, other: StageFileInfo | None) -> bool:
+        """Whether ``other`` is the same slice of the same model, wherever its file lies (a stage
+        shipped again to another node's cache has another path)."""
+        return other is not None and dataclasses.replace(other, path=self.path) == self
+
 
 def shard_paths(path: Path) -> tuple[Path, ...]:
     """All files of a model given its only file or its first shard."""

@@ -342,10 +342,11 @@ class Pipeline:
         if self.whole_model is not None:  # its node may be another one now
             self._ship([index])
         [file] = self.actors.read_stage_files(self.stage_paths, [index])
-        if file.problem or file.info != self.stage_files[index]:
+        if file.problem or not self.stage_files[index].same_slice(file.info):
             problem = "the file is not there" if file.problem == NOT_FOUND else file.problem or "the file there differs"
             raise PipelineError(f"stage {index} cannot be restarted on node {file.node_address} "
                                 f"({file.node_id[:8]}): {problem}")
+        self.stage_files[index] = file.info  # its path there
         self.stages[index] = self.actors.restart(index, self.stage_paths[index], self.loopback,
                                                  self.stage_cpus[index] if self.stage_cpus else None)
 

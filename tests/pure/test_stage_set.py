@@ -27,6 +27,18 @@ def info(index: int, count: int, first: int, blocks: int, total: int = 30, name:
     return StageFileInfo(Path(name or f"stage-{index}.gguf"), index, count, first, blocks, total, "fingerprint", "m")
 
 
+def test_the_same_slice_wherever_its_file_lies_and_no_other():
+    """A stage shipped again to another node's cache is the same slice at another path (a lost node's
+    stage restarted on a spare: tests/ray/test_node_loss.py); another slice, or no file, is not."""
+    import dataclasses
+
+    here = info(0, 2, 0, 15)
+    assert here.same_slice(dataclasses.replace(here, path=Path("/elsewhere/stage-0.gguf")))
+    assert not here.same_slice(info(0, 2, 0, 14))
+    assert not here.same_slice(dataclasses.replace(here, source_fingerprint="another"))
+    assert not here.same_slice(None)
+
+
 def test_a_complete_contiguous_set_is_accepted():
     validate_stage_set([info(0, 2, 0, 12), info(1, 2, 12, 18)], [Path("stage-0.gguf"), Path("stage-1.gguf")])
 

@@ -44,16 +44,18 @@ def cluster(tmp_path_factory, monkeypatch_module):
     from orchestrator.cluster.connect import ray_environment
 
     ray_environment()
-    # a stage cache of this test's (the nodes share it: they are one machine)
-    monkeypatch_module.setenv("SPECPIPE_STAGE_CACHE", str(tmp_path_factory.mktemp("stage-cache")))
+    # stage caches of this test's: the driver's, and one for each node (add_worker), as each machine has a disk
+    caches = tmp_path_factory.mktemp("stage-caches")
+    monkeypatch_module.setenv("SPECPIPE_STAGE_CACHE", str(caches / "driver"))
     # Ray's health checks 1 s apart, 15 missed: a frozen node is called dead ~16 s on, after the frozen
     # machine test's stage had its 3 s deadline and 3 + 3 s to answer (FROZEN_DEADLINES: so the wait for
     # its node's death is what finds it lost), not Ray's default ~35 s; a node killed hard is found as soon
     checks = {"health_check_period_ms": 1000, "health_check_timeout_ms": 1000, "health_check_failure_threshold": 15}
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": 80 * 1024**2,
                                                             "include_dashboard": False, "_system_config": checks})
+    cluster.stage_caches = caches
     for _ in range(3):
-        cluster.add_node(num_cpus=1, object_store_memory=80 * 1024**2)
+        add_worker(cluster)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     try:
@@ -63,12 +65,21 @@ def cluster(tmp_path_factory, monkeypatch_module):
         cluster.shutdown()
 
 
+def add_worker(cluster) -> None:
+    """A one-CPU node with a stage cache of its own: a stage shipped to it is
+    written there, not found where another node put it (its raylet, and so its
+    workers, get SPECPIPE_STAGE_CACHE)."""
+    cluster.added = getattr(cluster, "added", 0) + 1
+    cluster.add_node(num_cpus=1, object_store_memory=80 * 1024**2,
+                     env_vars={"SPECPIPE_STAGE_CACHE": str(cluster.stage_caches / f"node-{cluster.added}")})
+
+
 def with_workers(cluster, count: int):
     """The cluster with ``count`` one-CPU worker nodes besides its head (a test before may have removed one)."""
     while len(cluster.list_all_nodes()) > count + 1:
         cluster.remove_node(cluster.list_all_nodes()[-1])
     while len(cluster.list_all_nodes()) < count + 1:
-        cluster.add_node(num_cpus=1, object_store_memory=80 * 1024**2)
+        add_worker(cluster)
     cluster.wait_for_nodes()
     return cluster
 
@@ -168,9 +179,11 @@ def test_each_lost_node_s_stage_is_shipped_to_a_spare_and_no_token_changes_then_
                                                                                                  (0, nodes[0])]
         spares = {node.node_id for node in cluster.list_all_nodes()} - set(nodes) - {cluster.head_node.node_id}
         assert {stage.node_id for stage in pipeline.stages} == spares  # each on a node that held no stage
-        # shipped again, to the spare (found there: the nodes share one disk here)
+        # shipped again, whole, into the spare's own cache (the stage then runs from the file there)
         assert [(shipment.stage_index, shipment.node_id) for shipment in pipeline.shipments[2:]] == [
             (restart.stage_index, restart.node_id) for restart in pipeline.restarts]
+        assert all(shipment.bytes_sent == shipment.size > 0 for shipment in pipeline.shipments[2:])
+        assert len({shipment.path for shipment in pipeline.shipments}) == 4
 
         # drained: killed hard, the stage's process may outlive its raylet long enough to finish this
         # short run (a full make test saw it, 2026-12-06); the no-room path is what this part is for
@@ -337,7 +350,7 @@ def test_serve_moves_a_lost_stage_to_the_spare_then_without_one_answers_503_and_
         health = httpx.get(base + "/health", timeout=30)
         assert health.status_code == 503 and health.json()["status"] == "degraded" and lost[:8] in health.text
 
-        cluster.add_node(num_cpus=1, object_store_memory=80 * 1024**2)
+        add_worker(cluster)
         for _ in range(240):
             if httpx.get(base + "/health", timeout=30).json()["status"] == "ok":
                 break
