@@ -46,7 +46,7 @@ WHEEL_CACHE   ?= $(HOME)/.cache/specpipe/wheels
 LLAMA_WHEELS  := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_VERSION)$(BACKEND_TAG)-noamx-nollamafile
 LLAMA_BUILT   := $(LLAMA_WHEELS)/.complete
 
-.PHONY: install run serve test test-tools test-fast mutation peers bench bench-serve chaos calibrate device-bundle device-check clean
+.PHONY: install run serve test test-tools test-fast mutation peers bench bench-serve chaos chaos-hosts calibrate device-bundle device-check clean
 
 install: $(STAMP)
 
@@ -170,6 +170,11 @@ bench-serve: install
 # strangers write to a stage's port; chaos.json.
 chaos: install
 	$(BIN)/python -m benchmarks.chaos --out benchmarks/results/chaos
+
+# The same across three network namespace hosts (as root), a stage's link cut for 8 s and once for good
+# instead of a node removed (benchmarks/chaos_hosts.py).
+chaos-hosts: install
+	$(BIN)/python -m benchmarks.chaos --hosts --out benchmarks/results/chaos-hosts
 
 # Planner against measurement (docs/planning.md): profile this
 # machine, run the bench suite, and put the simulation's predictions beside it.

@@ -2,7 +2,7 @@
 seeded requests while faults are injected in turn, each request checked
 against its solo output. A benchmark, not a test: it takes minutes.
 
-    python -m benchmarks.chaos --out DIR [--requests 160] [--clients 4] [--pause 8] [--speculator model]
+    python -m benchmarks.chaos --out DIR [--requests 160] [--clients 4] [--pause 8] [--speculator model] [--hosts]
 
 The service runs on a Ray cluster of this process's own
 (``ray.cluster_utils.Cluster``: a head without CPUs, one-CPU nodes for
@@ -39,8 +39,10 @@ each stage process that survived holds the file descriptors and sockets it
 held after warm-up and its memory is within 10 % of it. It writes
 chaos.json, prints the counts, and exits 1 if any check fails.
 
-Not injected (docs/measurements.md says so): a cut link between separate
-hosts (the nodes here share one machine's loopback; ``stall`` stands in).
+Here the nodes share one machine's loopback, so no link is cut (``stall``
+stands in). ``--hosts`` (as root) runs the soak across three network
+namespace hosts instead, where links are cut, for a while and for good
+(benchmarks.chaos_hosts).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.chaos_hosts import LINK_SECONDS, HostsCluster, run_on_hosts
 from benchmarks.drafts import realistic_draft
 from orchestrator.cluster.connect import free_port, ray_environment
 from orchestrator.config import default_model_path
@@ -67,6 +70,8 @@ from orchestrator.serving.deployment import COORDINATOR_TITLE
 
 FAULTS = ("stage", "replica", "node", "stall", "stranger")
 DRAFTER_FAULTS = ("drafter", "drafter-stall", "drafter-node")  # with a draft model (--speculator model)
+HOST_FAULTS = ("stage", "replica", "link", "stall", "stranger", "link-lost")  # --hosts: links cut, no node removed
+ONCE = ("drafter-node", "link-lost")  # each takes a machine away for good: injected once a soak
 DRAFTER_NODE = "127.0.2.1"  # the node that drafts in place of stage 0's machine (--drafter-node), no stage there
 PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea,",
            "List three colors:", "The best way to learn a language is")
@@ -232,6 +237,8 @@ def inject(kind: str, cluster, base: str, rng: random.Random) -> str:
         os.kill(pid, signal.SIGSTOP)
         threading.Timer(STALL_SECONDS, os.kill, (pid, signal.SIGCONT)).start()
         return f"{what} process {pid} stopped {STALL_SECONDS:.0f} s"
+    if kind in ("link", "link-lost"):
+        return cut_link(kind, cluster, stages, rng)
     if kind == "drafter-node":
         [node] = [node for node in cluster.list_all_nodes() if node.node_ip_address == DRAFTER_NODE]
         cluster.remove_node(node, allow_graceful=False)
@@ -245,6 +252,20 @@ def inject(kind: str, cluster, base: str, rng: random.Random) -> str:
             with socket.create_connection((host, port), timeout=5) as stranger:
                 stranger.sendall(payload)
     return "every stage's port"
+
+
+def cut_link(kind: str, cluster: HostsCluster, stages: list[dict], rng: random.Random) -> str:
+    """Take the link of a stage's host (not the head's) down: for LINK_SECONDS (``link``), or for good."""
+    hosts = {index: cluster.stage_host(stage["node"]) for index, stage in enumerate(stages)}
+    away = [index for index, host in hosts.items() if host != cluster.head]
+    if not away:
+        raise SystemExit(f"chaos: no stage off the head's host to cut the link of ({hosts})")
+    index = away[rng.randrange(len(away))]
+    cluster.link(hosts[index], "down")
+    if kind == "link-lost":
+        return f"stage {index}'s host {hosts[index]}: link down for good"
+    threading.Timer(LINK_SECONDS, cluster.link, (hosts[index], "up")).start()
+    return f"stage {index}'s host {hosts[index]}: link down {LINK_SECONDS:.0f} s"
 
 
 def drafter_process(rng: random.Random) -> tuple[int, str]:
@@ -267,8 +288,8 @@ def inject_faults(cluster, base: str, model: str, pause: float, soak: Soak, seed
     while not soak.done.wait(pause):
         kind = kinds[turn % len(kinds)]
         turn += 1
-        if kind == "drafter-node" and any(fault.kind == kind for fault in soak.faults):
-            continue  # its node is gone, and no drafter goes back there
+        if kind in ONCE and any(fault.kind == kind for fault in soak.faults):
+            continue  # its machine is gone
         fault = Fault(kind, time.monotonic())
         fault.detail = inject(kind, cluster, base, rng)
         soak.faults.append(fault)
@@ -375,7 +396,7 @@ def settled_kv(base: str, seconds: float = 30) -> list[int]:
         time.sleep(0.5)
 
 
-def soak(cluster, base: str, arguments) -> dict:
+def soak(cluster, base: str, arguments, kinds: tuple[str, ...]) -> dict:
     model = httpx.get(base + "/v1/models", timeout=30).json()["data"][0]["id"]
     solo = solo_outputs(base, model, arguments.requests)
     warm = Soak()
@@ -390,7 +411,6 @@ def soak(cluster, base: str, arguments) -> dict:
     requests = threading.Thread(target=load, args=(base, model, solo, arguments.requests, arguments.clients, state),
                                 daemon=True)
     requests.start()
-    kinds = FAULTS + (DRAFTER_FAULTS if arguments.speculator == "model" else ())
     inject_faults(cluster, base, model, arguments.pause, state, arguments.seed, kinds)
     requests.join()
     kv = settled_kv(base)
@@ -408,38 +428,65 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="which stage each fault hits")
     parser.add_argument("--speculator", choices=("model", "ngram"), default="model",
                         help="model: the bench's draft of realistic agreement beside each stage; ngram: prompt lookup")
+    parser.add_argument("--hosts", action="store_true",
+                        help="across three network namespace hosts, cutting links (as root; benchmarks.chaos_hosts)")
+    parser.add_argument("--on-hosts", help=argparse.SUPPRESS)  # the soak inside the head's host (run_on_hosts)
+    argv = list(argv if argv is not None else sys.argv[1:])
     arguments = parser.parse_args(argv)
-    from benchmarks.serve_bench import start_specpipe_server
-    from benchmarks.serve_load import stop_server
-
+    if arguments.hosts and arguments.on_hosts is None:
+        sys.exit(run_on_hosts(argv))
     arguments.out.mkdir(parents=True, exist_ok=True)
     drafts = tempfile.TemporaryDirectory()  # the draft is made for the soak, not kept
-    speculation = ["--speculator", "ngram"] if arguments.speculator == "ngram" else [
-        "--speculator", "model", "--draft", realistic_draft(str(default_model_path()), Path(drafts.name)),
-        "--drafter-node", DRAFTER_NODE]
-    cluster = start_cluster()
-    port, log = free_port(), arguments.out / "serve.log"
-    server = start_specpipe_server(["--address", cluster.address, "--model", str(default_model_path()),
-                                    "--stages", "2", "--max-sequences", str(arguments.clients), "--n-ctx", "512",
-                                    *speculation], port, log)
     try:
-        result = soak(cluster, f"http://127.0.0.1:{port}", arguments)
-        result["command"] = "python -m benchmarks.chaos " + " ".join(argv if argv is not None else sys.argv[1:])
-        result["date"] = time.strftime("%Y-%m-%d %H:%M")
-        result["passed"] = passed(result)
+        result = soak_on_a_cluster(arguments, drafts.name)
     finally:
-        stop_server(server, timeout=60)
-        import ray
-
-        ray.shutdown()
-        cluster.shutdown()
         drafts.cleanup()
+    shown = argv[:argv.index("--on-hosts")] if arguments.on_hosts else argv
+    result["command"] = "python -m benchmarks.chaos " + " ".join(shown)
+    result["date"] = time.strftime("%Y-%m-%d %H:%M")
+    result["passed"] = passed(result)
     (arguments.out / "chaos.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({key: result[key] for key in ("requests", "outcomes", "faults", "not_equal_by_fault",
                                                    "recovery_seconds", "kv_cells_at_end", "leaks", "passed")},
                      indent=1))
     if not result["passed"]:
         sys.exit(1)
+
+
+def soak_on_a_cluster(arguments, drafts: str) -> dict:
+    """The cluster (this process's own, or the hosts' it was handed), serve on
+    it, the soak; everything this started is stopped after."""
+    import ray
+
+    from benchmarks.serve_bench import start_specpipe_server
+    from benchmarks.serve_load import stop_server
+
+    on_hosts = arguments.on_hosts is not None
+    speculation = ["--speculator", "ngram"] if arguments.speculator == "ngram" else [
+        "--speculator", "model", "--draft", realistic_draft(str(default_model_path()), Path(drafts))]
+    if arguments.speculator == "model" and not on_hosts:
+        speculation += ["--drafter-node", DRAFTER_NODE]
+    drafting = tuple(kind for kind in DRAFTER_FAULTS if not on_hosts or kind != "drafter-node")
+    kinds = (HOST_FAULTS if on_hosts else FAULTS) + (drafting if arguments.speculator == "model" else ())
+    if on_hosts:
+        cluster = HostsCluster.from_json(arguments.on_hosts)
+        ray_environment()
+        ray.init(address=cluster.address, log_to_driver=False)
+    else:
+        cluster = start_cluster()
+    try:
+        port, log = free_port(), arguments.out / "serve.log"
+        server = start_specpipe_server(["--address", cluster.address, "--model", str(default_model_path()),
+                                        "--stages", "2", "--max-sequences", str(arguments.clients), "--n-ctx", "512",
+                                        *speculation], port, log)
+        try:
+            return soak(cluster, f"http://127.0.0.1:{port}", arguments, kinds)
+        finally:
+            stop_server(server, timeout=60)
+    finally:
+        ray.shutdown()
+        if not on_hosts:
+            cluster.shutdown()
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ did not equal its solo output is laid to, and what fails the soak."""
 
 from __future__ import annotations
 
-from benchmarks.chaos import Fault, Outcome, Soak, leaks, passed, refusal, report
+from benchmarks.chaos import Fault, Outcome, Soak, cut_link, leaks, passed, refusal, report
+from benchmarks.chaos_hosts import LINK_SECONDS, HostsCluster
 
 
 def soak(*outcomes: tuple[str, float], faults=(("stage", 1.0, 2.0), ("replica", 5.0, 9.0))) -> Soak:
@@ -45,3 +46,55 @@ def test_only_the_service_s_own_refusals_are_retryable_and_only_a_bare_proxy_500
     assert refusal(503, {}, "no reason to retry given") == "failed"
     assert refusal(500, {}, "Internal Server Error") == "cut"
     assert refusal(500, {}, '{"error": "a bug"}') == "failed"
+
+
+
+class Hosts:
+    """What cut_link asks of the hosts (benchmarks.chaos_hosts.HostsCluster), without Ray or `ip`."""
+
+    head = "198.18.2.1"
+
+    def __init__(self, nodes: dict[str, str]):
+        self.nodes, self.switched = nodes, []
+
+    def stage_host(self, node_id: str) -> str:
+        return self.nodes[node_id]
+
+    def link(self, address: str, state: str) -> None:
+        self.switched.append((address, state))
+
+
+class Timers:
+    """threading.Timer's stand-in: the calls it was given, run when the test says."""
+
+    made: list = []
+
+    def __init__(self, seconds, call, arguments):
+        Timers.made.append((seconds, call, arguments))
+
+    def start(self):
+        pass
+
+
+def test_a_link_cut_hits_a_stage_off_the_head_and_only_a_passing_one_comes_back(monkeypatch):
+    import random
+    import threading
+
+    monkeypatch.setattr(threading, "Timer", Timers)
+    stages = [{"node": "a"}, {"node": "b"}]
+    for seed in range(8):  # stage 0 is on the head's host: never cut there
+        hosts = Hosts({"a": "198.18.2.1", "b": "198.18.2.3"})
+        assert "stage 1's host 198.18.2.3" in cut_link("link", hosts, stages, random.Random(seed))
+        assert hosts.switched == [("198.18.2.3", "down")]
+    seconds, call, arguments = Timers.made[-1]
+    call(*arguments)
+    assert seconds == LINK_SECONDS and hosts.switched[-1] == ("198.18.2.3", "up")
+    Timers.made.clear()
+    lost = Hosts({"a": "198.18.2.2", "b": "198.18.2.3"})
+    assert "for good" in cut_link("link-lost", lost, stages, random.Random(0)) and not Timers.made
+    assert lost.switched[0][1] == "down"
+
+
+def test_the_hosts_are_handed_to_the_soak_inside_the_head_s_host_as_they_are():
+    hosts = HostsCluster("198.18.2.1:6379", "198.18.2.1", {"198.18.2.2": ["ip", "down"]}, {"198.18.2.2": ["ip", "up"]})
+    assert HostsCluster.from_json(hosts.to_json()) == hosts

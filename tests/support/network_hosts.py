@@ -362,6 +362,10 @@ class ThreeHosts:
         """The command that takes ``host``'s link down (run it from anywhere on this machine)."""
         return [tool("ip"), "-n", self.first.namespace, "link", "set", self.port(host), "down"]
 
+    def restore_command(self, host: Host) -> list[str]:
+        """The command that puts ``host``'s link back up (benchmarks.chaos_hosts: a cut that heals)."""
+        return [tool("ip"), "-n", self.first.namespace, "link", "set", self.port(host), "up"]
+
     def start(self, host: Host, arguments: list[str], log_path: Path, environment: dict[str, str]) -> subprocess.Popen:
         return self._helper.start(host, arguments, log_path, environment)
 
