@@ -68,6 +68,7 @@ if TYPE_CHECKING:
 APPLICATION = "specpipe"  # Serve's application, and its front deployment's name
 COORDINATOR = "coordinator"  # the deployment that holds the pipeline
 COORDINATOR_TITLE = f"ServeReplica:{APPLICATION}:{COORDINATOR}"  # its replica process's title (tests, chaos)
+HEAD_RESOURCE = "node:__internal_head__"  # the resource Ray gives its head node alone (ray._common.constants)
 
 
 class ServeError(SpecpipeError):
@@ -283,6 +284,18 @@ class Coordinator:
         self.pipeline.close()
 
 
+def away_from_head(nodes: list[dict], here: str) -> str:
+    """A warning where ``here`` (serve's node: its front and coordinator are
+    pinned there, _pinned_here) is not Ray's head ("" where it is): losing it
+    ends the service, where the service outlives any other node but the head.
+    nodes: ray.nodes()."""
+    [node] = [node for node in nodes if node["NodeID"] == here]
+    if HEAD_RESOURCE in node["Resources"]:
+        return ""
+    return (f"[this node ({node['NodeManagerAddress']}) is not Ray's head: the service's HTTP front and "
+            "coordinator run here, so losing it ends the service; run serve on the head to outlive any other node]")
+
+
 def _pinned_here() -> dict:
     """Serve's label selector for this node: the replicas read the vocabulary
     from a file here (vocabulary_of), which another node may not hold. Pinned
@@ -480,6 +493,8 @@ def with_prefix_cache(settings: ServeSettings) -> ServeSettings:
 def serve_until_stopped(settings: ServeSettings, on_status: Callable[[str], None]) -> None:
     """Start Ray (or join --address), run the deployment, serve until SIGINT or
     SIGTERM, then delete it (in-flight requests drain) and stop Serve."""
+    import ray
+
     from orchestrator.cluster.kept_stages import SERVE_NAMESPACE, KeptStages
 
     settings = replace(settings, pipeline=settings.pipeline.with_local_draft(on_status))  # before Ray starts
@@ -495,6 +510,8 @@ def serve_until_stopped(settings: ServeSettings, on_status: Callable[[str], None
         try:
             if where:
                 on_status(f"[{where}]")
+            if warning := away_from_head(ray.nodes(), ray.get_runtime_context().get_node_id()):
+                on_status(warning)
             drafter_nodes(pipeline.speculation.drafter_nodes)  # a node not alive fails before the stages load
             if placing:
                 settings = prepare(place_stages(settings, on_status))

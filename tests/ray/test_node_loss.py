@@ -98,6 +98,7 @@ def serving(cluster, model: str, tmp_path, max_sequences: int):
 
     from benchmarks.serve_bench import replica_node, start_specpipe_server, stop_server
     from conftest import free_port
+    from orchestrator.serving.deployment import away_from_head
 
     port, log = free_port(), tmp_path / "serve.log"
     server = start_specpipe_server(["--address", cluster.address, "--model", model, "--stages", "2",
@@ -107,6 +108,9 @@ def serving(cluster, model: str, tmp_path, max_sequences: int):
         stages = httpx.get(base + "/health", timeout=30).json()["stages"]
         coordinator = replica_node(cluster)
         assert coordinator.node_id == cluster.head_node.node_id  # where serve's driver runs, however nodes share addresses
+        assert "not Ray's head" not in log.read_text()  # no warning there; a worker's node gets one
+        [worker] = [node for node in ray.nodes() if node["Alive"] and node["NodeID"] != coordinator.node_id][:1]
+        assert "is not Ray's head" in away_from_head(ray.nodes(), worker["NodeID"])
         index = next(index for index, stage in enumerate(stages) if stage["node"] != coordinator.node_id)
         yield base, index, stages[index]["node"], log
         assert server.poll() is None  # the same serve process throughout
