@@ -255,7 +255,8 @@ def inject(kind: str, cluster, base: str, rng: random.Random) -> str:
 
 
 def cut_link(kind: str, cluster: HostsCluster, stages: list[dict], rng: random.Random) -> str:
-    """Take the link of a stage's host (not the head's) down: for LINK_SECONDS (``link``), or for good."""
+    """Take the link of a stage's host (not the head's) down: for LINK_SECONDS (``link``: it returns once
+    the link is up again, or raises if it cannot be put up), or for good."""
     hosts = {index: cluster.stage_host(stage["node"]) for index, stage in enumerate(stages)}
     away = [index for index, host in hosts.items() if host != cluster.head]
     if not away:
@@ -264,7 +265,8 @@ def cut_link(kind: str, cluster: HostsCluster, stages: list[dict], rng: random.R
     cluster.link(hosts[index], "down")
     if kind == "link-lost":
         return f"stage {index}'s host {hosts[index]}: link down for good"
-    threading.Timer(LINK_SECONDS, cluster.link, (hosts[index], "up")).start()
+    time.sleep(LINK_SECONDS)
+    cluster.link(hosts[index], "up")
     return f"stage {index}'s host {hosts[index]}: link down {LINK_SECONDS:.0f} s"
 
 

@@ -90,7 +90,8 @@ def run_on_hosts(argv: list[str]) -> int:
             command = hosts.first.command(sys.executable, "-m", "benchmarks.chaos", *argv,
                                           "--on-hosts", cluster.to_json())
             started = time.monotonic()
-            soak = subprocess.run(command, env=ray_nodes.environment, cwd=REPOSITORY)
+            # from this folder (a relative --out), this checkout importable there
+            soak = subprocess.run(command, env={**ray_nodes.environment, "PYTHONPATH": str(REPOSITORY)})
             if soak.returncode != 0:
                 print(f"chaos --hosts: the soak ended with status {soak.returncode} after "
                       f"{time.monotonic() - started:.0f} s\n{ray_nodes.log_tail()}", file=sys.stderr)

@@ -200,6 +200,9 @@ REPLICA_BACK_SECONDS = 60.0
 # coordinator was lost: a request that itself kills coordinators (a native
 # crash on its prompt, say) must not keep the service down while its client waits.
 FRONT_ASKS_AGAIN_MOST = 2
+# Seconds serve's front waits between asks of a coordinator that is not back
+# yet (Serve starts a new replica in seconds; REPLICA_BACK_SECONDS bounds the wait).
+FRONT_ASK_AGAIN_PAUSE_SECONDS = 0.5
 # How long serve's front waits for the coordinator's /health before it answers
 # 503 "restarting" itself: a live coordinator answers within a stage's answer
 # bound (its stages' loads are asked in parallel), a dead one not at all.

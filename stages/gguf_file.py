@@ -112,10 +112,13 @@ class StageFileInfo:
     def end_block(self) -> int:
         return self.first_block + self.block_count
 
-    def same_slice(self, other: StageFileInfo | None) -> bool:
-        """Whether ``other`` is the same slice of the same model, wherever its file lies (a stage
-        shipped again to another node's cache has another path)."""
-        return other is not None and dataclasses.replace(other, path=self.path) == self
+
+def same_slice(ran: StageFileInfo | None, found: StageFileInfo | None) -> bool:
+    """Whether ``found`` is the slice of the model that ``ran`` is, wherever its file lies (a stage
+    shipped again to another node's cache has another path). None: a whole model's file (no slice)."""
+    if ran is None or found is None:
+        return ran is found
+    return dataclasses.replace(found, path=ran.path) == ran
 
 
 def shard_paths(path: Path) -> tuple[Path, ...]:

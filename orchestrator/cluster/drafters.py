@@ -391,13 +391,11 @@ def start_drafters(pipeline, make_speculator: Callable[..., Speculator], setting
     then takes the file as ``path=``. progress: stage_cache.ShipProgress, as it goes.
     A drafter that fails to start, or is lost later, is restarted in the
     background (settings.max_restarts); generation goes on without it meanwhile.
-    Drafter ``index`` is named ``specpipe-drafter-<index>.<tag>`` with its
-    pipeline's stages' tag (connect.actor_name; a service's kept stages'
-    followed by the drafters' own: they die with the coordinator,
-    StageActors.drafter_tag), each restart anew; with a
-    ``kind``, ``specpipe-drafter-<kind>-<index>.<tag>``, so several sets of
-    drafters (the bench's kinds) can stand beside one pipeline.
-    """
+    Drafter ``index`` is named ``specpipe-drafter-<index>.<tag>`` with its pipeline's stages' tag
+    (connect.actor_name; a service's kept stages' followed by the drafters' own: they die with the
+    coordinator, StageActors.drafter_tag), each restart anew; with a ``kind``,
+    ``specpipe-drafter-<kind>-<index>.<tag>``, so several sets of drafters (the bench's kinds) can stand
+    beside one pipeline."""
     import ray
 
     actor_class = _drafter_actor_class()
@@ -437,7 +435,9 @@ def start_drafters(pipeline, make_speculator: Callable[..., Speculator], setting
         checks = dict(n_vocab=pipeline.n_vocab, draft_max=settings.draft_max, max_restarts=settings.max_restarts,
                       relaunch=lambda index=index: connect(index, start(index)), on_restart=on_restart)
         try:
-            launched = connect(index, actor or start(index))
+            if actor is None:  # its draft could not be shipped to its node (lost meanwhile, say)
+                raise unshipped[placed[index].node.node_id]
+            launched = connect(index, actor)
             client = DrafterClient(index, launched.sock, launched.node_id, actor, launched.process_id, **checks)
         except (ray.exceptions.RayError, OSError, HandshakeError, ShippingError) as error:
             client = DrafterClient(index, None, **checks)

@@ -42,6 +42,7 @@ from speculators.tree import TREE_COST_LIMIT
 from stages.tree_shape import depths
 from stages.cost_curve import BatchCurve
 from stages.settings import StageSettings
+from stages.gguf_file import same_slice
 from stages.stage_files import NOT_FOUND, check_stage_files_on_nodes
 
 __all__ = ["ChainRelink", "Pipeline", "PipelineError", "StageLoad", "StageReport", "StageRestart"]
@@ -342,7 +343,7 @@ class Pipeline:
         if self.whole_model is not None:  # its node may be another one now
             self._ship([index])
         [file] = self.actors.read_stage_files(self.stage_paths, [index])
-        if file.problem or not self.stage_files[index].same_slice(file.info):
+        if file.problem or not same_slice(self.stage_files[index], file.info):
             problem = "the file is not there" if file.problem == NOT_FOUND else file.problem or "the file there differs"
             raise PipelineError(f"stage {index} cannot be restarted on node {file.node_address} "
                                 f"({file.node_id[:8]}): {problem}")

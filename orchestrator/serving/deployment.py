@@ -284,16 +284,17 @@ class Coordinator:
         self.pipeline.close()
 
 
-def away_from_head(nodes: list[dict], here: str) -> str:
-    """A warning where ``here`` (serve's node: its front and coordinator are
-    pinned there, _pinned_here) is not Ray's head ("" where it is): losing it
-    ends the service, where the service outlives any other node but the head.
-    nodes: ray.nodes()."""
+def where_serve_runs(nodes: list[dict], here: str) -> str:
+    """The status line naming ``here``, serve's node (its front and
+    coordinator are pinned there, _pinned_here), with a warning where it is
+    not Ray's head: losing it ends the service, where the service outlives
+    any other node but the head. nodes: ray.nodes()."""
     [node] = [node for node in nodes if node["NodeID"] == here]
+    address = node["NodeManagerAddress"]
     if HEAD_RESOURCE in node["Resources"]:
-        return ""
-    return (f"[this node ({node['NodeManagerAddress']}) is not Ray's head: the service's HTTP front and "
-            "coordinator run here, so losing it ends the service; run serve on the head to outlive any other node]")
+        return f"[the service's HTTP front and coordinator on this node ({address}), Ray's head]"
+    return (f"[this node ({address}) is not Ray's head: the service's HTTP front and coordinator run "
+            "here, so losing it ends the service; run serve on the head to outlive any other node]")
 
 
 def _pinned_here() -> dict:
@@ -510,8 +511,7 @@ def serve_until_stopped(settings: ServeSettings, on_status: Callable[[str], None
         try:
             if where:
                 on_status(f"[{where}]")
-            if warning := away_from_head(ray.nodes(), ray.get_runtime_context().get_node_id()):
-                on_status(warning)
+            on_status(where_serve_runs(ray.nodes(), ray.get_runtime_context().get_node_id()))
             drafter_nodes(pipeline.speculation.drafter_nodes)  # a node not alive fails before the stages load
             if placing:
                 settings = prepare(place_stages(settings, on_status))

@@ -26,11 +26,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from orchestrator.config import FRONT_ASKS_AGAIN_MOST, FRONT_HEALTH_SECONDS
+from orchestrator.config import FRONT_ASK_AGAIN_PAUSE_SECONDS, FRONT_ASKS_AGAIN_MOST, FRONT_HEALTH_SECONDS
 from orchestrator.decoding.service import Progress, QueueFull, ServiceError, ServiceRequest, Sink, Unavailable
 from stages.errors import SpecpipeError
-
-ASK_AGAIN_PAUSE_SECONDS = 0.5  # between asks of a coordinator that is not back yet
 
 
 class CoordinatorLost(SpecpipeError):
@@ -109,12 +107,14 @@ class ResumingService:
             self.coordinator.cancel_choice(asked.ticket, choice)
 
     async def health(self) -> tuple[dict, int]:
+        """The coordinator's /health, with the requests this front asked again of another coordinator."""
         try:
-            return await asyncio.wait_for(self.coordinator.health(), FRONT_HEALTH_SECONDS)
+            body, status = await asyncio.wait_for(self.coordinator.health(), FRONT_HEALTH_SECONDS)
         except Exception as error:  # noqa: BLE001 - whatever the coordinator's state, /health answers
             reason = f"the coordinator does not answer (Serve starts another): {error or 'no answer'}"
-            return {"status": "restarting", "error": reason, "requests_decoding": None, "requests_queued": None,
-                    "stages": [], "drafters": []}, 503
+            body, status = {"status": "restarting", "error": reason, "requests_decoding": None,
+                            "requests_queued": None, "stages": [], "drafters": []}, 503
+        return {**body, "requests_asked_again": self.asked_again}, status
 
     async def _ask(self, asked: _Asked, deadline: float, again: bool) -> None:
         """Ask the coordinator for the request until one takes it (asked.ticket,
@@ -133,7 +133,7 @@ class ResumingService:
                 await _close(events)
                 if time.monotonic() >= deadline:
                     raise
-                await asyncio.sleep(ASK_AGAIN_PAUSE_SECONDS)
+                await asyncio.sleep(FRONT_ASK_AGAIN_PAUSE_SECONDS)
         asked.events = events
         asked.seen = [0] * asked.request.choices
         for choice in asked.ended | asked.stopped:  # not computed again

@@ -48,7 +48,6 @@ def test_only_the_service_s_own_refusals_are_retryable_and_only_a_bare_proxy_500
     assert refusal(500, {}, '{"error": "a bug"}') == "failed"
 
 
-
 class Hosts:
     """What cut_link asks of the hosts (benchmarks.chaos_hosts.HostsCluster), without Ray or `ip`."""
 
@@ -64,35 +63,21 @@ class Hosts:
         self.switched.append((address, state))
 
 
-class Timers:
-    """threading.Timer's stand-in: the calls it was given, run when the test says."""
-
-    made: list = []
-
-    def __init__(self, seconds, call, arguments):
-        Timers.made.append((seconds, call, arguments))
-
-    def start(self):
-        pass
-
-
 def test_a_link_cut_hits_a_stage_off_the_head_and_only_a_passing_one_comes_back(monkeypatch):
     import random
-    import threading
+    import time
 
-    monkeypatch.setattr(threading, "Timer", Timers)
+    slept = []
+    monkeypatch.setattr(time, "sleep", slept.append)
     stages = [{"node": "a"}, {"node": "b"}]
     for seed in range(8):  # stage 0 is on the head's host: never cut there
         hosts = Hosts({"a": "198.18.2.1", "b": "198.18.2.3"})
         assert "stage 1's host 198.18.2.3" in cut_link("link", hosts, stages, random.Random(seed))
-        assert hosts.switched == [("198.18.2.3", "down")]
-    seconds, call, arguments = Timers.made[-1]
-    call(*arguments)
-    assert seconds == LINK_SECONDS and hosts.switched[-1] == ("198.18.2.3", "up")
-    Timers.made.clear()
+        assert hosts.switched == [("198.18.2.3", "down"), ("198.18.2.3", "up")]
+    assert slept == [LINK_SECONDS] * 8
     lost = Hosts({"a": "198.18.2.2", "b": "198.18.2.3"})
-    assert "for good" in cut_link("link-lost", lost, stages, random.Random(0)) and not Timers.made
-    assert lost.switched[0][1] == "down"
+    assert "for good" in cut_link("link-lost", lost, stages, random.Random(0))
+    assert len(lost.switched) == 1 and lost.switched[0][1] == "down" and len(slept) == 8
 
 
 def test_the_hosts_are_handed_to_the_soak_inside_the_head_s_host_as_they_are():

@@ -56,11 +56,11 @@ def test_a_choice_cancel_sent_to_an_earlier_coordinator_is_ignored():
     assert cancelled == [(1, 0)]
 
 
-def test_serve_away_from_ray_s_head_is_told_that_losing_its_node_ends_the_service():
-    from orchestrator.serving.deployment import HEAD_RESOURCE, away_from_head
+def test_serve_names_its_node_and_away_from_ray_s_head_says_that_losing_it_ends_the_service():
+    from orchestrator.serving.deployment import HEAD_RESOURCE, where_serve_runs
 
     nodes = [{"NodeID": "h", "NodeManagerAddress": "10.0.0.1", "Resources": {"CPU": 2.0, HEAD_RESOURCE: 1.0}},
              {"NodeID": "w", "NodeManagerAddress": "10.0.0.2", "Resources": {"CPU": 8.0}}]
-    assert away_from_head(nodes, "h") == ""
-    warning = away_from_head(nodes, "w")
+    assert where_serve_runs(nodes, "h").endswith("on this node (10.0.0.1), Ray's head]")
+    warning = where_serve_runs(nodes, "w")
     assert "(10.0.0.2) is not Ray's head" in warning and "losing it ends the service" in warning

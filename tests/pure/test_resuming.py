@@ -201,4 +201,11 @@ def test_health_says_restarting_while_no_coordinator_answers():
 
     body, status = asyncio.run(ResumingService(Dead([None]), 5.0).health())
     assert status == 503 and body["status"] == "restarting" and "actor died" in body["error"]
-    assert asyncio.run(ResumingService(Coordinators([None]), 5.0).health()) == ({"status": "ok"}, 200)
+    assert asyncio.run(ResumingService(Coordinators([None]), 5.0).health()) == (
+        {"status": "ok", "requests_asked_again": 0}, 200)
+
+
+def test_health_counts_the_requests_asked_again():
+    _, service = served(Coordinators([1, None]), back_seconds=5.0)
+    body, status = asyncio.run(service.health())
+    assert status == 200 and body["requests_asked_again"] == service.asked_again == 1

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from conftest import orchestrate
-from stages.gguf_file import ModelFileError, StageFileInfo, validate_stage_set
+from stages.gguf_file import ModelFileError, StageFileInfo, same_slice, validate_stage_set
 
 
 def assert_one_line_error(result, *fragments):
@@ -33,10 +33,11 @@ def test_the_same_slice_wherever_its_file_lies_and_no_other():
     import dataclasses
 
     here = info(0, 2, 0, 15)
-    assert here.same_slice(dataclasses.replace(here, path=Path("/elsewhere/stage-0.gguf")))
-    assert not here.same_slice(info(0, 2, 0, 14))
-    assert not here.same_slice(dataclasses.replace(here, source_fingerprint="another"))
-    assert not here.same_slice(None)
+    assert same_slice(here, dataclasses.replace(here, path=Path("/elsewhere/stage-0.gguf")))
+    assert not same_slice(here, info(0, 2, 0, 14))
+    assert not same_slice(here, dataclasses.replace(here, source_fingerprint="another"))
+    assert not same_slice(here, None) and not same_slice(None, here)
+    assert same_slice(None, None)  # a whole model run as one stage (--model-split whole.gguf), restarted
 
 
 def test_a_complete_contiguous_set_is_accepted():

@@ -478,6 +478,7 @@ def test_the_coordinator_killed_mid_stream_loses_no_request_and_takes_over_the_s
     assert replica_process(server).pid != replica.pid
     health = server.settled()
     assert health["status"] == "ok", health
+    assert health["requests_asked_again"] >= 3  # the front's count of them
     assert [stage["process"] for stage in health["stages"]] == [stage["process"] for stage in before]  # not reloaded
     assert [(stage["kv_cells"], stage["sequences"]) for stage in health["stages"]] == [(0, 0), (0, 0)]
 
