@@ -71,6 +71,7 @@ from orchestrator.serving.deployment import COORDINATOR_TITLE
 FAULTS = ("stage", "replica", "node", "stall", "stranger")
 DRAFTER_FAULTS = ("drafter", "drafter-stall", "drafter-node")  # with a draft model (--speculator model)
 HOST_FAULTS = ("stage", "replica", "link", "stall", "stranger", "link-lost")  # --hosts: links cut, no node removed
+HOST_DRAFTER_FAULTS = ("drafter", "drafter-stall")  # --hosts with a draft model: no drafter-only node there
 ONCE = ("drafter-node", "link-lost")  # each takes a machine away for good: injected once a soak
 DRAFTER_NODE = "127.0.2.1"  # the node that drafts in place of stage 0's machine (--drafter-node), no stage there
 PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea,",
@@ -463,13 +464,13 @@ def soak_on_a_cluster(arguments, drafts: str) -> dict:
     from benchmarks.serve_bench import start_specpipe_server
     from benchmarks.serve_load import stop_server
 
-    on_hosts = arguments.on_hosts is not None
-    speculation = ["--speculator", "ngram"] if arguments.speculator == "ngram" else [
+    on_hosts, drafts_model = arguments.on_hosts is not None, arguments.speculator == "model"
+    speculation = ["--speculator", "ngram"] if not drafts_model else [
         "--speculator", "model", "--draft", realistic_draft(str(default_model_path()), Path(drafts))]
-    if arguments.speculator == "model" and not on_hosts:
+    if drafts_model and not on_hosts:  # across hosts each drafter is beside its stage
         speculation += ["--drafter-node", DRAFTER_NODE]
-    drafting = tuple(kind for kind in DRAFTER_FAULTS if not on_hosts or kind != "drafter-node")
-    kinds = (HOST_FAULTS if on_hosts else FAULTS) + (drafting if arguments.speculator == "model" else ())
+    drafting = (HOST_DRAFTER_FAULTS if on_hosts else DRAFTER_FAULTS) if drafts_model else ()
+    kinds = (HOST_FAULTS if on_hosts else FAULTS) + drafting
     if on_hosts:
         cluster = HostsCluster.from_json(arguments.on_hosts)
         ray_environment()

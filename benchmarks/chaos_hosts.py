@@ -78,9 +78,8 @@ def run_on_hosts(argv: list[str]) -> int:
         raise SystemExit(f"chaos --hosts needs network namespaces and a bridge (run as root): {reason}")
     try:
         ray_nodes = network_hosts.RayOnThreeHosts(hosts)
-        ray_nodes.environment.update(RAY_health_check_period_ms="1000", RAY_health_check_timeout_ms="1000",
-                                     RAY_health_check_failure_threshold=str(HEALTH_MISSES),
-                                     RAY_worker_niceness="0", RAY_USAGE_STATS_ENABLED="0")
+        ray_nodes.dead_after_missed_checks(HEALTH_MISSES)
+        ray_nodes.environment.update(RAY_worker_niceness="0")  # the stages are the work (connect.ray_environment)
         try:
             ray_nodes.start()
             others = (hosts.second, hosts.third)

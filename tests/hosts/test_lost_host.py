@@ -61,11 +61,10 @@ def cluster():  # a cluster per test: each loses a host for good
     except NamespacesUnavailable as reason:
         pytest.skip(f"the lost-host test needs network namespaces and a bridge: {reason}")
     ray_nodes = RayOnThreeHosts(hosts)
-    # Ray's health checks 1 s apart, 12 missed: the cut host's node is called dead about 12 s on, before
-    # the coordinator finds its stage silent (20 s), not 30-60 s on at Ray's defaults (a minute less a test;
-    # the wait for a node's death after a stage does not answer: tests/ray/test_node_loss.py, frozen machine)
-    ray_nodes.environment.update(RAY_health_check_period_ms="1000", RAY_health_check_timeout_ms="1000",
-                                 RAY_health_check_failure_threshold="12")
+    # the cut host's node called dead about 12 s on, before the coordinator finds its stage silent (20 s)
+    # (a minute less a test; the wait for a node's death after a stage does not answer:
+    # tests/ray/test_node_loss.py, frozen machine)
+    ray_nodes.dead_after_missed_checks(12)
     try:
         ray_nodes.start()
         yield ray_nodes
