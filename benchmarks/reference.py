@@ -46,8 +46,9 @@ class WholeModel:
         produced: list[int] = []
         started = time.perf_counter()
         first = last = started
+        vocabulary = llama_cpp.llama_model_get_vocab(self.llama.model)
         for token in self.llama.generate(prompt_tokens, temp=0.0, repeat_penalty=1.0, reset=True):
-            if llama_cpp.llama_vocab_is_eog(self.llama._model.vocab, token) or len(produced) >= max_tokens:
+            if llama_cpp.llama_vocab_is_eog(vocabulary, token) or len(produced) >= max_tokens:
                 break
             last = time.perf_counter()
             if not produced:

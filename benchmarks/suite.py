@@ -63,7 +63,7 @@ from benchmarks.side_by_side import draft_steps
 from orchestrator.cluster.drafter_set import start_drafter_set
 from orchestrator.cluster.drafters import DrafterSettings, speculator_factory
 from orchestrator.config import BENCH_CONTEXT, DRAFT_MAX, default_model_path
-from orchestrator.decoding.drafting import SpeculationSettings
+from orchestrator.decoding.drafting import SpeculationSettings, tree_stage_settings
 from orchestrator.decoding.loop import generate
 from orchestrator.decoding.schedule import Schedule
 from orchestrator.decoding.stats import SpeculationStats
@@ -151,8 +151,8 @@ def run_scenario(
     modes = (["pipeline"] if scenario.sampled else ["whole", "whole-lookup", "pipeline"]) \
         + speculative_modes(scenario.speculators, scenario.sampled) + ([] if scenario.sampled else peer_modes(scenario))
     trees = any("-tree" in mode for mode in modes)
-    settings = StageSettings(n_ctx=BENCH_CONTEXT, threads=1, tree_sequences=scenario.tree_leaves - 1 if trees else 0,
-                             cost_curve=cost_curve)
+    settings = tree_stage_settings(StageSettings(n_ctx=BENCH_CONTEXT, threads=1, cost_curve=cost_curve),
+                                   scenario.tree_leaves if trees else 1)
     sampling = SamplingSettings(temperature=scenario.temperature, seed=scenario.seed)
     tokenizer = Tokenizer(stage_paths[0])
     prompts = prompts_of(tokenizer, scenario)

@@ -23,10 +23,10 @@ MAX_TOKENS = 256  # tokens generated after the prompt when not told (orchestrate
 # costs a (k + 1)-token batch (8 cost 3.5x one on this CPU, 2026-11-30: `orchestrate profile`), so a
 # longer window pays only when nearly all of it is accepted; below this the
 # draft length adapts to acceptance (speculators.draft_length).
+DRAFT_MAX = 8
 # Token trees of prompt lookup in `orchestrate bench` (its -tree modes): a fork's three
 # best other continuations at most (speculators.tree; the rule verifies those that pay).
 BENCH_TREE_LEAVES = 4
-DRAFT_MAX = 8
 # A drafter asked while an async pass runs drafts for the next windows at once: the one verified next
 # and one started ahead of it (SequenceState.speculation_room), each a token and at most its draft
 # limit of drafts. One drafter drafts the whole pass (no relay from machine to machine), so one ask
@@ -207,6 +207,12 @@ FRONT_ASK_AGAIN_PAUSE_SECONDS = 0.5
 # 503 "restarting" itself: a live coordinator answers within a stage's answer
 # bound (its stages' loads are asked in parallel), a dead one not at all.
 FRONT_HEALTH_SECONDS = STAGE_ANSWER_SECONDS + 5.0
+# Seconds between Serve's health checks of the coordinator's replica: one whose pipeline failed for
+# good is replaced this much sooner than Serve's default (10 s) would (REPLICA_BACK_SECONDS bounds it all).
+COORDINATOR_HEALTH_CHECK_SECONDS = 5.0
+# Seconds an idle service's loop sleeps between looks at its queue, a bound only: a request,
+# cancel or stop wakes it at once.
+SERVICE_IDLE_WAKE_SECONDS = 1.0
 # Seconds a client refused with 429 (the queue is full) is told to wait
 # (Retry-After): a sequence frees within a few passes.
 RETRY_AFTER_SECONDS = 1
@@ -262,6 +268,10 @@ TRANSFER_RESULT_MARGIN_SECONDS = 10.0
 FETCH_POLL_SECONDS = 0.5
 FETCH_IDLE_SECONDS = (SOURCE_RETRIES + 1) * 2 * (SOURCE_CONNECT_SECONDS + SOURCE_READ_SECONDS) \
     + 8.0 * SOURCE_RETRIES + 30.0
+# Seconds between progress lines of a draft model fetched here, and between asks whether Ray
+# reports a node dead (cluster.node_liveness.node_dies).
+PROGRESS_SECONDS = 1.0
+NODE_DEATH_POLL_SECONDS = 1.0
 
 # -- orchestrate profile --------------------------------------------------------
 # Tokens of context before every timed batch (a pass's cost grows with the
@@ -272,6 +282,10 @@ PROFILE_REPETITIONS = 7
 # Tokens in a pass, the widths profile times (the planner interpolates between them): one token,
 # the draft windows of speculation (up to DRAFT_MAX + 1) and the batched passes of serve.
 PROFILE_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+# Seconds: the socket timing's wait for one message to arrive, and for its threads and its
+# verification process to end (generous: a message of a few MiB on one machine takes milliseconds).
+PROFILE_MESSAGE_SECONDS = 30.0
+PROFILE_JOIN_SECONDS = 10.0
 
 # -- orchestrate plan -------------------------------------------------------------
 # Share of each machine's memory (available now for `run`'s check, told for `plan`) that a stage,
@@ -293,6 +307,13 @@ PLAN_EVERY_SPLIT_LIMIT = 5000
 PLAN_DRAFT_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 # Simulated generations per prompt when `plan --against-bench` predicts a bench scenario's modes.
 PLAN_CHECK_RUNS = 64
+# Seconds: this project's own costs where a setup gives no profile, rounded up from the 2-core
+# development machine's profiles (benchmarks/results/profile.json and earlier runs: hop 280-460 us,
+# coordinator 13-17 us a pass and 5-9 us a row, drafting round trip 120-300 us).
+PLAN_DEFAULT_HOP_SECONDS = 500e-6
+PLAN_DEFAULT_COORDINATOR_PASS_SECONDS = 20e-6
+PLAN_DEFAULT_COORDINATOR_ROW_SECONDS = 10e-6
+PLAN_DEFAULT_DRAFT_CALL_SECONDS = 300e-6
 
 # -- orchestrate verify-split ----------------------------------------------------
 # Tokens the split and the whole model each choose greedily after the probe text (one differing

@@ -33,7 +33,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from orchestrator.cluster.connect import ray_session
-from orchestrator.config import CONNECT_SECONDS, DRAFT_MAX, PROFILE_BATCH_SIZES, PROFILE_CONTEXT, PROFILE_REPETITIONS
+from orchestrator.config import (CONNECT_SECONDS, DRAFT_MAX, PROFILE_BATCH_SIZES, PROFILE_CONTEXT, PROFILE_JOIN_SECONDS,
+                                 PROFILE_MESSAGE_SECONDS, PROFILE_REPETITIONS)
 from orchestrator.decoding.loop import generate
 from orchestrator.decoding.targets import InstantTarget
 from orchestrator.planning.costs import split_costs
@@ -180,10 +181,10 @@ def measure_socket_bandwidth(payload_bytes: int = 8 * 1024 * 1024, repetitions: 
         received.clear()
         started = time.perf_counter()
         wire.send_message(sender, message)
-        received.wait(30)
+        received.wait(PROFILE_MESSAGE_SECONDS)
         if repetition:  # the first warms the buffers
             times.append(time.perf_counter() - started)
-    thread.join(10)
+    thread.join(PROFILE_JOIN_SECONDS)
     sender.close()
     listener.close()
     return payload_bytes / statistics.median(times)
@@ -239,7 +240,7 @@ def measure_drafter_call(context_length: int, calls: int = 200) -> float:
             ours.send(None)
         except OSError:
             pass
-        process.join(10)
+        process.join(PROFILE_JOIN_SECONDS)
     return seconds
 
 

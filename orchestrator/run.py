@@ -15,11 +15,10 @@ from orchestrator.cluster.model_files import (RunError, check_same_model, local_
 from orchestrator.cluster.pipeline import ChainRelink, Pipeline, StageReport, StageRestart
 from orchestrator.cluster.pipeline_settings import PipelineSettings
 from orchestrator.cluster.shipping import Shipment
-from orchestrator.decoding.drafting import exact_trees
+from orchestrator.decoding.drafting import exact_trees, tree_stage_settings
 from orchestrator.decoding.loop import Generation, generate
 from speculators.model import draft_gpu_layers
 from speculators.sampling import SamplingSettings
-from stages.settings import StageSettings
 from stages.stage_files import check_stage_files
 from stages.tokenizer import Tokenizer
 
@@ -192,7 +191,7 @@ def run_generation(
             on_status(f"[{where}]")
         drafter_nodes(speculation.drafter_nodes)  # a node not alive fails before the stages load
         restart_metrics = RestartMetrics()
-        stage_settings = _stage_settings(pipeline_settings)
+        stage_settings = tree_stage_settings(pipeline_settings.stage, speculation.tree_leaves)
         stages = None if whole is None else whole_model_stages(whole, stage_settings, speculation.draft_path, on_status)
         if stages is None:  # stage files given, or one unsplit file for a one-node cluster
             stages, whole = pipeline_settings.stage_paths or [whole.path], None
@@ -202,12 +201,6 @@ def run_generation(
             if prepared is None:  # no stage file here: the vocabulary comes from stage 0's node
                 prepared = _prepare(settings, Tokenizer(pipeline.vocabulary_file()))
             return _generate_through(pipeline, settings, prepared, restart_metrics, on_text, on_status)
-
-
-def _stage_settings(settings: PipelineSettings) -> StageSettings:
-    """The stages' settings: token trees need a KV id per side leaf."""
-    leaves = settings.speculation.tree_leaves
-    return dataclasses.replace(settings.stage, tree_sequences=leaves - 1) if leaves > 1 else settings.stage
 
 
 def _restart_reporter(restart_metrics: RestartMetrics, on_status: Callable[[str], None] | None):

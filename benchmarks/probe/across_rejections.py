@@ -48,7 +48,7 @@ def across_rejections(repetitions: int, stages: int, curve: str | None, max_toke
     from benchmarks.suite import start_kinds
     from orchestrator.cluster.drafters import speculator_factory
     from orchestrator.cluster.pipeline_settings import PipelineSettings
-    from orchestrator.decoding.drafting import SpeculationSettings
+    from orchestrator.decoding.drafting import SpeculationSettings, tree_stage_settings
     from orchestrator.decoding.loop import generate
     from orchestrator.decoding.schedule import Schedule
     from orchestrator.planning.curves import load_cost_curve
@@ -63,8 +63,8 @@ def across_rejections(repetitions: int, stages: int, curve: str | None, max_toke
         draft = realistic_draft(model, Path(folder))
         tokenizer = Tokenizer(paths[0])
         prompts = prompts_of(tokenizer, load_scenario(SCENARIO_DIR.parent / "scenarios-draft" / "chat.toml"))
-        settings = StageSettings(n_ctx=BENCH_CONTEXT, threads=1, cost_curve=load_cost_curve(curve) if curve else None,
-                                 tree_sequences=tree_leaves - 1)
+        settings = tree_stage_settings(StageSettings(n_ctx=BENCH_CONTEXT, threads=1,
+                                                     cost_curve=load_cost_curve(curve) if curve else None), tree_leaves)
         with ray_session(None), PipelineSettings(paths, settings).start() as pipeline:
             make = speculator_factory(SpeculationSettings("model", draft, tree_leaves=tree_leaves), tokenizer, settings)
             drafter_set = start_kinds(pipeline, {"model": make})["model"]

@@ -36,7 +36,6 @@ from tests.support import network_hosts
 
 PROMPT = "Once upon a time, in a small village by the sea,"
 LINK_GBIT = 1.0  # network_hosts.LINK_RATE
-REPOSITORY = Path(__file__).resolve().parents[2]
 
 
 def setup_text(model: str, profile: str | os.PathLike, delay_ms: float, *, boundaries: list[int],
@@ -59,14 +58,6 @@ def _orchestrate(*arguments: str) -> subprocess.CompletedProcess:
                           timeout=1800)
 
 
-def _network_hosts():
-    """The tests' namespace hosts (tests/support), imported from this checkout."""
-    if str(REPOSITORY) not in sys.path:
-        sys.path.insert(0, str(REPOSITORY))
-
-    return network_hosts
-
-
 @probe("delayed-link", repetitions=3)
 @click.option("--delay-ms", default=5.0, show_default=True, type=click.FloatRange(0.0, 100.0))
 @click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(2))
@@ -78,7 +69,6 @@ def delayed_link(repetitions: int, delay_ms: float, max_tokens: int, profile_pat
     namespace hosts)."""
     from stages.split import split_model
 
-    network_hosts = _network_hosts()
     model = str(default_model_path())
     work = Path(tempfile.mkdtemp(prefix="specpipe-delayed-"))
     stages = [str(work / "stage-0.gguf"), str(work / "stage-1.gguf")]

@@ -31,11 +31,11 @@ from pathlib import Path
 
 import click
 
-from benchmarks.probe.delayed_link import _network_hosts
 from benchmarks.probe.harness import Report, probe, table
 from benchmarks.reference import WholeModel
 from benchmarks.side_by_side import Outcome, side_by_side, spread
 from orchestrator.config import default_model_path
+from tests.support import network_hosts
 
 PROMPT = "Explain in a few sentences why the sky is blue."
 CURVE = "benchmarks/setups/llama-405b-two-machines.toml@40"
@@ -52,7 +52,6 @@ def drafter_host(repetitions: int, max_tokens: int, curve: str) -> Report:
     from stages.split import split_model
     from stages.tokenizer import Tokenizer
 
-    network_hosts = _network_hosts()
     model = str(default_model_path())
     work = Path(tempfile.mkdtemp(prefix="specpipe-drafter-host-"))
     stages = [str(work / "stage-0.gguf"), str(work / "stage-1.gguf")]

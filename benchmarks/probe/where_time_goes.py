@@ -39,7 +39,8 @@ import numpy as np
 from benchmarks.probe.harness import Report, probe, table
 from benchmarks.side_by_side import Outcome, side_by_side
 from orchestrator.cluster.connect import ray_session
-from orchestrator.cluster.drafters import DrafterSettings, start_drafters, stop_drafters
+from orchestrator.cluster.drafter_set import start_drafter_set
+from orchestrator.cluster.drafters import DrafterSettings
 from orchestrator.config import default_model_path, default_stage_paths
 from speculators.prompt_lookup import PromptLookupSpeculator
 from stages.settings import StageSettings
@@ -113,7 +114,8 @@ def _time_pipeline(pipeline, prompt: np.ndarray, count: int, figures, label: str
 
 def _time_asks(pipeline, prompt: np.ndarray, count: int) -> list[float]:
 
-    drafters = start_drafters(pipeline, PromptLookupSpeculator, DrafterSettings(draft_max=8))
+    drafter_set = start_drafter_set(pipeline, "ngram", PromptLookupSpeculator, DrafterSettings(draft_max=8))
+    drafters = drafter_set.drafters
     try:
         asks = []
         for index in range(count):
@@ -125,7 +127,7 @@ def _time_asks(pipeline, prompt: np.ndarray, count: int) -> list[float]:
             asks.append(time.perf_counter() - started)
         return asks
     finally:
-        stop_drafters(drafters)
+        drafter_set.stop()
 
 
 @probe("where-time-goes", repetitions=3)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from orchestrator.cluster.placement import NodeInfo
-from orchestrator.config import STAGE_ANSWER_SECONDS
+from orchestrator.config import NODE_DEATH_POLL_SECONDS, STAGE_ANSWER_SECONDS
 
 
 def alive_nodes() -> list[NodeInfo]:
@@ -52,10 +52,10 @@ def node_answers(node_id: str, seconds: float = STAGE_ANSWER_SECONDS) -> bool:
 
 
 def node_dies(node_id: str, seconds: float) -> bool:
-    """Whether Ray reports node ``node_id`` dead within ``seconds`` (asked each second)."""
+    """Whether Ray reports node ``node_id`` dead within ``seconds`` (asked every NODE_DEATH_POLL_SECONDS)."""
     deadline = time.monotonic() + seconds
     while node_id in {node.node_id for node in alive_nodes()}:
         if time.monotonic() > deadline:
             return False
-        time.sleep(1.0)
+        time.sleep(NODE_DEATH_POLL_SECONDS)
     return True

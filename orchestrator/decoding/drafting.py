@@ -15,6 +15,7 @@ from speculators.draft_length import DRAFTER_CALL_COST, PRIOR_STEP, DraftPrices
 from speculators.model import DRAFT_DEVICES
 from speculators.tree import MAX_TREE_ROWS
 from stages.cost_curve import BatchCurve
+from stages.settings import StageSettings
 
 SPECULATORS = ("none", "ngram", "model")
 DRAFT_SAMPLINGS = ("coupled", "top")
@@ -25,6 +26,12 @@ def draft_cells(draft_max: int, tree_leaves: int) -> int:
     draft_max, or with trees a tree's most rows (each holds a cell while its
     pass runs, however shallow the tree)."""
     return MAX_TREE_ROWS if tree_leaves > 1 else draft_max
+
+
+def tree_stage_settings(stage: StageSettings, tree_leaves: int) -> StageSettings:
+    """``stage`` with the KV ids token trees of ``tree_leaves`` leaves need at
+    every stage: one per side leaf beside the sequence's own (stages.engine)."""
+    return replace(stage, tree_sequences=tree_leaves - 1) if tree_leaves > 1 else stage
 
 
 class SpeculationError(ValueError):

@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from orchestrator.config import RESUME_SECONDS
+from orchestrator.config import RESUME_SECONDS, SERVICE_IDLE_WAKE_SECONDS
 from orchestrator.decoding.drafting import Drafting, draft_cells
 
 from orchestrator.decoding.loop import Decoding, DecodingLoop, Listener, sequence_state
@@ -404,7 +404,7 @@ class Service:
         if not self.loop.step():  # nothing in flight: wait for a request
             with self._wake:
                 if not (self._queue and self._free) and not self._cancelled and not self._closing:
-                    self._wake.wait(timeout=1.0)
+                    self._wake.wait(timeout=SERVICE_IDLE_WAKE_SECONDS)
         return True
 
     def _take_orders(self) -> None:

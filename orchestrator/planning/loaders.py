@@ -54,6 +54,8 @@ import math
 import tomllib
 from pathlib import Path
 
+from orchestrator.config import (PLAN_DEFAULT_COORDINATOR_PASS_SECONDS, PLAN_DEFAULT_COORDINATOR_ROW_SECONDS,
+                                 PLAN_DEFAULT_DRAFT_CALL_SECONDS, PLAN_DEFAULT_HOP_SECONDS)
 from orchestrator.planning.costs import BatchCurve, Link, Machine, MeasuredMachine, ModelShape, Software
 from orchestrator.planning.inputs import PlanError, Setup
 from orchestrator.planning.simulation import DraftBehaviour
@@ -61,12 +63,11 @@ from stages.gguf_file import ModelFile, read_model
 
 PROFILE_KIND = "specpipe-profile"
 PROFILE_VERSION = 1
-# This project's own costs where no profile is given, rounded up from the 2-core
-# development machine's profiles (benchmarks/results/profile.json and earlier
-# runs: hop 280-460 us, coordinator 13-17 us a pass and 5-9 us a row, drafting
-# round trip 120-300 us).
-DEFAULT_SOFTWARE = Software(hop_seconds=500e-6, coordinator_pass_seconds=20e-6, coordinator_row_seconds=10e-6,
-                            draft_call_seconds=300e-6)
+# This project's own costs where no profile is given (config.py says where they come from).
+DEFAULT_SOFTWARE = Software(hop_seconds=PLAN_DEFAULT_HOP_SECONDS,
+                            coordinator_pass_seconds=PLAN_DEFAULT_COORDINATOR_PASS_SECONDS,
+                            coordinator_row_seconds=PLAN_DEFAULT_COORDINATOR_ROW_SECONDS,
+                            draft_call_seconds=PLAN_DEFAULT_DRAFT_CALL_SECONDS)
 PROFILE_KEYS = ("machine", "batch_sizes", "stages", "model", "model_shape", "block_seconds", "head_seconds",
                 "fixed_seconds", "hop_seconds", "coordinator_pass_seconds", "coordinator_row_seconds",
                 "socket_bytes_per_second", "drafter_seconds_per_token", "drafter_call_seconds")

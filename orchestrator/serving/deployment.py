@@ -44,9 +44,9 @@ from orchestrator.cluster.metrics import RestartMetrics, ServiceMetrics
 from orchestrator.cluster.ray_calls import one_line
 from orchestrator.cluster.reservation import Reservation
 from orchestrator.cluster.shipping import ModelToShip, fetch_vocabulary, probe_nodes, ship_whole_model
-from orchestrator.config import (MAX_CONTEXT, REPLICA_BACK_SECONDS, SERVE_DRAIN_SECONDS, SERVE_KV_MEMORY_SHARE,
-                                 SERVE_MAX_SEQUENCES)
-from orchestrator.decoding.drafting import exact_trees
+from orchestrator.config import (COORDINATOR_HEALTH_CHECK_SECONDS, MAX_CONTEXT, REPLICA_BACK_SECONDS,
+                                 SERVE_DRAIN_SECONDS, SERVE_KV_MEMORY_SHARE, SERVE_MAX_SEQUENCES)
+from orchestrator.decoding.drafting import exact_trees, tree_stage_settings
 from orchestrator.decoding.prefix_cache import PREFIX_BLOCK
 from orchestrator.decoding.service import Progress, Service, ServiceRequest, ServiceSettings
 from orchestrator.serving.coordinator_calls import CoordinatorCalls
@@ -322,7 +322,8 @@ def coordinator_deployment(settings: ServeSettings):
     the pipeline failed for good, so that Serve replaces it."""
     from ray import serve
 
-    @serve.deployment(name=COORDINATOR, health_check_period_s=5, **_replica_options(settings))
+    @serve.deployment(name=COORDINATOR, health_check_period_s=COORDINATOR_HEALTH_CHECK_SECONDS,
+                      **_replica_options(settings))
     class CoordinatorDeployment:
         def __init__(self, settings: ServeSettings):
             self.coordinator = Coordinator(settings)
@@ -462,8 +463,8 @@ def prepare(settings: ServeSettings) -> ServeSettings:
     if speculation.tree_leaves > 1:  # a stage holds a tree's branches beside one sequence only (stages.engine)
         if settings.pipeline.stage.sequences > 1:
             raise ServeError("token trees (--tree-leaves) need --max-sequences 1")
-        settings = settings.with_pipeline(stage=replace(settings.pipeline.stage, sequences=1,
-                                                        tree_sequences=speculation.tree_leaves - 1))
+        settings = settings.with_pipeline(stage=tree_stage_settings(replace(settings.pipeline.stage, sequences=1),
+                                                                    speculation.tree_leaves))
     if settings.pipeline.stage.sequences < 1:  # not given: what fits in memory (the default prefix cache as much again)
         from orchestrator.cluster.model_files import kv_bytes_per_sequence
 

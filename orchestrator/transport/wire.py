@@ -28,7 +28,7 @@ import struct
 import msgpack
 import numpy as np
 
-from orchestrator.config import (KEEPALIVE_IDLE_SECONDS, KEEPALIVE_INTERVAL_SECONDS, KEEPALIVE_PROBES, MAX_ARRAY_BYTES,
+from orchestrator.config import (CONNECT_SECONDS, KEEPALIVE_IDLE_SECONDS, KEEPALIVE_INTERVAL_SECONDS, KEEPALIVE_PROBES, MAX_ARRAY_BYTES,
                                  MAX_HEADER_BYTES)
 from orchestrator.transport.fields import ProtocolError
 from orchestrator.transport.messages import MESSAGE_TYPES, Message
@@ -170,7 +170,7 @@ def silent_peer_milliseconds() -> int:
     return 1000 * (KEEPALIVE_IDLE_SECONDS + KEEPALIVE_INTERVAL_SECONDS * KEEPALIVE_PROBES)
 
 
-def connect(host: str, port: int, timeout: float = 30.0) -> socket.socket:
+def connect(host: str, port: int, timeout: float = CONNECT_SECONDS) -> socket.socket:
     sock = socket.create_connection((host, port), timeout=timeout)
     sock.settimeout(None)
     return tune(sock)
