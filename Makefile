@@ -95,8 +95,9 @@ test-tools:
 
 # Two pytest-xdist workers: a test file stays on one worker, the host tests
 # all on one (tests/conftest.py); TEST_WORKERS=0 runs them in this process.
-# Three ran in 24.6-25.7 minutes, but the load made draft-model trees through
-# `orchestrate run` draft chains once in two (docs/testing.md).
+# Three were no faster on 2 cores (27.8 minutes against two's 23.7 on
+# 2026-12-07) and the load kept Ray from starting on the namespace hosts
+# (docs/testing.md).
 TEST_WORKERS ?= 2
 
 test: install test-tools
