@@ -42,12 +42,19 @@ class _TimedDrafter:
         client = getattr(self.drafter, "client", None)
         return None if client is None else client.busy_seconds
 
-    def speculate(self, context, most=None, sampling=None, tree=None) -> None:
+    def speculate(self, context, most=None, sampling=None, tree=None, **more) -> None:
+        """more: what a drafter of corrections also takes (forks), passed on as given."""
         self._started, self._busy_before = time.time(), self._busy() or 0.0
-        self.drafter.speculate(context, most, sampling=sampling, tree=tree)
+        self.drafter.speculate(context, most, sampling=sampling, tree=tree, **more)
 
     def ask(self) -> None:
         self.drafter.ask()
+
+    def peek(self) -> list[int]:
+        return self.drafter.peek()
+
+    def corrections(self):
+        return self.drafter.corrections()
 
     def collect(self, wait: bool = False) -> list[int]:
         return self._timed(lambda: self.drafter.collect(wait))

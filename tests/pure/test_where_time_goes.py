@@ -14,6 +14,7 @@ from orchestrator.decoding.schedule import Schedule
 from orchestrator.decoding.targets import InstantTarget, InPlaceDrafter
 from orchestrator.transport.messages import PassResult
 from orchestrator.workers.busy import BusyWindow
+from speculators.corrections import Forks
 from speculators.sampling import SamplingSettings
 
 
@@ -82,8 +83,8 @@ class _ActorDrafter:
     def __init__(self):
         self.client = _Client()
 
-    def speculate(self, context, most=None, sampling=None, tree=None):
-        pass
+    def speculate(self, context, most=None, sampling=None, tree=None, forks=None):
+        self.forks = forks
 
     def ask(self):
         pass
@@ -91,6 +92,12 @@ class _ActorDrafter:
     def collect(self, wait=False):
         self.client.busy_seconds += 0.125
         return [4]
+
+    def peek(self):
+        return [4]
+
+    def corrections(self):
+        return {(3, 9): [9, 5]}
 
 
 def test_a_timed_drafter_notes_the_drafting_seconds_its_actor_reports_from_the_speculate():
@@ -101,6 +108,27 @@ def test_a_timed_drafter_notes_the_drafting_seconds_its_actor_reports_from_the_s
     assert drafter.collect() == [4]  # no speculate before it: nothing drafted for it is noted
     [(machine, start, seconds)] = times.intervals
     assert machine == 0 and seconds == pytest.approx(0.125) and start > 0
+
+
+def test_a_timed_drafter_of_corrections_passes_their_forks_on_and_hands_them_back():
+    """The bench times a draft model's drafters that draft corrections in
+    async (Drafting.corrects): the loop gives them forks, peeks and asks for
+    the corrections, through the timed drafter as through the drafter."""
+    inner = _ActorDrafter()
+    drafting, _ = timeline.timed(Drafting([inner], Schedule.ASYNC, 2))
+    drafter = drafting.drafters[0]
+    forks = Forks(3, 2, 4.0)
+    drafter.speculate([1, 2, 3], 2, forks=forks)
+    assert inner.forks is forks
+    assert drafter.peek() == [4] and drafter.collect() == [4]
+    assert drafter.corrections() == {(3, 9): [9, 5]}
+
+
+def test_an_async_generation_with_corrections_runs_through_timed_drafters():
+    inner = _ActorDrafter()
+    drafting, times = timeline.timed(Drafting([inner], Schedule.ASYNC, 2, corrects=True))
+    generation = generate(InstantTarget(16), [1, 2, 3], 6, SamplingSettings(), lambda token: False, drafting=drafting)
+    assert len(generation.tokens) == 6 and isinstance(inner.forks, Forks) and times.intervals
 
 
 def test_the_timeline_is_recorded_from_the_stages_start_times_and_drawn(tmp_path):
