@@ -60,6 +60,16 @@ def test_a_setups_roofline_is_scaled_so_its_slowest_one_token_pass_takes_the_giv
     assert load_cost_curve(f"{SETUP}@40ms").stages == curve.stages
 
 
+def test_the_four_machine_setup_gives_four_stages_each_a_flat_one_token_pass_at_its_time():
+    """benchmarks/setups/llama-405b-four-machines.toml@20 (the 4-stage regime,
+    docs/measurements.md): a curve per stage, the slowest 20 ms a token and
+    memory-bound below the kink, as the two-machine setup at @40."""
+    curve = load_cost_curve("benchmarks/setups/llama-405b-four-machines.toml@20")
+    assert len(curve.stages) == 4
+    assert max(stage.seconds(1, 0) for stage in curve.stages) == pytest.approx(0.020)
+    assert all(stage.seconds(8, 0) == pytest.approx(stage.seconds(1, 0)) for stage in curve.stages)
+
+
 def test_a_device_checks_t_of_n_is_the_whole_models_curve(tmp_path):
     path = tmp_path / "device-check.json"
     path.write_text(json.dumps({"backend": {"devices": ["CUDA0: NVIDIA H200"]},
