@@ -95,7 +95,7 @@ test-tools:
 
 # Two pytest-xdist workers: a test file stays on one worker, the host tests
 # all on one (tests/conftest.py); TEST_WORKERS=0 runs them in this process.
-# Three were no faster on 2 cores (27.8 minutes against two's 23.7 on
+# Three were slower on 2 cores (27.8 minutes against two's 23.7 on
 # 2026-12-07) and the load kept Ray from starting on the namespace hosts
 # (docs/testing.md).
 TEST_WORKERS ?= 2

@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.random_model import SHAPES, ModelShape, write_random_model
-from orchestrator.decoding.drafting import Drafting
+from orchestrator.decoding.drafting import Drafting, tree_stage_settings
 from orchestrator.decoding.loop import generate
 from orchestrator.decoding.schedule import Schedule
 from orchestrator.decoding.service import Service, ServiceRequest, ServiceSettings
@@ -59,6 +59,7 @@ REWRITE_SCENARIO = Path(__file__).parent / "scenarios" / "rewrite.toml"
 PASS_SIZES = tuple(range(1, 65))
 CONCURRENCY = (1, 4, 8)
 DRAFT_MAX = 8
+TREE_LEAVES = 4  # the exactness run's token trees
 
 
 @dataclass(frozen=True)
@@ -210,12 +211,12 @@ def exactness_section(whole_path: str, stage_paths: list[str], settings: CheckSe
     from stages.engine import StageEngine
     from stages.tokenizer import Tokenizer
 
-    stage_settings = settings.stage_settings(tree_sequences=3)
+    stage_settings = tree_stage_settings(settings.stage_settings(), TREE_LEAVES)
     prompt = rewrite_prompts(Tokenizer(whole_path))[0]
     chain = RecordingChain(stage_paths, stage_settings)
     try:
         drafting = Drafting([InstantDrafter(PromptLookupSpeculator(), 6) for _ in stage_paths], Schedule.ASYNC, 6,
-                            call_cost=0.0, step=0.0, tree_leaves=4)
+                            call_cost=0.0, step=0.0, tree_leaves=TREE_LEAVES)
         run = record_run(chain, prompt, settings.tokens, SamplingSettings(), drafting)
     finally:
         chain.close()

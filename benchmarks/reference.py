@@ -44,9 +44,9 @@ class WholeModel:
 
         self.llama.reset()
         produced: list[int] = []
+        vocabulary = llama_cpp.llama_model_get_vocab(self.llama.model)
         started = time.perf_counter()
         first = last = started
-        vocabulary = llama_cpp.llama_model_get_vocab(self.llama.model)
         for token in self.llama.generate(prompt_tokens, temp=0.0, repeat_penalty=1.0, reset=True):
             if llama_cpp.llama_vocab_is_eog(vocabulary, token) or len(produced) >= max_tokens:
                 break

@@ -28,8 +28,8 @@ import struct
 import msgpack
 import numpy as np
 
-from orchestrator.config import (CONNECT_SECONDS, KEEPALIVE_IDLE_SECONDS, KEEPALIVE_INTERVAL_SECONDS, KEEPALIVE_PROBES, MAX_ARRAY_BYTES,
-                                 MAX_HEADER_BYTES)
+from orchestrator.config import (CONNECT_SECONDS, KEEPALIVE_IDLE_SECONDS, KEEPALIVE_INTERVAL_SECONDS, KEEPALIVE_PROBES,
+                                 MAX_ARRAY_BYTES, MAX_HEADER_BYTES)
 from orchestrator.transport.fields import ProtocolError
 from orchestrator.transport.messages import MESSAGE_TYPES, Message
 
