@@ -4,7 +4,6 @@ and the bench's timeline (benchmarks.timeline)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from benchmarks import timeline
