@@ -361,6 +361,10 @@ def summarise(scenario: Scenario, modes: list[str], runs: list[Run], stage_count
                              else run.tokens == reference[(run.repetition, run.prompt_index)].tokens for run in mode_runs),
             "target_passes_per_token": sum(run.passes for run in mode_runs) / tokens if pipelined and tokens else None,
             "acceptance_rate": stats.acceptance_rate if stats.drafted_tokens else None,
+            # of the windows that rejected a draft, the share after which a correction drafted meanwhile
+            # was the next window's speculation at once (a draft model's async drafting: Drafting.corrects)
+            "rejections_corrected": (stats.corrected_windows / stats.rejected_passes
+                                     if mode.startswith("spec-") and stats.rejected_passes else None),
             # tokens a verified pass committed (chain against tree), and the trees among those passes
             "committed_per_pass": stats.committed_per_window if mode.startswith("spec-") else None,
             "tree_passes": stats.tree_passes,

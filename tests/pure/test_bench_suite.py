@@ -61,6 +61,21 @@ def test_summary_of_several_runs_takes_median_min_and_max_and_flags_a_differing_
     assert pipeline["identical"] is False  # repetition 1 differs from the whole model's repetition 1
     assert pipeline["ratio_to_whole"] == pytest.approx(0.6)  # median of 2/4, 8/9, 3/5
     assert pipeline["stage_busy_fraction"] == [0.25, 0.5]
+    assert pipeline["rejections_corrected"] is None
+
+
+def test_the_summary_gives_the_share_of_rejections_a_correction_covered():
+    from benchmarks.suite import Run, summarise
+    from orchestrator.decoding.stats import SpeculationStats
+
+    scenario = load_scenarios(quick=True)[0]
+    runs = [Run("whole", 0, 0, [1, 2, 3], 4.0, 0.01, 1.0),
+            Run("pipeline", 0, 0, [1, 2, 3], 2.0, 0.01, 1.0, passes=3, stage_seconds=[0.25, 0.5])]
+    runs += [Run(mode, 0, 0, [1, 2, 3], 3.0, 0.01, 1.0, passes=2, stage_seconds=[0.25, 0.5],
+                 speculation=SpeculationStats(rejected_passes=rejected, corrected_windows=corrected))
+             for mode, rejected, corrected in (("spec-async-model", 4, 1), ("spec-sync-model", 0, 0))]
+    rows = summarise(scenario, ["whole", "pipeline", "spec-async-model", "spec-sync-model"], runs, 2, 0.001, {})["modes"]
+    assert [row["rejections_corrected"] for row in rows] == [None, None, 0.25, None]  # none rejected: no share
 
 
 def test_bench_prints_no_and_exits_1_when_a_modes_output_differs(tmp_path, monkeypatch):
