@@ -209,8 +209,8 @@ FRONT_ASK_AGAIN_PAUSE_SECONDS = 0.5
 # 503 "restarting" itself: a live coordinator answers within a stage's answer
 # bound (its stages' loads are asked in parallel), a dead one not at all.
 FRONT_HEALTH_SECONDS = STAGE_ANSWER_SECONDS + 5.0
-# Seconds between Serve's health checks of the coordinator's replica: checked every 5 s instead of
-# Serve's default 10, one whose pipeline failed for good is replaced sooner (REPLICA_BACK_SECONDS bounds it all).
+# Seconds between Serve's health checks of the coordinator's replica: more often than Serve's default
+# (10 s), so one whose pipeline failed for good is replaced sooner (REPLICA_BACK_SECONDS bounds it all).
 COORDINATOR_HEALTH_CHECK_SECONDS = 5.0
 # Seconds an idle service's loop sleeps between looks at its queue, a bound only: a request,
 # cancel or stop wakes it at once.
@@ -271,7 +271,7 @@ FETCH_POLL_SECONDS = 0.5
 FETCH_IDLE_SECONDS = (SOURCE_RETRIES + 1) * 2 * (SOURCE_CONNECT_SECONDS + SOURCE_READ_SECONDS) \
     + 8.0 * SOURCE_RETRIES + 30.0
 # Seconds between progress lines of a draft model fetched here.
-PROGRESS_SECONDS = 1.0
+DRAFT_FETCH_PROGRESS_SECONDS = 1.0
 
 # -- orchestrate profile --------------------------------------------------------
 # Tokens of context before every timed batch (a pass's cost grows with the

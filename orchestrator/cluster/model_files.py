@@ -15,7 +15,7 @@ from orchestrator.cluster.fetching import StageFetcher
 from orchestrator.cluster.node_liveness import alive_nodes
 from orchestrator.cluster.shipping import ModelToShip, write_vocabulary_file
 from orchestrator.cluster.stage_cache import draft_entry, stage_cache_root
-from orchestrator.config import MEMORY_HEADROOM, PROGRESS_SECONDS
+from orchestrator.config import DRAFT_FETCH_PROGRESS_SECONDS, MEMORY_HEADROOM
 from orchestrator.planning.cluster_split import choose_cluster_split
 from orchestrator.planning.loaders import kv_bytes_per_token, model_shape_of_gguf
 from orchestrator.sources.hub import read_model_source
@@ -95,7 +95,7 @@ def local_draft(text: str | None, on_status: Callable[[str], None] | None = None
     finished = threading.Event()
 
     def report() -> None:
-        while not finished.wait(PROGRESS_SECONDS):
+        while not finished.wait(DRAFT_FETCH_PROGRESS_SECONDS):
             progress(0, fetcher.done, fetcher.size, "fetching")
 
     threading.Thread(target=report, name="draft-fetch-progress", daemon=True).start()
