@@ -46,7 +46,7 @@ WHEEL_CACHE   ?= $(HOME)/.cache/specpipe/wheels
 LLAMA_WHEELS  := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_VERSION)$(BACKEND_TAG)-noamx-nollamafile
 LLAMA_BUILT   := $(LLAMA_WHEELS)/.complete
 
-.PHONY: install run serve test test-tools test-fast mutation peers bench bench-serve chaos chaos-hosts calibrate device-bundle device-check clean
+.PHONY: install run serve test test-system test-tools test-fast mutation peers bench bench-serve chaos chaos-hosts calibrate device-bundle device-check clean
 
 install: $(STAMP)
 
@@ -100,8 +100,15 @@ test-tools:
 # (docs/testing.md).
 TEST_WORKERS ?= 2
 
-test: install test-tools
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
+# `make test`: every test but the end-to-end scenarios across machines
+# (the `system` marker, pyproject.toml); `make test-system` runs those: the
+# namespace hosts and `ray up` (the hosts tier), machines lost, servers under
+# load. CI (.ci/run) runs both.
+test: install
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not system"
+
+test-system: install test-tools
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -m system
 
 # The pure tier only (numpy / pure Python: no model file, no llama.cpp, no Ray):
 # seconds. A test's tier is its directory, tests/pure/, model/, ray/ or hosts/,

@@ -288,6 +288,8 @@ def pytest_collection_modifyitems(config, items):
             problems.append(f"  {item.nodeid}: in tests/{tier}/ but marked {', '.join(marked)}")
         else:
             item.add_marker(tier)
+            if tier == "hosts":  # several hosts, each its own Ray: all end-to-end (pyproject.toml's markers)
+                item.add_marker("system")
             # `make test` runs two pytest-xdist workers (--dist loadgroup): a file's tests stay on one
             # worker (its module fixtures are made once), the host tests all on one (their namespaces)
             item.add_marker(pytest.mark.xdist_group("hosts" if tier == "hosts" else item.nodeid.split("::")[0]))

@@ -4,6 +4,10 @@ check against it (tests/ray/test_bench.py)."""
 
 import json
 
+import pytest
+
+pytestmark = pytest.mark.system  # servers under load for minutes: `make test-system`
+
 
 def drivers_of(command: str) -> int:
     """How many drivers `orchestrate COMMAND` has had on this worker's cluster (Ray's job table: the

@@ -30,6 +30,8 @@ from stages.tokenizer import Tokenizer
 
 from conftest import PROMPTS
 
+pytestmark = pytest.mark.system  # machines lost, minutes of Ray calling them dead: `make test-system`
+
 SETTINGS = StageSettings(n_ctx=1024)
 MAX_TOKENS = 24
 # the frozen machine's stage: found silent within 1 + 5 s, then 4 s for its actor and 4 for its node to answer
