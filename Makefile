@@ -95,9 +95,9 @@ test-tools:
 
 # Two pytest-xdist workers: a test file stays on one worker, the host tests
 # all on one (tests/conftest.py); TEST_WORKERS=0 runs them in this process.
-# Three were slower on 2 cores (27.8 minutes against two's 23.7 on
-# 2026-12-07) and the load kept Ray from starting on the namespace hosts
-# (docs/testing.md).
+# Three were slower on 2 cores (27.8 minutes against two's 23.7 for the
+# whole suite on 2026-12-07) and the load kept Ray from starting on the
+# namespace hosts (docs/testing.md).
 TEST_WORKERS ?= 2
 
 # `make test`: every test but the end-to-end scenarios across machines
@@ -112,8 +112,8 @@ test-system: install test-tools
 
 # The pure tier only (numpy / pure Python: no model file, no llama.cpp, no Ray):
 # seconds. A test's tier is its directory, tests/pure/, model/, ray/ or hosts/,
-# and tests/conftest.py gives it that marker (pyproject.toml); `make test` runs
-# all. `-m pure` over all of tests/ rather than `pytest tests/pure`: it
+# and tests/conftest.py gives it that marker (pyproject.toml); `make test` and
+# `make test-system` run every tier between them. `-m pure` over all of tests/ rather than `pytest tests/pure`: it
 # collects every file, so a test file outside the tier directories is refused
 # here too instead of running in no tier.
 test-fast: install
