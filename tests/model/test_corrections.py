@@ -91,7 +91,7 @@ def test_a_round_carries_the_corrections_that_keep_it_within_the_slack_of_the_ch
 
 
 def test_a_pass_longer_than_the_chains_drafting_carries_corrections_in_its_idle_rounds(realistic_draft, context):
-    """The chain needs 3 rounds for the next window (most 4, length 3): in a
+    """The chain needs 3 rounds for its drafting ahead (most 4, length 3): in a
     pass of 8 of its rounds, rounds of up to 8/3 steps fit, on a CPU where each row costs a step."""
     each_row_a_step = {1: 1.0, 2: 1.8, 3: 2.6, 5: 4.2}
     assert forks_timed(realistic_draft, context, each_row_a_step, rounds=3.0) == []  # the chain alone fills it
