@@ -7,8 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from orchestrator.cluster.connect import ray_session
-from orchestrator.cluster.drafter_set import start_drafter_set
-from orchestrator.cluster.drafters import drafter_compute, drafter_nodes, drafter_settings, speculator_factory
+from orchestrator.cluster.drafter_set import start_speculation
+from orchestrator.cluster.drafters import drafter_compute, drafter_nodes, speculator_factory
 from orchestrator.cluster.metrics import GenerationMetrics, RestartMetrics
 from orchestrator.cluster.model_files import (RunError, check_same_model, local_vocabulary_file, transfer_progress,
                                               whole_model_stages)
@@ -244,14 +244,11 @@ def _generate_through(pipeline: Pipeline, settings: RunSettings, prepared, resta
     drafter_set = None
     drafting = None
     if make_speculator is not None:
-        drafter_set = start_drafter_set(
-            pipeline, speculation.speculator, make_speculator,
-            drafter_settings(speculation, pipeline.settings, settings.pipeline.max_restarts),
-            on_restart=lambda index: restart_metrics.record("drafter", index),
-            progress=transfer_progress(on_status, lambda _: "the draft model"),
-        )
         pass_seconds, step, curve = pipeline.speculation_costs(trees=speculation.tree_leaves > 1)
-        drafter_set.measure_prices(pipeline, tokens, pass_seconds)
+        drafter_set = start_speculation(
+            pipeline, speculation, make_speculator, tokens, pass_seconds, max_restarts=settings.pipeline.max_restarts,
+            on_restart=lambda index: restart_metrics.record("drafter", index),
+            progress=transfer_progress(on_status, lambda _: "the draft model"))
         drafting = drafter_set.drafting(speculation.schedule, speculation.draft_max, step=step,
                                         tree_leaves=speculation.tree_leaves, pass_curve=curve,
                                         coupled=speculation.draft_sampling == "coupled")

@@ -6,16 +6,18 @@ and the probes start their drafters (``start_drafter_set``), price them
 (``DrafterSet.measure_prices``) and hand them to the decoding loop
 (``DrafterSet.drafting``): the same steps in one place, after the stages
 (cluster.pipeline_settings.PipelineSettings.start) and before the loop
-(decoding.loop.generate, or serve's Service)."""
+(decoding.loop.generate, or serve's Service). ``start_speculation`` is the
+first two as run and serve take them, from a pipeline's SpeculationSettings."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from orchestrator.cluster.drafters import DrafterClient, DrafterSettings, draft_prices, start_drafters, stop_drafters
+from orchestrator.cluster.drafters import (DrafterClient, DrafterSettings, draft_prices, drafter_settings,
+                                           start_drafters, stop_drafters)
 from orchestrator.config import CORRECTIONS_RELAYED_MOST
-from orchestrator.decoding.drafting import Drafting
+from orchestrator.decoding.drafting import Drafting, SpeculationSettings
 from orchestrator.decoding.schedule import Schedule
 from orchestrator.decoding.targets import InstantDrafter
 from speculators.draft_length import PRIOR_STEP, DraftPrices, ask_cost
@@ -84,3 +86,23 @@ def start_drafter_set(pipeline, kind: str, make_speculator: Callable, settings: 
     drafters = start_drafters(pipeline, make_speculator, settings, on_restart=on_restart,
                               kind=kind if named else "", progress=progress)
     return DrafterSet(kind, drafters, make_speculator)
+
+
+def start_speculation(pipeline, speculation: SpeculationSettings, make_speculator: Callable, context: list[int],
+                      pass_seconds: float, *, max_restarts: int, sequences: int = 1,
+                      on_restart: Callable[[int], None] | None = None, progress=None) -> DrafterSet:
+    """``speculation``'s drafters beside ``pipeline``'s stages, each drafting
+    for ``sequences`` requests and restarted up to ``max_restarts`` times
+    (cluster.drafters.drafter_settings), priced after ``context`` in one-token
+    passes of ``pass_seconds``: what `orchestrate run` and serve's coordinator
+    decode with. Stopped again if the pricing fails."""
+    drafter_set = start_drafter_set(
+        pipeline, speculation.speculator, make_speculator,
+        drafter_settings(speculation, pipeline.settings, max_restarts, sequences=sequences),
+        on_restart=on_restart, progress=progress)
+    try:
+        drafter_set.measure_prices(pipeline, context, pass_seconds)
+    except BaseException:
+        drafter_set.stop()
+        raise
+    return drafter_set

@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.cluster.connect import ray_session
-from orchestrator.cluster.drafter_set import start_drafter_set
-from orchestrator.cluster.drafters import drafter_nodes, drafter_settings, speculator_factory, stop_drafters
+from orchestrator.cluster.drafter_set import start_speculation
+from orchestrator.cluster.drafters import drafter_nodes, speculator_factory, stop_drafters
 from orchestrator.cluster.metrics import RestartMetrics, ServiceMetrics
 from orchestrator.cluster.ray_calls import one_line
 from orchestrator.cluster.reservation import Reservation
@@ -194,13 +194,12 @@ class Coordinator:
         stage = pipeline_settings.stage
         make = speculator_factory(speculation, tokenizer, stage, sequences=stage.sequences,
                                   spare_context=speculation.draft_max)
-        drafter_set = start_drafter_set(
-            self.pipeline, "model", make, drafter_settings(speculation, stage, pipeline_settings.max_restarts,
-                                                           sequences=stage.sequences),
+        drafter_set = start_speculation(
+            self.pipeline, speculation, make, tokenizer.chat_prompt("Hello."), pass_seconds,
+            max_restarts=pipeline_settings.max_restarts, sequences=stage.sequences,
             on_restart=lambda index: restart_metrics.record("drafter", index))
         self.drafters = clients = drafter_set.drafters
-        prices = drafter_set.measure_prices(self.pipeline, tokenizer.chat_prompt("Hello."), pass_seconds)
-        return (lambda sequence: [client.for_sequence(sequence) for client in clients]), prices
+        return (lambda sequence: [client.for_sequence(sequence) for client in clients]), drafter_set.prices
 
     async def stage_load(self):
         """Each stage's StageLoad (KV cells, sequences, resident MiB, process,
