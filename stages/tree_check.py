@@ -1,12 +1,13 @@
 """Whether this stage's token-tree rows are exact on this machine.
 
 A tree's side row attends to ancestors whose cells lie apart in the cache
-(the main chain's cells between them). With llama.cpp's CPU kernels on
-AVX-512 hosts attention over cells apart rounds as over cells together, so
-every row's output is its path's decoded as a chain, bit for bit; on an
-AVX2 host without AVX-512 (2026-12-04) a side row's logits were off by up to
-0.3, and a token chosen below a side branch could then differ from the whole
-model's. Main-chain rows are exact either way.
+(the main chain's cells between them). With llama.cpp's CPU kernels on the
+Intel AVX-512 hosts seen, attention over cells apart rounds as over cells
+together, so every row's output is its path's decoded as a chain, bit for
+bit; on AMD EPYC hosts (with AVX2 only, 2026-12-04 and 2026-12-07; with
+AVX-512, 2026-12-08) a side row's logits were off by up to 0.3, and a token
+chosen below a side branch could then differ from the whole model's.
+Main-chain rows are exact either way.
 
 ``side_rows_exact`` asks the engine itself, once, before it serves: a small
 tree after each committed prefix of 1 to ``PREFIXES`` cells, each side row

@@ -290,7 +290,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(tier)
             if tier == "hosts":  # several hosts, each its own Ray: all end-to-end (pyproject.toml's markers)
                 item.add_marker("system")
-            # `make test` runs two pytest-xdist workers (--dist loadgroup): a file's tests stay on one
+            # make test(-system) runs two pytest-xdist workers (--dist loadgroup): a file's tests stay on one
             # worker (its module fixtures are made once), the host tests all on one (their namespaces)
             item.add_marker(pytest.mark.xdist_group("hosts" if tier == "hosts" else item.nodeid.split("::")[0]))
     if problems:
@@ -317,7 +317,7 @@ def pytest_configure(config):
 
 
 def pytest_xdist_node_collection_finished(node, ids):
-    """Under ``--dist loadgroup`` (make test) every test's id must carry its group,
+    """Under ``--dist loadgroup`` (make test, test-system) every test's id must carry its group,
     which pytest-xdist appends: where it does not, the groups are ignored and a
     file's tests spread over the workers, each making the file's module
     fixtures again (pytest 9 with pytest-xdist 3.8 did this silently:

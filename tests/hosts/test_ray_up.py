@@ -16,8 +16,8 @@ sshd runs in a PID namespace of its own (so the `ray stop` of the head's start
 commands and of `ray down` sees only that node's processes) and a mount
 namespace where /root is a temporary folder (so ~/specpipe,
 ~/ray_bootstrap_config.yaml and ~/.ray are this test's). Skips, saying why,
-where a tool is missing (`make test` installs openssh-server and rsync where
-it may).
+where a tool is missing (`make test-system` installs openssh-server and rsync
+where it may).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def missing_tools() -> str | None:
         if tool(name) == name and shutil.which(name) is None:
             return f"no {name} command"
     if not os.access(SSHD, os.X_OK):
-        return f"no {SSHD} (apt-get install openssh-server; `make test` does where it may)"
+        return f"no {SSHD} (apt-get install openssh-server; `make test-system` does where it may)"
     return None
 
 

@@ -1,6 +1,5 @@
-"""`orchestrate bench --serve --quick`: a file of its own (about 3 minutes),
-so that pytest-xdist runs it beside the quick bench and the planner's
-check against it (tests/ray/test_bench.py)."""
+"""`orchestrate bench --serve --quick` (about 2 minutes): servers under
+load, so in `make test-system`, not `make test` (the `system` marker)."""
 
 import json
 
