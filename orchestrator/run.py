@@ -249,12 +249,13 @@ def _generate_through(pipeline: Pipeline, settings: RunSettings, prepared, resta
             pipeline, speculation, make_speculator, tokens, pass_seconds, max_restarts=settings.pipeline.max_restarts,
             on_restart=lambda index: restart_metrics.record("drafter", index),
             progress=transfer_progress(on_status, lambda _: "the draft model"))
-        drafting = drafter_set.drafting(speculation.schedule, speculation.draft_max, step=step,
-                                        tree_leaves=speculation.tree_leaves, pass_curve=curve,
-                                        coupled=speculation.draft_sampling == "coupled")
     drafters = drafter_set.drafters if drafter_set is not None else []
     live = GenerationMetrics()
     try:
+        if drafter_set is not None:
+            drafting = drafter_set.drafting(speculation.schedule, speculation.draft_max, step=step,
+                                            tree_leaves=speculation.tree_leaves, pass_curve=curve,
+                                            coupled=speculation.draft_sampling == "coupled")
         generation = generate(
             pipeline, tokens, settings.max_tokens, settings.sampling, tokenizer.is_end, on_token=text.push,
             drafting=drafting,

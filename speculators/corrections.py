@@ -106,9 +106,10 @@ class CorrectionGrowth:
         positions = range(forks.first, min(forks.first + forks.count, len(context)))
         asked = [(position, tokens[rank]) for rank in range(CORRECTION_RANKS) for position in positions
                  if len(tokens := runners_up.get(position, [])) > rank and tokens[rank] != context[position]]
-        # the chain's need: all it may draft ahead (up to a correction's length), not only the next window's
-        # drafts (forks.count): with that, on this CPU's rows, corrections covered 0.42-0.45 of rejections but
-        # the chain drafted slower (async 1.03x the chain alone through 2 stages at @40, 0.95x through 4 at @20)
+        # the chain's need: all it may draft ahead (up to a correction's length). On this CPU (a round of two
+        # rows 1.8 of one) that opened no correction in the probe across rejections (2026-12-08); with the
+        # next window's drafts (forks.count) as the need instead they covered 0.42-0.45 of rejections, but the
+        # chain drafted slower: async 1.03x the chain alone through 2 stages at @40, 0.95x through 4 at @20
         most_forks = min(self.engine.tree_sequences, affordable_corrections(costs, min(most, length), forks.rounds))
         self._branches = {fork: branch for branch, fork in enumerate(asked[:most_forks], start=1)}
         for (position, token), branch in self._branches.items():

@@ -11,6 +11,7 @@ first two as run and serve take them, from a pipeline's SpeculationSettings."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -103,6 +104,7 @@ def start_speculation(pipeline, speculation: SpeculationSettings, make_speculato
     try:
         drafter_set.measure_prices(pipeline, context, pass_seconds)
     except BaseException:
-        drafter_set.stop()
+        with contextlib.suppress(Exception):  # the pricing's failure is the one to report
+            drafter_set.stop()
         raise
     return drafter_set

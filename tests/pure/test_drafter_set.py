@@ -54,3 +54,24 @@ def test_a_pricing_that_fails_stops_the_drafters(started, monkeypatch):
     with pytest.raises(RuntimeError, match="did not answer"):
         module.start_speculation(PIPELINE, SpeculationSettings("ngram"), object, [1], 0.04, max_restarts=1)
     assert started.stopped == ["drafter 0", "drafter 1"]
+
+    def stop_fails(drafters):  # Ray going down beside it: still the pricing's failure is told
+        raise RuntimeError("Ray is shutting down")
+
+    monkeypatch.setattr(module, "stop_drafters", stop_fails)
+    with pytest.raises(RuntimeError, match="did not answer"):
+        module.start_speculation(PIPELINE, SpeculationSettings("ngram"), object, [1], 0.04, max_restarts=1)
+
+
+def test_a_draft_models_drafters_are_sized_by_the_pipelines_stage_settings(started, monkeypatch):
+    """Serve's sequences and the stages' context (Pipeline.settings, the
+    settings the stages run with) size each drafter's draft model."""
+    from orchestrator.cluster import model_files
+
+    sized = []
+    monkeypatch.setattr(model_files, "draft_memory_bytes", lambda path, positions: sized.append((path, positions)) or 7)
+    monkeypatch.setattr(module, "draft_prices", lambda *args: DraftPrices())
+    speculation = SpeculationSettings("model", "draft.gguf", draft_max=4)
+    module.start_speculation(PIPELINE, speculation, object, [1], 0.04, max_restarts=1, sequences=3)
+    assert sized == [("draft.gguf", (256 + 4) * 3)] and started.settings.memory_bytes == 7
+    assert started.settings.draft_path == "draft.gguf"
