@@ -154,7 +154,7 @@ class Coordinator:
             # the pass cost measured here at several widths (or under --cost-curve, the curve's): batching reads it
             pass_curve = self.pipeline.pass_curve(sequence=0)
             pass_seconds, batch_step = pass_curve.at(1), curve_step(pass_curve)
-            drafters, draft_prices = self._drafters(tokenizer, pass_seconds, restart_metrics)
+            drafters, draft_prices = self._drafters(tokenizer, speculation, pass_seconds, restart_metrics)
             self.service = Service(
                 self.pipeline, tokenizer.is_end,
                 ServiceSettings(
@@ -183,12 +183,14 @@ class Coordinator:
             return lambda sequence: PromptLookupSpeculator()
         return None
 
-    def _drafters(self, tokenizer, pass_seconds: float, restart_metrics):
+    def _drafters(self, tokenizer, speculation, pass_seconds: float, restart_metrics):
         """A draft model's drafter actors, one beside every stage, each with a
         KV sequence per request (run's actors, driven by the same loop), and
-        what drafting a token costs (measured: draft_prices); (None, nothing) without a draft model."""
+        what drafting a token costs (measured: draft_prices); (None, nothing)
+        without a draft model. speculation: the settings after exact_trees
+        (no tree cells where the stages' trees are off)."""
 
-        pipeline_settings, speculation = self.settings.pipeline, self.settings.pipeline.speculation
+        pipeline_settings = self.settings.pipeline
         if speculation.speculator != "model":
             return None, DraftPrices()
         stage = pipeline_settings.stage
