@@ -111,11 +111,12 @@ test-system: install test-tools
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -m system
 
 # The pure tier only (numpy / pure Python: no model file, no llama.cpp, no Ray):
-# about two minutes. A test's tier is its directory, tests/pure/, model/, ray/ or hosts/,
-# and tests/conftest.py gives it that marker (pyproject.toml); `make test` and
-# `make test-system` run every tier between them. `-m pure` over all of tests/ rather than `pytest tests/pure`: it
-# collects every file, so a test file outside the tier directories is refused
-# here too instead of running in no tier.
+# about two minutes. A test's tier is its directory, tests/pure/, model/, ray/
+# or hosts/, and tests/conftest.py gives it that marker (pyproject.toml);
+# `make test` and `make test-system` run every tier between them. `-m pure`
+# over all of tests/ rather than `pytest tests/pure`: it collects every file,
+# so a test file outside the tier directories is refused here too instead of
+# running in no tier.
 test-fast: install
 	$(BIN)/python -m pytest -m pure -q
 
